@@ -1,0 +1,70 @@
+"""``normatlas demo``: the taxonomy, then every preset checked against its torch / HF peer."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from .. import presets
+from ..spec import CastOrder
+from . import command
+from ._format import format_rows, format_table
+
+
+def _peers() -> list[tuple[str, Callable[[], nn.Module], Callable[[], nn.Module], tuple[int, ...]]]:
+    """(name, ours, peer, input shape): the peer is torch.nn or HF transformers."""
+    d, c = 257, 12
+    out: list[tuple[str, Callable[[], nn.Module], Callable[[], nn.Module], tuple[int, ...]]] = [
+        ("LayerNorm", lambda: presets.LayerNorm(d), lambda: nn.LayerNorm(d), (4, 33, d)),
+        ("RMSNorm", lambda: presets.RMSNorm(d), lambda: nn.RMSNorm(d), (4, 33, d)),
+        ("GroupNorm", lambda: presets.GroupNorm(3, c), lambda: nn.GroupNorm(3, c), (4, c, 9, 11)),
+        ("InstanceNorm2d", lambda: presets.InstanceNorm2d(c, affine=True),
+         lambda: nn.InstanceNorm2d(c, affine=True), (4, c, 9, 11)),
+    ]  # fmt: skip
+    try:
+        from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+        from transformers.models.llama.modeling_llama import LlamaRMSNorm
+    except ImportError:
+        return out
+    out += [
+        ("RMSNorm(cast before gain)", lambda: presets.RMSNorm(d, 1e-6, cast_order=CastOrder.BEFORE_GAIN),
+         lambda: LlamaRMSNorm(d, 1e-6), (4, 33, d)),
+        ("GemmaRMSNorm", lambda: presets.GemmaRMSNorm(d), lambda: GemmaRMSNorm(d), (4, 33, d)),
+    ]  # fmt: skip
+    return out
+
+
+def check_presets(dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16)) -> list[dict[str, Any]]:
+    """Run each preset and its peer on the same random input and weights; report the max error."""
+    rows = []
+    for name, ours_fn, peer_fn, shape in _peers():
+        for dtype in dtypes:
+            gen = torch.Generator().manual_seed(0)
+            ours, peer = ours_fn().to(dtype), peer_fn().to(dtype)
+            with torch.no_grad():
+                for p in peer.parameters():
+                    p.copy_(torch.randn(p.shape, generator=gen) * 0.5 + (0.0 if "Gemma" in name else 1.0))
+            ours.load_state_dict(peer.state_dict())
+            x = (torch.randn(shape, generator=gen) * 3 + 1).to(dtype)
+            a, b = ours(x), peer(x)
+            err = (a.double() - b.double()).abs().max().item()
+            rows.append({
+                "layer": name, "peer": f"{type(peer).__module__.split('.')[0]}.{type(peer).__name__}",
+                "dtype": str(dtype).removeprefix("torch."), "max |ours - peer|": f"{err:.2e}",
+                "bit-exact": "yes" if torch.equal(a, b) else "no",
+            })  # fmt: skip
+    return rows
+
+
+@command("demo", "the taxonomy table, then every preset checked against its torch / HF peer")
+def demo(args: argparse.Namespace) -> int:
+    from ..taxonomy import taxonomy_table
+
+    print(format_table(taxonomy_table(), "== the taxonomy: which axes you reduce names the layer =="))
+    print()
+    print(format_rows(check_presets(), "table", "== presets of one core against their peers (same weights) =="))
+    return 0

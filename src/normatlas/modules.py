@@ -1,0 +1,196 @@
+"""The one normalization module: parameters and running statistics around :func:`normalize`."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor, nn
+
+from .functional import normalize
+from .spec import Axis, Gain, GainConvention, NormSpec, Scale
+
+__all__ = ["Norm"]
+
+
+def _as_shape(shape: int | Sequence[int] | None, name: str) -> tuple[int, ...] | None:
+    if shape is None:
+        return None
+    if isinstance(shape, bool):
+        raise TypeError(f"{name}={shape!r} must be an int or a sequence of ints")
+    dims = (shape,) if isinstance(shape, int) else tuple(shape)
+    for d in dims:
+        if isinstance(d, bool) or not isinstance(d, int) or d < 1:
+            raise ValueError(f"{name}={shape!r} must hold positive integers")
+    return dims
+
+
+class Norm(nn.Module):
+    """Run any :class:`NormSpec`, holding its gain, bias and (optionally) running statistics.
+
+    Args:
+        spec: the normalization to compute.
+        shape: the feature shape: ``normalized_shape`` for a channels-last layout,
+            ``num_channels`` for a channels-first one. May be None only when the
+            layer holds no per-feature state (no affine and no running statistics).
+        track_running_stats: keep running estimates of the statistics (per feature)
+            and use them in eval mode, as torch's BatchNorm / InstanceNorm do.
+        momentum: update factor for the running estimates; None means a cumulative
+            average over all batches seen, as in torch.
+
+    ``forward(input, mask=None)``: ``mask`` is an optional boolean tensor broadcastable
+    to ``input``; statistics are computed over its True positions only.
+    """
+
+    def __init__(
+        self,
+        spec: NormSpec,
+        shape: int | Sequence[int] | None = None,
+        *,
+        track_running_stats: bool = False,
+        momentum: float | None = 0.1,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        if not isinstance(spec, NormSpec):
+            raise TypeError(f"spec must be a NormSpec, got {type(spec).__name__}")
+        self.spec = spec
+        self.shape = _as_shape(shape, "shape")
+        if self.shape is not None:
+            expected = spec.feature_ndim if spec.layout.channels_last else 1
+            if len(self.shape) != expected:
+                raise ValueError(
+                    f"shape={self.shape} has {len(self.shape)} dims; layout={spec.layout.value!r} "
+                    f"with feature_ndim={spec.feature_ndim} needs {expected}"
+                )
+            if spec.groups > 1 and self.shape[0] % spec.groups:
+                raise ValueError(f"num_groups={spec.groups} must divide num_channels={self.shape[0]}")
+        needs_shape = spec.gain is Gain.PER_FEATURE or spec.bias or track_running_stats
+        if needs_shape and self.shape is None:
+            raise ValueError("shape is required when the layer has per-feature parameters or running stats")
+        if momentum is not None and not (0.0 <= momentum <= 1.0):
+            raise ValueError(f"momentum={momentum!r} must lie in [0, 1] or be None")
+        if track_running_stats and (Axis.FEATURE in spec.reduce or spec.scale is not Scale.RMS):
+            raise ValueError(
+                "track_running_stats=True needs per-feature statistics (reduce without Axis.FEATURE) "
+                "and scale=Scale.RMS"
+            )
+        self.track_running_stats = track_running_stats
+        self.momentum = momentum
+        factory = {"device": device, "dtype": dtype}
+        fshape = self.shape or ()
+        self.weight: nn.Parameter | None = None
+        self.bias: nn.Parameter | None = None
+        if spec.gain is not Gain.NONE:
+            self.weight = nn.Parameter(torch.empty(() if spec.gain is Gain.SCALAR else fshape, **factory))
+        if spec.bias:
+            self.bias = nn.Parameter(torch.empty(fshape, **factory))
+        self.running_mean: Tensor | None
+        self.running_var: Tensor | None
+        self.num_batches_tracked: Tensor | None
+        if track_running_stats:
+            stats = {"device": device, "dtype": torch.float32}  # running statistics stay fp32
+            self.register_buffer("running_mean", torch.zeros(fshape, **stats) if spec.center else None)
+            self.register_buffer("running_var", torch.ones(fshape, **stats))
+            self.register_buffer("num_batches_tracked", torch.tensor(0, dtype=torch.long, device=device))
+        else:
+            self.register_buffer("running_mean", None)
+            self.register_buffer("running_var", None)
+            self.register_buffer("num_batches_tracked", None)
+        self.reset_parameters()
+
+    # torch.nn-compatible spellings of the spec fields
+    @property
+    def eps(self) -> float | None:
+        return self.spec.eps
+
+    @property
+    def normalized_shape(self) -> tuple[int, ...] | None:
+        return self.shape
+
+    @property
+    def elementwise_affine(self) -> bool:
+        return self.weight is not None or self.bias is not None
+
+    def reset_running_stats(self) -> None:
+        if self.running_var is not None:
+            self.running_var.fill_(1)
+        if self.running_mean is not None:
+            self.running_mean.zero_()
+        if self.num_batches_tracked is not None:
+            self.num_batches_tracked.zero_()
+
+    def reset_parameters(self) -> None:
+        """Gain at the identity (1, or 0 under the 1 + w convention), bias at 0."""
+        self.reset_running_stats()
+        if self.weight is not None:
+            with torch.no_grad():
+                if self.spec.gain_convention is GainConvention.ONE_PLUS_W:
+                    self.weight.zero_()
+                else:
+                    self.weight.fill_(1.0)
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
+
+    def _momentum(self) -> float:
+        if self.num_batches_tracked is not None and self.training:
+            self.num_batches_tracked.add_(1)
+            if self.momentum is None:
+                return 1.0 / float(self.num_batches_tracked)
+        return 0.0 if self.momentum is None else self.momentum
+
+    def _unbatched(self, input: Tensor) -> bool:
+        """True for a (C, ...) input to a layer whose layout has a fixed rank with a sample axis."""
+        ndim = self.spec.layout.ndim
+        return ndim is not None and input.dim() == ndim - 1
+
+    def forward(self, input: Tensor, mask: Tensor | None = None) -> Tensor:
+        unbatched = isinstance(input, Tensor) and self._unbatched(input)
+        if unbatched:
+            input = input.unsqueeze(0)
+            mask = mask.unsqueeze(0) if mask is not None and mask.dim() == input.dim() - 1 else mask
+        if self.shape is not None and isinstance(input, Tensor):
+            self._check_shape(input)
+        out = normalize(
+            input,
+            self.spec,
+            self.weight,
+            self.bias,
+            mask=mask,
+            running_mean=self.running_mean,
+            running_var=self.running_var,
+            training=self.training,
+            momentum=self._momentum() if self.running_var is not None else 0.1,
+        )
+        return out.squeeze(0) if unbatched else out
+
+    def _check_shape(self, input: Tensor) -> None:
+        assert self.shape is not None
+        if self.spec.layout.channels_last:
+            got = tuple(input.shape[input.dim() - len(self.shape) :])
+            where = "trailing dims"
+        else:
+            got = tuple(input.shape[1:2])
+            where = "channel dim (dim 1)"
+        if got != self.shape:
+            raise ValueError(
+                f"input of shape {tuple(input.shape)} has {where} {got}; this layer was built for {self.shape}"
+            )
+
+    def extra_repr(self) -> str:
+        s = self.spec
+        parts = [f"{self.shape}" if self.shape is not None else "shape=None", f"eps={s.eps}"]
+        parts.append(f"reduce={{{', '.join(sorted(a.value for a in s.reduce))}}}")
+        if s.groups > 1:
+            parts.append(f"groups={s.groups}")
+        parts.append(f"stat={s.statistic}")
+        if s.eps_placement.value != "inside_sqrt":
+            parts.append(f"eps_placement={s.eps_placement.value}")
+        parts.append(f"cast={s.cast_order.value}")
+        if s.gain_convention is GainConvention.ONE_PLUS_W:
+            parts.append("gain=1+w")
+        if self.track_running_stats:
+            parts.append(f"momentum={self.momentum}")
+        return ", ".join(parts)
+
