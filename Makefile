@@ -39,7 +39,6 @@ typecheck: setup-test
 	$(BIN)/mypy
 
 test: lint typecheck
-	$(BIN)/python -m pytest -q -m "not slow" -n auto 2>/dev/null --version >/dev/null; \
 	$(BIN)/python -m pytest -q -m "not slow"
 
 test-slow: setup-test

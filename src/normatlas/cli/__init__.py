@@ -1,24 +1,22 @@
 """The command line: a table from subcommand to a typed, importable Python function.
 
-Each command module registers itself with :func:`command`; add a module to
-``COMMAND_MODULES`` to add its subcommands. Modules import their heavy
-dependencies inside the command function, so ``normatlas --help`` stays fast.
+Each module in this package registers its subcommands with :func:`command`
+(every non-underscore module here is imported when the parser is built).
+Modules import their heavy dependencies inside the command function, so
+``normatlas --help`` stays fast.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import pkgutil
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 __all__ = ["Command", "COMMANDS", "command", "main", "CliError"]
 
-COMMAND_MODULES = (
-    "normatlas.cli.axes",
-    "normatlas.cli.demo",
-)
 
 
 class CliError(Exception):
@@ -51,8 +49,9 @@ def command(
 
 
 def build_parser() -> argparse.ArgumentParser:
-    for module in COMMAND_MODULES:
-        importlib.import_module(module)
+    for info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
+        if not info.name.startswith("_"):
+            importlib.import_module(f"{__name__}.{info.name}")
     parser = argparse.ArgumentParser(
         prog="normatlas", description="The geometry of normalization, as working software."
     )
