@@ -21,6 +21,7 @@ from __future__ import annotations
 import enum
 import math
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -103,7 +104,7 @@ class _PointwiseNorm(nn.Module):
         self.alpha_init = _check_float(alpha_init, "alpha_init", positive=True)
         self.channels_last = bool(channels_last)
         self.elementwise_affine = bool(elementwise_affine)
-        factory = {"device": device, "dtype": dtype}
+        factory: dict[str, Any] = {"device": device, "dtype": dtype}
         self.alpha = nn.Parameter(torch.empty((), **factory))
         self.weight = nn.Parameter(torch.empty(self.normalized_shape, **factory)) if elementwise_affine else None
         self.bias = nn.Parameter(torch.empty(self.normalized_shape, **factory)) if elementwise_affine and bias else None
@@ -204,7 +205,7 @@ def _describe(module: nn.Module) -> tuple[tuple[int, ...], bool, Tensor | None, 
         spec = module.spec
         if spec.reduce != frozenset({Axis.FEATURE}) or spec.groups != 1 or module.shape is None:
             return None
-        gain = module.weight
+        gain: Tensor | None = module.weight
         if gain is not None and gain.dim() == 0:
             return None  # ScaleNorm: a scalar gain on an L2 norm has no per-feature analogue here
         if gain is not None and spec.gain_convention is GainConvention.ONE_PLUS_W:
