@@ -1,0 +1,2 @@
+def available() -> bool:
+    return False
