@@ -24,7 +24,7 @@ from torch import Tensor
 
 from .spec import Axis, CastOrder, EpsPlacement, Gain, GainConvention, NormSpec, Scale
 
-__all__ = ["normalize", "resolve", "feature_shape", "compute_dtype", "Plan"]
+__all__ = ["Plan", "compute_dtype", "feature_shape", "normalize", "resolve"]
 
 _HALF = (torch.float16, torch.bfloat16)
 
@@ -51,14 +51,10 @@ def resolve(spec: NormSpec, shape: tuple[int, ...]) -> Plan:
     ndim = len(shape)
     layout = spec.layout
     if layout.ndim is not None and ndim != layout.ndim:
-        raise ValueError(
-            f"input of shape {tuple(shape)} has {ndim} dims; layout={layout.value!r} needs {layout.ndim}"
-        )
+        raise ValueError(f"input of shape {tuple(shape)} has {ndim} dims; layout={layout.value!r} needs {layout.ndim}")
     if layout.channels_last:
         if ndim < spec.feature_ndim:
-            raise ValueError(
-                f"input of shape {tuple(shape)} has fewer dims than feature_ndim={spec.feature_ndim}"
-            )
+            raise ValueError(f"input of shape {tuple(shape)} has fewer dims than feature_ndim={spec.feature_ndim}")
         feature = tuple(range(ndim - spec.feature_ndim, ndim))
         sample: tuple[int, ...] = (0,) if ndim > spec.feature_ndim else ()
         position = tuple(range(len(sample), feature[0]))
@@ -69,10 +65,7 @@ def resolve(spec: NormSpec, shape: tuple[int, ...]) -> Plan:
             )
         feature, sample, position = (1,), (0,), tuple(range(2, ndim))
     roles = {Axis.SAMPLE: sample, Axis.FEATURE: feature, Axis.POSITION: position}
-    if layout.channels_last:
-        param_view = tuple(shape[d] for d in feature)
-    else:
-        param_view = (shape[1],) + (1,) * (ndim - 2)
+    param_view = tuple(shape[d] for d in feature) if layout.channels_last else (shape[1],) + (1,) * (ndim - 2)
 
     view: tuple[int, ...] | None = None
     if spec.groups > 1:
@@ -80,7 +73,7 @@ def resolve(spec: NormSpec, shape: tuple[int, ...]) -> Plan:
         if c % spec.groups:
             raise ValueError(f"groups={spec.groups} must divide the number of channels, {c}")
         f = feature[0]
-        view = tuple(shape[:f]) + (spec.groups, c // spec.groups) + tuple(shape[f + 1 :])
+        view = (*tuple(shape[:f]), spec.groups, c // spec.groups, *tuple(shape[f + 1 :]))
         # the channel axis splits into (group, channel-in-group); dims after it shift by one
         shift = {d: (d + 1 if d > f else d) for d in range(ndim)}
         roles = {
@@ -164,9 +157,7 @@ def _check(
     if (running_mean is None) != (running_var is None) and spec.center:
         raise ValueError("running_mean and running_var must be given together for a centred spec")
     if running_var is not None and Axis.FEATURE in spec.reduce:
-        raise ValueError(
-            "running statistics are per feature; they need a spec that does not reduce over Axis.FEATURE"
-        )
+        raise ValueError("running statistics are per feature; they need a spec that does not reduce over Axis.FEATURE")
     if running_var is not None and spec.scale is not Scale.RMS:
         raise ValueError(f"running statistics need scale=Scale.RMS, got {spec.scale}")
 
@@ -222,7 +213,7 @@ def _native(
             return None
     eps = _resolved_eps(spec, compute_dtype(x.dtype, spec.cast_order))
     reduce = spec.reduce
-    if spec.layout.channels_last and reduce == {Axis.FEATURE}:
+    if spec.layout.channels_last and reduce == {Axis.FEATURE} and spec.groups == 1:
         return F.layer_norm(x, x.shape[x.ndim - spec.feature_ndim :], weight, bias, eps)
     if spec.layout.channels_last or x.numel() == 0:
         return None
@@ -329,9 +320,7 @@ def _update_running(
     fshape = running_var.shape
     running_var.mul_(1 - momentum).add_(var.mean(other).reshape(fshape).to(running_var.dtype), alpha=momentum)
     if spec.center and running_mean is not None and mean is not None:
-        running_mean.mul_(1 - momentum).add_(
-            mean.mean(other).reshape(fshape).to(running_mean.dtype), alpha=momentum
-        )
+        running_mean.mul_(1 - momentum).add_(mean.mean(other).reshape(fshape).to(running_mean.dtype), alpha=momentum)
 
 
 def _multiplier(weight: Tensor, spec: NormSpec, dtype: torch.dtype) -> Tensor:

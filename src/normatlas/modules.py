@@ -78,27 +78,39 @@ class Norm(nn.Module):
             )
         self.track_running_stats = track_running_stats
         self.momentum = momentum
-        factory = {"device": device, "dtype": dtype}
         fshape = self.shape or ()
         self.weight: nn.Parameter | None = None
         self.bias: nn.Parameter | None = None
         if spec.gain is not Gain.NONE:
-            self.weight = nn.Parameter(torch.empty(() if spec.gain is Gain.SCALAR else fshape, **factory))
+            self.weight = nn.Parameter(
+                torch.empty(() if spec.gain is Gain.SCALAR else fshape, device=device, dtype=dtype)
+            )
         if spec.bias:
-            self.bias = nn.Parameter(torch.empty(fshape, **factory))
+            self.bias = nn.Parameter(torch.empty(fshape, device=device, dtype=dtype))
         self.running_mean: Tensor | None
         self.running_var: Tensor | None
         self.num_batches_tracked: Tensor | None
         if track_running_stats:
-            stats = {"device": device, "dtype": torch.float32}  # running statistics stay fp32
-            self.register_buffer("running_mean", torch.zeros(fshape, **stats) if spec.center else None)
-            self.register_buffer("running_var", torch.ones(fshape, **stats))
+            fp32 = torch.float32  # running statistics stay fp32
+            self.register_buffer(
+                "running_mean", torch.zeros(fshape, device=device, dtype=fp32) if spec.center else None
+            )
+            self.register_buffer("running_var", torch.ones(fshape, device=device, dtype=fp32))
             self.register_buffer("num_batches_tracked", torch.tensor(0, dtype=torch.long, device=device))
         else:
             self.register_buffer("running_mean", None)
             self.register_buffer("running_var", None)
             self.register_buffer("num_batches_tracked", None)
         self.reset_parameters()
+
+    def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
+        """Like nn.Module._apply, but running statistics never drop below fp32 (``.half()``, ``.to(bf16)``)."""
+        super()._apply(fn, recurse)
+        for name in ("running_mean", "running_var"):
+            buf = getattr(self, name)
+            if buf is not None and buf.is_floating_point() and buf.dtype in (torch.float16, torch.bfloat16):
+                setattr(self, name, buf.float())
+        return self
 
     # torch.nn-compatible spellings of the spec fields
     @property
@@ -193,4 +205,3 @@ class Norm(nn.Module):
         if self.track_running_stats:
             parts.append(f"momentum={self.momentum}")
         return ", ".join(parts)
-

@@ -31,6 +31,7 @@ __all__ = [
 
 F_, P_, S_ = Axis.FEATURE, Axis.POSITION, Axis.SAMPLE
 Device = torch.device | str | None
+DType = torch.dtype | None
 
 
 def _shape(normalized_shape: int | Sequence[int]) -> tuple[int, ...]:
@@ -136,9 +137,13 @@ class GroupNorm(Norm):
         device: Device = None,
         dtype: torch.dtype | None = None,
     ) -> None:
-        if isinstance(num_groups, int) and isinstance(num_channels, int) and num_groups > 0:
-            if num_channels % num_groups:
-                raise ValueError(f"num_groups={num_groups} must divide num_channels={num_channels}")
+        if (
+            isinstance(num_groups, int)
+            and isinstance(num_channels, int)
+            and num_groups > 0
+            and num_channels % num_groups
+        ):
+            raise ValueError(f"num_groups={num_groups} must divide num_channels={num_channels}")
         spec = NormSpec(
             layout=Layout.NC_ANY, reduce=frozenset({F_, P_}), groups=num_groups, eps=eps,
             gain=_affine(affine), bias=affine,
@@ -178,7 +183,7 @@ class InstanceNorm1d(InstanceNorm):
     """``torch.nn.InstanceNorm1d``: input (N, C, L) or (C, L)."""
 
     def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1, affine: bool = False,
-                 track_running_stats: bool = False, device: Device = None, dtype: torch.dtype | None = None):  # fmt: skip
+                 track_running_stats: bool = False, device: Device = None, dtype: DType = None):  # fmt: skip
         super().__init__(num_features, eps, momentum, affine, track_running_stats, device, dtype, layout=Layout.NCL)
 
 
@@ -186,7 +191,7 @@ class InstanceNorm2d(InstanceNorm):
     """``torch.nn.InstanceNorm2d``: input (N, C, H, W) or (C, H, W)."""
 
     def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1, affine: bool = False,
-                 track_running_stats: bool = False, device: Device = None, dtype: torch.dtype | None = None):  # fmt: skip
+                 track_running_stats: bool = False, device: Device = None, dtype: DType = None):  # fmt: skip
         super().__init__(num_features, eps, momentum, affine, track_running_stats, device, dtype, layout=Layout.NCHW)
 
 
@@ -194,7 +199,7 @@ class InstanceNorm3d(InstanceNorm):
     """``torch.nn.InstanceNorm3d``: input (N, C, D, H, W) or (C, D, H, W)."""
 
     def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1, affine: bool = False,
-                 track_running_stats: bool = False, device: Device = None, dtype: torch.dtype | None = None):  # fmt: skip
+                 track_running_stats: bool = False, device: Device = None, dtype: DType = None):  # fmt: skip
         super().__init__(num_features, eps, momentum, affine, track_running_stats, device, dtype, layout=Layout.NCDHW)
 
 

@@ -72,9 +72,7 @@ class Layout(enum.Enum):
         return None if "..." in self.value else len(self.value)
 
 
-_CHANNELS_LAST = frozenset(
-    {Layout.N_ANY_C, Layout.BD, Layout.BTD, Layout.NLC, Layout.NHWC, Layout.NDHWC}
-)
+_CHANNELS_LAST = frozenset({Layout.N_ANY_C, Layout.BD, Layout.BTD, Layout.NLC, Layout.NHWC, Layout.NDHWC})
 
 
 class Scale(enum.Enum):
@@ -192,9 +190,7 @@ class NormSpec:
                 f"layout={self.layout.value!r} has a single channel axis at dim 1"
             )
         if self.layout.ndim is not None and self.feature_ndim >= self.layout.ndim:
-            raise ValueError(
-                f"feature_ndim={self.feature_ndim} leaves no sample axis in layout={self.layout.value!r}"
-            )
+            raise ValueError(f"feature_ndim={self.feature_ndim} leaves no sample axis in layout={self.layout.value!r}")
         if self.groups > 1 and Axis.FEATURE not in self.reduce:
             raise ValueError(f"groups={self.groups} needs Axis.FEATURE in reduce={_axes(self.reduce)}")
         if self.groups > 1 and self.feature_ndim != 1:

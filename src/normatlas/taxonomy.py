@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from .spec import Axis, Layout, NormSpec
 
-__all__ = ["Taxon", "classify", "taxonomy_table", "AXIS_LETTERS"]
+__all__ = ["AXIS_LETTERS", "Taxon", "classify", "taxonomy_table"]
 
 S, C, P = Axis.SAMPLE, Axis.FEATURE, Axis.POSITION
 

@@ -15,8 +15,7 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-__all__ = ["Command", "COMMANDS", "command", "main", "CliError"]
-
+__all__ = ["COMMANDS", "CliError", "Command", "command", "main"]
 
 
 class CliError(Exception):

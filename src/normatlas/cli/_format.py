@@ -7,7 +7,7 @@ import io
 import json
 from collections.abc import Mapping, Sequence
 
-__all__ = ["format_table", "format_rows"]
+__all__ = ["format_rows", "format_table"]
 
 
 def format_table(rows: Sequence[Mapping[str, object]], title: str | None = None) -> str:
@@ -17,10 +17,10 @@ def format_table(rows: Sequence[Mapping[str, object]], title: str | None = None)
     cols = list(rows[0].keys())
     cells = [[str(r.get(c, "")) for c in cols] for r in rows]
     widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(cols)]
-    line = "  ".join(c.ljust(w) for c, w in zip(cols, widths))
+    line = "  ".join(c.ljust(w) for c, w in zip(cols, widths, strict=True))
     out = [title] if title else []
     out += [line.rstrip(), "  ".join("-" * w for w in widths)]
-    out += ["  ".join(v.ljust(w) for v, w in zip(row, widths)).rstrip() for row in cells]
+    out += ["  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)).rstrip() for row in cells]
     return "\n".join(out)
 
 

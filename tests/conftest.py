@@ -1,0 +1,33 @@
+"""Shared test settings: seeded, deterministic, CPU."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+try:
+    from hypothesis import settings
+
+    settings.register_profile("normatlas", max_examples=40, deadline=None, derandomize=True)
+    settings.load_profile("normatlas")
+except ImportError:  # pragma: no cover
+    pass
+
+
+@pytest.fixture(autouse=True)
+def _seed() -> None:
+    torch.manual_seed(0)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
