@@ -129,16 +129,22 @@ class BatchNorm2d(BatchNorm):
     """``torch.nn.BatchNorm2d``: input (N, C, H, W)."""
 
     def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1, affine: bool = True,
-                 track_running_stats: bool = True, device: Device = None, dtype: torch.dtype | None = None):  # fmt: skip
-        super().__init__(num_features, eps, momentum, affine, track_running_stats, device, dtype, layout=Layout.NCHW)
+                 track_running_stats: bool = True, device: Device = None,
+                 dtype: torch.dtype | None = None):  # fmt: skip
+        super().__init__(
+            num_features, eps, momentum, affine, track_running_stats, device, dtype, layout=Layout.NCHW
+        )
 
 
 class BatchNorm3d(BatchNorm):
     """``torch.nn.BatchNorm3d``: input (N, C, D, H, W)."""
 
     def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1, affine: bool = True,
-                 track_running_stats: bool = True, device: Device = None, dtype: torch.dtype | None = None):  # fmt: skip
-        super().__init__(num_features, eps, momentum, affine, track_running_stats, device, dtype, layout=Layout.NCDHW)
+                 track_running_stats: bool = True, device: Device = None,
+                 dtype: torch.dtype | None = None):  # fmt: skip
+        super().__init__(
+            num_features, eps, momentum, affine, track_running_stats, device, dtype, layout=Layout.NCDHW
+        )
 
 
 class GhostBatchNorm(BatchNorm):
@@ -172,7 +178,7 @@ class GhostBatchNorm(BatchNorm):
             mask_chunks = (None,) * len(chunks)
         outs, means, vars_ = [], [], []
         tracking = self.running_var is not None
-        for chunk, m in zip(chunks, mask_chunks):
+        for chunk, m in zip(chunks, mask_chunks, strict=True):
             # momentum 1 turns scratch buffers into this chunk's (unbiased) statistics
             rm = torch.zeros(self.shape or (), dtype=torch.float32, device=input.device) if tracking else None
             rv = torch.ones(self.shape or (), dtype=torch.float32, device=input.device) if tracking else None
