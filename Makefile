@@ -11,7 +11,6 @@ PIP_INDEX ?= --index-url https://download.pytorch.org/whl/cpu --extra-index-url 
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip >/dev/null 2>&1 || true
 
 $(VENV)/.torch: $(BIN)/python
 	$(BIN)/pip install -q "$(TORCH_SPEC)" || $(BIN)/pip install -q $(PIP_INDEX) "$(TORCH_SPEC)"
