@@ -1,0 +1,95 @@
+"""Inspect any model's normalization design from its executed dataflow.
+
+``inspect_model(model, example_inputs)`` records the dataflow of one forward pass
+(:mod:`.trace`), finds every normalization by its arithmetic (:mod:`.norms`),
+places each relative to the residual adds and attention (:mod:`.analyze`), and
+cross-checks module-wrapped norms with a perturbation probe (:mod:`.probe`).
+Nothing is inferred from parameter or class names.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from torch import nn
+
+from .report import (
+    AttentionInfo,
+    InspectionReport,
+    NormInfo,
+    Operator,
+    Placement,
+    QKNorm,
+    RopeOrder,
+    SublayerInfo,
+)
+
+__all__ = [
+    "AttentionInfo",
+    "InspectionReport",
+    "NormInfo",
+    "Operator",
+    "Placement",
+    "QKNorm",
+    "RopeOrder",
+    "SublayerInfo",
+    "UntraceableModel",
+    "inspect",
+    "inspect_model",
+    "inspect_target",
+]
+
+
+class UntraceableModel(ValueError):
+    """The model could not be run on the example inputs, so no dataflow could be recorded."""
+
+
+def inspect_model(model: nn.Module, example_inputs: Any = None, *, name: str | None = None,
+                  probe: bool = True) -> InspectionReport:
+    """Report ``model``'s normalization design, derived from one recorded forward pass.
+
+    ``example_inputs`` is a tensor, a tuple of positional inputs or a dict of keyword
+    inputs; for a transformers model it defaults to a short ``input_ids`` batch.
+    When the dataflow cannot be recorded, a hook-based probe of every module still
+    classifies the norm operators (placement is then ``unknown``).
+    """
+    from .analyze import analyze
+    from .build import example_inputs as default_inputs
+    from .probe import check_sites, probe_report
+    from .trace import record
+
+    t0 = time.perf_counter()
+    if example_inputs is None:
+        if not hasattr(model, "config"):
+            raise ValueError("example_inputs is required for a model without a transformers config")
+        example_inputs = default_inputs(model)
+    label = name or type(model).__name__
+    model = model.eval()
+    try:
+        graph = record(model, example_inputs)
+    except Exception as exc:
+        try:
+            report = probe_report(model, example_inputs, label)
+        except Exception:
+            raise UntraceableModel(f"cannot run {label} on the example inputs: {type(exc).__name__}: "
+                                   f"{str(exc).splitlines()[0] if str(exc) else ''}") from exc
+        report.notes.append(f"dataflow recording failed ({type(exc).__name__}); probe-only report")
+        report.seconds = time.perf_counter() - t0
+        return report
+    report = analyze(graph, label)
+    if probe:
+        check_sites(model, graph, report)
+    report.seconds = time.perf_counter() - t0
+    return report
+
+
+inspect = inspect_model
+
+
+def inspect_target(target: str, *, seed: int = 0, probe: bool = True) -> InspectionReport:
+    """Build a CLI TARGET (model type, checkpoint folder, ``module:factory``) and inspect it."""
+    from .build import build_target
+
+    model, inputs, label = build_target(target, seed=seed)
+    return inspect_model(model, inputs, name=label, probe=probe)

@@ -1,0 +1,144 @@
+"""Turn a TARGET into (model, example inputs): a transformers model type built tiny
+from its config class (offline, random weights), a local checkpoint folder
+(config.json + safetensors), or ``module.path:factory``."""
+
+from __future__ import annotations
+
+import importlib
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["TINY", "build_target", "tiny_config", "example_inputs"]
+
+# Shrunk sizes (litgpt-style: keep the architecture, shrink the widths). Originals are
+# thousands wide and tens of layers deep; each key is set only where the config has it.
+TINY: dict[str, Any] = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "vocab_size": 128,
+    "max_position_embeddings": 64,
+    "n_positions": 64,
+    "n_inner": 128,
+    "ffn_dim": 128,
+    "moe_intermediate_size": 32,
+    "shared_expert_intermediate_size": 32,
+    "num_experts": 4,
+    "num_local_experts": 4,
+    "n_routed_experts": 4,
+    "num_experts_per_tok": 2,
+    "kv_lora_rank": 16,
+    "q_lora_rank": 16,
+    "qk_rope_head_dim": 8,
+    "qk_nope_head_dim": 8,
+    "v_head_dim": 16,
+    "sliding_window": 16,
+    "first_k_dense_replace": 1,
+}
+
+
+def tiny_config(model_type: str, **overrides: Any) -> Any:
+    """The config class of ``model_type`` with its defaults, shrunk (offline, no download)."""
+    from transformers import AutoConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    if model_type not in CONFIG_MAPPING:
+        raise ValueError(f"unknown model type {model_type!r}: not a transformers model type, a folder or module:factory")
+    cfg = AutoConfig.for_model(model_type)
+    text = getattr(cfg, "text_config", None)
+    for c in [cfg] + ([text] if text is not None and text is not cfg else []):
+        for key, val in {**TINY, **overrides}.items():
+            if key in c.to_dict() or key in getattr(c, "attribute_map", {}):
+                try:
+                    setattr(c, key, val)
+                except Exception:
+                    pass
+        if hasattr(c, "layer_types") and isinstance(c.layer_types, list):
+            n = getattr(c, "num_hidden_layers", len(c.layer_types))
+            c.layer_types = (c.layer_types * n)[:n]
+    cfg._attn_implementation = "eager"
+    return cfg
+
+
+def _model_from_config(cfg: Any) -> nn.Module:
+    from transformers import AutoModel, AutoModelForCausalLM
+
+    try:
+        model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
+    except (ValueError, KeyError):
+        model = AutoModel.from_config(cfg, attn_implementation="eager")
+    return model.eval()
+
+
+def example_inputs(model: nn.Module, seq: int = 8, seed: int = 0) -> dict[str, torch.Tensor]:
+    """A token batch ``{"input_ids": (1, seq)}`` valid for the model's vocabulary."""
+    cfg = getattr(model, "config", None)
+    vocab = getattr(cfg, "vocab_size", None) or getattr(getattr(cfg, "text_config", None), "vocab_size", 128)
+    gen = torch.Generator().manual_seed(seed)
+    return {"input_ids": torch.randint(3, max(4, min(int(vocab), 1000)), (1, seq), generator=gen)}
+
+
+def build_target(target: str, seed: int = 0) -> tuple[nn.Module, Any, str]:
+    """(model, example inputs, display name) for a CLI TARGET."""
+    torch.manual_seed(seed)
+    path = Path(target)
+    if path.is_dir():
+        cfg_file = path / "config.json"
+        if not cfg_file.is_file():
+            raise FileNotFoundError(f"{target}: folder has no config.json (need config.json + *.safetensors)")
+        from transformers import AutoConfig
+
+        cfg = AutoConfig.from_pretrained(str(path))
+        cfg._attn_implementation = "eager"
+        model = _model_from_config(cfg)
+        files = sorted(path.glob("*.safetensors"))
+        if files:
+            from safetensors.torch import load_file
+
+            state: dict[str, torch.Tensor] = {}
+            for f in files:
+                state.update(load_file(str(f)))
+            own = model.state_dict()
+            prefix = getattr(model, "base_model_prefix", "")
+            remapped = {}
+            for k, v in state.items():
+                key = k if k in own else f"{prefix}.{k}" if f"{prefix}.{k}" in own else k.split(".", 1)[-1]
+                if key in own and own[key].shape == v.shape:
+                    remapped[key] = v
+            if not remapped:
+                raise ValueError(f"{target}: no tensor in the safetensors files matches the {cfg.model_type} model")
+            model.load_state_dict(remapped, strict=False)
+        return model.eval(), example_inputs(model, seed=seed), f"{cfg.model_type} ({path.name})"
+    if ":" in target and not path.exists():
+        mod_name, _, attr = target.partition(":")
+        try:
+            factory = getattr(importlib.import_module(mod_name), attr)
+        except (ImportError, AttributeError) as exc:
+            raise ValueError(f"cannot import {target!r}: {exc}") from exc
+        built = factory()
+        model, inputs = built if isinstance(built, tuple) else (built, None)
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"{target} returned {type(model).__name__}, expected an nn.Module or (module, inputs)")
+        if inputs is None:
+            if hasattr(model, "example_inputs"):
+                inputs = model.example_inputs()
+            elif hasattr(model, "config"):
+                inputs = example_inputs(model, seed=seed)
+            else:
+                raise ValueError(f"{target}: return (module, example_inputs) or give the module example_inputs()")
+        return model.eval(), inputs, target
+    if path.exists():
+        raise FileNotFoundError(f"{target}: not a folder (need a checkpoint folder with config.json)")
+    cfg = tiny_config(target)
+    return _model_from_config(cfg), None, target
+
+
+def load_config_json(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text())

@@ -1,0 +1,284 @@
+"""Find normalization sites in a recorded graph by their arithmetic, never by names.
+
+Method. A site is recognised either as a fused call (``layer_norm``, ``rms_norm``,
+``group_norm``, ``normalize``) or as the four-line pattern every norm shares
+(essay §02): a reduction over the last axis of ``x`` or of ``x - mean(x)``
+(``mean(x**2)``, ``var``, ``sum(x**2)``, ``norm``), a chain of scalar-shaped
+ops on that statistic (``+ eps``, ``sqrt``/``rsqrt``/``pow(-0.5)``, ``clamp``),
+and one full-shape ``mul``/``div`` that applies it to ``x``. From the pattern:
+
+* operator: centred + RMS statistic = LayerNorm, uncentred = RMSNorm, sum of
+  squares / ``norm`` = L2 normalization;
+* eps and its placement: the constant added before the root (inside), after it
+  (outside), or a clamp;
+* the affine map, read forwards from the normalized tensor: a multiply by a
+  parameter (gain ``w``) or by ``param + 1`` (gain ``1+w``), an added parameter
+  (bias), casts before or after the gain (cast order), scalar multiplies
+  (output scaling, e.g. LayerNorm Scaling's 1/sqrt(layer)).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..spec import CastOrder, EpsPlacement, GainConvention
+from .report import Operator
+from .trace import Graph, Node, Ref
+
+__all__ = ["Site", "find_sites", "strip", "scalar_of", "CASTS", "SHAPES"]
+
+CASTS = frozenset({"to", "float", "half", "bfloat16", "double", "type", "type_as", "contiguous", "clone", "detach"})
+SHAPES = frozenset(
+    {"view", "reshape", "transpose", "permute", "unsqueeze", "squeeze", "flatten", "unflatten", "expand",
+     "expand_as", "get_T", "get_mT", "view_as", "movedim", "swapaxes", "dropout", "identity"}
+)
+_REDUCE = frozenset({"mean", "sum", "var", "std", "var_mean", "std_mean", "norm", "vector_norm"})
+_SCALAR_CHAIN = frozenset(
+    {"add", "sqrt", "rsqrt", "pow", "reciprocal", "div", "rdiv", "mul", "clamp", "clamp_min", "max", "maximum",
+     "item_of"} | CASTS
+)
+_ROOTS = frozenset({"sqrt", "rsqrt", "reciprocal"})
+
+
+@dataclass
+class Site:
+    """One normalization found in the graph."""
+
+    node: int  # the node producing the normalized tensor (before the affine map)
+    input: int  # the normalized tensor's source, casts stripped
+    output: int  # the last node of the affine map
+    operator: Operator
+    size: int
+    eps: float | None
+    eps_placement: EpsPlacement | None
+    gain: bool
+    gain_convention: GainConvention | None
+    bias: bool
+    cast_order: CastOrder | None
+    output_scale: float = 1.0
+    fused: bool = False
+    module: str = ""
+    role: str = "other"
+    probe: dict[str, object] = field(default_factory=dict)
+
+
+def strip(g: Graph, idx: int, ops: frozenset[str] = CASTS) -> int:
+    """Follow ``idx`` back through value-preserving ops (casts; optionally shape ops)."""
+    while True:
+        n = g.nodes[idx]
+        if n.op in ops and n.inputs:
+            first = n.args[0] if n.args else None
+            idx = first.idx if isinstance(first, Ref) else n.inputs[0]
+        else:
+            return idx
+
+
+def scalar_of(g: Graph, arg: object) -> float | None:
+    """The float value of a Python number or a one-element non-parameter tensor argument."""
+    if isinstance(arg, bool):
+        return None
+    if isinstance(arg, (int, float)):
+        return float(arg)
+    if isinstance(arg, Ref):
+        n = g.nodes[strip(g, arg.idx)]
+        if n.op != "param":
+            return n.scalar
+    return None
+
+
+def _tensor_args(n: Node) -> list[int]:
+    return [a.idx for a in n.args if isinstance(a, Ref)]
+
+
+def _reduces_last(n: Node, g: Graph) -> bool:
+    dim = n.kwargs.get("dim", n.args[1] if len(n.args) > 1 else None)
+    if n.op in ("norm", "vector_norm"):
+        dim = n.kwargs.get("dim", n.args[2] if len(n.args) > 2 else None)
+    src = g.nodes[n.inputs[0]] if n.inputs else None
+    if src is None or src.shape is None or not src.shape:
+        return False
+    nd = len(src.shape)
+    dims = dim if isinstance(dim, (list, tuple)) else [dim]
+    return len(dims) == 1 and isinstance(dims[0], int) and dims[0] % nd == nd - 1 and src.shape[-1] > 1
+
+
+def _is_square(g: Graph, n: Node) -> int | None:
+    """If ``n`` is x**2 / x*x / square(x), the index of x."""
+    if n.op == "pow" and len(n.args) > 1 and n.args[1] == 2:
+        return n.inputs[0]
+    if n.op == "square" and n.inputs:
+        return n.inputs[0]
+    if n.op == "mul" and len(n.inputs) == 2 and n.inputs[0] == n.inputs[1]:
+        return n.inputs[0]
+    return None
+
+
+def _centred(g: Graph, z: int) -> int | None:
+    """If ``z`` is ``x - mean(x, -1)``, the index of x."""
+    n = g.nodes[strip(g, z)]
+    if n.op != "sub" or len(n.inputs) != 2:
+        return None
+    x, m = (strip(g, i) for i in n.inputs)
+    mn = g.nodes[m]
+    if mn.op == "mean" and mn.inputs and strip(g, mn.inputs[0]) == x and _reduces_last(mn, g):
+        return x
+    return None
+
+
+def _affine(g: Graph, site: Site, start: int) -> None:
+    """Read the affine map forwards from the normalized tensor ``start``; fill the site's fields."""
+    cur, casts_before_gain, casts_after_gain = start, 0, 0
+    while True:
+        users = g.users(cur)
+        if len(users) != 1:
+            break
+        u = users[0]
+        others = [i for i in u.inputs if i != cur]
+        if u.op in CASTS and u.inputs and u.inputs[0] == cur:
+            if site.gain:
+                casts_after_gain += 1
+            else:
+                casts_before_gain += 1
+        elif u.op == "mul" and len(others) == 1 and not site.gain and not site.bias:
+            o = g.nodes[strip(g, others[0])]
+            conv = _gain_param(g, o)
+            if conv is None:
+                val = scalar_of(g, Ref(others[0]))
+                if val is None:
+                    break
+                site.output_scale *= val
+            else:
+                site.gain, site.gain_convention = True, conv
+        elif u.op == "mul" and not others and len(u.args) > 1 and scalar_of(g, u.args[1]) is not None:
+            site.output_scale *= scalar_of(g, u.args[1]) or 1.0
+        elif u.op == "add" and len(others) == 1 and g.nodes[strip(g, others[0])].op == "param" and not site.bias:
+            site.bias = True
+        else:
+            break
+        cur = u.idx
+    site.output = cur
+    if site.gain and (casts_before_gain or casts_after_gain):
+        site.cast_order = CastOrder.AFTER_GAIN if casts_after_gain else CastOrder.BEFORE_GAIN
+
+
+def _gain_param(g: Graph, o: Node) -> GainConvention | None:
+    """``w`` for a parameter, ``1+w`` for ``param + 1`` (either order); None otherwise."""
+    if o.op == "param" and o.shape and max(o.shape) > 1:
+        return GainConvention.W
+    if o.op == "add":
+        ts = [strip(g, i) for i in o.inputs]
+        consts = [a for a in o.args if isinstance(a, (int, float)) and not isinstance(a, bool)]
+        consts += [v for i in o.inputs if (v := g.nodes[strip(g, i)].scalar) is not None]
+        params = [i for i in ts if g.nodes[i].op == "param"]
+        if params and consts and abs(consts[0] - 1.0) < 1e-12:
+            return GainConvention.ONE_PLUS_W
+    return None
+
+
+def _fused(g: Graph, n: Node) -> Site | None:
+    a = n.args
+
+    def arg(i: int, name: str) -> object:
+        return n.kwargs.get(name, a[i] if len(a) > i else None)
+
+    if n.op not in ("layer_norm", "rms_norm", "group_norm", "normalize") or not n.inputs or n.shape is None:
+        return None
+    x = strip(g, n.inputs[0])
+    if n.op == "normalize":
+        site = Site(n.idx, x, n.idx, Operator.L2, n.shape[-1], float(arg(3, "eps") or 1e-12),  # type: ignore[arg-type]
+                    EpsPlacement.CLAMP, False, None, False, None, fused=True)
+    else:
+        op = {"layer_norm": Operator.LAYERNORM, "rms_norm": Operator.RMSNORM, "group_norm": Operator.GROUPNORM}[n.op]
+        w_i, b_i, e_i = (2, 3, 4) if n.op == "layer_norm" else (2, None, 3) if n.op == "rms_norm" else (2, 3, 4)
+        if n.op == "group_norm":
+            w_i, b_i, e_i = 2, 3, 4
+        w, b = arg(w_i, "weight"), (arg(b_i, "bias") if b_i is not None else None)
+        eps = arg(e_i, "eps")
+        if eps is None:
+            eps = 1e-5 if n.op != "rms_norm" else None  # rms_norm's default: finfo(dtype).eps
+        conv = _gain_param(g, g.nodes[strip(g, w.idx)]) if isinstance(w, Ref) else None
+        if isinstance(w, Ref) and conv is None:
+            conv = GainConvention.W
+        site = Site(n.idx, x, n.idx, op, n.shape[-1] if n.op != "group_norm" else n.shape[1],
+                    float(eps) if eps is not None else None, EpsPlacement.INSIDE_SQRT,  # type: ignore[arg-type]
+                    isinstance(w, Ref), conv, isinstance(b, Ref), None, fused=True)
+        if op is Operator.LAYERNORM and not site.gain and not site.bias:
+            site.operator = Operator.LAYERNORM_NONPARAM
+    site.module = n.module
+    gain_before = site.gain
+    _affine(g, site, n.idx)
+    if gain_before:
+        site.cast_order = None  # gain applied inside the fused kernel
+    return site
+
+
+def _pattern(g: Graph, s: Node) -> Site | None:
+    """A reduction node ``s`` that starts the unfused pattern, completed to a Site."""
+    if s.op not in _REDUCE or not s.inputs or not _reduces_last(s, g):
+        return None
+    q = g.nodes[strip(g, s.inputs[0])]
+    if s.op in ("var", "std", "var_mean", "std_mean"):
+        z, centred, l2 = q.idx, True, False
+    elif s.op in ("norm", "vector_norm"):
+        z, centred, l2 = q.idx, False, True
+    else:
+        sq = _is_square(g, q)
+        if sq is None:
+            return None
+        z, centred, l2 = sq, False, s.op == "sum"
+    x = _centred(g, z)
+    if x is not None:
+        centred = True
+    else:
+        x = strip(g, z)
+    # scalar chain forwards to the full-shape combine
+    full = g.nodes[x].shape
+    frontier, seen, chain = [s.idx], set(), []
+    combine = None
+    while frontier and combine is None:
+        cur = frontier.pop(0)
+        for u in g.users(cur):
+            if u.idx in seen:
+                continue
+            seen.add(u.idx)
+            if u.shape == full and u.op in ("mul", "div"):
+                other = [strip(g, i) for i in u.inputs if i != cur]
+                if other and (other[0] == x or other[0] == strip(g, z) or _centred(g, other[0]) == x):
+                    combine = u
+                    break
+            elif u.op in _SCALAR_CHAIN and u.shape is not None and (not u.shape or u.shape[-1] == 1):
+                chain.append(u)
+                frontier.append(u.idx)
+    if combine is None or full is None:
+        return None
+    eps, placement, rooted = None, None, s.op in ("std", "norm", "vector_norm", "std_mean")
+    for c in sorted(chain, key=lambda n: n.idx):
+        if c.op in _ROOTS or (c.op == "pow" and len(c.args) > 1 and c.args[1] in (0.5, -0.5)):
+            rooted = True
+        consts = [v for a in c.args[1:] if (v := scalar_of(g, a)) is not None] + [
+            v for k, a in c.kwargs.items() if k in ("min", "other", "alpha") and (v := scalar_of(g, a)) is not None
+        ]
+        if c.op == "add" and consts and eps is None:
+            eps, placement = consts[0], EpsPlacement.OUTSIDE_SQRT if rooted else EpsPlacement.INSIDE_SQRT
+        elif c.op in ("clamp", "clamp_min", "max", "maximum") and consts and eps is None:
+            eps, placement = consts[0], EpsPlacement.CLAMP
+    if l2:
+        op = Operator.OTHER if centred else Operator.L2
+    else:
+        op = Operator.LAYERNORM if centred else Operator.RMSNORM
+    site = Site(combine.idx, x, combine.idx, op, full[-1], eps, placement, False, None, False, None,
+                module=combine.module)
+    _affine(g, site, combine.idx)
+    if op is Operator.LAYERNORM and not site.gain and not site.bias:
+        site.operator = Operator.LAYERNORM_NONPARAM
+    return site
+
+
+def find_sites(g: Graph) -> list[Site]:
+    """Every normalization site in ``g``, in execution order (one per normalized tensor)."""
+    sites: dict[int, Site] = {}
+    for n in g.nodes:
+        site = _fused(g, n) or _pattern(g, n)
+        if site is not None and site.node not in sites:
+            sites[site.node] = site
+    return sorted(sites.values(), key=lambda s: s.node)
