@@ -17,6 +17,7 @@ from .batchnorm import (
     batch_moments,
     batch_norm_spec,
 )
+from .convert import BatchNormTarget, convert_batchnorm
 from .pointwise import Derf, DyT, Pointwise, convert_norms_to_pointwise, derf, dyt
 from .powernorm import PowerNorm, power_norm
 from .syncbn import SyncBatchNorm, merge_moments
@@ -28,6 +29,7 @@ __all__ = [
     "BatchNorm1d",
     "BatchNorm2d",
     "BatchNorm3d",
+    "BatchNormTarget",
     "BatchRenorm",
     "Change",
     "ConversionReport",
@@ -41,6 +43,7 @@ __all__ = [
     "SyncBatchNorm",
     "batch_moments",
     "batch_norm_spec",
+    "convert_batchnorm",
     "convert_norms_to_pointwise",
     "derf",
     "dyt",

@@ -131,9 +131,7 @@ class BatchNorm2d(BatchNorm):
     def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1, affine: bool = True,
                  track_running_stats: bool = True, device: Device = None,
                  dtype: torch.dtype | None = None):  # fmt: skip
-        super().__init__(
-            num_features, eps, momentum, affine, track_running_stats, device, dtype, layout=Layout.NCHW
-        )
+        super().__init__(num_features, eps, momentum, affine, track_running_stats, device, dtype, layout=Layout.NCHW)
 
 
 class BatchNorm3d(BatchNorm):
@@ -142,9 +140,7 @@ class BatchNorm3d(BatchNorm):
     def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1, affine: bool = True,
                  track_running_stats: bool = True, device: Device = None,
                  dtype: torch.dtype | None = None):  # fmt: skip
-        super().__init__(
-            num_features, eps, momentum, affine, track_running_stats, device, dtype, layout=Layout.NCDHW
-        )
+        super().__init__(num_features, eps, momentum, affine, track_running_stats, device, dtype, layout=Layout.NCDHW)
 
 
 class GhostBatchNorm(BatchNorm):

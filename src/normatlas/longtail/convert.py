@@ -1,0 +1,193 @@
+"""Model surgery for batch statistics: swap every BatchNorm flavour for Frozen, Group, Sync or Ghost.
+
+Essay failure modes 3 (train/eval mismatch: freeze) and 5 (per-device statistics: sync), and
+the advice for hybrid VLM towers ("freeze them, or convert to GroupNorm before you fine-tune").
+
+Recognised sources: ``torch.nn.BatchNorm1d/2d/3d`` and ``torch.nn.SyncBatchNorm``, every normatlas
+:class:`~normatlas.Norm` whose spec reduces over exactly (samples, positions) (our
+:class:`BatchNorm` and its subclasses), and :class:`FrozenBatchNorm`. What is kept:
+
+=========  ==========================================================================
+target     kept
+=========  ==========================================================================
+FROZEN     running_mean, running_var, weight, bias (output = eval-mode BatchNorm)
+GROUP      weight, bias (per-channel affine has the same meaning); running stats dropped
+SYNC       running_mean, running_var, num_batches_tracked, weight, bias, momentum
+GHOST      as SYNC
+=========  ==========================================================================
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from ..modules import Norm
+from ..presets import GroupNorm
+from ..spec import Axis, Gain, Layout, NormSpec
+from ._report import Change, ConversionReport, set_submodule
+from .batchnorm import BatchNorm, FrozenBatchNorm, GhostBatchNorm
+from .syncbn import SyncBatchNorm
+
+__all__ = ["BatchNormTarget", "convert_batchnorm"]
+
+_BATCH_AXES = frozenset({Axis.SAMPLE, Axis.POSITION})
+
+
+class BatchNormTarget(enum.Enum):
+    """What :func:`convert_batchnorm` turns every BatchNorm into."""
+
+    FROZEN = "frozen"
+    GROUP = "group"
+    SYNC = "sync"
+    GHOST = "ghost"
+
+
+@dataclass
+class _BN:
+    """The state of a BatchNorm flavour, independent of its class."""
+
+    num_features: int
+    eps: float
+    momentum: float | None
+    layout: Layout
+    weight: Tensor | None
+    bias: Tensor | None
+    running_mean: Tensor | None
+    running_var: Tensor | None
+    num_batches_tracked: Tensor | None
+    frozen: bool
+    factory: dict[str, Any]
+
+
+def _read(module: nn.Module) -> _BN | None:
+    if isinstance(module, FrozenBatchNorm):
+        return _BN(module.num_features, module.eps, 0.1, module.spec.layout, module.weight, module.bias,
+                   module.running_mean, module.running_var, None, True,
+                   {"device": module.weight.device, "dtype": torch.float32})  # fmt: skip
+    if isinstance(module, nn.modules.batchnorm._BatchNorm):
+        ref = module.weight if module.weight is not None else module.running_var
+        factory = {"device": ref.device, "dtype": ref.dtype} if ref is not None else {}
+        return _BN(module.num_features, module.eps, module.momentum, Layout.NC_ANY, module.weight, module.bias,
+                   module.running_mean, module.running_var, module.num_batches_tracked, False, factory)  # fmt: skip
+    if isinstance(module, Norm) and module.spec.reduce == _BATCH_AXES and module.shape is not None:
+        ref = module.weight if module.weight is not None else module.running_var
+        factory = {"device": ref.device, "dtype": ref.dtype} if ref is not None else {}
+        return _BN(module.shape[0], float(module.spec.eps or 1e-5), module.momentum, module.spec.layout,
+                   module.weight, module.bias, module.running_mean, module.running_var,
+                   module.num_batches_tracked, False, factory)  # fmt: skip
+    return None
+
+
+def _copy(dst: Tensor | None, src: Tensor | None, name: str, kept: list[str]) -> None:
+    if dst is not None and src is not None:
+        with torch.no_grad():
+            dst.copy_(src)
+        kept.append(name)
+
+
+def _group_count(channels: int, wanted: int) -> int:
+    """The largest divisor of ``channels`` that is <= ``wanted``."""
+    return max(d for d in range(1, min(channels, wanted) + 1) if channels % d == 0)
+
+
+def _build(bn: _BN, to: BatchNormTarget, num_groups: int, vbs: int, group: Any) -> tuple[nn.Module, list[str], str]:
+    kept: list[str] = []
+    note = ""
+    affine = bn.weight is not None
+    if to is BatchNormTarget.FROZEN:
+        if bn.running_var is None:
+            raise ValueError("cannot freeze a BatchNorm without running statistics (track_running_stats=False)")
+        frozen = FrozenBatchNorm(bn.num_features, bn.eps, device=bn.factory.get("device"), layout=bn.layout)
+        for name in ("running_mean", "running_var", "weight", "bias"):
+            _copy(getattr(frozen, name), getattr(bn, name), name, kept)
+        return frozen, kept, note
+    if to is BatchNormTarget.GROUP:
+        g = _group_count(bn.num_features, num_groups)
+        if g != num_groups:
+            note = f"num_groups={num_groups} does not divide {bn.num_features} channels; used {g}. "
+        new: nn.Module
+        if bn.layout.channels_last:
+            spec = NormSpec(layout=bn.layout, reduce=frozenset({Axis.FEATURE, Axis.POSITION}), groups=g, eps=bn.eps,
+                            bias=affine, gain=Gain.PER_FEATURE if affine else Gain.NONE)  # fmt: skip
+            new = Norm(spec, bn.num_features, **bn.factory)
+        else:
+            new = GroupNorm(g, bn.num_features, bn.eps, affine, **bn.factory)
+        _copy(getattr(new, "weight", None), bn.weight, "weight", kept)
+        _copy(getattr(new, "bias", None), bn.bias, "bias", kept)
+        note += "running statistics dropped (GroupNorm is per sample)"
+        return new, kept, note
+    track = bn.running_var is not None
+    common: dict[str, Any] = {"eps": bn.eps, "momentum": bn.momentum, "affine": affine,
+                              "track_running_stats": track, "layout": bn.layout, **bn.factory}  # fmt: skip
+    new_bn: BatchNorm
+    if to is BatchNormTarget.SYNC:
+        new_bn = SyncBatchNorm(bn.num_features, process_group=group, **common)
+    else:
+        new_bn = GhostBatchNorm(bn.num_features, vbs, **common)
+    for name in ("running_mean", "running_var", "num_batches_tracked", "weight", "bias"):
+        _copy(getattr(new_bn, name), getattr(bn, name), name, kept)
+    if bn.frozen:
+        note = "was frozen: statistics update and the affine trains again"
+    return new_bn, kept, note
+
+
+_TARGET_TYPES: dict[BatchNormTarget, type[nn.Module]] = {
+    BatchNormTarget.FROZEN: FrozenBatchNorm,
+    BatchNormTarget.SYNC: SyncBatchNorm,
+    BatchNormTarget.GHOST: GhostBatchNorm,
+}
+
+
+def convert_batchnorm(
+    model: nn.Module,
+    to: BatchNormTarget,
+    *,
+    num_groups: int = 32,
+    virtual_batch_size: int = 32,
+    process_group: Any = None,
+    include: Callable[[str, nn.Module], bool] | None = None,
+) -> ConversionReport:
+    """Replace, in place, every BatchNorm flavour in ``model`` by ``to``; return what changed.
+
+    Args:
+        model: any ``nn.Module`` (the root itself is not replaced).
+        to: the target flavour.
+        num_groups: for ``GROUP``; when it does not divide the channel count, the largest
+            divisor of the channel count below it is used and the report says so.
+        virtual_batch_size: for ``GHOST``.
+        process_group: for ``SYNC`` (None = the default group).
+        include: optional filter ``(path, module) -> bool``.
+
+    Modules already of the target type are left alone. Train/eval mode is preserved.
+    """
+    if not isinstance(to, BatchNormTarget):
+        members = ", ".join(f"BatchNormTarget.{m.name}" for m in BatchNormTarget)
+        raise TypeError(f"to={to!r} must be a BatchNormTarget ({members})")
+    if isinstance(num_groups, bool) or not isinstance(num_groups, int) or num_groups < 1:
+        raise ValueError(f"num_groups={num_groups!r} must be an integer >= 1")
+    if isinstance(virtual_batch_size, bool) or not isinstance(virtual_batch_size, int) or virtual_batch_size < 1:
+        raise ValueError(f"virtual_batch_size={virtual_batch_size!r} must be an integer >= 1")
+    report = ConversionReport()
+    skip = _TARGET_TYPES.get(to)
+    for path, module in list(model.named_modules()):
+        if not path or (include is not None and not include(path, module)):
+            continue
+        if skip is not None and type(module) is skip:
+            continue
+        bn = _read(module)
+        if bn is None:
+            continue
+        try:
+            new, kept, note = _build(bn, to, num_groups, virtual_batch_size, process_group)
+        except ValueError as err:
+            raise ValueError(f"{path}: {err}") from None
+        new.train(module.training)
+        set_submodule(model, path, new)
+        report.changes.append(Change(path, type(module).__name__, type(new).__name__, tuple(kept), note))
+    return report
