@@ -1,0 +1,61 @@
+"""Transformer blocks whose norm placement is a value, and weight porting from HF transformers.
+
+``Placement`` says where the norms sit; one ``Block`` reads it; ``TransformerLM`` and
+``ViTEncoder`` stack blocks from a ``ModelConfig``; ``from_hf`` ports HF reference
+models through declarative key maps.
+"""
+
+from .attention import Attention, Rope, RopeStyle, apply_rope, rope_tables
+from .block import MLP, Activation, Block
+from .hf_port import from_hf, keymap_for, to_hf_state_dict
+from .keymaps import KEYMAPS, KeyMap, Rule
+from .model import ModelConfig, TransformerLM, ViTConfig, ViTEncoder, as_factory
+from .placement import (
+    DepthScale,
+    Gate,
+    LayerPlan,
+    NormFactory,
+    Placement,
+    Schedule,
+    Sublayer,
+    deepnorm,
+    depth_scaled_sandwich,
+    hybridnorm,
+    hybridnorm_star,
+    layernorm_scaling,
+    layerscale,
+    mix_ln,
+    norm_free,
+    parallel,
+    peri_ln,
+    post_ln,
+    pre_ln,
+    reordered_norm,
+    res_post_norm,
+    rezero,
+    sandwich_ln,
+    scaled_residual,
+    skipinit,
+)
+from .qknorm import QKGain, QKNorm, QKNormConfig, QKOperator, QKScope, RopeOrder
+from .residual import DeepNormArch, DeepNormConstants, LayerScale, ResidualAdd, ReZero, SkipInit, deepnorm_constants
+
+PRESETS = {
+    f.__name__: f
+    for f in (
+        post_ln, pre_ln, sandwich_ln, res_post_norm, reordered_norm, peri_ln, hybridnorm,
+        layernorm_scaling, depth_scaled_sandwich, parallel, rezero, skipinit, layerscale, norm_free,
+    )
+}  # fmt: skip
+"""Presets that take no required argument (deepnorm, scaled_residual, mix_ln, hybridnorm_star take depth/values)."""
+
+__all__ = [
+    "KEYMAPS", "MLP", "PRESETS", "Activation", "Attention", "Block", "DeepNormArch", "DeepNormConstants",
+    "DepthScale", "Gate", "KeyMap", "LayerPlan", "LayerScale", "ModelConfig", "NormFactory", "Placement",
+    "QKGain", "QKNorm", "QKNormConfig", "QKOperator", "QKScope", "ReZero", "ResidualAdd", "Rope", "RopeOrder",
+    "RopeStyle", "Rule", "Schedule", "SkipInit", "Sublayer", "TransformerLM", "ViTConfig", "ViTEncoder",
+    "apply_rope", "as_factory", "deepnorm", "deepnorm_constants", "depth_scaled_sandwich", "from_hf",
+    "hybridnorm", "hybridnorm_star", "keymap_for", "layernorm_scaling", "layerscale", "mix_ln", "norm_free",
+    "parallel", "peri_ln", "post_ln", "pre_ln", "reordered_norm", "res_post_norm", "rezero", "rope_tables",
+    "sandwich_ln", "scaled_residual", "skipinit", "to_hf_state_dict",
+]  # fmt: skip

@@ -1,0 +1,171 @@
+"""Multi-head attention with GQA, RoPE, QK-norm / QKV-norm, logit soft-capping and sliding windows.
+
+The arithmetic follows the eager reference of HF transformers (scores in the
+input dtype, softmax in fp32), so ported weights reproduce the reference logits.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .qknorm import QKNorm, QKNormConfig, QKScope, RopeOrder
+
+__all__ = ["Attention", "Rope", "RopeStyle", "apply_rope", "rope_tables"]
+
+
+class RopeStyle(enum.Enum):
+    """How RoPE pairs the dims it rotates."""
+
+    HALF = "half"  # (i, i + d/2): GPT-NeoX, Llama, Qwen, Gemma, OLMo
+    INTERLEAVED = "interleaved"  # (2i, 2i + 1): GPT-J, Cohere, GLM
+
+
+@dataclass(frozen=True)
+class Rope:
+    """Rotary position embedding (Su et al., 2021) over the first ``fraction`` of the head dim."""
+
+    theta: float = 10000.0
+    style: RopeStyle = RopeStyle.HALF
+    fraction: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.style, RopeStyle):
+            raise TypeError(f"style={self.style!r} must be RopeStyle.HALF or RopeStyle.INTERLEAVED")
+        if not (isinstance(self.theta, (int, float)) and self.theta > 0):
+            raise ValueError(f"theta={self.theta!r} must be > 0")
+        if not (0 < self.fraction <= 1):
+            raise ValueError(f"fraction={self.fraction!r} must lie in (0, 1]")
+
+    def rotary_dim(self, head_dim: int) -> int:
+        d = int(head_dim * self.fraction)
+        if d % 2:
+            raise ValueError(f"rotary dim {d} (head_dim={head_dim} * fraction={self.fraction}) must be even")
+        return d
+
+
+def rope_tables(rope: Rope, head_dim: int, positions: Tensor) -> tuple[Tensor, Tensor]:
+    """cos and sin of shape ``(T, rotary_dim)`` laid out for ``rope.style``, in fp32."""
+    d = rope.rotary_dim(head_dim)
+    inv_freq = 1.0 / (rope.theta ** (torch.arange(0, d, 2, dtype=torch.int64, device=positions.device).float() / d))
+    freqs = positions.float()[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), -1) if rope.style is RopeStyle.HALF else freqs.repeat_interleave(2, -1)
+    return emb.cos(), emb.sin()
+
+
+def _rotate(x: Tensor, style: RopeStyle) -> Tensor:
+    if style is RopeStyle.HALF:
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((-x2, x1), dim=-1)
+    return torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor, style: RopeStyle) -> Tensor:
+    """Rotate ``x`` of shape ``(B, H, T, Dh)``; dims past ``cos.shape[-1]`` pass through."""
+    d = cos.shape[-1]
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    rot, rest = x[..., :d], x[..., d:]
+    out = rot * cos + _rotate(rot, style) * sin
+    return torch.cat((out, rest), dim=-1) if rest.shape[-1] else out
+
+
+class Attention(nn.Module):
+    """Causal or bidirectional self-attention.
+
+    Args:
+        d_model, n_heads, n_kv_heads, head_dim: projection sizes (GQA when n_kv_heads < n_heads).
+        qkv_bias, out_bias: biases on the q/k/v and output projections.
+        qk_norm: a :class:`QKNormConfig`, or None.
+        v_norm: a norm module for V over the head dim (HybridNorm's QKV-norm), or None;
+            with ``qkv_norm_factory`` given and no qk_norm, q and k get one each too.
+        scale: multiplier on q.k (default head_dim ** -0.5).
+        softcap: ``cap * tanh(scores / cap)`` before the softmax (Gemma 2).
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        n_heads: int,
+        n_kv_heads: int | None = None,
+        head_dim: int | None = None,
+        *,
+        qkv_bias: bool = False,
+        out_bias: bool = False,
+        qk_norm: QKNormConfig | None = None,
+        qkv_norm: tuple[nn.Module, nn.Module, nn.Module] | None = None,
+        scale: float | None = None,
+        softcap: float | None = None,
+    ) -> None:
+        super().__init__()
+        n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
+        head_dim = d_model // n_heads if head_dim is None else head_dim
+        if n_heads % n_kv_heads:
+            raise ValueError(f"n_kv_heads={n_kv_heads} must divide n_heads={n_heads}")
+        self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
+        self.scale = head_dim**-0.5 if scale is None else scale
+        if softcap is not None and not (math.isfinite(softcap) and softcap > 0):
+            raise ValueError(f"softcap={softcap!r} must be a finite float > 0 or None")
+        self.softcap = softcap
+        self.q_proj = nn.Linear(d_model, n_heads * head_dim, bias=qkv_bias)
+        self.k_proj = nn.Linear(d_model, n_kv_heads * head_dim, bias=qkv_bias)
+        self.v_proj = nn.Linear(d_model, n_kv_heads * head_dim, bias=qkv_bias)
+        self.o_proj = nn.Linear(n_heads * head_dim, d_model, bias=out_bias)
+        self.qk_config = qk_norm
+        self.q_norm: nn.Module | None = None
+        self.k_norm: nn.Module | None = None
+        self.v_norm: nn.Module | None = None
+        if qk_norm is not None:
+            self.q_norm = QKNorm(qk_norm, n_heads, head_dim)
+            self.k_norm = QKNorm(qk_norm, n_kv_heads, head_dim)
+        if qkv_norm is not None:
+            if qk_norm is None:
+                self.q_norm, self.k_norm = qkv_norm[0], qkv_norm[1]
+            self.v_norm = qkv_norm[2]
+
+    def forward(
+        self,
+        x: Tensor,
+        rope: tuple[Tensor, Tensor, RopeStyle] | None = None,
+        mask: Tensor | None = None,
+    ) -> Tensor:
+        """``mask``: boolean ``(B or 1, 1, T, T)``, True where a query may attend a key."""
+        b, t, _ = x.shape
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        flat = self.qk_config is not None and self.qk_config.scope is QKScope.FLAT
+        if flat:
+            q, k = self._qk(q, self.q_norm), self._qk(k, self.k_norm)
+        q = q.view(b, t, self.n_heads, self.head_dim)
+        k = k.view(b, t, self.n_kv_heads, self.head_dim)
+        v = v.view(b, t, self.n_kv_heads, self.head_dim)
+        after = self.qk_config is not None and self.qk_config.order is RopeOrder.AFTER_ROPE
+        if not flat and not after:
+            q, k = self._qk(q, self.q_norm), self._qk(k, self.k_norm)
+        if self.v_norm is not None:
+            v = self.v_norm(v)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        if rope is not None:
+            cos, sin, style = rope
+            q, k = apply_rope(q, cos, sin, style), apply_rope(k, cos, sin, style)
+        if after:
+            q = self._qk(q.transpose(1, 2), self.q_norm).transpose(1, 2)
+            k = self._qk(k.transpose(1, 2), self.k_norm).transpose(1, 2)
+        rep = self.n_heads // self.n_kv_heads
+        if rep > 1:
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        scores = torch.matmul(q, k.transpose(2, 3)) * self.scale
+        if self.softcap is not None:
+            scores = torch.tanh(scores / self.softcap) * self.softcap
+        if mask is not None:
+            scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+        probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        out = torch.matmul(probs, v).transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim)
+        return self.o_proj(out)
+
+    @staticmethod
+    def _qk(x: Tensor, norm: nn.Module | None) -> Tensor:
+        return x if norm is None else norm(x)

@@ -1,0 +1,196 @@
+"""One transformer block whose forward reads a :class:`Placement` (no class per scheme).
+
+For each sublayer ``F`` (attention, then FFN) the block computes::
+
+    h = N_pre(x) * pre_scale        if placement.<sub>.pre        (pre_scale: LayerNorm Scaling)
+    y = F(h)
+    y = N_post(y)                   if placement.<sub>.post       (Sandwich / Peri-LN / res-post-norm)
+    x = residual_add(x, y)          alpha * x + branch_scale * gate(y)
+    x = N_after(x)                  if placement.<sub>.after_add  (Post-LN / DeepNorm)
+
+and, with ``placement.parallel``, ``x = N_after(residual_add(x, F_attn(h) + F_ffn(h')))``.
+The norms are attributes ``{attn,ffn}_{pre,post,after}_norm`` (absent when the slot is off).
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .attention import Attention, RopeStyle
+from .placement import DepthScale, Gate, NormFactory, Placement
+from .qknorm import QKNormConfig
+from .residual import LayerScale, ReZero, ResidualAdd
+
+__all__ = ["MLP", "Activation", "Block"]
+
+
+class Activation(enum.Enum):
+    SILU = "silu"
+    GELU = "gelu"  # exact (erf): BERT, ViT
+    GELU_TANH = "gelu_tanh"  # tanh approximation: GPT-2 ("gelu_new"), Gemma ("gelu_pytorch_tanh")
+    RELU = "relu"
+
+    def __call__(self, x: Tensor) -> Tensor:
+        if self is Activation.SILU:
+            return F.silu(x)
+        if self is Activation.GELU:
+            return F.gelu(x)
+        if self is Activation.GELU_TANH:
+            return F.gelu(x, approximate="tanh")
+        return F.relu(x)
+
+
+class MLP(nn.Module):
+    """Gated (SwiGLU / GeGLU: ``down(act(gate(x)) * up(x))``) or plain (``down(act(up(x)))``) FFN."""
+
+    def __init__(self, d_model: int, d_ff: int, activation: Activation, gated: bool, bias: bool = False) -> None:
+        super().__init__()
+        if not isinstance(activation, Activation):
+            raise TypeError(f"activation={activation!r} must be an Activation")
+        self.activation, self.gated = activation, gated
+        self.gate_proj = nn.Linear(d_model, d_ff, bias=bias) if gated else None
+        self.up_proj = nn.Linear(d_model, d_ff, bias=bias)
+        self.down_proj = nn.Linear(d_ff, d_model, bias=bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.gate_proj is not None:
+            return self.down_proj(self.activation(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.activation(self.up_proj(x)))
+
+
+def _gate(placement: Placement, d_model: int) -> nn.Module | None:
+    if placement.gate is Gate.SCALAR:
+        return ReZero(placement.gate_init)
+    if placement.gate is Gate.VECTOR:
+        return LayerScale(d_model, placement.gate_init)
+    return None
+
+
+class Block(nn.Module):
+    """A transformer block configured by a placement and a norm operator.
+
+    Args:
+        placement: where the norms and scalings sit (validated value).
+        norm: the operator factory ``dim -> nn.Module`` for every norm slot; required when
+            ``placement.has_norm``.
+        layer: 0-based index of this layer, ``n_layers`` the depth (for depth-scaled schemes).
+        attn_kwargs: passed to :class:`Attention`; ``mlp_kwargs`` to :class:`MLP`.
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        placement: Placement,
+        norm: NormFactory | None,
+        *,
+        layer: int,
+        n_layers: int,
+        n_heads: int,
+        n_kv_heads: int | None = None,
+        head_dim: int | None = None,
+        d_ff: int,
+        activation: Activation = Activation.SILU,
+        gated: bool = True,
+        mlp_bias: bool = False,
+        qkv_bias: bool = False,
+        out_bias: bool = False,
+        qk_norm: QKNormConfig | None = None,
+        attn_scale: float | None = None,
+        attn_softcap: float | None = None,
+        window: int | None = None,
+        rope_theta: float | None = None,
+    ) -> None:
+        super().__init__()
+        if not isinstance(placement, Placement):
+            raise TypeError(f"placement={placement!r} must be a Placement")
+        if placement.has_norm and norm is None:
+            raise ValueError(
+                f"placement {placement.name!r} has norm slots but norm=None; give a norm operator "
+                "(e.g. normatlas.RMSNorm) or a norm-free placement (rezero, skipinit, norm_free)"
+            )
+        self.placement, self.layer, self.n_layers = placement, layer, n_layers
+        self.window, self.rope_theta = window, rope_theta
+        hd = d_model // n_heads if head_dim is None else head_dim
+        qkv = None
+        if placement.qkv_norm:
+            assert norm is not None
+            qkv = (norm(hd), norm(hd), norm(hd))
+        self.attn = Attention(
+            d_model, n_heads, n_kv_heads, hd, qkv_bias=qkv_bias, out_bias=out_bias, qk_norm=qk_norm,
+            qkv_norm=qkv, scale=attn_scale, softcap=attn_softcap,
+        )  # fmt: skip
+        self.mlp = MLP(d_model, d_ff, activation, gated, mlp_bias)
+        p = placement
+        for sub, slots in (("attn", p.attn), ("ffn", p.ffn)):
+            for slot in ("pre", "post", "after"):
+                on = getattr(slots, "after_add" if slot == "after" else slot)
+                if sub == "ffn" and p.parallel and (slot == "after" or (slot == "pre" and p.shared_pre_norm)):
+                    on = False  # one add (attn's after-norm) and, when shared, one pre-norm
+                setattr(self, f"{sub}_{slot}_norm", norm(d_model) if on and norm is not None else None)
+        self.pre_scale = p.pre_norm_scale.factor(layer, n_layers)
+        self.attn_residual = ResidualAdd(p.residual_alpha, p.branch_scale, _gate(p, d_model))
+        self.ffn_residual = None if p.parallel else ResidualAdd(p.residual_alpha, p.branch_scale, _gate(p, d_model))
+        self._init_post_gains()
+
+    def _init_post_gains(self) -> None:
+        p = self.placement
+        if p.post_gain_init is DepthScale.NONE:
+            return
+        g = p.post_gain_c * p.post_gain_init.factor(self.layer, self.n_layers)
+        for norm in (self.attn_post_norm, self.ffn_post_norm):
+            w = getattr(norm, "weight", None)
+            if not isinstance(w, Tensor):
+                raise ValueError(f"post_gain_init needs post-norms with a weight; got {type(norm).__name__}")
+            spec = getattr(norm, "spec", None)
+            one_plus_w = spec is not None and spec.gain_convention.value == "1+w"
+            with torch.no_grad():
+                w.fill_(g - 1.0 if one_plus_w else g)
+
+    def deepnorm_init(self) -> None:
+        """DeepNet init: v, o and FFN weights Xavier-normal with gain beta, q and k with gain 1."""
+        beta = self.placement.branch_init_beta
+        if beta is None:
+            return
+        for lin in (self.attn.q_proj, self.attn.k_proj):
+            nn.init.xavier_normal_(lin.weight, gain=1.0)
+        lins = [self.attn.v_proj, self.attn.o_proj, self.mlp.up_proj, self.mlp.down_proj]
+        lins += [self.mlp.gate_proj] if self.mlp.gate_proj is not None else []
+        for lin in lins:
+            nn.init.xavier_normal_(lin.weight, gain=beta)
+
+    def _pre(self, norm: nn.Module | None, x: Tensor) -> Tensor:
+        if norm is None:
+            return x
+        h = norm(x)
+        return h * self.pre_scale if self.pre_scale != 1.0 else h
+
+    @staticmethod
+    def _opt(norm: nn.Module | None, x: Tensor) -> Tensor:
+        return x if norm is None else norm(x)
+
+    def forward(
+        self, x: Tensor, rope: tuple[Tensor, Tensor, RopeStyle] | None = None, mask: Tensor | None = None
+    ) -> Tensor:
+        if self.placement.parallel:
+            h = self._pre(self.attn_pre_norm, x)
+            h2 = h if self.placement.shared_pre_norm else self._pre(self.ffn_pre_norm, x)
+            a = self._opt(self.attn_post_norm, self.attn(h, rope, mask))
+            f = self._opt(self.ffn_post_norm, self.mlp(h2))
+            return self._opt(self.attn_after_norm, self.attn_residual(x, a + f))
+        y = self._opt(self.attn_post_norm, self.attn(self._pre(self.attn_pre_norm, x), rope, mask))
+        x = self._opt(self.attn_after_norm, self.attn_residual(x, y))
+        y = self._opt(self.ffn_post_norm, self.mlp(self._pre(self.ffn_pre_norm, x)))
+        assert self.ffn_residual is not None
+        return self._opt(self.ffn_after_norm, self.ffn_residual(x, y))
+
+    def extra_repr(self) -> str:
+        s = f"layer={self.layer}, placement={self.placement.name}"
+        return s + (f", pre_scale={self.pre_scale:.4g}" if self.pre_scale != 1.0 else "")
+
+
+_ = math  # math used by subclasses / docs

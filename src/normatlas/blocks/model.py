@@ -1,0 +1,316 @@
+"""A small decoder-only LM (also a BERT-style encoder with ``causal=False``) and a ViT-style encoder.
+
+Both are stacks of :class:`~normatlas.blocks.block.Block` configured by one
+dataclass: operator, placement or schedule, QK-norm, final norm, GQA, RoPE or
+learned positions, SwiGLU / GeGLU / GELU MLP, tied embeddings, logit soft-capping.
+Switching a model from Pre-LN to Peri-LN is one field: ``replace(cfg, placement=peri_ln())``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+import torch
+from torch import Tensor, nn
+
+from ..modules import Norm
+from ..spec import NormSpec
+from .attention import Rope
+from .block import Activation, Block
+from .placement import NormFactory, Placement, Schedule, pre_ln
+from .qknorm import QKNormConfig
+
+__all__ = ["ModelConfig", "TransformerLM", "ViTConfig", "ViTEncoder", "as_factory"]
+
+
+def as_factory(norm: NormFactory | NormSpec | None) -> NormFactory | None:
+    """A NormSpec becomes ``lambda d: Norm(spec, d)``; a callable is used as is."""
+    if norm is None or callable(norm) and not isinstance(norm, NormSpec):
+        return norm
+    if isinstance(norm, NormSpec):
+        spec = norm
+        return lambda d: Norm(spec, d)
+    raise TypeError(f"norm={norm!r} must be a NormSpec, a callable dim -> nn.Module, or None")
+
+
+def _positive(value: object, name: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}={value!r} must be an integer >= 1")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Everything that defines a model. Validated at construction (so bad combinations fail here).
+
+    ``norm`` is the operator for every norm slot (a NormSpec or a factory ``dim -> module``
+    such as ``normatlas.RMSNorm`` or ``DyT``); ``placement`` a :class:`Placement` for
+    every layer or a :class:`Schedule` with one entry per layer. ``max_positions > 0``
+    adds learned absolute positions (GPT-2, BERT); ``rope=None`` disables RoPE.
+    ``layer_windows`` / ``layer_rope_theta`` give per-layer sliding windows and RoPE bases.
+    ``pad_token_id`` is the embedding's ``padding_idx`` (its row gets no gradient, as in torch).
+    """
+
+    vocab_size: int = 256
+    pad_token_id: int | None = None
+    d_model: int = 64
+    n_layers: int = 2
+    n_heads: int = 4
+    n_kv_heads: int | None = None
+    head_dim: int | None = None
+    d_ff: int = 128
+    norm: NormFactory | NormSpec | None = None
+    placement: Placement | Schedule = field(default_factory=pre_ln)
+    qk_norm: QKNormConfig | None = None
+    final_norm: bool = True
+    embed_norm: bool = False
+    activation: Activation = Activation.SILU
+    gated: bool = True
+    qkv_bias: bool = False
+    out_bias: bool = False
+    mlp_bias: bool = False
+    rope: Rope | None = field(default_factory=Rope)
+    max_positions: int = 0
+    type_vocab_size: int = 0
+    causal: bool = True
+    tie_embeddings: bool = True
+    embed_scale: float = 1.0
+    logit_scale: float = 1.0
+    logit_softcap: float | None = None
+    attn_softcap: float | None = None
+    attn_scale: float | None = None
+    layer_windows: tuple[int | None, ...] | None = None
+    layer_rope_theta: tuple[float, ...] | None = None
+    head_transform: bool = False
+    head_bias: bool = False
+    init_std: float = 0.02
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff"):
+            _positive(getattr(self, name), name)
+        kv = self.n_heads if self.n_kv_heads is None else self.n_kv_heads
+        _positive(kv, "n_kv_heads")
+        if self.n_heads % kv:
+            raise ValueError(f"n_kv_heads={kv} must divide n_heads={self.n_heads} (grouped-query attention)")
+        if self.head_dim is None and self.d_model % self.n_heads:
+            raise ValueError(f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}; set head_dim")
+        if self.head_dim is not None:
+            _positive(self.head_dim, "head_dim")
+        if not isinstance(self.placement, (Placement, Schedule)):
+            raise TypeError(f"placement={self.placement!r} must be a Placement or a Schedule")
+        if isinstance(self.placement, Schedule):
+            self.placement.check_depth(self.n_layers)
+        if not isinstance(self.activation, Activation):
+            raise TypeError(f"activation={self.activation!r} must be an Activation")
+        if self.qk_norm is not None and not isinstance(self.qk_norm, QKNormConfig):
+            raise TypeError(f"qk_norm={self.qk_norm!r} must be a QKNormConfig or None")
+        as_factory(self.norm)  # type check
+        if self.norm is None:
+            for i in range(self.n_layers):
+                p = self.plan(i)
+                if p[0].has_norm and p[1] is None:
+                    raise ValueError(
+                        f"layer {i}: placement {p[0].name!r} has norm slots but norm=None; "
+                        "set norm (e.g. normatlas.RMSNorm) or use a norm-free placement"
+                    )
+            for name in ("final_norm", "embed_norm", "head_transform"):
+                if getattr(self, name):
+                    raise ValueError(f"{name}=True needs a norm operator but norm=None")
+        for name in ("layer_windows", "layer_rope_theta"):
+            v = getattr(self, name)
+            if v is not None and len(v) != self.n_layers:
+                raise ValueError(f"{name} has {len(v)} entries but n_layers={self.n_layers}")
+        if self.pad_token_id is not None and not 0 <= self.pad_token_id < self.vocab_size:
+            raise ValueError(f"pad_token_id={self.pad_token_id} must lie in [0, vocab_size={self.vocab_size})")
+        if self.layer_rope_theta is not None and self.rope is None:
+            raise ValueError("layer_rope_theta is set but rope=None")
+        if self.rope is None and self.max_positions == 0 and self.causal is False and self.type_vocab_size == 0:
+            pass  # a bag-of-tokens encoder is allowed
+        for name in ("logit_softcap", "attn_softcap"):
+            v = getattr(self, name)
+            if v is not None and not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
+                raise ValueError(f"{name}={v!r} must be a finite float > 0 or None")
+        if not (math.isfinite(self.init_std) and self.init_std > 0):
+            raise ValueError(f"init_std={self.init_std!r} must be > 0")
+
+    def plan(self, layer: int) -> tuple[Placement, NormFactory | None]:
+        """The placement and norm operator of ``layer``."""
+        if isinstance(self.placement, Schedule):
+            lp = self.placement.layers[layer]
+            return lp.placement, lp.norm if lp.norm is not None else as_factory(self.norm)
+        return self.placement, as_factory(self.norm)
+
+    def with_(self, **changes: object) -> ModelConfig:
+        return replace(self, **changes)  # type: ignore[arg-type]
+
+
+def _blocks(cfg: ModelConfig) -> nn.ModuleList:
+    layers = []
+    for i in range(cfg.n_layers):
+        placement, norm = cfg.plan(i)
+        layers.append(
+            Block(
+                cfg.d_model, placement, norm, layer=i, n_layers=cfg.n_layers, n_heads=cfg.n_heads,
+                n_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim, d_ff=cfg.d_ff, activation=cfg.activation,
+                gated=cfg.gated, mlp_bias=cfg.mlp_bias, qkv_bias=cfg.qkv_bias, out_bias=cfg.out_bias,
+                qk_norm=cfg.qk_norm, attn_scale=cfg.attn_scale, attn_softcap=cfg.attn_softcap,
+                window=None if cfg.layer_windows is None else cfg.layer_windows[i],
+                rope_theta=None if cfg.layer_rope_theta is None else cfg.layer_rope_theta[i],
+            )
+        )  # fmt: skip
+    return nn.ModuleList(layers)
+
+
+class _Stack(nn.Module):
+    """Shared init and the block loop with masks and RoPE tables."""
+
+    config: ModelConfig
+    layers: nn.ModuleList
+
+    def _init_weights(self) -> None:
+        std = self.config.init_std
+        for m in self.modules():
+            if isinstance(m, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(m.weight, std=std)
+                if isinstance(m, nn.Linear) and m.bias is not None:
+                    nn.init.zeros_(m.bias)
+        for block in self.layers:
+            block.deepnorm_init()
+
+    def run_layers(self, x: Tensor, attention_mask: Tensor | None = None) -> Tensor:
+        cfg = self.config
+        t = x.shape[1]
+        pos = torch.arange(t, device=x.device)
+        base = torch.ones(t, t, dtype=torch.bool, device=x.device)
+        if cfg.causal:
+            base = base.tril()
+        pad = None if attention_mask is None else attention_mask.bool()[:, None, None, :]
+        tables: dict[float, tuple[Tensor, Tensor]] = {}
+        from .attention import rope_tables
+
+        for block in self.layers:
+            mask = base
+            if block.window is not None:
+                mask = mask & ((pos[:, None] - pos[None, :]).abs() < block.window)
+            full = mask[None, None] if pad is None else mask[None, None] & pad
+            rope = None
+            if cfg.rope is not None:
+                theta = cfg.rope.theta if block.rope_theta is None else block.rope_theta
+                if theta not in tables:
+                    tables[theta] = rope_tables(replace(cfg.rope, theta=theta), block.attn.head_dim, pos)
+                rope = (*tables[theta], cfg.rope.style)
+            x = block(x, rope, full)
+        return x
+
+
+class TransformerLM(_Stack):
+    """Token ids in, logits out. A decoder-only LM, or a BERT-style encoder with ``causal=False``.
+
+    Parameter names: ``embed``, ``pos_embed``, ``type_embed``, ``embed_norm``, ``layers.{i}.*``,
+    ``final_norm``, ``head_dense`` / ``head_norm`` (MLM transform), ``lm_head`` (its weight is
+    ``embed.weight`` when tied; ``head_bias`` adds a separate bias).
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        if not isinstance(config, ModelConfig):
+            raise TypeError(f"config={config!r} must be a ModelConfig")
+        self.config = cfg = config
+        norm = as_factory(cfg.norm)
+        d = cfg.d_model
+        self.embed = nn.Embedding(cfg.vocab_size, d, padding_idx=cfg.pad_token_id)
+        self.pos_embed = nn.Embedding(cfg.max_positions, d) if cfg.max_positions else None
+        self.type_embed = nn.Embedding(cfg.type_vocab_size, d) if cfg.type_vocab_size else None
+        self.embed_norm = norm(d) if cfg.embed_norm and norm else None
+        self.layers = _blocks(cfg)
+        self.final_norm = norm(d) if cfg.final_norm and norm else None
+        self.head_dense = nn.Linear(d, d) if cfg.head_transform else None
+        self.head_norm = norm(d) if cfg.head_transform and norm else None
+        self.lm_head = nn.Linear(d, cfg.vocab_size, bias=cfg.head_bias)
+        self._init_weights()
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.embed.weight
+        if self.lm_head.bias is not None:
+            nn.init.zeros_(self.lm_head.bias)
+
+    def embed_tokens(self, input_ids: Tensor, token_type_ids: Tensor | None = None) -> Tensor:
+        cfg = self.config
+        x = self.embed(input_ids)
+        if cfg.embed_scale != 1.0:
+            x = x * torch.tensor(cfg.embed_scale, dtype=x.dtype)
+        if self.pos_embed is not None:
+            x = x + self.pos_embed(torch.arange(input_ids.shape[1], device=input_ids.device))[None]
+        if self.type_embed is not None:
+            tt = torch.zeros_like(input_ids) if token_type_ids is None else token_type_ids
+            x = x + self.type_embed(tt)
+        return x if self.embed_norm is None else self.embed_norm(x)
+
+    def forward(
+        self, input_ids: Tensor, attention_mask: Tensor | None = None, token_type_ids: Tensor | None = None
+    ) -> Tensor:
+        x = self.run_layers(self.embed_tokens(input_ids, token_type_ids), attention_mask)
+        if self.final_norm is not None:
+            x = self.final_norm(x)
+        if self.head_dense is not None:
+            x = self.config.activation(self.head_dense(x))
+            if self.head_norm is not None:
+                x = self.head_norm(x)
+        logits = self.lm_head(x)
+        if self.config.logit_scale != 1.0:
+            logits = logits * self.config.logit_scale
+        cap = self.config.logit_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap
+
+
+@dataclass(frozen=True)
+class ViTConfig(ModelConfig):
+    """A ViT-style encoder: patches in, class logits out (Dosovitskiy et al., 2021)."""
+
+    image_size: int = 32
+    patch_size: int = 8
+    in_chans: int = 3
+    num_classes: int = 10
+    rope: Rope | None = None
+    causal: bool = False
+    gated: bool = False
+    activation: Activation = Activation.GELU
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for name in ("image_size", "patch_size", "in_chans", "num_classes"):
+            _positive(getattr(self, name), name)
+        if self.image_size % self.patch_size:
+            raise ValueError(f"patch_size={self.patch_size} must divide image_size={self.image_size}")
+
+    @property
+    def n_patches(self) -> int:
+        return (self.image_size // self.patch_size) ** 2
+
+
+class ViTEncoder(_Stack):
+    """Patch embedding (a strided conv), a class token, learned positions, the blocks, a final norm and a head."""
+
+    def __init__(self, config: ViTConfig) -> None:
+        super().__init__()
+        if not isinstance(config, ViTConfig):
+            raise TypeError(f"config={config!r} must be a ViTConfig")
+        self.config = cfg = config
+        norm = as_factory(cfg.norm)
+        d = cfg.d_model
+        self.patch_embed = nn.Conv2d(cfg.in_chans, d, cfg.patch_size, stride=cfg.patch_size)
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, d))
+        self.pos_embed = nn.Parameter(torch.zeros(1, cfg.n_patches + 1, d))
+        self.layers = _blocks(cfg)
+        self.final_norm = norm(d) if cfg.final_norm and norm else None
+        self.head = nn.Linear(d, cfg.num_classes)
+        self._init_weights()
+        nn.init.normal_(self.pos_embed, std=cfg.init_std)
+        nn.init.normal_(self.cls_token, std=cfg.init_std)
+
+    def forward(self, images: Tensor) -> Tensor:
+        x = self.patch_embed(images).flatten(2).transpose(1, 2)
+        x = torch.cat((self.cls_token.expand(x.shape[0], -1, -1), x), dim=1) + self.pos_embed
+        x = self.run_layers(x)
+        if self.final_norm is not None:
+            x = self.final_norm(x)
+        return self.head(x[:, 0])

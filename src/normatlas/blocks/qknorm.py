@@ -1,0 +1,154 @@
+"""QK-norm and QKV-norm: normalize queries and keys (and values) inside attention.
+
+QK-norm (Henry et al., 2020; Dehghani et al., ViT-22B 2023; OLMo 2, Qwen 3, Gemma 3)
+bounds the attention logits ``q.k / sqrt(d)`` by normalizing ``q`` and ``k`` over
+the head dim. The variants real models ship differ in four orthogonal choices,
+each a field of :class:`QKNormConfig`:
+
+* operator: RMS (Qwen 3, Gemma 3, OLMo 2), L2 (unit vectors, cosine attention) or
+  LayerNorm (Cohere, ViT-22B);
+* scope: per head over ``head_dim`` (Qwen 3, Gemma 3, Cohere) or over the flattened
+  heads ``n_heads * head_dim`` before the split (OLMo 2);
+* gain: none, one shared across heads (Qwen 3), or one per head (Cohere); stored as
+  ``w`` or zero-centred ``1 + w`` (Gemma 3);
+* order: before RoPE (all of the above) or after it.
+
+Guaranteed property: a gain-free RMS / L2 QK-norm over the head dim commutes with
+RoPE, since a rotation preserves the norm; a per-dim gain does not commute.
+HybridNorm's QKV-norm adds the same norm on V (:attr:`Placement.qkv_norm`).
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from ..functional import normalize
+from ..spec import CastOrder, EpsPlacement, Gain, GainConvention, NormSpec, Scale
+
+__all__ = ["QKGain", "QKNorm", "QKNormConfig", "QKOperator", "QKScope", "RopeOrder"]
+
+
+class QKOperator(enum.Enum):
+    RMS = "rms"
+    L2 = "l2"
+    LAYERNORM = "layernorm"
+
+
+class QKScope(enum.Enum):
+    HEAD = "head"  # statistics over head_dim, per head
+    FLAT = "flat"  # statistics over n_heads * head_dim (OLMo 2)
+
+
+class QKGain(enum.Enum):
+    NONE = "none"
+    SHARED = "shared"  # one (head_dim,) gain for all heads
+    PER_HEAD = "per_head"  # one (n_heads, head_dim) gain; the only option for FLAT scope
+
+
+class RopeOrder(enum.Enum):
+    BEFORE_ROPE = "before_rope"
+    AFTER_ROPE = "after_rope"
+
+
+@dataclass(frozen=True)
+class QKNormConfig:
+    """QK-norm as a value; see the module docstring. Validated at construction."""
+
+    operator: QKOperator = QKOperator.RMS
+    scope: QKScope = QKScope.HEAD
+    gain: QKGain = QKGain.SHARED
+    zero_centred: bool = False
+    order: RopeOrder = RopeOrder.BEFORE_ROPE
+    eps: float = 1e-6
+    bias: bool = False
+
+    def __post_init__(self) -> None:
+        for name, t in (("operator", QKOperator), ("scope", QKScope), ("gain", QKGain), ("order", RopeOrder)):
+            if not isinstance(getattr(self, name), t):
+                allowed = ", ".join(f"{t.__name__}.{m.name}" for m in t)
+                raise TypeError(f"{name}={getattr(self, name)!r} must be one of {allowed}")
+        if not isinstance(self.zero_centred, bool) or not isinstance(self.bias, bool):
+            raise TypeError(f"zero_centred={self.zero_centred!r} and bias={self.bias!r} must be bool")
+        if isinstance(self.eps, bool) or not isinstance(self.eps, (int, float)) or not (
+            math.isfinite(self.eps) and self.eps > 0
+        ):
+            raise ValueError(f"eps={self.eps!r} must be a finite float > 0")
+        if self.scope is QKScope.FLAT and self.gain is QKGain.SHARED:
+            raise ValueError(
+                "gain=QKGain.SHARED with scope=QKScope.FLAT: a norm over the flattened heads has one gain per "
+                "head and dim; use QKGain.PER_HEAD or QKGain.NONE"
+            )
+        if self.scope is QKScope.FLAT and self.order is RopeOrder.AFTER_ROPE:
+            raise ValueError("scope=QKScope.FLAT normalizes the projection before the head split, so before RoPE")
+        if self.zero_centred and self.gain is QKGain.NONE:
+            raise ValueError("zero_centred=True needs a gain (gain is QKGain.NONE)")
+        if self.bias and self.operator is not QKOperator.LAYERNORM:
+            raise ValueError(f"bias=True is a LayerNorm option; operator={self.operator.value!r}")
+
+    def spec(self) -> NormSpec:
+        """The gain-free core spec of the statistics."""
+        center = self.operator is QKOperator.LAYERNORM
+        scale = Scale.L2 if self.operator is QKOperator.L2 else Scale.RMS
+        eps_placement = EpsPlacement.CLAMP if self.operator is QKOperator.L2 else EpsPlacement.INSIDE_SQRT
+        return NormSpec(
+            center=center, scale=scale, eps=self.eps, eps_placement=eps_placement,
+            cast_order=CastOrder.AFTER_GAIN, gain=Gain.NONE, bias=False,
+        )  # fmt: skip
+
+
+class QKNorm(nn.Module):
+    """Normalize a query or key tensor of shape ``(B, T, H, Dh)`` (or ``(B, T, H*Dh)`` for FLAT scope).
+
+    Statistics in fp32, gain applied in fp32, result cast back (HF's Qwen3 / Gemma3 /
+    Cohere / OLMo2 order). Parameter ``weight`` has shape ``(Dh,)`` for a shared gain,
+    ``(H, Dh)`` per head, ``(H*Dh,)`` for FLAT scope.
+    """
+
+    def __init__(self, config: QKNormConfig, n_heads: int, head_dim: int, device=None, dtype=None) -> None:
+        super().__init__()
+        if not isinstance(config, QKNormConfig):
+            raise TypeError(f"config={config!r} must be a QKNormConfig")
+        self.config, self.n_heads, self.head_dim = config, n_heads, head_dim
+        self._spec = config.spec()
+        shape: tuple[int, ...] = ()
+        if config.scope is QKScope.FLAT:
+            shape = (n_heads * head_dim,)
+        elif config.gain is QKGain.PER_HEAD:
+            shape = (n_heads, head_dim)
+        else:
+            shape = (head_dim,)
+        factory = {"device": device, "dtype": dtype}
+        self.weight = nn.Parameter(torch.empty(shape, **factory)) if config.gain is not QKGain.NONE else None
+        self.bias = nn.Parameter(torch.empty(shape, **factory)) if config.bias else None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        with torch.no_grad():
+            if self.weight is not None:
+                self.weight.fill_(0.0 if self.config.zero_centred else 1.0)
+            if self.bias is not None:
+                self.bias.zero_()
+
+    def forward(self, input: Tensor) -> Tensor:
+        x = input.float()
+        y = normalize(x, self._spec, None, None)
+        if self.weight is not None:
+            w = self.weight.float()
+            y = y * (1.0 + w if self.config.zero_centred else w)
+        if self.bias is not None:
+            y = y + self.bias.float()
+        return y.to(input.dtype)
+
+    def extra_repr(self) -> str:
+        c = self.config
+        zc = ", gain=1+w" if c.zero_centred else ""
+        return f"{c.operator.value}, scope={c.scope.value}, gain={c.gain.value}{zc}, {c.order.value}, eps={c.eps}"
+
+
+# the GainConvention import documents that zero_centred is the core's ONE_PLUS_W convention
+_ = GainConvention.ONE_PLUS_W
