@@ -71,7 +71,7 @@ def _read(module: nn.Module) -> _BN | None:
                    module.running_mean, module.running_var, None, True,
                    {"device": module.weight.device, "dtype": torch.float32})  # fmt: skip
     if isinstance(module, nn.modules.batchnorm._BatchNorm):
-        ref = module.weight if module.weight is not None else module.running_var
+        ref: Tensor | None = module.weight if module.weight is not None else module.running_var
         factory = {"device": ref.device, "dtype": ref.dtype} if ref is not None else {}
         return _BN(module.num_features, module.eps, module.momentum, Layout.NC_ANY, module.weight, module.bias,
                    module.running_mean, module.running_var, module.num_batches_tracked, False, factory)  # fmt: skip
