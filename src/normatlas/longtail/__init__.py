@@ -1,5 +1,8 @@
-"""The long tail: batch-statistics norms, pointwise norm replacements, weight-side and
-initialisation methods, nGPT, conditioning norms and the VLM connector norm.
+"""The long tail of the essay: batch-statistics norms and converters, pointwise norm
+replacements (DyT, Derf), initialisation fixes (Fixup, Admin), weight-side methods (WS,
+scaled WS, AGC, spectral / weight norm), nGPT, conditioning norms (AdaIN, adaLN-Zero) and
+the VLM connector norm. Residual scalars (ReZero, LayerScale, DeepNorm) and QK-Norm live in
+``normatlas.blocks``.
 """
 
 from ._report import Change, ConversionReport
@@ -17,14 +20,40 @@ from .batchnorm import (
     batch_moments,
     batch_norm_spec,
 )
+from .conditioning import AdaIN, AdaLNZero, adain, modulate
+from .connector import ConnectorNorm, grad_scale, text_embedding_norm
 from .convert import BatchNormTarget, convert_batchnorm
+from .init import (
+    AdminResidual,
+    FixupBasicBlock,
+    ScalarBias,
+    ScalarScale,
+    admin_init_,
+    fixup_init_,
+    fixup_scale,
+)
+from .ngpt import HypersphereConstraint, SphericalUpdate, ngpt_constraint, sphere
 from .pointwise import Derf, DyT, Pointwise, convert_norms_to_pointwise, derf, dyt
 from .powernorm import PowerNorm, power_norm
 from .syncbn import SyncBatchNorm, merge_moments
+from .weight import (
+    ScaledWSConv2d,
+    WSConv2d,
+    adaptive_clip_grad_,
+    apply_parametrization,
+    remove_parametrization,
+    spectral_norm,
+    standardize_weight,
+    unitwise_norm,
+    weight_norm,
+)
 
 __all__ = [
     "PAPER_D_MAX",
     "PAPER_R_MAX",
+    "AdaIN",
+    "AdaLNZero",
+    "AdminResidual",
     "BatchNorm",
     "BatchNorm1d",
     "BatchNorm2d",
@@ -32,21 +61,45 @@ __all__ = [
     "BatchNormTarget",
     "BatchRenorm",
     "Change",
+    "ConnectorNorm",
     "ConversionReport",
     "Derf",
     "DyT",
+    "FixupBasicBlock",
     "FrozenBatchNorm",
     "GhostBatchNorm",
+    "HypersphereConstraint",
     "Pointwise",
     "PowerNorm",
     "Ramp",
+    "ScalarBias",
+    "ScalarScale",
+    "ScaledWSConv2d",
+    "SphericalUpdate",
     "SyncBatchNorm",
+    "WSConv2d",
+    "adain",
+    "adaptive_clip_grad_",
+    "admin_init_",
+    "apply_parametrization",
     "batch_moments",
     "batch_norm_spec",
     "convert_batchnorm",
     "convert_norms_to_pointwise",
     "derf",
     "dyt",
+    "fixup_init_",
+    "fixup_scale",
+    "grad_scale",
     "merge_moments",
+    "modulate",
+    "ngpt_constraint",
     "power_norm",
+    "remove_parametrization",
+    "spectral_norm",
+    "sphere",
+    "standardize_weight",
+    "text_embedding_norm",
+    "unitwise_norm",
+    "weight_norm",
 ]
