@@ -147,7 +147,7 @@ def weight_norm(module: nn.Module, name: str = "weight", dim: int | None = 0) ->
     Exactly ``torch.nn.utils.parametrizations.weight_norm``; the initial effective weight
     equals the original one and ``g`` holds its norms.
     """
-    return parametrizations.weight_norm(module, name, dim)
+    return parametrizations.weight_norm(module, name, dim)  # type: ignore[arg-type]  # None = whole tensor
 
 
 def remove_parametrization(module: nn.Module, name: str = "weight", leave_parametrized: bool = True) -> nn.Module:
