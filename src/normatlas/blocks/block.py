@@ -15,7 +15,6 @@ The norms are attributes ``{attn,ffn}_{pre,post,after}_norm`` (absent when the s
 from __future__ import annotations
 
 import enum
-import math
 
 import torch
 import torch.nn.functional as F
@@ -192,5 +191,3 @@ class Block(nn.Module):
         s = f"layer={self.layer}, placement={self.placement.name}"
         return s + (f", pre_scale={self.pre_scale:.4g}" if self.pre_scale != 1.0 else "")
 
-
-_ = math  # math used by subclasses / docs

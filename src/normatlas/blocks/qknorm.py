@@ -28,7 +28,7 @@ import torch
 from torch import Tensor, nn
 
 from ..functional import normalize
-from ..spec import CastOrder, EpsPlacement, Gain, GainConvention, NormSpec, Scale
+from ..spec import CastOrder, EpsPlacement, Gain, NormSpec, Scale
 
 __all__ = ["QKGain", "QKNorm", "QKNormConfig", "QKOperator", "QKScope", "RopeOrder"]
 
@@ -149,6 +149,3 @@ class QKNorm(nn.Module):
         zc = ", gain=1+w" if c.zero_centred else ""
         return f"{c.operator.value}, scope={c.scope.value}, gain={c.gain.value}{zc}, {c.order.value}, eps={c.eps}"
 
-
-# the GainConvention import documents that zero_centred is the core's ONE_PLUS_W convention
-_ = GainConvention.ONE_PLUS_W
