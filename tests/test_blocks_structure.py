@@ -234,7 +234,9 @@ def test_layerscale_branch_starts_at_init_values():
     x = torch.randn(2, 5, D, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
     with torch.no_grad():
         branch = b.attn(b.attn_pre_norm(x))
-        torch.testing.assert_close(b.attn_residual(x, branch) - x, 1e-5 * branch, atol=1e-15, rtol=1e-9)
+        gamma = b.attn_residual.gate.gamma
+        torch.testing.assert_close(gamma, torch.full((D,), 1e-5, dtype=torch.float64), atol=0, rtol=1e-7)
+        torch.testing.assert_close(b.attn_residual(x, branch) - x, gamma * branch, atol=1e-15, rtol=1e-9)
         assert (b(x) - x).abs().max() < 1e-3
 
 
