@@ -1,0 +1,137 @@
+"""The essay's model matrix and bibliography, as data (``normatlas/data/*.json``).
+
+Every record carries its ``source`` (essay section, paper or reference code). An
+arXiv id is present only where it was confirmed (``arxiv_status == "confirmed"``);
+the rest say ``"unverified"``. :func:`check` reconciles the curated matrix with the
+design :func:`normatlas.inspect.inspect_model` reads off transformers' reference code.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterable, Mapping
+from functools import cache
+from importlib import resources
+from typing import Any
+
+__all__ = ["MODEL_FIELDS", "PAPER_FIELDS", "OPERATORS", "PLACEMENTS", "QK_NORMS", "models", "papers", "filter_models",
+           "filter_papers", "check"]
+
+MODEL_FIELDS = ("name", "family", "kind", "year", "operator", "placement", "qk_norm", "gain_convention", "residual",
+                "vision_tower", "vision_tower_norm", "connector", "connector_norm", "hf_model_types", "status",
+                "source", "notes")
+PAPER_FIELDS = ("key", "group", "question", "named_as", "year", "title", "arxiv", "arxiv_status", "source")
+OPERATORS = ("layernorm", "rmsnorm", "none", "unclear", "l2 (hypersphere)", "adaLN-Zero", "weight standardization")
+PLACEMENTS = ("pre", "post", "peri", "res-post", "parallel", "none", "mix", "unclear")
+QK_NORMS = ("none", "yes", "per-head", "flattened", "unclear")
+
+
+def _load(name: str) -> list[dict[str, Any]]:
+    text = resources.files("normatlas").joinpath("data", name).read_text(encoding="utf-8")
+    return list(json.loads(text))
+
+
+@cache
+def _models() -> tuple[dict[str, Any], ...]:
+    return tuple(_load("models.json"))
+
+
+@cache
+def _papers() -> tuple[dict[str, Any], ...]:
+    return tuple(_load("papers.json"))
+
+
+def models() -> list[dict[str, Any]]:
+    """Every model / family record (copies)."""
+    return [dict(r) for r in _models()]
+
+
+def papers() -> list[dict[str, Any]]:
+    """Every paper record (copies), in the essay's grouping order."""
+    return [dict(r) for r in _papers()]
+
+
+def _choice(name: str, value: str | None, allowed: Iterable[str]) -> str | None:
+    if value is None:
+        return None
+    allowed = tuple(allowed)
+    if value.lower() not in {a.lower() for a in allowed}:
+        raise ValueError(f"{name}={value!r} is not one of {', '.join(allowed)}")
+    return value.lower()
+
+
+def _matches(rec: Mapping[str, Any], query: str | None) -> bool:
+    return query is None or query.lower() in json.dumps(rec, ensure_ascii=False).lower()
+
+
+def filter_models(*, family: str | None = None, operator: str | None = None, placement: str | None = None,
+                  qk_norm: str | None = None, query: str | None = None) -> list[dict[str, Any]]:
+    """Model records matching every given filter (case-insensitive; ``query`` searches all fields)."""
+    operator = _choice("operator", operator, OPERATORS)
+    placement = _choice("placement", placement, PLACEMENTS)
+    qk_norm = _choice("qk_norm", qk_norm, QK_NORMS)
+    out = []
+    for r in models():
+        if family and family.lower() not in (r["family"] or "").lower():
+            continue
+        if operator and (r["operator"] or "").lower() != operator:
+            continue
+        if placement and r["placement"] != placement:
+            continue
+        if qk_norm and r["qk_norm"] != qk_norm:
+            continue
+        if _matches(r, query):
+            out.append(r)
+    return out
+
+
+def filter_papers(*, group: str | None = None, query: str | None = None) -> list[dict[str, Any]]:
+    """Paper records whose group/question contains ``group`` and any field contains ``query``."""
+    return [r for r in papers()
+            if (group is None or group.lower() in (r["group"] + " " + r["question"]).lower()) and _matches(r, query)]
+
+
+def _same(field: str, curated: str, inspected: str) -> bool:
+    if field == "operator":
+        return curated == inspected.replace("layernorm-nonparam", "layernorm")
+    if field == "qk_norm":
+        return (curated == "yes" and inspected in ("per-head", "flattened")) or curated == inspected
+    return curated == inspected
+
+
+def check(inspected: Callable[[str], Mapping[str, Any]] | Mapping[str, Mapping[str, Any]],
+          include_agreements: bool = False) -> list[dict[str, Any]]:
+    """Reconcile curated records with inspected dataflow summaries.
+
+    ``inspected`` maps a transformers model type to a summary row (as from
+    :meth:`InspectionReport.summary_row` or the sweep), or is a function computing it.
+    One row per (record, model type, field) that disagrees, or resolves an ``unclear``
+    entry (plus agreements when asked); a model type that failed gives an ``error`` row.
+    """
+    get = inspected if callable(inspected) else lambda mt: inspected.get(mt, {"error": "not inspected"})
+    rows = []
+    for rec in models():
+        for mt in rec["hf_model_types"]:
+            try:
+                summ = dict(get(mt))
+            except Exception as exc:  # a model type that cannot be built is reported, not raised
+                summ = {"error": f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:120]}"}
+            if summ.get("error"):
+                rows.append({"model": rec["name"], "hf_model_type": mt, "field": "-", "curated": "-",
+                             "inspected": "-", "verdict": "error: " + str(summ["error"]), "source": rec["source"]})
+                continue
+            for field in ("operator", "placement", "qk_norm", "gain_convention"):
+                cur, got = rec.get(field), summ.get(field)
+                if cur is None or got is None:
+                    continue
+                if cur == "unclear":
+                    verdict = "resolves unclear"
+                elif _same(field, str(cur), str(got)):
+                    if not include_agreements:
+                        continue
+                    verdict = "agrees"
+                else:
+                    verdict = "DISAGREES"
+                rows.append({"model": rec["name"], "hf_model_type": mt, "field": field, "curated": cur,
+                             "inspected": got, "verdict": verdict, "source": rec["source"]})
+    return rows

@@ -1,0 +1,123 @@
+"""Sweep every decoder-only architecture in the installed transformers.
+
+Each model type with a causal-LM class (encoder-decoders excluded) is built tiny
+from its config class (random weights, offline) and inspected; failures are kept
+as rows with an ``error`` column, never raised.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+__all__ = ["decoder_model_types", "sweep", "write_sweep"]
+
+COLUMNS = ["model", "operator", "eps", "eps_placement", "gain_convention", "bias", "cast_order", "placement",
+           "placement_attention", "placement_mlp", "residual_scale", "branch_scale", "depth_scaling", "qk_norm",
+           "qk_norm_rope", "v_norm", "attn_softcap", "final_norm", "final_logit_softcap", "embedding_scale",
+           "embedding_norm", "layers", "seconds", "error"]
+
+
+def decoder_model_types() -> list[str]:
+    """Model types of the installed transformers that have a causal-LM head and are not encoder-decoders."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    out = []
+    for mt in sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES):
+        try:
+            if getattr(CONFIG_MAPPING[mt], "is_encoder_decoder", False) is True:
+                continue
+        except KeyError:
+            continue
+        out.append(mt)
+    return out
+
+
+def _one(mt: str) -> dict[str, Any]:
+    import warnings
+
+    from . import inspect_target
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            rep = inspect_target(mt, probe=False)
+            row = {c: rep.summary_row().get(c) for c in COLUMNS}
+            row["error"] = ""
+        except Exception as exc:  # a per-architecture error column, by design
+            msg = str(exc).splitlines()[0][:160] if str(exc) else ""
+            row = {c: None for c in COLUMNS} | {"model": mt, "error": f"{type(exc).__name__}: {msg}"}
+    return row
+
+
+def _child(mt: str, conn: Any) -> None:
+    import torch
+
+    torch.set_num_threads(1)
+    conn.send(_one(mt))
+    conn.close()
+
+
+def _isolated(mt: str, timeout: float) -> dict[str, Any]:
+    """Run one architecture in a forked process, killed after ``timeout`` seconds."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("fork")
+    recv, send = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_child, args=(mt, send), daemon=True)
+    proc.start()
+    send.close()
+    row = recv.recv() if recv.poll(timeout) else None
+    proc.join(1)
+    if proc.is_alive():
+        proc.kill()
+        proc.join()
+    if row is None:
+        reason = f"timed out after {timeout:.0f} s" if proc.exitcode in (None, -9) else f"exit code {proc.exitcode}"
+        row = {c: None for c in COLUMNS} | {"model": mt, "error": f"Timeout: {reason}"}
+    return row
+
+
+def sweep(model_types: Iterable[str] | None = None, progress: bool = True,
+          on_row: Callable[[dict[str, Any]], None] | None = None, timeout: float | None = 60.0) -> list[dict[str, Any]]:
+    """Inspect each model type; one row per type (``error`` set where it could not be built or traced).
+
+    With ``timeout`` each architecture runs in a forked child killed after that many
+    seconds (some default configs stay large after shrinking); ``None`` runs in-process.
+    """
+    import transformers  # noqa: F401  (imported once, before forking)
+
+    types = list(model_types) if model_types is not None else decoder_model_types()
+    try:
+        from tqdm import tqdm
+
+        it: Iterable[str] = tqdm(types, desc="inspect", unit="arch", disable=not progress)
+    except ImportError:  # pragma: no cover
+        it = types
+    rows = []
+    for mt in it:
+        t0 = time.perf_counter()
+        row = _one(mt) if timeout is None else _isolated(mt, timeout)
+        row["seconds"] = round(time.perf_counter() - t0, 3)
+        rows.append(row)
+        if on_row:
+            on_row(row)
+    return rows
+
+
+def write_sweep(rows: list[dict[str, Any]], out_dir: str | Path) -> tuple[Path, Path]:
+    """Write ``transformers_matrix.json`` and ``.csv`` into ``out_dir``."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    jp, cp = out / "transformers_matrix.json", out / "transformers_matrix.csv"
+    jp.write_text(json.dumps(rows, indent=1, default=str))
+    with cp.open("w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=COLUMNS, lineterminator="\n")
+        w.writeheader()
+        w.writerows(rows)
+    return jp, cp
