@@ -1,0 +1,62 @@
+"""Diagnostics: watch the geometry of normalization during training (hooks only), and group
+parameters for the optimizer by the role each one plays.
+
+See :class:`Monitor`, :func:`param_groups`, :func:`cross_example_dependence` and the
+pure metric functions in :mod:`normatlas.diagnostics.metrics`.
+"""
+
+from __future__ import annotations
+
+from .alarms import AlarmEvent, EntropyCollapseAlarm, SpikeDetector, ThresholdAlarm, TrendAlarm, default_alarms
+from .attention import AttentionCapture, sdpa_probs
+from .groups import ParamInfo, Role, format_report, param_groups, param_roles
+from .metrics import (
+    attention_sinks,
+    attention_stats,
+    headroom,
+    massive_activations,
+    modality_norm_gap,
+    repeated_ngrams,
+    residual_stats,
+)
+from .monitor import DEFAULT_METRICS, Metric, Monitor
+from .roles import Kind, find_blocks, gain_convention, module_kind, trace_linear_to_norm
+from .sinks import CSVSink, JSONLSink, MemorySink, Sink, TensorBoardSink
+from .vlm import check_image_processor
+
+__all__ = [
+    "DEFAULT_METRICS",
+    "AlarmEvent",
+    "AttentionCapture",
+    "CSVSink",
+    "EntropyCollapseAlarm",
+    "JSONLSink",
+    "Kind",
+    "MemorySink",
+    "Metric",
+    "Monitor",
+    "ParamInfo",
+    "Role",
+    "Sink",
+    "SpikeDetector",
+    "TensorBoardSink",
+    "ThresholdAlarm",
+    "TrendAlarm",
+    "attention_sinks",
+    "attention_stats",
+    "check_image_processor",
+    "default_alarms",
+    "find_blocks",
+    "format_report",
+    "gain_convention",
+    "headroom",
+    "massive_activations",
+    "modality_norm_gap",
+    "module_kind",
+    "param_groups",
+    "param_roles",
+    "repeated_ngrams",
+    "residual_stats",
+    "sdpa_probs",
+    "trace_linear_to_norm",
+]

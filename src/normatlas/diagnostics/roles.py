@@ -1,0 +1,269 @@
+"""What each module and parameter *does*, found from behaviour and dataflow, never from names.
+
+* :func:`module_kind` classifies a module: known torch / normatlas types first, then a
+  behavioural probe on synthetic inputs for anything else. A module is a **norm** when
+  its output is invariant to rescaling its input (``f(a x) == f(x)``, the essay's
+  re-scaling invariance) and still depends on the input; it is **pointwise** when each
+  output feature depends only on the same input feature (DyT, LayerScale, scalings).
+  The probe runs on a copy of the parameters set to random values, so zero- or
+  one-initialized gains do not fool it, and restores every parameter and buffer.
+* :func:`gain_convention` tells ``w * x_hat`` from Gemma's ``(1 + w) * x_hat``: setting
+  the gain to 0 (resp. -1) makes the output independent of the input.
+* :func:`find_blocks` finds the repeated blocks of a model: the largest container of
+  two or more modules of one class (the residual stack).
+* :func:`trace_linear_to_norm` runs one forward and records which linear/conv layers
+  feed a norm directly (through views only): those weights are scale-invariant, so
+  their effective learning rate is ``lr / ||W||^2`` (essay, "Scale invariance").
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from ..modules import Norm
+from ..spec import Axis
+
+__all__ = ["Kind", "find_blocks", "gain_convention", "iter_kinds", "module_kind", "trace_linear_to_norm"]
+
+
+class Kind(enum.Enum):
+    NORM = "norm"
+    POINTWISE = "pointwise"  # elementwise per feature: DyT, LayerScale, learned scalings
+    LINEAR = "linear"  # weight matrices: Linear, Conv, Bilinear
+    EMBEDDING = "embedding"
+    CONTAINER = "container"  # holds no parameters of its own
+    OTHER = "other"
+
+
+_KNOWN_NORMS: tuple[type[nn.Module], ...] = (
+    nn.LayerNorm,
+    nn.GroupNorm,
+    nn.RMSNorm,
+    nn.LocalResponseNorm,
+    nn.modules.batchnorm._BatchNorm,
+    nn.modules.instancenorm._InstanceNorm,
+    Norm,
+)
+_KNOWN_LINEAR: tuple[type[nn.Module], ...] = (nn.Linear, nn.Bilinear, nn.modules.conv._ConvNd)
+_KNOWN_EMBEDDING: tuple[type[nn.Module], ...] = (nn.Embedding, nn.EmbeddingBag)
+
+
+def _own_params(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    return [(n, p) for n, p in module.named_parameters(recurse=False) if p is not None]
+
+
+class _Probe:
+    """Random parameters for the probe; restores parameters and buffers on exit."""
+
+    def __init__(self, module: nn.Module, seed: int = 0) -> None:
+        self.module = module
+        self.seed = seed
+
+    def __enter__(self) -> _Probe:
+        self.saved = {k: v.detach().clone() for k, v in self.module.state_dict(keep_vars=True).items()}
+        gen = torch.Generator().manual_seed(self.seed)
+        with torch.no_grad():
+            for _, p in _own_params(self.module):
+                if p.is_floating_point():
+                    p.copy_((0.5 + torch.rand(p.shape, generator=gen)).to(p))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        with torch.no_grad():
+            for k, v in self.module.state_dict(keep_vars=True).items():
+                if k in self.saved and isinstance(v, Tensor):
+                    v.copy_(self.saved[k])
+
+
+def _probe_inputs(module: nn.Module) -> Iterator[tuple[Tensor, int]]:
+    """Synthetic inputs ``(x, feature_dim)``: channels-last ``(2, 5, D)`` then channels-first ``(2, D, 5)``."""
+    params = _own_params(module)
+    dtype = next((p.dtype for _, p in params if p.is_floating_point()), torch.float32)
+    device = next((p.device for _, p in params), torch.device("cpu"))
+    sizes = sorted({p.shape[-1] for _, p in params if p.dim() >= 1 and p.numel() > 1}) or [8]
+    gen = torch.Generator().manual_seed(1)
+    for d in sizes:
+        yield torch.randn(2, 5, d, generator=gen).to(device, dtype), -1
+        yield torch.randn(2, d, 5, generator=gen).to(device, dtype), 1
+        yield torch.randn(2, d, 3, 3, generator=gen).to(device, dtype), 1
+
+
+def _call(module: nn.Module, x: Tensor) -> Tensor | None:
+    try:
+        with torch.no_grad():
+            y = module(x)
+    except Exception:
+        return None
+    return y if isinstance(y, Tensor) and y.shape == x.shape else None
+
+
+def _close(a: Tensor, b: Tensor) -> bool:
+    tol = 1e-2 if a.dtype in (torch.float16, torch.bfloat16) else 1e-4
+    scale = float(a.abs().max()) + 1e-12
+    return float((a - b).abs().max()) <= tol * scale
+
+
+def _behaviour(module: nn.Module) -> tuple[Kind, Tensor | None, int]:
+    for x, fdim in _probe_inputs(module):
+        y = _call(module, x)
+        if y is None:
+            continue
+        y3 = _call(module, 3.0 * x)
+        y_other = _call(module, torch.roll(x, 1, dims=0) + 0.5)
+        if y3 is None or y_other is None:
+            continue
+        depends = not _close(y, y_other)
+        y_small = _call(module, 0.5 * x)
+        if depends and _close(y, y3) and y_small is not None and _close(y, y_small):
+            return Kind.NORM, x, fdim
+        xp = x.clone()
+        xp.select(fdim, 0).add_(1.0)
+        yp = _call(module, xp)
+        if yp is not None and depends:
+            changed = (yp - y).abs() > 1e-6 * (float(y.abs().max()) + 1e-12)
+            untouched = changed.clone()
+            untouched.select(fdim, 0).zero_()
+            if not bool(untouched.any()):
+                return Kind.POINTWISE, x, fdim
+        return Kind.OTHER, x, fdim
+    return Kind.OTHER, None, -1
+
+
+def module_kind(module: nn.Module) -> Kind:
+    """Classify one module: known types first, else by behaviour on synthetic inputs.
+
+    Only leaf-like modules (no parameterized submodules) are probed; a module holding
+    both its own parameters and parameterized children (a block with a ReZero scalar,
+    a model with a position table) is ``OTHER`` and its own parameters are judged by shape.
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"module must be an nn.Module, got {type(module).__name__}")
+    if isinstance(module, _KNOWN_NORMS):
+        return Kind.NORM
+    if isinstance(module, _KNOWN_LINEAR):
+        return Kind.LINEAR
+    if isinstance(module, _KNOWN_EMBEDDING):
+        return Kind.EMBEDDING
+    if not _own_params(module):
+        return Kind.CONTAINER
+    if any(True for c in module.modules() if c is not module and next(c.parameters(recurse=False), None) is not None):
+        return Kind.OTHER  # holds parameterized submodules: a block, not a layer; never probed
+    with _Probe(module):
+        kind, _, _ = _behaviour(module)
+    return kind
+
+
+def iter_kinds(model: nn.Module) -> Iterator[tuple[str, nn.Module, Kind]]:
+    """``(name, module, kind)`` for every module that holds parameters of its own."""
+    for name, mod in model.named_modules():
+        if _own_params(mod):
+            yield name, mod, module_kind(mod)
+
+
+def gain_convention(module: nn.Module) -> dict[str, str]:
+    """For a norm (or pointwise) module, the role of each own parameter.
+
+    Returns ``{param_name: "gain" | "gain_one_plus_w" | "bias"}``: a parameter is a gain
+    when setting it to 0 makes the output independent of the input, a ``(1 + w)`` gain
+    when setting it to -1 does, and a bias otherwise. Scalars (numel 1) such as DyT's
+    alpha are reported as ``"scalar"``.
+    """
+    out: dict[str, str] = {}
+    params = _own_params(module)
+    with _Probe(module):
+        _, x, _ = _behaviour(module)
+        if x is None:
+            return {n: "scalar" if p.numel() == 1 else "bias" for n, p in params}
+        x2 = torch.roll(x, 1, dims=0) + 0.5
+        for name, p in params:
+            if p.numel() == 1:
+                out[name] = "scalar"
+                continue
+            saved = p.detach().clone()
+            role = "bias"
+            for value, label in ((0.0, "gain"), (-1.0, "gain_one_plus_w")):
+                with torch.no_grad():
+                    p.fill_(value)
+                y1, y2 = _call(module, x), _call(module, x2)
+                if y1 is not None and y2 is not None and _close(y1, y2) and not _close(y1, 0 * y1 + 1):
+                    role = label
+                    break
+                if y1 is not None and y2 is not None and float(y1.abs().max()) == 0.0 == float(y2.abs().max()):
+                    role = label
+                    break
+            with torch.no_grad():
+                p.copy_(saved)
+            out[name] = role
+    return out
+
+
+def find_blocks(model: nn.Module) -> list[nn.Module]:
+    """The model's repeated blocks: the biggest ``ModuleList``/``Sequential`` of >= 2 same-class modules."""
+    best: list[nn.Module] = []
+    best_params = -1
+    for mod in model.modules():
+        if not isinstance(mod, (nn.ModuleList, nn.Sequential)):
+            continue
+        children = list(mod.children())
+        if len(children) < 2 or len({type(c) for c in children}) != 1:
+            continue
+        if isinstance(children[0], _KNOWN_LINEAR + _KNOWN_NORMS + _KNOWN_EMBEDDING):
+            continue
+        n = sum(p.numel() for p in mod.parameters())
+        if n > best_params:
+            best, best_params = children, n
+    return best
+
+
+def _storage(t: Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def trace_linear_to_norm(model: nn.Module, *args: Any, **kwargs: Any) -> list[tuple[nn.Module, nn.Module]]:
+    """Run ``model(*args, **kwargs)`` once and return ``(linear, norm)`` pairs where the norm's
+    input is the linear's output (possibly through views / reshapes).
+
+    Norms are found by :func:`module_kind`, so custom norm classes count. Only norms that
+    normalize over features of each sample make the linear's weight scale-invariant as a
+    whole; a BatchNorm makes each output channel's row scale-invariant, which also holds.
+    """
+    kinds = {m: module_kind(m) for m in model.modules()}
+    produced: dict[int, tuple[nn.Module, Tensor]] = {}
+    pairs: list[tuple[nn.Module, nn.Module]] = []
+    handles = []
+
+    def after_linear(mod: nn.Module, inp: Any, out: Any) -> None:
+        if isinstance(out, Tensor):
+            produced[_storage(out)] = (mod, out)  # holding ``out`` keeps its storage from reuse
+
+    def before_norm(mod: nn.Module, inp: Any) -> None:
+        if inp and isinstance(inp[0], Tensor):
+            hit = produced.get(_storage(inp[0]))
+            if hit is not None and (hit[0], mod) not in pairs:
+                pairs.append((hit[0], mod))
+
+    for mod, kind in kinds.items():
+        if kind is Kind.LINEAR:
+            handles.append(mod.register_forward_hook(after_linear))
+        elif kind is Kind.NORM:
+            handles.append(mod.register_forward_pre_hook(before_norm))
+    try:
+        with torch.no_grad():
+            model(*args, **kwargs)
+    finally:
+        for h in handles:
+            h.remove()
+        produced.clear()
+    return pairs
+
+
+def is_batch_norm(module: nn.Module) -> bool:
+    """True for torch BatchNorm and for a normatlas ``Norm`` that reduces over the batch."""
+    if isinstance(module, nn.modules.batchnorm._BatchNorm):
+        return True
+    return isinstance(module, Norm) and Axis.SAMPLE in module.spec.reduce
