@@ -1,0 +1,171 @@
+"""What a surgery did: changes, refusals with their reasons, runtime swaps, and the measured proof."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..modules import Norm
+from ..spec import CastOrder, EpsPlacement, Gain, GainConvention, Layout, NormSpec, Scale, parse_enum
+
+__all__ = ["Change", "Check", "Refusal", "Surgery", "Swap", "apply_swaps", "spec_from_dict", "spec_to_dict"]
+
+
+@dataclass
+class Change:
+    target: str
+    action: str
+    detail: str = ""
+
+
+@dataclass
+class Refusal:
+    target: str
+    transform: str
+    reason: str
+
+
+@dataclass
+class Check:
+    """Before vs after on the probe inputs in one dtype."""
+
+    model: str  # "runtime" (with swaps) or "stock" (the saved module structure)
+    dtype: str
+    max_abs: float
+    max_rel: float
+    top1: float | None
+    min_cos: float | None
+    passed: bool
+
+
+@dataclass
+class Swap:
+    """A runtime module replacement that is exact given the transformed weights.
+
+    kind: ``norm`` (a normatlas :class:`Norm` with ``spec``), ``identity``, ``frozen_batchnorm``,
+    ``bias_into`` (``module`` gains a bias parameter copied from ``source``'s bias; ``source``
+    becomes identity).
+    """
+
+    module: str
+    kind: str
+    spec: dict[str, Any] | None = None
+    shape: list[int] | None = None
+    source: str | None = None
+    eps: float | None = None
+
+
+@dataclass
+class Surgery:
+    """The result of one transformation: the module-structure-preserving model (what is saved),
+    the runtime swaps, and the proof."""
+
+    transform: str
+    stock: nn.Module
+    swaps: list[Swap] = field(default_factory=list)
+    changes: list[Change] = field(default_factory=list)
+    refusals: list[Refusal] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    checks: list[Check] = field(default_factory=list)
+    stock_equivalent: bool = True
+    config_updates: dict[str, Any] = field(default_factory=dict)
+    deferred: list[tuple[str, list[str], Any]] = field(default_factory=list)  # runtime-only FlashNorm deferral
+
+    @property
+    def passed(self) -> bool:
+        return bool(self.checks) and all(c.passed for c in self.checks)
+
+    def runtime(self) -> nn.Module:
+        """A copy of the transformed model with the runtime swaps applied."""
+        return apply_swaps(copy.deepcopy(self.stock), self.swaps)
+
+    def manifest(self) -> dict[str, Any]:
+        return {
+            "format": "normatlas-surgery/1",
+            "transform": self.transform,
+            "stock_equivalent": self.stock_equivalent,
+            "swaps": [asdict(s) for s in self.swaps],
+            "changes": [asdict(c) for c in self.changes],
+            "refusals": [asdict(r) for r in self.refusals],
+            "notes": self.notes,
+            "checks": [asdict(c) for c in self.checks],
+            "config_updates": self.config_updates,
+        }
+
+    def rows(self) -> list[dict[str, object]]:
+        rows: list[dict[str, object]] = [
+            {"target": c.target, "result": c.action, "detail": c.detail} for c in self.changes
+        ]
+        rows += [{"target": r.target, "result": f"refused ({r.transform})", "detail": r.reason} for r in self.refusals]
+        return rows
+
+    def check_rows(self) -> list[dict[str, object]]:
+        def fmt(v: float | None) -> str:
+            return "-" if v is None else f"{v:.3g}"
+
+        return [
+            {"model": c.model, "dtype": c.dtype, "max_abs": fmt(c.max_abs), "max_rel": fmt(c.max_rel),
+             "top1": fmt(c.top1), "min_cos": "-" if c.min_cos is None else f"{c.min_cos:.8f}",
+             "passed": "yes" if c.passed else "NO"}
+            for c in self.checks
+        ]
+
+
+def spec_to_dict(spec: NormSpec) -> dict[str, Any]:
+    return {
+        "layout": spec.layout.value, "reduce": sorted(a.value for a in spec.reduce), "feature_ndim": spec.feature_ndim,
+        "groups": spec.groups, "center": spec.center, "scale": spec.scale.value, "eps": spec.eps,
+        "eps_placement": spec.eps_placement.value, "cast_order": spec.cast_order.value, "gain": spec.gain.value,
+        "gain_convention": spec.gain_convention.value, "bias": spec.bias,
+    }
+
+
+def spec_from_dict(d: dict[str, Any]) -> NormSpec:
+    from ..spec import Axis
+
+    return NormSpec(
+        layout=parse_enum(Layout, d["layout"], name="layout"),
+        reduce=frozenset(parse_enum(Axis, a, name="reduce") for a in d["reduce"]),
+        feature_ndim=int(d["feature_ndim"]), groups=int(d["groups"]), center=bool(d["center"]),
+        scale=parse_enum(Scale, d["scale"], name="scale"), eps=d["eps"],
+        eps_placement=parse_enum(EpsPlacement, d["eps_placement"], name="eps_placement"),
+        cast_order=parse_enum(CastOrder, d["cast_order"], name="cast_order"),
+        gain=parse_enum(Gain, d["gain"], name="gain"),
+        gain_convention=parse_enum(GainConvention, d["gain_convention"], name="gain_convention"),
+        bias=bool(d["bias"]),
+    )
+
+
+@torch.no_grad()
+def apply_swaps(model: nn.Module, swaps: list[Swap]) -> nn.Module:
+    """Replace modules in ``model`` as ``swaps`` say, carrying over parameter values."""
+    from ..longtail import FrozenBatchNorm
+
+    for s in swaps:
+        old = model.get_submodule(s.module)
+        new: nn.Module
+        if s.kind == "norm":
+            assert s.spec is not None and s.shape is not None
+            spec = spec_from_dict(s.spec)
+            ref = next(iter(old.parameters(recurse=False)), None)
+            new = Norm(spec, tuple(s.shape), dtype=ref.dtype if ref is not None else None)
+            state = {k: v for k, v in old.state_dict().items() if k in new.state_dict()}
+            new.load_state_dict(state)
+        elif s.kind == "identity":
+            new = nn.Identity()
+        elif s.kind == "frozen_batchnorm":
+            new = FrozenBatchNorm.from_batchnorm(old)
+        elif s.kind == "bias_into":
+            assert s.source is not None
+            src = model.get_submodule(s.source)
+            old.bias = nn.Parameter(src.bias.detach().clone())  # type: ignore[union-attr]
+            model.set_submodule(s.source, nn.Identity())
+            continue
+        else:
+            raise ValueError(f"swap kind={s.kind!r} is not one of 'norm', 'identity', 'frozen_batchnorm', 'bias_into'")
+        model.set_submodule(s.module, new)
+    return model

@@ -1,0 +1,126 @@
+"""The proof: the model before and after, on the same probe inputs, in float64 and the working dtype.
+
+Reports the maximum absolute error, the maximum error relative to the largest reference
+output (``max|a - b| / max|b|``), top-1 agreement over the last axis when the output is
+LM logits, and the minimum row cosine when an embedding head is given. A check passes
+when ``max_rel`` is within the tolerance set for its dtype.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from .report import Check, Surgery
+
+__all__ = ["Tolerance", "model_output", "probe_inputs", "run_checks", "compare"]
+
+Head = Callable[[Tensor, dict[str, Any]], Tensor]
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """Largest allowed ``max_rel`` per dtype (float64 and the working dtype)."""
+
+    float64: float = 1e-5
+    working: float = 1e-4
+
+    def __post_init__(self) -> None:
+        for name in ("float64", "working"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or not v > 0:
+                raise ValueError(f"tolerance {name}={v!r} must be a positive number")
+
+
+def probe_inputs(model: nn.Module, *, batch: int = 2, length: int = 12, seed: int = 0) -> dict[str, Any]:
+    """Seeded probe inputs for a transformers model (token ids or pixels), from its config."""
+    config = getattr(model, "config", None)
+    gen = torch.Generator().manual_seed(seed)
+    main = getattr(model, "main_input_name", "input_ids")
+    if main == "pixel_values":
+        channels = getattr(config, "num_channels", 3)
+        return {"pixel_values": torch.randn(batch, channels, 32, 32, generator=gen)}
+    vocab = getattr(config, "vocab_size", None) if config is not None else None
+    if vocab is None:
+        raise ValueError("probe inputs need a transformers config with vocab_size; pass example inputs instead")
+    ids = torch.randint(0, vocab, (batch, length), generator=gen)
+    inputs: dict[str, Any] = {"input_ids": ids}
+    params = inspect.signature(model.forward).parameters
+    if "attention_mask" in params:
+        inputs["attention_mask"] = torch.ones_like(ids)
+    if "use_cache" in params:
+        inputs["use_cache"] = False
+    return inputs
+
+
+def model_output(model: nn.Module, inputs: Any) -> tuple[Tensor, bool]:
+    """Run ``model`` and return (the output tensor, whether it is LM logits)."""
+    with torch.no_grad():
+        out = model(**inputs) if isinstance(inputs, dict) else model(*inputs) if isinstance(inputs, tuple) \
+            else model(inputs)
+    if isinstance(out, Tensor):
+        return out, False
+    logits = getattr(out, "logits", None)
+    if isinstance(logits, Tensor):
+        return logits, True
+    for key in ("last_hidden_state", "pooler_output"):
+        value = getattr(out, key, None)
+        if isinstance(value, Tensor):
+            return value, False
+    first = out[0] if isinstance(out, (tuple, list)) else out.to_tuple()[0]
+    return first, False
+
+
+def _cast_inputs(inputs: Any, dtype: torch.dtype) -> Any:
+    if isinstance(inputs, dict):
+        return {k: _cast_inputs(v, dtype) for k, v in inputs.items()}
+    if isinstance(inputs, tuple):
+        return tuple(_cast_inputs(v, dtype) for v in inputs)
+    if isinstance(inputs, Tensor) and inputs.is_floating_point():
+        return inputs.to(dtype)
+    return inputs
+
+
+def compare(before: nn.Module, after: nn.Module, inputs: Any, dtype: torch.dtype, *, label: str = "runtime",
+            tol: float = 1e-4, head: Head | None = None) -> Check:
+    """One check: both models cast to ``dtype`` (copies), same inputs."""
+    b = copy.deepcopy(before).to(dtype).eval()
+    a = copy.deepcopy(after).to(dtype).eval()
+    x = _cast_inputs(inputs, dtype)
+    ref, is_lm = model_output(b, x)
+    out, _ = model_output(a, x)
+    if head is not None:
+        ref, out = head(ref, x), head(out, x)
+    ref64, out64 = ref.double(), out.double()
+    max_abs = float((out64 - ref64).abs().max())
+    max_rel = max_abs / max(float(ref64.abs().max()), torch.finfo(torch.float64).tiny)
+    top1 = float((out64.argmax(-1) == ref64.argmax(-1)).double().mean()) if is_lm else None
+    min_cos = None
+    if head is not None:
+        r2, o2 = ref64.reshape(-1, ref64.shape[-1]), out64.reshape(-1, out64.shape[-1])
+        min_cos = float(torch.nn.functional.cosine_similarity(r2, o2, dim=-1).min())
+    ok = bool(torch.isfinite(out64).all()) and max_rel <= tol
+    return Check(label, str(dtype).replace("torch.", ""), max_abs, max_rel, top1, min_cos, ok)
+
+
+def run_checks(before: nn.Module, surgery: Surgery, inputs: Any, *, tolerance: Tolerance | None = None,
+               working_dtype: torch.dtype | None = None, head: Head | None = None,
+               runtime: nn.Module | None = None) -> Surgery:
+    """Attach the proof to ``surgery``: runtime (swapped) model, and the saved structure when it is
+    meant to be stock-equivalent, each in float64 and the working dtype."""
+    tol = tolerance or Tolerance()
+    wdtype = working_dtype or next(before.parameters()).dtype
+    targets = [("runtime", runtime if runtime is not None else surgery.runtime())]
+    if surgery.stock_equivalent and surgery.swaps:
+        targets.append(("stock", surgery.stock))
+    surgery.checks = []
+    for label, model in targets:
+        for dtype, t in ((torch.float64, tol.float64), (wdtype, tol.working)):
+            surgery.checks.append(compare(before, model, inputs, dtype, label=label, tol=t, head=head))
+    return surgery
