@@ -26,12 +26,15 @@ def _data(sizes, step):
     return x, up
 
 
-def _worker(rank, world, port, sizes, outdir):
+def _worker(rank, world, port, sizes, outdir, backend="gloo"):
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, rank=rank, world_size=world)
     try:
         torch.manual_seed(0)
-        bn = SyncBatchNorm(C, momentum=0.3, dtype=torch.float64)
+        bn = SyncBatchNorm(C, momentum=0.3, dtype=torch.float64, device=device)
         with torch.no_grad():
             bn.weight.copy_(torch.tensor([0.5, 2.0, -1.0]))
             bn.bias.copy_(torch.tensor([0.1, 0.0, -0.3]))
@@ -39,12 +42,13 @@ def _worker(rank, world, port, sizes, outdir):
         record = {}
         for step in range(STEPS):
             x, up = _data(sizes, step)
-            xs = x[lo:hi].clone().requires_grad_(True)
+            xs = x[lo:hi].clone().to(device).requires_grad_(True)
             bn.zero_grad()
             y = bn(xs)
-            (y * up[lo:hi]).sum().backward()
-            record[step] = {"y": y.detach(), "gx": xs.grad, "gw": bn.weight.grad.clone(), "gb": bn.bias.grad.clone()}
-        record["running"] = (bn.running_mean.clone(), bn.running_var.clone(), int(bn.num_batches_tracked))
+            (y * up[lo:hi].to(device)).sum().backward()
+            record[step] = {"y": y.detach().cpu(), "gx": xs.grad.cpu(), "gw": bn.weight.grad.cpu(),
+                            "gb": bn.bias.grad.cpu()}  # fmt: skip
+        record["running"] = (bn.running_mean.cpu(), bn.running_var.cpu(), int(bn.num_batches_tracked))
         torch.save(record, os.path.join(outdir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -56,9 +60,22 @@ def _free_port():
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("sizes", [(4, 3), (6, 0)], ids=["uneven", "zero-sample-rank"])
-def test_two_rank_gloo_matches_single_process_on_concatenated_batch(tmp_path, sizes):
-    mp.start_processes(_worker, args=(2, _free_port(), sizes, str(tmp_path)), nprocs=2, join=True,
+def _needs_two_gpus():
+    return pytest.mark.skipif(torch.cuda.device_count() < 2, reason="nccl with 2 ranks needs 2 GPUs")
+
+
+@pytest.mark.parametrize(
+    ("backend", "sizes"),
+    [
+        ("gloo", (4, 3)),
+        ("gloo", (6, 0)),
+        pytest.param("nccl", (4, 3), marks=[pytest.mark.gpu, _needs_two_gpus()]),
+        pytest.param("nccl", (6, 0), marks=[pytest.mark.gpu, _needs_two_gpus()]),
+    ],
+    ids=["gloo-uneven", "gloo-zero-sample-rank", "nccl-uneven", "nccl-zero-sample-rank"],
+)
+def test_two_ranks_match_single_process_on_concatenated_batch(tmp_path, backend, sizes):
+    mp.start_processes(_worker, args=(2, _free_port(), sizes, str(tmp_path), backend), nprocs=2, join=True,
                        start_method="spawn")  # fmt: skip
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     ref = BatchNorm(C, momentum=0.3, dtype=torch.float64)  # itself checked against torch.nn in test_longtail_batch
@@ -113,3 +130,15 @@ def test_single_process_equals_torch_batchnorm_and_gradcheck():
 def test_mask_is_rejected():
     with pytest.raises(ValueError, match="mask is not supported"):
         SyncBatchNorm(C)(torch.randn(4, C), mask=torch.ones(4, C, dtype=torch.bool))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_single_process_matches_torch_batchnorm(dtype):
+    torch.manual_seed(2)
+    x = torch.randn(16, C, 33, device="cuda")
+    ours = SyncBatchNorm(C, device="cuda", dtype=dtype)
+    theirs = torch.nn.BatchNorm1d(C, device="cuda")
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 3e-2, "rtol": 3e-2}
+    assert_close(ours(x.to(dtype)).float(), theirs(x), **tol)
+    assert_close(ours.running_var, theirs.running_var, **tol)
