@@ -120,6 +120,18 @@ def test_ghost_normalizes_each_virtual_batch_by_its_own_statistics():
     assert_close(g.running_var, unbiased)  # momentum 1: the mean of the virtual batches' statistics
 
 
+def test_ghost_backward_is_per_virtual_batch_batchnorm_backward():
+    torch.manual_seed(3)
+    x = torch.randn(10, 3, 5, dtype=torch.float64, requires_grad=True)
+    up = torch.randn(10, 3, 5, dtype=torch.float64)
+    g = GhostBatchNorm(3, virtual_batch_size=4, dtype=torch.float64)
+    (gx,) = torch.autograd.grad((g(x) * up).sum(), x)
+    xr = x.detach().clone().requires_grad_(True)
+    parts = [torch.nn.functional.batch_norm(p, None, None, training=True) for p in xr.split(4)]
+    (ref,) = torch.autograd.grad((torch.cat(parts) * up).sum(), xr)
+    assert_close(gx, ref)
+
+
 def test_renorm_with_closed_clips_is_batchnorm_forward_and_backward():
     torch.manual_seed(4)
     r, b = BatchRenorm(3, momentum=0.1, r_max=1.0, d_max=0.0, dtype=torch.float64), BatchNorm(3, dtype=torch.float64)
@@ -147,6 +159,23 @@ def test_renorm_with_open_clips_is_the_eval_function():
         r.weight.normal_()
     expected = r.eval()(x := torch.randn(6, 3, 7, dtype=torch.float64))
     assert_close(r.train()(x), expected)
+
+
+def test_renorm_backward_is_r_times_the_batchnorm_backward():
+    """r and d are constants in the backward: dL/dx = r * (BatchNorm's dL/dx) per channel (float64)."""
+    torch.manual_seed(5)
+    r = BatchRenorm(3, momentum=0.0, r_max=1.5, d_max=1e6, affine=False, dtype=torch.float64)
+    with torch.no_grad():
+        r.running_var.copy_(torch.tensor([4.0, 0.25, 1.0]))
+    x = torch.randn(6, 3, 7, dtype=torch.float64, requires_grad=True)
+    up = torch.randn(6, 3, 7, dtype=torch.float64)
+    (gx,) = torch.autograd.grad((r(x) * up).sum(), x)
+    std_b = (x.detach().var((0, 2), unbiased=False) + 1e-5).sqrt()
+    ratio = (std_b / (r.running_var.double() + 1e-5).sqrt()).clamp(1 / 1.5, 1.5)
+    xr = x.detach().clone().requires_grad_(True)
+    (gbn,) = torch.autograd.grad((torch.nn.functional.batch_norm(xr, None, None, training=True) * up).sum(), xr)
+    assert_close(gx, gbn * ratio[None, :, None])
+    assert (ratio != 1).all() and ((ratio == 1.5) | (ratio == 1 / 1.5)).any()  # clipping was exercised
 
 
 def test_renorm_schedules():
