@@ -284,6 +284,8 @@ def analyze(g: Graph, name: str = "model", tracer: str = "torch_function") -> In
             grp.branch_scales += scales
             if node in by_output:
                 grp.out.append(by_output[node])
+                if by_output[node].output_scale != 1.0:  # a constant after the branch's last norm scales the branch
+                    grp.branch_scales.append(f"{by_output[node].output_scale:.6g}")
         grp.kind = "attention" if own & attn_bits else "mlp"
         if len(grp.branches) > 1:
             kinds = {bool((g.anc(b) & ~g.anc(grp.source)) & attn_bits) for b in grp.branches}
@@ -308,7 +310,7 @@ def analyze(g: Graph, name: str = "model", tracer: str = "torch_function") -> In
         last = groups[-1]
         cands = [s for s in by_input.get(strip(g, last.adds[-1]), []) if s not in last.pre]
         same_kind = [grp for grp in groups[:-1] if grp.kind == last.kind]
-        if cands and same_kind and Counter(bool(grp.post) for grp in same_kind).most_common(1)[0][0]:
+        if cands and same_kind and same_kind[-1].post:  # the nearest layer decides (Mix-LN switches with depth)
             last.post.append(cands[0])
             end_idx = cands[0].output
             cands = [s for s in by_input.get(strip(g, end_idx), [])]

@@ -77,6 +77,18 @@ def _model_from_config(cfg: Any) -> nn.Module:
     return model.eval()
 
 
+def _model_for_checkpoint(cfg: Any) -> nn.Module:
+    """The class the checkpoint names in ``config.architectures`` (else the base AutoModel)."""
+    import transformers
+    from transformers import AutoModel
+
+    for arch in getattr(cfg, "architectures", None) or []:
+        cls = getattr(transformers, arch, None)
+        if cls is not None:
+            return cls(cfg).eval()
+    return AutoModel.from_config(cfg, attn_implementation="eager").eval()
+
+
 def example_inputs(model: nn.Module, seq: int = 8, seed: int = 0) -> dict[str, torch.Tensor]:
     """A token batch ``{"input_ids": (1, seq)}`` valid for the model's vocabulary."""
     cfg = getattr(model, "config", None)
@@ -97,7 +109,7 @@ def build_target(target: str, seed: int = 0) -> tuple[nn.Module, Any, str]:
 
         cfg = AutoConfig.from_pretrained(str(path))
         cfg._attn_implementation = "eager"
-        model = _model_from_config(cfg)
+        model = _model_for_checkpoint(cfg)
         files = sorted(path.glob("*.safetensors"))
         if files:
             from safetensors.torch import load_file
@@ -115,7 +127,10 @@ def build_target(target: str, seed: int = 0) -> tuple[nn.Module, Any, str]:
             if not remapped:
                 raise ValueError(f"{target}: no tensor in the safetensors files matches the {cfg.model_type} model")
             model.load_state_dict(remapped, strict=False)
-        return model.eval(), example_inputs(model, seed=seed), f"{cfg.model_type} ({path.name})"
+            loaded = f"{len(remapped)}/{len(own)} tensors from {len(files)} safetensors file(s)"
+        else:
+            loaded = "no safetensors: random weights"
+        return model.eval(), example_inputs(model, seed=seed), f"{cfg.model_type} ({path.name}; {loaded})"
     if ":" in target and not path.exists():
         mod_name, _, attr = target.partition(":")
         try:
