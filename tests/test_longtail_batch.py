@@ -291,3 +291,15 @@ def test_bad_arguments(build, needle):
 def test_bad_layout_type():
     with pytest.raises(TypeError, match="layout='NCHW'"):
         BatchNorm(3, layout="NCHW")  # type: ignore[arg-type]
+
+
+@settings(max_examples=20, deadline=None)
+@given(seed=st.integers(0, 10_000), scale=st.floats(0.01, 100.0), shift=st.floats(-50.0, 50.0))
+def test_train_mode_batchnorm_is_invariant_to_per_channel_affine_input_changes(seed, scale, shift):
+    """BN(a_c x + b_c) == BN(x) for a_c > 0 (statistics over samples and positions absorb both)."""
+    torch.manual_seed(seed)
+    x = torch.randn(5, 3, 4, dtype=torch.float64)
+    a = torch.tensor([scale, 1.0, 2.0], dtype=torch.float64)[None, :, None]
+    b = torch.tensor([shift, -shift, 0.0], dtype=torch.float64)[None, :, None]
+    bn = BatchNorm(3, eps=1e-12, track_running_stats=False, dtype=torch.float64)
+    assert_close(bn(a * x + b), bn(x), atol=1e-8, rtol=1e-6)
