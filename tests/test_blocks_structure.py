@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -81,7 +82,7 @@ def test_pre_ln_gradient_at_embedding_is_not_attenuated_with_depth():
     norms = [x.grad.norm().item() for x in xs]
     # dx_L/dx_0 = prod(I + J_l): the identity path carries the top gradient down unattenuated
     assert norms[0] >= norms[-1]
-    assert all(a >= b * 0.999 for a, b in zip(norms, norms[1:]))
+    assert all(a >= b * 0.999 for a, b in itertools.pairwise(norms))
 
 
 @pytest.mark.parametrize("placement, identity", [(pre_ln(), True), (post_ln(), False)])
@@ -108,11 +109,11 @@ def test_pre_ln_stream_variance_grows_with_depth_and_layernorm_scaling_bounds_it
     with torch.no_grad():
         pre = [x.var().item() for x in _stream(_model(pre_ln()))[0]]
         lns = [x.var().item() for x in _stream(_model(layernorm_scaling()))[0]]
-    assert all(b > a for a, b in zip(pre, pre[1:])), pre
+    assert all(b > a for a, b in itertools.pairwise(pre)), pre
     assert pre[-1] > 5 * pre[0]
     # LNS: the same weights, branch inputs scaled by 1/sqrt(l): the growth flattens out
     assert lns[-1] < 0.5 * pre[-1]
-    inc = [b - a for a, b in zip(lns, lns[1:])]
+    inc = [b - a for a, b in itertools.pairwise(lns)]
     assert inc[-1] < 0.25 * inc[0], inc
 
 

@@ -49,11 +49,14 @@ class Rope:
         return d
 
 
-def rope_tables(rope: Rope, head_dim: int, positions: Tensor) -> tuple[Tensor, Tensor]:
-    """cos and sin of shape ``(T, rotary_dim)`` laid out for ``rope.style``, in fp32."""
+def rope_tables(
+    rope: Rope, head_dim: int, positions: Tensor, dtype: torch.dtype = torch.float32
+) -> tuple[Tensor, Tensor]:
+    """cos and sin of shape ``(T, rotary_dim)`` laid out for ``rope.style``, in ``dtype`` (fp32 as HF)."""
     d = rope.rotary_dim(head_dim)
-    inv_freq = 1.0 / (rope.theta ** (torch.arange(0, d, 2, dtype=torch.int64, device=positions.device).float() / d))
-    freqs = positions.float()[:, None] * inv_freq[None, :]
+    steps = torch.arange(0, d, 2, dtype=torch.int64, device=positions.device).to(dtype) / d
+    inv_freq = 1.0 / (rope.theta**steps)
+    freqs = positions.to(dtype)[:, None] * inv_freq[None, :]
     emb = torch.cat((freqs, freqs), -1) if rope.style is RopeStyle.HALF else freqs.repeat_interleave(2, -1)
     return emb.cos(), emb.sin()
 

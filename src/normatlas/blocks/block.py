@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from .attention import Attention, RopeStyle
 from .placement import DepthScale, Gate, NormFactory, Placement
 from .qknorm import QKNormConfig
-from .residual import LayerScale, ReZero, ResidualAdd
+from .residual import LayerScale, ResidualAdd, ReZero
 
 __all__ = ["MLP", "Activation", "Block"]
 
@@ -113,6 +113,12 @@ class Block(nn.Module):
                 "(e.g. normatlas.RMSNorm) or a norm-free placement (rezero, skipinit, norm_free)"
             )
         self.placement, self.layer, self.n_layers = placement, layer, n_layers
+        self.attn_pre_norm: nn.Module | None
+        self.attn_post_norm: nn.Module | None
+        self.attn_after_norm: nn.Module | None
+        self.ffn_pre_norm: nn.Module | None
+        self.ffn_post_norm: nn.Module | None
+        self.ffn_after_norm: nn.Module | None
         self.window, self.rope_theta = window, rope_theta
         hd = d_model // n_heads if head_dim is None else head_dim
         qkv = None
@@ -190,4 +196,3 @@ class Block(nn.Module):
     def extra_repr(self) -> str:
         s = f"layer={self.layer}, placement={self.placement.name}"
         return s + (f", pre_scale={self.pre_scale:.4g}" if self.pre_scale != 1.0 else "")
-

@@ -57,7 +57,8 @@ def from_hf(hf_model: nn.Module, *, keymap: KeyMap | None = None) -> Transformer
         raise TypeError(f"{type(hf_model).__name__} has no .config; pass an HF PreTrainedModel")
     km = keymap or keymap_for(config.model_type)
     ours_cfg = km.config(config)
-    embedding = hf_model.get_input_embeddings() if hasattr(hf_model, "get_input_embeddings") else None
+    getter = getattr(hf_model, "get_input_embeddings", None)
+    embedding = getter() if callable(getter) else None
     pad = getattr(embedding, "padding_idx", None)
     if pad is not None:  # read from the module, which is what decides the gradient
         ours_cfg = ours_cfg.with_(pad_token_id=pad)

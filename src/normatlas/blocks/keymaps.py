@@ -55,7 +55,10 @@ class KeyMap:
 
 def _lin(ours: str, theirs: str, bias: bool | None = None, **kw: Any) -> tuple[Rule, ...]:
     """weight and (optional) bias rules of a linear layer."""
-    return (Rule(f"{ours}.weight", f"{theirs}.weight", **kw), Rule(f"{ours}.bias", f"{theirs}.bias", optional=True, **kw))
+    return (
+        Rule(f"{ours}.weight", f"{theirs}.weight", **kw),
+        Rule(f"{ours}.bias", f"{theirs}.bias", optional=True, **kw),
+    )
 
 
 def _attn(prefix: str) -> tuple[Rule, ...]:
@@ -231,63 +234,113 @@ KEYMAPS: dict[str, KeyMap] = {
     for m in (
         KeyMap("llama", "LlamaForCausalLM", _llama, _DECODER_GLOBALS, _PRE_LN_LAYER, _IGNORE_ROPE),
         KeyMap("qwen3", "Qwen3ForCausalLM", _qwen3, _DECODER_GLOBALS, _PRE_LN_LAYER, _IGNORE_ROPE),
-        KeyMap("gemma2", "Gemma2ForCausalLM", lambda c: _gemma(c, False), _DECODER_GLOBALS, _PERI_LN_LAYER,
-               (*_IGNORE_ROPE, "embed_tokens.embed_scale")),  # fmt: skip
-        KeyMap("gemma3_text", "Gemma3ForCausalLM", lambda c: _gemma(c, True), _DECODER_GLOBALS, _PERI_LN_LAYER,
-               (*_IGNORE_ROPE, "inv_freq", "embed_tokens.embed_scale")),  # fmt: skip
-        KeyMap("olmo2", "Olmo2ForCausalLM", _olmo2, _DECODER_GLOBALS, (
-            *_attn(_L),
-            *_norm("layers.{i}.attn_post_norm", f"{_L}.post_attention_layernorm"),  # OLMo 2: post-branch
-            *_mlp(_L),
-            *_norm("layers.{i}.ffn_post_norm", f"{_L}.post_feedforward_layernorm"),
-        ), _IGNORE_ROPE),  # fmt: skip
-        KeyMap("cohere", "CohereForCausalLM", _cohere, _DECODER_GLOBALS, (
-            *_norm("layers.{i}.attn_pre_norm", f"{_L}.input_layernorm"),  # one norm feeds both branches
-            *_attn(_L),
-            *_mlp(_L),
-        ), _IGNORE_ROPE),  # fmt: skip
-        KeyMap("glm4", "Glm4ForCausalLM", _glm4, _DECODER_GLOBALS, (
-            *_norm("layers.{i}.attn_pre_norm", f"{_L}.input_layernorm"),
-            *_attn(_L),
-            *_norm("layers.{i}.attn_post_norm", f"{_L}.post_self_attn_layernorm"),
-            *_norm("layers.{i}.ffn_pre_norm", f"{_L}.post_attention_layernorm"),  # GLM-4: the pre-FFN norm
-            Rule("layers.{i}.mlp.gate_proj.weight", f"{_L}.mlp.gate_up_proj.weight", chunks=2, index=0),
-            Rule("layers.{i}.mlp.up_proj.weight", f"{_L}.mlp.gate_up_proj.weight", chunks=2, index=1),
-            *_lin("layers.{i}.mlp.down_proj", f"{_L}.mlp.down_proj"),
-            *_norm("layers.{i}.ffn_post_norm", f"{_L}.post_mlp_layernorm"),
-        ), _IGNORE_ROPE),  # fmt: skip
-        KeyMap("gpt2", "GPT2LMHeadModel", _gpt2, (
-            Rule("embed.weight", "transformer.wte.weight"),
-            Rule("pos_embed.weight", "transformer.wpe.weight"),
-            *_norm("final_norm", "transformer.ln_f"),
-            Rule("lm_head.weight", "lm_head.weight"),
-        ), (
-            *_norm("layers.{i}.attn_pre_norm", f"{_G}.ln_1"),
-            *(r for k, n in enumerate("qkv") for r in _lin(
-                f"layers.{{i}}.attn.{n}_proj", f"{_G}.attn.c_attn", transpose=True, chunks=3, index=k)),
-            *_lin("layers.{i}.attn.o_proj", f"{_G}.attn.c_proj", transpose=True),
-            *_norm("layers.{i}.ffn_pre_norm", f"{_G}.ln_2"),
-            *_lin("layers.{i}.mlp.up_proj", f"{_G}.mlp.c_fc", transpose=True),
-            *_lin("layers.{i}.mlp.down_proj", f"{_G}.mlp.c_proj", transpose=True),
-        ), ("attn.bias", "attn.masked_bias")),  # fmt: skip
-        KeyMap("bert", "BertForMaskedLM", _bert, (
-            Rule("embed.weight", "bert.embeddings.word_embeddings.weight"),
-            Rule("pos_embed.weight", "bert.embeddings.position_embeddings.weight"),
-            Rule("type_embed.weight", "bert.embeddings.token_type_embeddings.weight"),
-            *_norm("embed_norm", "bert.embeddings.LayerNorm"),
-            *_lin("head_dense", "cls.predictions.transform.dense"),
-            *_norm("head_norm", "cls.predictions.transform.LayerNorm"),
-            Rule("lm_head.weight", "cls.predictions.decoder.weight"),
-            Rule("lm_head.bias", "cls.predictions.bias"),
-        ), (
-            *_lin("layers.{i}.attn.q_proj", f"{_B}.attention.self.query"),
-            *_lin("layers.{i}.attn.k_proj", f"{_B}.attention.self.key"),
-            *_lin("layers.{i}.attn.v_proj", f"{_B}.attention.self.value"),
-            *_lin("layers.{i}.attn.o_proj", f"{_B}.attention.output.dense"),
-            *_norm("layers.{i}.attn_after_norm", f"{_B}.attention.output.LayerNorm"),  # Post-LN: after the add
-            *_lin("layers.{i}.mlp.up_proj", f"{_B}.intermediate.dense"),
-            *_lin("layers.{i}.mlp.down_proj", f"{_B}.output.dense"),
-            *_norm("layers.{i}.ffn_after_norm", f"{_B}.output.LayerNorm"),
-        ), ("position_ids", "token_type_ids", "cls.predictions.decoder.bias")),  # fmt: skip
+        KeyMap(
+            "gemma2",
+            "Gemma2ForCausalLM",
+            lambda c: _gemma(c, False),
+            _DECODER_GLOBALS,
+            _PERI_LN_LAYER,
+            (*_IGNORE_ROPE, "embed_tokens.embed_scale"),
+        ),
+        KeyMap(
+            "gemma3_text",
+            "Gemma3ForCausalLM",
+            lambda c: _gemma(c, True),
+            _DECODER_GLOBALS,
+            _PERI_LN_LAYER,
+            (*_IGNORE_ROPE, "inv_freq", "embed_tokens.embed_scale"),
+        ),
+        KeyMap(
+            "olmo2",
+            "Olmo2ForCausalLM",
+            _olmo2,
+            _DECODER_GLOBALS,
+            (
+                *_attn(_L),
+                *_norm("layers.{i}.attn_post_norm", f"{_L}.post_attention_layernorm"),  # OLMo 2: post-branch
+                *_mlp(_L),
+                *_norm("layers.{i}.ffn_post_norm", f"{_L}.post_feedforward_layernorm"),
+            ),
+            _IGNORE_ROPE,
+        ),
+        KeyMap(
+            "cohere",
+            "CohereForCausalLM",
+            _cohere,
+            _DECODER_GLOBALS,
+            (
+                *_norm("layers.{i}.attn_pre_norm", f"{_L}.input_layernorm"),  # one norm feeds both branches
+                *_attn(_L),
+                *_mlp(_L),
+            ),
+            _IGNORE_ROPE,
+        ),
+        KeyMap(
+            "glm4",
+            "Glm4ForCausalLM",
+            _glm4,
+            _DECODER_GLOBALS,
+            (
+                *_norm("layers.{i}.attn_pre_norm", f"{_L}.input_layernorm"),
+                *_attn(_L),
+                *_norm("layers.{i}.attn_post_norm", f"{_L}.post_self_attn_layernorm"),
+                *_norm("layers.{i}.ffn_pre_norm", f"{_L}.post_attention_layernorm"),  # GLM-4: the pre-FFN norm
+                Rule("layers.{i}.mlp.gate_proj.weight", f"{_L}.mlp.gate_up_proj.weight", chunks=2, index=0),
+                Rule("layers.{i}.mlp.up_proj.weight", f"{_L}.mlp.gate_up_proj.weight", chunks=2, index=1),
+                *_lin("layers.{i}.mlp.down_proj", f"{_L}.mlp.down_proj"),
+                *_norm("layers.{i}.ffn_post_norm", f"{_L}.post_mlp_layernorm"),
+            ),
+            _IGNORE_ROPE,
+        ),
+        KeyMap(
+            "gpt2",
+            "GPT2LMHeadModel",
+            _gpt2,
+            (
+                Rule("embed.weight", "transformer.wte.weight"),
+                Rule("pos_embed.weight", "transformer.wpe.weight"),
+                *_norm("final_norm", "transformer.ln_f"),
+                Rule("lm_head.weight", "lm_head.weight"),
+            ),
+            (
+                *_norm("layers.{i}.attn_pre_norm", f"{_G}.ln_1"),
+                *(
+                    r
+                    for k, n in enumerate("qkv")
+                    for r in _lin(f"layers.{{i}}.attn.{n}_proj", f"{_G}.attn.c_attn", transpose=True, chunks=3, index=k)
+                ),
+                *_lin("layers.{i}.attn.o_proj", f"{_G}.attn.c_proj", transpose=True),
+                *_norm("layers.{i}.ffn_pre_norm", f"{_G}.ln_2"),
+                *_lin("layers.{i}.mlp.up_proj", f"{_G}.mlp.c_fc", transpose=True),
+                *_lin("layers.{i}.mlp.down_proj", f"{_G}.mlp.c_proj", transpose=True),
+            ),
+            ("attn.bias", "attn.masked_bias"),
+        ),
+        KeyMap(
+            "bert",
+            "BertForMaskedLM",
+            _bert,
+            (
+                Rule("embed.weight", "bert.embeddings.word_embeddings.weight"),
+                Rule("pos_embed.weight", "bert.embeddings.position_embeddings.weight"),
+                Rule("type_embed.weight", "bert.embeddings.token_type_embeddings.weight"),
+                *_norm("embed_norm", "bert.embeddings.LayerNorm"),
+                *_lin("head_dense", "cls.predictions.transform.dense"),
+                *_norm("head_norm", "cls.predictions.transform.LayerNorm"),
+                Rule("lm_head.weight", "cls.predictions.decoder.weight"),
+                Rule("lm_head.bias", "cls.predictions.bias"),
+            ),
+            (
+                *_lin("layers.{i}.attn.q_proj", f"{_B}.attention.self.query"),
+                *_lin("layers.{i}.attn.k_proj", f"{_B}.attention.self.key"),
+                *_lin("layers.{i}.attn.v_proj", f"{_B}.attention.self.value"),
+                *_lin("layers.{i}.attn.o_proj", f"{_B}.attention.output.dense"),
+                *_norm("layers.{i}.attn_after_norm", f"{_B}.attention.output.LayerNorm"),  # Post-LN: after the add
+                *_lin("layers.{i}.mlp.up_proj", f"{_B}.intermediate.dense"),
+                *_lin("layers.{i}.mlp.down_proj", f"{_B}.output.dense"),
+                *_norm("layers.{i}.ffn_after_norm", f"{_B}.output.LayerNorm"),
+            ),
+            ("position_ids", "token_type_ids", "cls.predictions.decoder.bias"),
+        ),
     )
 }

@@ -26,7 +26,7 @@ __all__ = ["ModelConfig", "TransformerLM", "ViTConfig", "ViTEncoder", "as_factor
 
 def as_factory(norm: NormFactory | NormSpec | None) -> NormFactory | None:
     """A NormSpec becomes ``lambda d: Norm(spec, d)``; a callable is used as is."""
-    if norm is None or callable(norm) and not isinstance(norm, NormSpec):
+    if norm is None or (callable(norm) and not isinstance(norm, NormSpec)):
         return norm
     if isinstance(norm, NormSpec):
         spec = norm
@@ -167,6 +167,10 @@ class _Stack(nn.Module):
     config: ModelConfig
     layers: nn.ModuleList
 
+    def blocks(self) -> list[Block]:
+        """The blocks, typed."""
+        return [b for b in self.layers if isinstance(b, Block)]
+
     def _init_weights(self) -> None:
         std = self.config.init_std
         for m in self.modules():
@@ -174,7 +178,7 @@ class _Stack(nn.Module):
                 nn.init.normal_(m.weight, std=std)
                 if isinstance(m, nn.Linear) and m.bias is not None:
                     nn.init.zeros_(m.bias)
-        for block in self.layers:
+        for block in self.blocks():
             block.deepnorm_init()
 
     def run_layers(self, x: Tensor, attention_mask: Tensor | None = None) -> Tensor:
@@ -188,7 +192,7 @@ class _Stack(nn.Module):
         tables: dict[float, tuple[Tensor, Tensor]] = {}
         from .attention import rope_tables
 
-        for block in self.layers:
+        for block in self.blocks():
             mask = base
             if block.window is not None:
                 mask = mask & ((pos[:, None] - pos[None, :]).abs() < block.window)

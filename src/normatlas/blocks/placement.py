@@ -301,7 +301,9 @@ def deepnorm(
     if part not in ("encoder", "decoder"):
         raise ValueError(f"part={part!r} must be 'encoder' or 'decoder'")
     c = deepnorm_constants(arch, n_layers, n_decoder_layers)
-    alpha, beta = (c.alpha, c.beta) if part == "encoder" or arch is not DeepNormArch.ENCODER_DECODER else c.decoder
+    alpha, beta = c.alpha, c.beta
+    if part == "decoder" and c.decoder is not None:
+        alpha, beta = c.decoder
     return Placement("deepnorm", POST_ADD, POST_ADD, residual_alpha=alpha, branch_init_beta=beta)
 
 

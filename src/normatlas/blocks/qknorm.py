@@ -74,8 +74,10 @@ class QKNormConfig:
                 raise TypeError(f"{name}={getattr(self, name)!r} must be one of {allowed}")
         if not isinstance(self.zero_centred, bool) or not isinstance(self.bias, bool):
             raise TypeError(f"zero_centred={self.zero_centred!r} and bias={self.bias!r} must be bool")
-        if isinstance(self.eps, bool) or not isinstance(self.eps, (int, float)) or not (
-            math.isfinite(self.eps) and self.eps > 0
+        if (
+            isinstance(self.eps, bool)
+            or not isinstance(self.eps, (int, float))
+            or not (math.isfinite(self.eps) and self.eps > 0)
         ):
             raise ValueError(f"eps={self.eps!r} must be a finite float > 0")
         if self.scope is QKScope.FLAT and self.gain is QKGain.SHARED:
@@ -104,7 +106,7 @@ class QKNormConfig:
 class QKNorm(nn.Module):
     """Normalize a query or key tensor of shape ``(B, T, H, Dh)`` (or ``(B, T, H*Dh)`` for FLAT scope).
 
-    Statistics in fp32, gain applied in fp32, result cast back (HF's Qwen3 / Gemma3 /
+    Statistics and gain in at least fp32, result cast back (HF's Qwen3 / Gemma3 /
     Cohere / OLMo2 order). Parameter ``weight`` has shape ``(Dh,)`` for a shared gain,
     ``(H, Dh)`` per head, ``(H*Dh,)`` for FLAT scope.
     """
@@ -135,17 +137,16 @@ class QKNorm(nn.Module):
                 self.bias.zero_()
 
     def forward(self, input: Tensor) -> Tensor:
-        x = input.float()
-        y = normalize(x, self._spec, None, None)
+        dt = torch.promote_types(input.dtype, torch.float32)
+        y = normalize(input.to(dt), self._spec, None, None)
         if self.weight is not None:
-            w = self.weight.float()
+            w = self.weight.to(dt)
             y = y * (1.0 + w if self.config.zero_centred else w)
         if self.bias is not None:
-            y = y + self.bias.float()
+            y = y + self.bias.to(dt)
         return y.to(input.dtype)
 
     def extra_repr(self) -> str:
         c = self.config
         zc = ", gain=1+w" if c.zero_centred else ""
         return f"{c.operator.value}, scope={c.scope.value}, gain={c.gain.value}{zc}, {c.order.value}, eps={c.eps}"
-
