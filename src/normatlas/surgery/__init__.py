@@ -1,0 +1,60 @@
+"""Surgery: fold, convert and port normalization in real checkpoints, proving every result.
+
+Every transformation reads the model's recorded dataflow (:mod:`.dataflow`) and
+measured norm behaviour (:mod:`.norms`), never parameter names; returns a
+:class:`Surgery` (the transformed model, runtime swaps, changes and refusals with
+reasons); is proven by :func:`run_checks` (before vs after on probes, float64 and the
+working dtype); and is written only when the proof passes (:func:`save_surgery`).
+
+>>> s = fold_gains(model, inputs); run_checks(model, s, inputs); save_surgery(s, "out/")
+"""
+
+from .convert import (
+    change_eps,
+    convert_gain_convention,
+    fold_batchnorm,
+    freeze_batchnorm,
+    gain_offset_warnings,
+    ln_foldability,
+    ln_to_rms,
+)
+from .dataflow import Dataflow, record
+from .fold import DeferredNormLinear, cancel_pre_attention_norms, deferred_runtime, fold_gains, linear_consumers
+from .io import load_checkpoint, load_transformed, save_surgery
+from .norms import NormFacts, find_norms, probe_norm
+from .report import Change, Check, Refusal, Surgery, Swap, apply_swaps
+from .verify import Tolerance, compare, model_output, probe_inputs, run_checks
+
+__all__ = [
+    "Change",
+    "Check",
+    "Dataflow",
+    "DeferredNormLinear",
+    "NormFacts",
+    "Refusal",
+    "Surgery",
+    "Swap",
+    "Tolerance",
+    "apply_swaps",
+    "cancel_pre_attention_norms",
+    "change_eps",
+    "compare",
+    "convert_gain_convention",
+    "deferred_runtime",
+    "find_norms",
+    "fold_batchnorm",
+    "fold_gains",
+    "freeze_batchnorm",
+    "gain_offset_warnings",
+    "linear_consumers",
+    "ln_foldability",
+    "ln_to_rms",
+    "load_checkpoint",
+    "load_transformed",
+    "model_output",
+    "probe_inputs",
+    "probe_norm",
+    "record",
+    "run_checks",
+    "save_surgery",
+]

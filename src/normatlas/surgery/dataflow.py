@@ -219,7 +219,7 @@ class Dataflow:
             call = self.calls[idx] if idx is not None else None
             if call is not None and call.module is None and (
                 call.op in _ADD
-                or call.op in PASS_THROUGH
+                or self.row_preserving(call)
                 or (call.op in _SCALAR_SCALE and call.scalar_args and len(call.inputs) == 1)
             ):
                 stack.extend(call.inputs)
