@@ -303,3 +303,17 @@ def test_train_mode_batchnorm_is_invariant_to_per_channel_affine_input_changes(s
     b = torch.tensor([shift, -shift, 0.0], dtype=torch.float64)[None, :, None]
     bn = BatchNorm(3, eps=1e-12, track_running_stats=False, dtype=torch.float64)
     assert_close(bn(a * x + b), bn(x), atol=1e-8, rtol=1e-6)
+
+
+def test_renorm_and_ghost_respect_the_padding_mask():
+    torch.manual_seed(11)
+    x = torch.randn(4, 6, 3, dtype=torch.float64)
+    mask = (torch.arange(6)[None, :] < torch.tensor([6, 2, 4, 1])[:, None])[..., None]
+    ref = BatchNorm(3, layout=Layout.N_ANY_C, dtype=torch.float64)
+    y_ref = ref(x, mask=mask)
+    ren = BatchRenorm(3, momentum=0.1, r_max=1.0, d_max=0.0, layout=Layout.N_ANY_C, dtype=torch.float64)
+    ghost = GhostBatchNorm(3, virtual_batch_size=4, layout=Layout.N_ANY_C, dtype=torch.float64)
+    for m in (ren, ghost):
+        assert_close(m(x, mask=mask)[mask.expand_as(x)], y_ref[mask.expand_as(x)])
+        assert_close(m.running_mean, ref.running_mean)
+        assert_close(m.running_var, ref.running_var)
