@@ -10,7 +10,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.testing import assert_close
 
-from normatlas.longtail import AdminResidual, FixupBasicBlock, admin_init_, fixup_init_, fixup_scale
+from normatlas.longtail import (
+    AdminOutputChange,
+    AdminResidual,
+    FixupBasicBlock,
+    admin_init_,
+    admin_omega,
+    fixup_init_,
+    fixup_scale,
+)
 
 
 @settings(max_examples=30, deadline=None)
@@ -90,3 +98,18 @@ def test_admin_rejects_uncalled_residual():
     extra = AdminResidual(4)
     with pytest.raises(ValueError, match="residual 2 was not called"):
         admin_init_([*model.res, extra], lambda: model(torch.randn(2, 4)))
+
+
+@settings(max_examples=30, deadline=None)
+@given(n=st.integers(1, 1000))
+def test_admin_closed_forms(n):
+    assert admin_omega(n) ** 2 == pytest.approx((n + 1) / math.log(n + 1) - 1, rel=1e-12)
+    assert admin_omega(n, AdminOutputChange.LINEAR) == 1.0
+    assert admin_omega(n, AdminOutputChange.CONSTANT) ** 2 == pytest.approx(n, rel=1e-12)
+
+
+def test_admin_closed_form_bad_arguments():
+    with pytest.raises(ValueError, match="num_res_layers=0"):
+        admin_omega(0)
+    with pytest.raises(TypeError, match="output_change='O\\(1\\)'"):
+        admin_omega(4, "O(1)")  # type: ignore[arg-type]

@@ -24,11 +24,13 @@ from .conditioning import AdaIN, AdaLNZero, adain, modulate
 from .connector import ConnectorNorm, grad_scale, text_embedding_norm
 from .convert import BatchNormTarget, convert_batchnorm
 from .init import (
+    AdminOutputChange,
     AdminResidual,
     FixupBasicBlock,
     ScalarBias,
     ScalarScale,
     admin_init_,
+    admin_omega,
     fixup_init_,
     fixup_scale,
 )
@@ -53,6 +55,7 @@ __all__ = [
     "PAPER_R_MAX",
     "AdaIN",
     "AdaLNZero",
+    "AdminOutputChange",
     "AdminResidual",
     "BatchNorm",
     "BatchNorm1d",
@@ -81,6 +84,7 @@ __all__ = [
     "adain",
     "adaptive_clip_grad_",
     "admin_init_",
+    "admin_omega",
     "apply_parametrization",
     "batch_moments",
     "batch_norm_spec",

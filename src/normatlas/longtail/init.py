@@ -12,11 +12,15 @@ Essay section "Fixing initialisation and residual scale instead".
   Transformers", EMNLP 2020): deep Post-LN ``x_i = LN(omega_i * x_{i-1} + f_i(x_{i-1}))`` with
   ``omega_i`` set from one profiling forward pass: ``omega_i^2 = sum_{j < i} Var[f_j(x_{j-1})]``,
   where the j = 0 term is the variance of the block stack's input (the embedding output) so
-  that ``omega_1`` is defined. :func:`admin_init_` measures and sets it.
+  that ``omega_1`` is defined. :func:`admin_init_` measures and sets it. The authors' later
+  closed forms (``admin_torch``; N = number of residual layers, 2 per Transformer layer) are
+  :func:`admin_omega`: ``omega^2 = (N + 1) / ln(N + 1) - 1`` for an O(log N) output change
+  (default), ``1`` for O(N) (plain Post-LN) and ``N`` for O(1).
 """
 
 from __future__ import annotations
 
+import enum
 import math
 from collections.abc import Callable, Sequence
 
@@ -24,11 +28,13 @@ import torch
 from torch import Tensor, nn
 
 __all__ = [
+    "AdminOutputChange",
     "AdminResidual",
     "FixupBasicBlock",
     "ScalarBias",
     "ScalarScale",
     "admin_init_",
+    "admin_omega",
     "fixup_init_",
     "fixup_scale",
 ]
@@ -123,6 +129,28 @@ class FixupBasicBlock(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return torch.relu(x + self.branch(x))
+
+
+class AdminOutputChange(enum.Enum):
+    """How fast the model output may change with depth at initialisation (Admin's closed forms)."""
+
+    LOG_N = "O(logN)"
+    LINEAR = "O(N)"
+    CONSTANT = "O(1)"
+
+
+def admin_omega(num_res_layers: int, output_change: AdminOutputChange = AdminOutputChange.LOG_N) -> float:
+    """Admin's closed-form ``omega`` for ``num_res_layers`` residual layers (2 per Transformer layer)."""
+    if isinstance(num_res_layers, bool) or not isinstance(num_res_layers, int) or num_res_layers < 1:
+        raise ValueError(f"num_res_layers={num_res_layers!r} must be an integer >= 1")
+    if not isinstance(output_change, AdminOutputChange):
+        raise TypeError(f"output_change={output_change!r} must be an AdminOutputChange (LOG_N, LINEAR, CONSTANT)")
+    n = num_res_layers
+    if output_change is AdminOutputChange.LOG_N:
+        return math.sqrt((n + 1) / math.log(n + 1) - 1)
+    if output_change is AdminOutputChange.LINEAR:
+        return 1.0
+    return math.sqrt(n)
 
 
 class AdminResidual(nn.Module):
