@@ -32,6 +32,15 @@ def _worker(rank, world, port, sizes, outdir, backend="gloo"):
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group(backend, rank=rank, world_size=world)
+    calls = {"all_gather": 0, "all_reduce": 0}
+    for name in calls:  # count the collectives (this spawned process only)
+        original = getattr(dist, name)
+
+        def counted(*args, _name=name, _original=original, **kwargs):
+            calls[_name] += 1
+            return _original(*args, **kwargs)
+
+        setattr(dist, name, counted)
     try:
         torch.manual_seed(0)
         bn = SyncBatchNorm(C, momentum=0.3, dtype=torch.float64, device=device)
@@ -45,9 +54,11 @@ def _worker(rank, world, port, sizes, outdir, backend="gloo"):
             xs = x[lo:hi].clone().to(device).requires_grad_(True)
             bn.zero_grad()
             y = bn(xs)
+            forward_calls = dict(calls)
             (y * up[lo:hi].to(device)).sum().backward()
             record[step] = {"y": y.detach().cpu(), "gx": xs.grad.cpu(), "gw": bn.weight.grad.cpu(),
-                            "gb": bn.bias.grad.cpu()}  # fmt: skip
+                            "gb": bn.bias.grad.cpu(), "forward_calls": forward_calls, "calls": dict(calls)}  # fmt: skip
+            calls.update(all_gather=0, all_reduce=0)
         record["running"] = (bn.running_mean.cpu(), bn.running_var.cpu(), int(bn.num_batches_tracked))
         torch.save(record, os.path.join(outdir, f"rank{rank}.pt"))
     finally:
@@ -92,6 +103,9 @@ def test_two_ranks_match_single_process_on_concatenated_batch(tmp_path, backend,
         assert_close(torch.cat([r[step]["gx"] for r in ranks]), x.grad, atol=1e-12, rtol=1e-12)
         assert_close(ranks[0][step]["gw"] + ranks[1][step]["gw"], ref.weight.grad, atol=1e-12, rtol=1e-12)
         assert_close(ranks[0][step]["gb"] + ranks[1][step]["gb"], ref.bias.grad, atol=1e-12, rtol=1e-12)
+        for r in ranks:  # one collective in the forward (count, mean, M2 together), one in the backward
+            assert r[step]["forward_calls"] == {"all_gather": 1, "all_reduce": 0}
+            assert r[step]["calls"] == {"all_gather": 1, "all_reduce": 1}
     for r in ranks:
         rm, rv, nbt = r["running"]
         assert nbt == STEPS
