@@ -155,7 +155,7 @@ class Monitor:
                 owner.setdefault(id(p), f"L{i}")
         out = []
         for name, p in self.model.named_parameters():
-            out.append((owner.get(id(p), name.split(".")[0] if "." in name else "top"), p))
+            out.append((owner.get(id(p), name.split(".")[0]), p))
         return out
 
     @property
@@ -375,8 +375,11 @@ class Monitor:
 
     def step(self, loss: float | Tensor | None = None) -> list[AlarmEvent]:
         """Close the current step: on a measured step add gradient norms and effective LRs,
-        write the record to the sinks and run the alarms. Returns the alarms that fired."""
+        write the record to the sinks and run the alarms. Returns the alarms that fired.
+        A detached monitor records nothing."""
         events: list[AlarmEvent] = []
+        if not self._handles:
+            return events  # detached: records nothing
         if self.step_count % self.every == 0:
             rec = self._record
             if loss is not None:
