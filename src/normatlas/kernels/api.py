@@ -36,7 +36,10 @@ def _run(
     a = kernel_args(spec, input.dtype)
     k = a.feature_ndim
     lead = input.shape[: input.dim() - k]
-    flat = (*lead, -1)
+    n = 1
+    for d in input.shape[input.dim() - k :]:
+        n *= d
+    flat = (*lead, n)
     x = input.reshape(flat)
     r = residual.reshape(flat) if residual is not None else None
     w = weight.reshape(-1) if weight is not None and spec.gain is not Gain.NONE else None

@@ -1,2 +1,286 @@
+"""Triton kernels for the fused norm on CUDA (tested on CPU under ``TRITON_INTERPRET=1``).
+
+Forward: each program normalizes ``ROWS`` rows (several per program for short rows such as
+QK-norm's head dim); a row that fits one block stays in registers between the statistics and
+the output, a longer one (hidden sizes up to 262,144 and beyond) is streamed in chunks twice,
+the second read hitting L2. Statistics are fp32 and every row offset is int64, so tensors over
+2^31 elements index correctly. Backward: one pass over x and dy per row computes dx, and each
+program accumulates its rows' gain / bias gradients in fp32 partial sums (registers when a row
+fits a block, a private row of a global buffer otherwise); a final sum over programs gives
+dgain and dbias, so no atomics are needed. The arithmetic is the eager reference's
+(:func:`normatlas.kernels.ops.eager_fwd` / ``eager_bwd``).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any
+
+import torch
+from torch import Tensor
+
+try:
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except ImportError:  # pragma: no cover - exercised where triton is absent
+    HAS_TRITON = False
+
+__all__ = ["available", "interpreted", "norm_bwd", "norm_fwd"]
+
+MAX_FUSED = 8192  # widest row kept in registers in one block
+
+
+def interpreted() -> bool:
+    """True when the kernels were built for Triton's CPU interpreter (TRITON_INTERPRET=1 at import)."""
+    return HAS_TRITON and type(globals().get("_fwd_kernel")).__name__ == "InterpretedFunction"
+
+
+@functools.cache
 def available() -> bool:
-    return False
+    """True when Triton can run the kernels on a CUDA device here."""
+    return HAS_TRITON and torch.cuda.is_available()
+
+
+def _blocks(n: int, rows: int) -> tuple[int, int, bool]:
+    block = min(triton.next_power_of_2(max(n, 1)), MAX_FUSED)
+    single = n <= block
+    rows_per_prog = max(1, min(16, 4096 // block)) if single else 1
+    return block, rows_per_prog, single
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _rstd(ms, eps, EPS_MODE: tl.constexpr):
+        if EPS_MODE == 0:
+            r = 1.0 / tl.sqrt(ms + eps)
+            d = -0.5 * r * r * r
+        elif EPS_MODE == 1:
+            s = tl.sqrt(ms)
+            r = 1.0 / (s + eps)
+            d = tl.where(s > 0, -0.5 * r * r / tl.where(s > 0, s, 1.0), 0.0)
+        else:
+            s = tl.sqrt(ms)
+            r = 1.0 / tl.maximum(s, eps)
+            safe = tl.where(s > 0, s, 1.0)
+            d = tl.where((s >= eps) & (s > 0), -0.5 / (safe * safe * safe), 0.0)
+        return r, d
+
+    @triton.jit
+    def _fwd_kernel(X, RES, H, Y, G, B, STATS, rows, n, div, eps,
+                    BLOCK: tl.constexpr, ROWS: tl.constexpr, SINGLE: tl.constexpr, CENTER: tl.constexpr,
+                    EPS_MODE: tl.constexpr, BEFORE: tl.constexpr, HAS_RES: tl.constexpr, HAS_B: tl.constexpr):  # fmt: skip
+        pid = tl.program_id(0).to(tl.int64)
+        row = pid * ROWS + tl.arange(0, ROWS).to(tl.int64)
+        rmask = row < rows
+        base = row[:, None] * n
+        cols = tl.arange(0, BLOCK)
+        if SINGLE:
+            cmask = cols < n
+            m = rmask[:, None] & cmask[None, :]
+            x = tl.load(X + base + cols[None, :], mask=m, other=0.0)
+            if HAS_RES:
+                x = x + tl.load(RES + base + cols[None, :], mask=m, other=0.0)
+                tl.store(H + base + cols[None, :], x, mask=m)
+            xf = x.to(tl.float32)
+            mean = tl.sum(xf, axis=1) / n if CENTER else tl.zeros([ROWS], dtype=tl.float32)
+            xc = tl.where(m, xf - mean[:, None], 0.0)
+            r, d = _rstd(tl.sum(xc * xc, axis=1) / div, eps, EPS_MODE)
+            g = tl.load(G + cols, mask=cmask, other=0.0)
+            xh = xc * r[:, None]
+            if BEFORE:
+                y = (xh.to(x.dtype).to(tl.float32) * g[None, :]).to(x.dtype)
+                if HAS_B:
+                    y = (y.to(tl.float32) + tl.load(B + cols, mask=cmask, other=0.0)[None, :]).to(x.dtype)
+            else:
+                y = xh * g[None, :]
+                if HAS_B:
+                    y = y + tl.load(B + cols, mask=cmask, other=0.0)[None, :]
+            tl.store(Y + base + cols[None, :], y.to(Y.dtype.element_ty), mask=m)
+        else:  # ROWS == 1: stream the row twice in chunks
+            src = H if HAS_RES else X
+            acc = tl.zeros([ROWS, BLOCK], dtype=tl.float32)
+            for off in range(0, n, BLOCK):
+                c = off + cols
+                m = rmask[:, None] & (c < n)[None, :]
+                x = tl.load(X + base + c[None, :], mask=m, other=0.0)
+                if HAS_RES:
+                    x = x + tl.load(RES + base + c[None, :], mask=m, other=0.0)
+                    tl.store(H + base + c[None, :], x, mask=m)
+                acc += x.to(tl.float32)
+            mean = tl.sum(acc, axis=1) / n if CENTER else tl.zeros([ROWS], dtype=tl.float32)
+            acc = tl.zeros([ROWS, BLOCK], dtype=tl.float32)
+            for off in range(0, n, BLOCK):
+                c = off + cols
+                m = rmask[:, None] & (c < n)[None, :]
+                xc = tl.where(m, tl.load(src + base + c[None, :], mask=m, other=0.0).to(tl.float32) - mean[:, None], 0.0)
+                acc += xc * xc
+            r, d = _rstd(tl.sum(acc, axis=1) / div, eps, EPS_MODE)
+            for off in range(0, n, BLOCK):
+                c = off + cols
+                cmask = c < n
+                m = rmask[:, None] & cmask[None, :]
+                x = tl.load(src + base + c[None, :], mask=m, other=0.0)
+                xh = (x.to(tl.float32) - mean[:, None]) * r[:, None]
+                g = tl.load(G + c, mask=cmask, other=0.0)
+                if BEFORE:
+                    y = (xh.to(x.dtype).to(tl.float32) * g[None, :]).to(x.dtype)
+                    if HAS_B:
+                        y = (y.to(tl.float32) + tl.load(B + c, mask=cmask, other=0.0)[None, :]).to(x.dtype)
+                else:
+                    y = xh * g[None, :]
+                    if HAS_B:
+                        y = y + tl.load(B + c, mask=cmask, other=0.0)[None, :]
+                tl.store(Y + base + c[None, :], y.to(Y.dtype.element_ty), mask=m)
+        tl.store(STATS + row * 3, mean, mask=rmask)
+        tl.store(STATS + row * 3 + 1, r, mask=rmask)
+        tl.store(STATS + row * 3 + 2, d, mask=rmask)
+
+    @triton.jit
+    def _bwd_kernel(DY, X, DRES, DX, G, STATS, PG, PB, rows, n, div, rows_per_prog,
+                    BLOCK: tl.constexpr, SINGLE: tl.constexpr, CENTER: tl.constexpr, BEFORE: tl.constexpr,
+                    HAS_DRES: tl.constexpr, NEED_DG: tl.constexpr, NEED_DB: tl.constexpr):  # fmt: skip
+        pid = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        start = pid * rows_per_prog
+        pg = tl.zeros([BLOCK], dtype=tl.float32)
+        pb = tl.zeros([BLOCK], dtype=tl.float32)
+        end = tl.minimum(start + rows_per_prog, rows)
+        for row in range(start, end):
+            base = row * n
+            mean = tl.load(STATS + row * 3)
+            r = tl.load(STATS + row * 3 + 1)
+            d = tl.load(STATS + row * 3 + 2)
+            if SINGLE:
+                cm = cols < n
+                x = tl.load(X + base + cols, mask=cm, other=0.0)
+                dy = tl.load(DY + base + cols, mask=cm, other=0.0).to(tl.float32)
+                g = tl.load(G + cols, mask=cols < n, other=0.0)
+                xc = tl.where(cm, x.to(tl.float32) - mean, 0.0)
+                dxh = dy * g
+                k = d * 2.0 / div * tl.sum(dxh * xc, axis=0)
+                off = (r * tl.sum(dxh, axis=0) + k * tl.sum(xc, axis=0)) / n if CENTER else 0.0
+                dx = r * dxh + k * xc - off
+                if HAS_DRES:
+                    dx += tl.load(DRES + base + cols, mask=cm, other=0.0).to(tl.float32)
+                tl.store(DX + base + cols, dx.to(DX.dtype.element_ty), mask=cm)
+                if NEED_DG:
+                    xh = xc * r
+                    if BEFORE:
+                        xh = xh.to(x.dtype).to(tl.float32)
+                    pg += dy * xh
+                if NEED_DB:
+                    pb += dy
+            else:
+                s1 = tl.zeros([BLOCK], dtype=tl.float32)
+                s2 = tl.zeros([BLOCK], dtype=tl.float32)
+                s3 = tl.zeros([BLOCK], dtype=tl.float32)
+                for o in range(0, n, BLOCK):
+                    c = o + cols
+                    cm = c < n
+                    xc = tl.where(cm, tl.load(X + base + c, mask=cm, other=0.0).to(tl.float32) - mean, 0.0)
+                    dxh = tl.load(DY + base + c, mask=cm, other=0.0).to(tl.float32) * tl.load(G + c, mask=c < n, other=0.0)
+                    s1 += dxh
+                    s2 += dxh * xc
+                    s3 += xc
+                k = d * 2.0 / div * tl.sum(s2, axis=0)
+                off = (r * tl.sum(s1, axis=0) + k * tl.sum(s3, axis=0)) / n if CENTER else 0.0
+                for o in range(0, n, BLOCK):
+                    c = o + cols
+                    cm = c < n
+                    x = tl.load(X + base + c, mask=cm, other=0.0)
+                    xc = tl.where(cm, x.to(tl.float32) - mean, 0.0)
+                    dy = tl.load(DY + base + c, mask=cm, other=0.0).to(tl.float32)
+                    dx = r * dy * tl.load(G + c, mask=c < n, other=0.0) + k * xc - off
+                    if HAS_DRES:
+                        dx += tl.load(DRES + base + c, mask=cm, other=0.0).to(tl.float32)
+                    tl.store(DX + base + c, dx.to(DX.dtype.element_ty), mask=cm)
+                    if NEED_DG:
+                        xh = xc * r
+                        if BEFORE:
+                            xh = xh.to(x.dtype).to(tl.float32)
+                        prev = tl.load(PG + pid * n + c, mask=c < n, other=0.0)
+                        tl.store(PG + pid * n + c, prev + dy * xh, mask=c < n)
+                    if NEED_DB:
+                        prev = tl.load(PB + pid * n + c, mask=c < n, other=0.0)
+                        tl.store(PB + pid * n + c, prev + dy, mask=c < n)
+        if SINGLE:
+            if NEED_DG:
+                tl.store(PG + pid * n + cols, pg, mask=cols < n)
+            if NEED_DB:
+                tl.store(PB + pid * n + cols, pb, mask=cols < n)
+
+
+def _gain(weight: Tensor | None, n: int, x: Tensor, before_gain: bool, one_plus_w: bool) -> Tensor:
+    from .ops import _gain as gain
+
+    return gain(weight, n, x.dtype, before_gain, one_plus_w, x.device)
+
+
+def norm_fwd(
+    x: Tensor, residual: Tensor | None, weight: Tensor | None, bias: Tensor | None, eps: float,
+    center: bool, eps_mode: int, before_gain: bool, one_plus_w: bool, l2: bool,
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """The forward of ``normatlas::fused_norm_fwd`` on Triton (float32 statistics, int64 offsets)."""
+    if x.dtype == torch.float64:
+        raise TypeError("the Triton kernels take float32 / float16 / bfloat16 inputs, got float64")
+    n = x.shape[-1]
+    x2 = x.reshape(-1, n).contiguous()
+    rows = x2.shape[0]
+    y = torch.empty_like(x2)
+    res = residual.reshape(-1, n).contiguous() if residual is not None else None
+    h = torch.empty_like(x2) if res is not None else x.new_empty(0)
+    stats = torch.empty((rows, 3), dtype=torch.float32, device=x.device)
+    g = _gain(weight, n, x, before_gain, one_plus_w)
+    b = bias.reshape(-1).float().contiguous() if bias is not None else g
+    if rows:
+        block, rpp, single = _blocks(n, rows)
+        grid = (triton.cdiv(rows, rpp),)
+        _fwd_kernel[grid](
+            x2, res if res is not None else x2, h if res is not None else x2, y, g, b, stats, rows, n,
+            1.0 if l2 else float(n), float(eps), BLOCK=block, ROWS=rpp, SINGLE=single, CENTER=center,
+            EPS_MODE=eps_mode, BEFORE=before_gain, HAS_RES=res is not None, HAS_B=bias is not None,
+            num_warps=_warps(block * rpp),
+        )  # fmt: skip
+    return y.reshape(x.shape), (h.reshape(x.shape) if res is not None else h), stats
+
+
+def norm_bwd(
+    dy: Tensor, x: Tensor, weight: Tensor | None, stats: Tensor, dres: Tensor | None,
+    center: bool, before_gain: bool, one_plus_w: bool, l2: bool, need_dg: bool, need_db: bool,
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """The backward of ``normatlas::fused_norm_bwd`` on Triton: dx plus per-program dgain/dbias partials."""
+    n = x.shape[-1]
+    x2 = x.reshape(-1, n).contiguous()
+    dy2 = dy.reshape(-1, n).contiguous()
+    dr = dres.reshape(-1, n).contiguous() if dres is not None else None
+    rows = x2.shape[0]
+    dx = torch.empty_like(x2)
+    g = _gain(weight, n, x, before_gain, one_plus_w)
+    programs = max(1, min(rows, _programs(x.device)))
+    rows_per_prog = math.ceil(rows / programs) if rows else 0
+    block, _, single = _blocks(n, rows)
+    pg = torch.zeros((programs, n) if need_dg else (1, 1), dtype=torch.float32, device=x.device)
+    pb = torch.zeros((programs, n) if need_db else (1, 1), dtype=torch.float32, device=x.device)
+    if rows:
+        _bwd_kernel[(programs,)](
+            dy2, x2, dr if dr is not None else dy2, dx, g, stats, pg, pb, rows, n, 1.0 if l2 else float(n),
+            rows_per_prog, BLOCK=block, SINGLE=single, CENTER=center, BEFORE=before_gain,
+            HAS_DRES=dr is not None, NEED_DG=need_dg, NEED_DB=need_db, num_warps=_warps(block),
+        )  # fmt: skip
+    dg = pg.sum(0) if need_dg else pg.new_empty(0)
+    db = pb.sum(0) if need_db else pb.new_empty(0)
+    return dx.reshape(x.shape), dg, db
+
+
+def _warps(elements: int) -> int:
+    return max(1, min(16, elements // 256))
+
+
+def _programs(device: Any) -> int:
+    if device.type != "cuda":
+        return 4  # interpreter: a few programs, enough to exercise the partial sums
+    return torch.cuda.get_device_properties(device).multi_processor_count * 4

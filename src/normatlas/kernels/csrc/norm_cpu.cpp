@@ -149,6 +149,44 @@ void fwd_impl(const at::Tensor& x, const c10::optional<at::Tensor>& res, const a
   });
 }
 
+// One row of the backward; dg / db (may be null) are this thread chunk's partial sums.
+template <typename T, typename R, typename A>
+inline void bwd_row(const R* __restrict xr, const R* __restrict dyr, const R* __restrict drr, R* __restrict dxr,
+                    const A* __restrict gp, A* __restrict pgc, A* __restrict pbc, int64_t n, A mean, A r, A drdms,
+                    A div, bool center, bool before_gain) {
+  A s_dxh = 0, s_dxh_xc = 0, s_xc = 0;
+#pragma omp simd reduction(+ : s_dxh, s_dxh_xc, s_xc)
+  for (int64_t j = 0; j < n; ++j) {
+    const A xc = IO<T>::ld(xr[j]) - mean;
+    const A dxh = IO<T>::ld(dyr[j]) * gp[j];
+    s_dxh += dxh;
+    s_dxh_xc += dxh * xc;
+    s_xc += xc;
+  }
+  if (pgc && before_gain) {
+#pragma omp simd
+    for (int64_t j = 0; j < n; ++j) pgc[j] += IO<T>::ld(dyr[j]) * IO<T>::ld(IO<T>::st((IO<T>::ld(xr[j]) - mean) * r));
+  } else if (pgc) {
+#pragma omp simd
+    for (int64_t j = 0; j < n; ++j) pgc[j] += IO<T>::ld(dyr[j]) * ((IO<T>::ld(xr[j]) - mean) * r);
+  }
+  if (pbc) {
+#pragma omp simd
+    for (int64_t j = 0; j < n; ++j) pbc[j] += IO<T>::ld(dyr[j]);
+  }
+  const A k = drdms * A(2) / div * s_dxh_xc;
+  const A off = center ? (r * s_dxh + k * s_xc) / static_cast<A>(n) : A(0);
+  if (drr) {
+#pragma omp simd
+    for (int64_t j = 0; j < n; ++j)
+      dxr[j] = IO<T>::st(r * IO<T>::ld(dyr[j]) * gp[j] + k * (IO<T>::ld(xr[j]) - mean) - off + IO<T>::ld(drr[j]));
+  } else {
+#pragma omp simd
+    for (int64_t j = 0; j < n; ++j)
+      dxr[j] = IO<T>::st(r * IO<T>::ld(dyr[j]) * gp[j] + k * (IO<T>::ld(xr[j]) - mean) - off);
+  }
+}
+
 template <typename T>
 void bwd_impl(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& gain, const at::Tensor& stats,
               const c10::optional<at::Tensor>& dres, at::Tensor& dx, at::Tensor& dg, at::Tensor& db,
@@ -163,72 +201,33 @@ void bwd_impl(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& gain,
   const A* gp = gain.data_ptr<A>();
   const A* sp = stats.data_ptr<A>();
   const A div = l2 ? A(1) : static_cast<A>(n);
-  const A inv_n = A(1) / static_cast<A>(n);
-  const bool partial = need_dg || need_db;
-  const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(rows, at::get_num_threads()));
-  std::vector<A> pg(partial ? chunks * n : 0, A(0)), pb(need_db ? chunks * n : 0, A(0));
+  // one chunk per thread, but none smaller than ~16K elements: tiny inputs stay on one thread
+  const int64_t work = std::max<int64_t>(1, rows * n / 16384);
+  const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>({rows, work, int64_t(at::get_num_threads())}));
+  std::vector<A> pg(need_dg ? chunks * n : 0, A(0)), pb(need_db ? chunks * n : 0, A(0));
+  A* pgp = need_dg ? pg.data() : nullptr;
+  A* pbp = need_db ? pb.data() : nullptr;
   at::parallel_for(0, chunks, 1, [&](int64_t cb, int64_t ce) {
     for (int64_t c = cb; c < ce; ++c) {
       const int64_t r0 = rows * c / chunks, r1 = rows * (c + 1) / chunks;
-      A* pgc = partial ? pg.data() + c * n : nullptr;
-      A* pbc = need_db ? pb.data() + c * n : nullptr;
+      A* pgc = pgp ? pgp + c * n : nullptr;
+      A* pbc = pbp ? pbp + c * n : nullptr;
       for (int64_t i = r0; i < r1; ++i) {
-        const R* xr = xp + i * n;
-        const R* dyr = dyp + i * n;
-        const A mean = sp[3 * i], r = sp[3 * i + 1], drdms = sp[3 * i + 2];
-        A s_dxh = 0, s_dxh_xc = 0, s_xc = 0;
-#pragma omp simd reduction(+ : s_dxh, s_dxh_xc, s_xc)
-        for (int64_t j = 0; j < n; ++j) {
-          A xc = IO<T>::ld(xr[j]) - mean;
-          A dxh = IO<T>::ld(dyr[j]) * gp[j];
-          s_dxh += dxh;
-          s_dxh_xc += dxh * xc;
-          s_xc += xc;
-        }
-        if (need_dg) {
-          if (before_gain) {
-#pragma omp simd
-            for (int64_t j = 0; j < n; ++j)
-              pgc[j] += IO<T>::ld(dyr[j]) * IO<T>::ld(IO<T>::st((IO<T>::ld(xr[j]) - mean) * r));
-          } else {
-#pragma omp simd
-            for (int64_t j = 0; j < n; ++j) pgc[j] += IO<T>::ld(dyr[j]) * ((IO<T>::ld(xr[j]) - mean) * r);
-          }
-        }
-        if (need_db) {
-#pragma omp simd
-          for (int64_t j = 0; j < n; ++j) pbc[j] += IO<T>::ld(dyr[j]);
-        }
-        const A k = drdms * A(2) / div * s_dxh_xc;
-        const A off = center ? (r * s_dxh + k * s_xc) * inv_n : A(0);
-        R* dxr = dxp + i * n;
-        if (drp) {
-          const R* drr = drp + i * n;
-#pragma omp simd
-          for (int64_t j = 0; j < n; ++j) {
-            A xc = IO<T>::ld(xr[j]) - mean;
-            dxr[j] = IO<T>::st(r * IO<T>::ld(dyr[j]) * gp[j] + k * xc - off + IO<T>::ld(drr[j]));
-          }
-        } else {
-#pragma omp simd
-          for (int64_t j = 0; j < n; ++j) {
-            A xc = IO<T>::ld(xr[j]) - mean;
-            dxr[j] = IO<T>::st(r * IO<T>::ld(dyr[j]) * gp[j] + k * xc - off);
-          }
-        }
+        bwd_row<T, R, A>(xp + i * n, dyp + i * n, drp ? drp + i * n : nullptr, dxp + i * n, gp, pgc, pbc, n,
+                         sp[3 * i], sp[3 * i + 1], sp[3 * i + 2], div, center, before_gain);
       }
     }
   });
   A* dgp = need_dg ? dg.data_ptr<A>() : nullptr;
   A* dbp = need_db ? db.data_ptr<A>() : nullptr;
-  for (int64_t c = 0; c < chunks && partial; ++c) {
+  for (int64_t c = 0; c < chunks; ++c) {
     if (dgp) {
-      const A* src = pg.data() + c * n;
+      const A* src = pgp + c * n;
 #pragma omp simd
       for (int64_t j = 0; j < n; ++j) dgp[j] += src[j];
     }
     if (dbp) {
-      const A* src = pb.data() + c * n;
+      const A* src = pbp + c * n;
 #pragma omp simd
       for (int64_t j = 0; j < n; ++j) dbp[j] += src[j];
     }

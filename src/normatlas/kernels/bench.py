@@ -1,0 +1,192 @@
+"""Side-by-side timing of the fused kernels against their peers, in one process.
+
+Providers: ``ours`` (normatlas.kernels), ``torch`` (the native op: ``F.rms_norm`` /
+``F.layer_norm``, for the add variants the best unfused torch pair), ``hf`` (the HF-style
+eager reference: ``w * (x.float() * rsqrt(mean(x^2) + eps)).to(dtype)``), ``compile``
+(``torch.compile(dynamic=True)`` of the HF-style code; its first-call seconds are reported),
+``liger`` (Liger-Kernel, only where it runs: CUDA), and ``copy`` (``x.clone()`` of the same
+tensor, the bandwidth limit). Calls are interleaved round-robin and the median of ``repeats``
+rounds is reported, so machine noise hits every provider alike.
+
+Reported per row: median ms, GB/s (bytes that must move: one read per input, one write per
+output, three for a backward), and ``vs_copy``: the time over the time the copy would need to
+move the same bytes (1.0 is the bandwidth limit; the forward of a norm moves exactly a copy's
+bytes). ``vs_ours``: the provider's time over ours.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+__all__ = ["OPS", "MODES", "run_bench"]
+
+OPS = ("rms", "layer", "add_rms", "add_layer", "qk")
+MODES = ("fwd", "bwd", "fwdbwd")
+Fn = Callable[..., Any]
+
+
+def _hf_rms(x: Tensor, w: Tensor, eps: float) -> Tensor:
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return w * h.to(x.dtype)
+
+
+def _hf_ln(x: Tensor, w: Tensor, b: Tensor, eps: float) -> Tensor:
+    h = x.float()
+    mu = h.mean(-1, keepdim=True)
+    var = (h - mu).pow(2).mean(-1, keepdim=True)
+    return ((h - mu) * torch.rsqrt(var + eps) * w.float() + b.float()).to(x.dtype)
+
+
+def _providers(op: str, device: str) -> dict[str, Fn]:
+    from . import fused_add_layer_norm, fused_add_rms_norm, fused_layer_norm, fused_rms_norm
+
+    eps = 1e-6
+    if op in ("rms", "qk"):
+        out: dict[str, Fn] = {
+            "ours": lambda x, r, w, b: fused_rms_norm(x, x.shape[-1], w, eps),
+            "torch": lambda x, r, w, b: F.rms_norm(x, (x.shape[-1],), w, eps),
+            "hf": lambda x, r, w, b: _hf_rms(x, w, eps),
+        }
+        out["compile"] = torch.compile(out["hf"], dynamic=True)
+    elif op == "layer":
+        out = {
+            "ours": lambda x, r, w, b: fused_layer_norm(x, x.shape[-1], w, b, eps),
+            "torch": lambda x, r, w, b: F.layer_norm(x, (x.shape[-1],), w, b, eps),
+            "hf": lambda x, r, w, b: _hf_ln(x, w, b, eps),
+        }
+        out["compile"] = torch.compile(out["hf"], dynamic=True)
+    elif op == "add_rms":
+        out = {
+            "ours": lambda x, r, w, b: fused_add_rms_norm(x, r, x.shape[-1], w, eps),
+            "torch": lambda x, r, w, b: (F.rms_norm(h := x + r, (x.shape[-1],), w, eps), h),
+            "hf": lambda x, r, w, b: (_hf_rms(h := x + r, w, eps), h),
+            "torch_ln_pair": lambda x, r, w, b: (F.layer_norm(h := x + r, (x.shape[-1],), w, None, eps), h),
+        }
+        out["compile"] = torch.compile(out["hf"], dynamic=True)
+    elif op == "add_layer":
+        out = {
+            "ours": lambda x, r, w, b: fused_add_layer_norm(x, r, x.shape[-1], w, b, eps),
+            "torch": lambda x, r, w, b: (F.layer_norm(h := x + r, (x.shape[-1],), w, b, eps), h),
+            "hf": lambda x, r, w, b: (_hf_ln(h := x + r, w, b, eps), h),
+        }
+        out["compile"] = torch.compile(out["hf"], dynamic=True)
+    else:
+        raise ValueError(f"op={op!r} is not one of {OPS}")
+    if device == "cuda":
+        liger = _liger(op)
+        if liger is not None:
+            out["liger"] = liger
+    return out
+
+
+def _liger(op: str) -> Fn | None:
+    try:
+        from liger_kernel.ops.layer_norm import LigerLayerNormFunction
+        from liger_kernel.ops.rms_norm import LigerRMSNormFunction
+    except ImportError:
+        return None
+    if op in ("rms", "qk"):
+        return lambda x, r, w, b: LigerRMSNormFunction.apply(x, w, 1e-6, 0.0, "llama", False)
+    if op == "layer":
+        return lambda x, r, w, b: LigerLayerNormFunction.apply(x, w, b, 1e-6)
+    return None
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _outputs(res: Any) -> list[Tensor]:
+    return list(res) if isinstance(res, tuple) else [res]
+
+
+def _make_call(fn: Fn, mode: str, x: Tensor, r: Tensor, w: Tensor, b: Tensor) -> Callable[[], Any]:
+    if mode == "fwd":
+        return lambda: fn(x, r, w, b)
+    xs, rs, ws, bs = (t.detach().requires_grad_(True) for t in (x, r, w, b))
+    leaves = [xs, rs, ws, bs]
+
+    def grads(outs: list[Tensor]) -> Any:
+        used = [t for t in leaves if t.requires_grad]
+        gys = [torch.ones_like(o) for o in outs]
+        return torch.autograd.grad(outs, used, gys, retain_graph=mode == "bwd", allow_unused=True)
+
+    if mode == "fwdbwd":
+        return lambda: grads(_outputs(fn(xs, rs, ws, bs)))
+    outs = _outputs(fn(xs, rs, ws, bs))
+    return lambda: grads(outs)
+
+
+def _bytes(op: str, mode: str, numel: int, itemsize: int) -> int:
+    add = op.startswith("add")
+    fwd = (4 if add else 2) * numel * itemsize  # read x (and r); write y (and h)
+    bwd = (4 if add else 3) * numel * itemsize  # read x, dy (and dh); write dx
+    return {"fwd": fwd, "bwd": bwd, "fwdbwd": fwd + bwd}[mode]
+
+
+def run_bench(
+    op: str,
+    shapes: list[tuple[int, int]],
+    dtypes: list[torch.dtype],
+    modes: list[str],
+    *,
+    providers: list[str] | None = None,
+    repeats: int = 15,
+    device: str = "cpu",
+    progress: Callable[[str], None] | None = None,
+) -> list[dict[str, Any]]:
+    """Time every provider for each (shape, dtype, mode); one row per provider."""
+    rows: list[dict[str, Any]] = []
+    all_fns = _providers(op, device)
+    names = [p for p in (providers or list(all_fns)) if p in all_fns]
+    for shape in shapes:
+        for dtype in dtypes:
+            gen = torch.Generator().manual_seed(0)
+            x = torch.randn(shape, generator=gen).to(device=device, dtype=dtype)
+            r = torch.randn(shape, generator=gen).to(device=device, dtype=dtype)
+            w = (torch.rand(shape[-1], generator=gen) + 0.5).to(device=device, dtype=dtype)
+            b = torch.randn(shape[-1], generator=gen).to(device=device, dtype=dtype)
+            for mode in modes:
+                if progress:
+                    progress(f"{op} {mode} {tuple(shape)} {dtype}")
+                first: dict[str, float] = {}
+                calls: dict[str, Callable[[], Any]] = {"copy": lambda: x.clone()}
+                for name in names:
+                    t0 = time.perf_counter()
+                    call = _make_call(all_fns[name], mode, x, r, w, b)
+                    call()
+                    _sync(device)
+                    first[name] = time.perf_counter() - t0
+                    calls[name] = call
+                times: dict[str, list[float]] = {k: [] for k in calls}
+                for _ in range(repeats):
+                    for name, call in calls.items():
+                        _sync(device)
+                        t0 = time.perf_counter()
+                        call()
+                        _sync(device)
+                        times[name].append(time.perf_counter() - t0)
+                med = {k: statistics.median(v) for k, v in times.items()}
+                numel, itemsize = x.numel(), x.element_size()
+                moved = _bytes(op, mode, numel, itemsize)
+                copy_per_byte = med["copy"] / (2 * numel * itemsize)
+                for name in names:
+                    rows.append({
+                        "op": op, "mode": mode, "shape": "x".join(map(str, shape)),
+                        "dtype": str(dtype).removeprefix("torch."), "provider": name,
+                        "ms": round(med[name] * 1e3, 4), "GB/s": round(moved / med[name] / 1e9, 2),
+                        "copy_ms": round(med["copy"] * 1e3, 4),
+                        "vs_copy": round(med[name] / (copy_per_byte * moved), 3),
+                        "vs_ours": round(med[name] / med["ours"], 3) if "ours" in med else "",
+                        "first_call_s": round(first[name], 3),
+                    })  # fmt: skip
+    return rows

@@ -1,0 +1,277 @@
+"""The fused CPU kernels against the core's reference path, forward and backward, every served spec."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given
+from hypothesis import strategies as st
+
+from normatlas import Axis, CastOrder, EpsPlacement, Gain, GainConvention, Layout, NormSpec, RMSNorm, Scale
+from normatlas.functional import normalize
+from normatlas.kernels import (
+    FusedAddRMSNorm,
+    FusedLayerNorm,
+    FusedNorm,
+    FusedRMSNorm,
+    build_info,
+    fused_add_layer_norm,
+    fused_add_rms_norm,
+    fused_layer_norm,
+    fused_normalize,
+    fused_rms_norm,
+    qk_rms_norm,
+    unsupported,
+)
+from normatlas.kernels import ops
+
+TOL = {
+    torch.float64: {"atol": 1e-10, "rtol": 1e-10},
+    torch.float32: {"atol": 1e-5, "rtol": 1e-5},
+    torch.float16: {"atol": 4e-3, "rtol": 4e-3},
+    torch.bfloat16: {"atol": 3e-2, "rtol": 3e-2},
+}
+
+RMS = NormSpec(center=False, bias=False, eps=1e-6)
+LN = NormSpec(eps=1e-5)
+SPECS = {
+    "rms": RMS,
+    "rms_1+w": RMS.with_(gain_convention=GainConvention.ONE_PLUS_W),
+    "rms_before_gain": RMS.with_(cast_order=CastOrder.BEFORE_GAIN),
+    "rms_no_affine": RMS.with_(gain=Gain.NONE),
+    "rms_eps_outside": RMS.with_(eps_placement=EpsPlacement.OUTSIDE_SQRT, eps=1e-3),
+    "rms_clamp": RMS.with_(eps_placement=EpsPlacement.CLAMP, eps=1e-3),
+    "rms_eps_none": RMS.with_(eps=None),
+    "l2": RMS.with_(scale=Scale.L2),
+    "ln": LN,
+    "ln_no_bias": LN.with_(bias=False),
+    "ln_no_affine": LN.with_(gain=Gain.NONE, bias=False),
+    "ln_before_gain": LN.with_(cast_order=CastOrder.BEFORE_GAIN),
+    "ln_eps_outside": LN.with_(eps_placement=EpsPlacement.OUTSIDE_SQRT),
+    "ln_2d_features": LN.with_(feature_ndim=2),
+}
+SHAPES = [(5, 123, 123), (1, 1, 1023), (0, 7, 64), (3, 64)]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _built() -> None:
+    """Compile (or load from the user cache) the extension once per session."""
+    build_info()
+
+
+def _params(spec: NormSpec, shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator):
+    fshape = shape[len(shape) - spec.feature_ndim :]
+    w = b = None
+    if spec.gain is Gain.PER_FEATURE:
+        base = 0.0 if spec.gain_convention is GainConvention.ONE_PLUS_W else 1.0
+        w = (torch.randn(fshape, generator=gen, dtype=torch.float64) * 0.5 + base).to(dtype)
+    if spec.bias:
+        b = (torch.randn(fshape, generator=gen, dtype=torch.float64) * 0.5).to(dtype)
+    return w, b
+
+
+def _leaves(*ts):
+    return [t.detach().clone().requires_grad_(True) if t is not None else None for t in ts]
+
+
+def _grads(out, inputs, gy):
+    leaves = [t for t in inputs if t is not None]
+    gs = torch.autograd.grad(out, leaves, gy, allow_unused=True)
+    it = iter(gs)
+    return [next(it) if t is not None else None for t in inputs]
+
+
+def _close(a, b, dtype, name):
+    if a is None and b is None:
+        return
+    scale = max(1.0, float(b.detach().abs().max())) if b.numel() else 1.0
+    tol = TOL[dtype]
+    torch.testing.assert_close(a.double(), b.double(), atol=tol["atol"] * scale, rtol=tol["rtol"], msg=name)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("name", list(SPECS))
+@pytest.mark.parametrize("add", [False, True], ids=["norm", "add_norm"])
+def test_matches_reference_fwd_bwd(name: str, shape: tuple[int, ...], dtype: torch.dtype, add: bool) -> None:
+    spec = SPECS[name]
+    assert unsupported(spec, torch.empty(shape, dtype=dtype)) is None
+    gen = torch.Generator().manual_seed(1)
+    x = (torch.randn(shape, generator=gen, dtype=torch.float64) * 2 + 0.5).to(dtype)
+    r = (torch.randn(shape, generator=gen, dtype=torch.float64)).to(dtype) if add else None
+    w, b = _params(spec, shape, dtype, gen)
+    gy = torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype)
+
+    xs, rs, ws, bs = _leaves(x, r, w, b)
+    if add:
+        y, h = fused_normalize(xs, spec, ws, bs, residual=rs)
+        torch.testing.assert_close(h, x + r, atol=0, rtol=0)  # the residual sum, rounded like torch's add
+        loss_inputs = [xs, rs, ws, bs]
+    else:
+        y = fused_normalize(xs, spec, ws, bs)
+        loss_inputs = [xs, None, ws, bs]
+    grads = _grads(y, loss_inputs, gy)
+
+    # the core's reference path in the same dtype (forward), and in float64 (forward and backward)
+    h_in = x + r if add else x
+    torch.testing.assert_close(y, normalize(h_in, spec, w, b), **TOL[dtype])
+    xd, rd, wd, bd = _leaves(*(t.double() if t is not None else None for t in (x, r, w, b)))
+    yd = normalize(xd + rd if add else xd, spec, wd, bd)
+    _close(y, yd, dtype, "forward")
+    ref = _grads(yd, [xd, rd if add else None, wd, bd], gy.double())
+    for got, want, what in zip(grads, ref, ("dx", "dresidual", "dweight", "dbias")):
+        _close(got, want, dtype, what)
+
+
+@pytest.mark.parametrize(
+    "name", ["rms", "rms_1+w", "rms_eps_outside", "rms_clamp", "l2", "ln", "ln_no_affine", "ln_2d_features"]
+)
+@pytest.mark.parametrize("add", [False, True], ids=["norm", "add_norm"])
+def test_gradcheck_float64(name: str, add: bool) -> None:
+    spec = SPECS[name]
+    gen = torch.Generator().manual_seed(2)
+    shape = (3, 4, 6)
+    x = torch.randn(shape, generator=gen, dtype=torch.float64) + 0.3
+    r = torch.randn(shape, generator=gen, dtype=torch.float64)
+    w, b = _params(spec, shape, torch.float64, gen)
+    inputs = [t.requires_grad_(True) for t in (x, r, w, b) if t is not None]
+
+    def f(*args):
+        it = iter(args)
+        xa, ra = next(it), next(it)
+        wa = next(it) if w is not None else None
+        ba = next(it) if b is not None else None
+        return fused_normalize(xa, spec, wa, ba, residual=ra) if add else fused_normalize(xa + 0 * ra, spec, wa, ba)
+
+    assert torch.autograd.gradcheck(f, inputs, eps=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_eager_fallback_equals_compiled_kernel(dtype: torch.dtype) -> None:
+    """The no-compiler fallback computes what the C++ kernel does, forward and backward."""
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(7, 96, generator=gen).to(dtype)
+    r = torch.randn(7, 96, generator=gen).to(dtype)
+    w = torch.randn(96, generator=gen).to(dtype)
+    b = torch.randn(96, generator=gen).to(dtype)
+    for center, eps_mode, before in [(False, 0, False), (True, 0, False), (False, 1, True), (True, 2, False)]:
+        args = (1e-3, center, eps_mode, before, False, False)
+        y, h, st_ = ops.fused_norm_fwd(x, r, w, b, *args)
+        ye, he, ste = ops.eager_fwd(x, r, w, b, *args)
+        torch.testing.assert_close(y, ye, **TOL[dtype])
+        torch.testing.assert_close(h, he, atol=0, rtol=0)
+        torch.testing.assert_close(st_, ste, atol=1e-5, rtol=1e-5)
+        dy = torch.randn(7, 96, generator=gen).to(dtype)
+        got = ops.fused_norm_bwd(dy, h, w, st_, dy, center, before, False, False, True, True)
+        want = ops.eager_bwd(dy, h, w, st_, dy, center, before, False, False, True, True)
+        for a, e in zip(got, want):
+            torch.testing.assert_close(a.float(), e.float(), atol=TOL[dtype]["atol"] * 10, rtol=TOL[dtype]["rtol"])
+
+
+def test_torch_functional_signatures_match_peers() -> None:
+    gen = torch.Generator().manual_seed(4)
+    x, r = torch.randn(4, 9, 64, generator=gen), torch.randn(4, 9, 64, generator=gen)
+    w, b = torch.randn(64, generator=gen), torch.randn(64, generator=gen)
+    torch.testing.assert_close(fused_rms_norm(x, 64, w, 1e-6), F.rms_norm(x, (64,), w, 1e-6), **TOL[torch.float32])
+    torch.testing.assert_close(fused_rms_norm(x, 64), F.rms_norm(x, (64,)), **TOL[torch.float32])
+    torch.testing.assert_close(fused_layer_norm(x, 64, w, b), F.layer_norm(x, (64,), w, b), **TOL[torch.float32])
+    y, h = fused_add_rms_norm(x, r, 64, w, 1e-6)
+    torch.testing.assert_close(y, F.rms_norm(x + r, (64,), w, 1e-6), **TOL[torch.float32])
+    y, h = fused_add_layer_norm(x, r, 64, w, b)
+    torch.testing.assert_close(y, F.layer_norm(x + r, (64,), w, b), **TOL[torch.float32])
+    torch.testing.assert_close(h, x + r)
+
+
+def test_qk_norm_many_short_rows() -> None:
+    gen = torch.Generator().manual_seed(5)
+    q, k = torch.randn(2, 33, 8, 64, generator=gen), torch.randn(2, 33, 2, 64, generator=gen)  # GQA: 8 q, 2 kv heads
+    wq, wk = torch.randn(64, generator=gen), torch.randn(64, generator=gen)
+    qo, ko = qk_rms_norm(q, k, wq, wk, 1e-6)
+    torch.testing.assert_close(qo, F.rms_norm(q, (64,), wq, 1e-6), **TOL[torch.float32])
+    torch.testing.assert_close(ko, F.rms_norm(k, (64,), wk, 1e-6), **TOL[torch.float32])
+
+
+def test_modules_drop_in_and_fall_back() -> None:
+    gen = torch.Generator().manual_seed(6)
+    peer = torch.nn.RMSNorm(48, eps=1e-6)
+    with torch.no_grad():
+        peer.weight.copy_(torch.randn(48, generator=gen))
+    ours = FusedRMSNorm(48, eps=1e-6)
+    ours.load_state_dict(peer.state_dict())
+    x = torch.randn(3, 5, 48, generator=gen)
+    torch.testing.assert_close(ours(x), peer(x), **TOL[torch.float32])
+    ln = FusedLayerNorm(48)
+    torch.testing.assert_close(ln(x), F.layer_norm(x, (48,), ln.weight, ln.bias), **TOL[torch.float32])
+    mask = torch.rand(3, 5, 48, generator=gen) > 0.3  # a mask is not served: the reference path runs
+    ref = RMSNorm(48, eps=1e-6)
+    ref.load_state_dict(peer.state_dict())
+    torch.testing.assert_close(ours(x, mask), ref(x, mask))
+    add = FusedAddRMSNorm(48, eps=1e-6)
+    r = torch.randn(3, 5, 48, generator=gen)
+    y, h = add(x, r)
+    torch.testing.assert_close(y, F.rms_norm(x + r, (48,), add.weight, 1e-6), **TOL[torch.float32])
+    gn_spec = NormSpec(layout=Layout.NC_ANY, reduce=frozenset({Axis.FEATURE, Axis.POSITION}), groups=4)
+    assert unsupported(gn_spec, torch.empty(2, 8, 3)) is not None
+    gn = FusedNorm(gn_spec, 8)
+    xc = torch.randn(2, 8, 3, generator=gen)
+    torch.testing.assert_close(gn(xc), normalize(xc, gn_spec, gn.weight, gn.bias))
+
+
+def test_compiles_fullgraph_without_recompiling() -> None:
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    layer = FusedAddRMSNorm(32, eps=1e-6)
+    fn = torch.compile(layer, fullgraph=True, dynamic=True, backend=counter)
+    frames = []
+    for rows in (3, 7, 11):
+        x = torch.randn(rows, 5, 32, requires_grad=True)
+        r = torch.randn(rows, 5, 32)
+        y, h = fn(x, r)
+        (y.sum() + h.pow(2).sum()).backward()
+        ye, he = layer(x.detach(), r)
+        torch.testing.assert_close(y, ye)
+        assert x.grad is not None and x.grad.shape == x.shape
+        frames.append(counter.frame_count)
+    assert frames[0] >= 1 and frames[-1] == frames[0]  # no per-shape recompilation
+
+
+def test_bad_inputs_name_the_parameter() -> None:
+    x = torch.randn(2, 8)
+    with pytest.raises(ValueError, match="residual"):
+        fused_add_rms_norm(x, torch.randn(2, 9), 8)
+    with pytest.raises(TypeError, match="residual"):
+        fused_add_rms_norm(x, torch.randn(2, 8, dtype=torch.float64), 8)
+    with pytest.raises(ValueError, match="weight"):
+        fused_rms_norm(x, 8, torch.randn(7))
+    spec = SPECS["rms"].with_(cast_order=CastOrder.BEFORE_GAIN)
+    reason = unsupported(spec, x.bfloat16(), torch.ones(8))
+    assert reason is not None and "weight" in reason
+
+
+@given(a=st.floats(0.01, 100.0), c=st.floats(-10.0, 10.0), seed=st.integers(0, 2**16))
+def test_invariances(a: float, c: float, seed: int) -> None:
+    """Essay: Norm(a x) == Norm(x); LN(x + c) == LN(x) while RMSNorm is not re-centring invariant."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(4, 33, generator=gen, dtype=torch.float64)
+    tiny = 1e-300
+    for spec in (SPECS["rms"].with_(eps=tiny), SPECS["ln"].with_(eps=tiny)):
+        torch.testing.assert_close(fused_normalize(a * x, spec), fused_normalize(x, spec))
+    ln = SPECS["ln"].with_(eps=tiny)
+    torch.testing.assert_close(fused_normalize(x + c, ln), fused_normalize(x, ln))
+    if abs(c) > 0.1:
+        rms = SPECS["rms"].with_(eps=tiny)
+        assert not torch.allclose(fused_normalize(x + c, rms), fused_normalize(x, rms))
+
+
+def test_layer_norm_gradient_is_orthogonal_to_ones_and_xhat() -> None:
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(6, 40, generator=gen, dtype=torch.float64, requires_grad=True)
+    spec = SPECS["ln_no_affine"].with_(eps=1e-300)
+    y = fused_normalize(x, spec)
+    (dx,) = torch.autograd.grad(y, x, torch.randn(6, 40, generator=gen, dtype=torch.float64))
+    xhat = y.detach()
+    torch.testing.assert_close(dx.sum(-1), torch.zeros(6, dtype=torch.float64), atol=1e-10, rtol=0)
+    torch.testing.assert_close((dx * xhat).sum(-1), torch.zeros(6, dtype=torch.float64), atol=1e-7, rtol=0)
