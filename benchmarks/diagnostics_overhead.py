@@ -98,7 +98,16 @@ def main() -> None:
     with out.open("w", newline="") as fh:
         w = csv.writer(fh)
         w.writerow(["d_model", "layers", "every", "plain_ms", "monitored_ms", "overhead"])
-        w.writerow([a.d_model, a.layers, a.every, f"{res['plain_ms']:.3f}", f"{res['monitored_ms']:.3f}", f"{res['overhead']:.4f}"])
+        w.writerow(
+            [
+                a.d_model,
+                a.layers,
+                a.every,
+                f"{res['plain_ms']:.3f}",
+                f"{res['monitored_ms']:.3f}",
+                f"{res['overhead']:.4f}",
+            ]
+        )
 
 
 if __name__ == "__main__":

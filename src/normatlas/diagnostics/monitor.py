@@ -367,7 +367,8 @@ class Monitor:
             if k in st:
                 rec[f"attention/{k}/{tag}"] = st[k]
         if self.per_head:
-            for h, v in enumerate(st["entropy_per_head"]):  # type: ignore[arg-type]
+            per_head: list[float] = st["entropy_per_head"]  # type: ignore[assignment]
+            for h, v in enumerate(per_head):
                 rec[f"attention/entropy/{tag}/h{h}"] = v
         sk = M.attention_sinks(probs)
         rec[f"attention/sink_token/{tag}"] = sk["sink_token"]

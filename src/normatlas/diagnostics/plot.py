@@ -15,7 +15,7 @@ __all__ = ["layer_series", "plot_metrics"]
 def layer_series(history: MemorySink, metric: str) -> dict[str, tuple[list[int], list[float]]]:
     """``{layer: (steps, values)}`` for keys ``metric/L<i>`` (or ``metric`` itself), in depth order."""
     pat = re.compile(re.escape(metric) + r"(?:/(L\d+))?$")
-    found = {m.group(1) or metric: k for k in history.keys() if (m := pat.match(k))}
+    found = {m.group(1) or metric: k for k in history.keys() if (m := pat.match(k))}  # noqa: SIM118
     order = sorted(found, key=lambda s: int(s[1:]) if s.startswith("L") and s[1:].isdigit() else -1)
     return {label: history.series(found[label]) for label in order}
 

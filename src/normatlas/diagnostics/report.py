@@ -19,7 +19,7 @@ import torch
 
 from .monitor import Metric, Monitor
 
-__all__ = ["DEFAULT_SENTENCES", "minilm_path", "diagnose_hf"]
+__all__ = ["DEFAULT_SENTENCES", "diagnose_hf", "minilm_path"]
 
 DEFAULT_SENTENCES = (
     "The cat sat quietly on the warm windowsill all afternoon.",
@@ -74,7 +74,7 @@ def diagnose_hf(
     with torch.no_grad():
         for s in sentences:
             enc = tok(s, return_tensors="pt")
-            tokens.append(tok.convert_ids_to_tokens(enc["input_ids"][0]))
+            tokens.append(list(tok.convert_ids_to_tokens(enc["input_ids"][0].tolist())))
             model(**enc)
             mon.step()
     mon.detach()
