@@ -21,10 +21,10 @@ from normatlas.kernels import (
     fused_layer_norm,
     fused_normalize,
     fused_rms_norm,
+    ops,
     qk_rms_norm,
     unsupported,
 )
-from normatlas.kernels import ops
 
 TOL = {
     torch.float64: {"atol": 1e-10, "rtol": 1e-10},
@@ -120,7 +120,7 @@ def test_matches_reference_fwd_bwd(name: str, shape: tuple[int, ...], dtype: tor
     yd = normalize(xd + rd if add else xd, spec, wd, bd)
     _close(y, yd, dtype, "forward")
     ref = _grads(yd, [xd, rd if add else None, wd, bd], gy.double())
-    for got, want, what in zip(grads, ref, ("dx", "dresidual", "dweight", "dbias")):
+    for got, want, what in zip(grads, ref, ("dx", "dresidual", "dweight", "dbias"), strict=False):
         _close(got, want, dtype, what)
 
 
@@ -165,7 +165,7 @@ def test_eager_fallback_equals_compiled_kernel(dtype: torch.dtype) -> None:
         dy = torch.randn(7, 96, generator=gen).to(dtype)
         got = ops.fused_norm_bwd(dy, h, w, st_, dy, center, before, False, False, True, True)
         want = ops.eager_bwd(dy, h, w, st_, dy, center, before, False, False, True, True)
-        for a, e in zip(got, want):
+        for a, e in zip(got, want, strict=False):
             torch.testing.assert_close(a.float(), e.float(), atol=TOL[dtype]["atol"] * 10, rtol=TOL[dtype]["rtol"])
 
 
@@ -209,7 +209,7 @@ def test_modules_drop_in_and_fall_back() -> None:
     torch.testing.assert_close(ours(x, mask), ref(x, mask))
     add = FusedAddRMSNorm(48, eps=1e-6)
     r = torch.randn(3, 5, 48, generator=gen)
-    y, h = add(x, r)
+    y, _h = add(x, r)
     torch.testing.assert_close(y, F.rms_norm(x + r, (48,), add.weight, 1e-6), **TOL[torch.float32])
     gn_spec = NormSpec(layout=Layout.NC_ANY, reduce=frozenset({Axis.FEATURE, Axis.POSITION}), groups=4)
     assert unsupported(gn_spec, torch.empty(2, 8, 3)) is not None
@@ -231,7 +231,7 @@ def test_compiles_fullgraph_without_recompiling() -> None:
         r = torch.randn(rows, 5, 32)
         y, h = fn(x, r)
         (y.sum() + h.pow(2).sum()).backward()
-        ye, he = layer(x.detach(), r)
+        ye, _he = layer(x.detach(), r)
         torch.testing.assert_close(y, ye)
         assert x.grad is not None and x.grad.shape == x.shape
         frames.append(counter.frame_count)

@@ -16,7 +16,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
-from normatlas.kernels import ops, triton_kernels  # noqa: E402
+from normatlas.kernels import ops, triton_kernels
 
 pytestmark = pytest.mark.skipif(
     not triton_kernels.interpreted() and not torch.cuda.is_available(),
@@ -40,7 +40,7 @@ CASES = [
 def test_triton_matches_eager(case: tuple, rows: int, n: int, dtype: torch.dtype) -> None:
     center, eps_mode, before, one_plus_w, l2, has_res, has_bias = case
     gen = torch.Generator().manual_seed(0)
-    mk = lambda *s: torch.randn(*s, generator=gen).to(dtype).to(DEVICE)  # noqa: E731
+    mk = lambda *s: torch.randn(*s, generator=gen).to(dtype).to(DEVICE)
     x, dy = mk(rows, n), mk(rows, n)
     r = mk(rows, n) if has_res else None
     w, b = mk(n), (mk(n) if has_bias else None)
@@ -55,7 +55,7 @@ def test_triton_matches_eager(case: tuple, rows: int, n: int, dtype: torch.dtype
     flags = (center, before, one_plus_w, l2, True, has_bias)
     got = triton_kernels.norm_bwd(dy, src, w, st, r, *flags)
     want = ops.eager_bwd(dy, src, w, st, r, *flags)
-    for a, e, what in zip(got, want, ("dx", "dgain", "dbias")):
+    for a, e, what in zip(got, want, ("dx", "dgain", "dbias"), strict=False):
         scale = max(1.0, float(e.abs().max())) if e.numel() else 1.0
         torch.testing.assert_close(a.float(), e.float(), atol=TOL[dtype]["atol"] * scale, rtol=TOL[dtype]["rtol"],
                                    msg=what)  # fmt: skip

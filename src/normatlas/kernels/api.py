@@ -74,7 +74,9 @@ def _check_params(input: Tensor, spec: NormSpec, weight: Tensor | None, bias: Te
     fshape = tuple(input.shape[input.dim() - spec.feature_ndim :])
     for name, t in (("weight", weight), ("bias", bias)):
         if t is not None and tuple(t.shape) != fshape:
-            raise ValueError(f"{name} has shape {tuple(t.shape)}; an input of shape {tuple(input.shape)} needs {fshape}")
+            raise ValueError(
+                f"{name} has shape {tuple(t.shape)}; an input of shape {tuple(input.shape)} needs {fshape}"
+            )
     if weight is None and spec.gain_convention is GainConvention.ONE_PLUS_W:
         raise ValueError("gain_convention=ONE_PLUS_W needs the weight tensor; got weight=None")
 

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["OPS", "MODES", "run_bench"]
+__all__ = ["MODES", "OPS", "run_bench"]
 
 OPS = ("rms", "layer", "add_rms", "add_layer", "qk")
 MODES = ("fwd", "bwd", "fwdbwd")
@@ -159,7 +159,7 @@ def run_bench(
                 if progress:
                     progress(f"{op} {mode} {tuple(shape)} {dtype}")
                 first: dict[str, float] = {}
-                calls: dict[str, Callable[[], Any]] = {"copy": lambda: x.clone()}
+                calls: dict[str, Callable[[], Any]] = {"copy": x.clone}
                 for name in names:
                     t0 = time.perf_counter()
                     call = _make_call(all_fns[name], mode, x, r, w, b)

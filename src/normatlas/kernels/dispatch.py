@@ -40,9 +40,7 @@ class KernelArgs:
     feature_ndim: int
 
 
-def unsupported(
-    spec: NormSpec, input: Tensor, weight: Tensor | None = None, bias: Tensor | None = None
-) -> str | None:
+def unsupported(spec: NormSpec, input: Tensor, weight: Tensor | None = None, bias: Tensor | None = None) -> str | None:
     """Why the fused kernels cannot run ``spec`` on these tensors, or None when they can."""
     if not spec.layout.channels_last or spec.reduce != frozenset({Axis.FEATURE}) or spec.groups != 1:
         return "the kernels normalize over the trailing feature dims only (reduce={FEATURE}, channels-last, groups=1)"

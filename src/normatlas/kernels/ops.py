@@ -179,7 +179,7 @@ def _(dy, x, weight, stats, dres, center, before_gain, one_plus_w, l2, need_dg, 
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    x, residual, weight, bias, eps, center, eps_mode, before_gain, one_plus_w, l2 = inputs
+    x, residual, weight, bias, _eps, center, _eps_mode, before_gain, one_plus_w, l2 = inputs
     _, h, stats = output
     ctx.save_for_backward(h if residual is not None else x, weight, stats)
     ctx.flags = (center, before_gain, one_plus_w, l2)

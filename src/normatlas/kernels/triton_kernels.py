@@ -72,7 +72,8 @@ if HAS_TRITON:
     @triton.jit
     def _fwd_kernel(X, RES, H, Y, G, B, STATS, rows, n, div, eps,
                     BLOCK: tl.constexpr, ROWS: tl.constexpr, SINGLE: tl.constexpr, CENTER: tl.constexpr,
-                    EPS_MODE: tl.constexpr, BEFORE: tl.constexpr, HAS_RES: tl.constexpr, HAS_B: tl.constexpr):  # fmt: skip
+                    EPS_MODE: tl.constexpr, BEFORE: tl.constexpr, HAS_RES: tl.constexpr,
+                    HAS_B: tl.constexpr):  # fmt: skip
         pid = tl.program_id(0).to(tl.int64)
         row = pid * ROWS + tl.arange(0, ROWS).to(tl.int64)
         rmask = row < rows
@@ -116,7 +117,9 @@ if HAS_TRITON:
             for off in range(0, n, BLOCK):
                 c = off + cols
                 m = rmask[:, None] & (c < n)[None, :]
-                xc = tl.where(m, tl.load(src + base + c[None, :], mask=m, other=0.0).to(tl.float32) - mean[:, None], 0.0)
+                xc = tl.where(
+                    m, tl.load(src + base + c[None, :], mask=m, other=0.0).to(tl.float32) - mean[:, None], 0.0
+                )
                 acc += xc * xc
             r, d = _rstd(tl.sum(acc, axis=1) / div, eps, EPS_MODE)
             for off in range(0, n, BLOCK):
@@ -182,7 +185,9 @@ if HAS_TRITON:
                     c = o + cols
                     cm = c < n
                     xc = tl.where(cm, tl.load(X + base + c, mask=cm, other=0.0).to(tl.float32) - mean, 0.0)
-                    dxh = tl.load(DY + base + c, mask=cm, other=0.0).to(tl.float32) * tl.load(G + c, mask=c < n, other=0.0)
+                    dxh = tl.load(DY + base + c, mask=cm, other=0.0).to(tl.float32) * tl.load(
+                        G + c, mask=c < n, other=0.0
+                    )
                     s1 += dxh
                     s2 += dxh * xc
                     s3 += xc
