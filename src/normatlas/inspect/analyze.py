@@ -106,12 +106,15 @@ def _has_compute(g: Graph, branch: int, source: int) -> bool:
 
 def _residual_adds(g: Graph, shape: tuple[int, ...]) -> list[tuple[int, int, int, int]]:
     """(add, skip operand, branch operand, stream source) for every residual add."""
+    def stream_like(s: tuple[int, ...] | None) -> bool:  # the stream, possibly flattened to (B*T, D)
+        return s is not None and len(s) >= 2 and s[-1] == shape[-1] and math.prod(s) == math.prod(shape)
+
     found = []
     for n in g.nodes:
-        if n.op != "add" or n.shape != shape or len(n.inputs) != 2 or n.inputs[0] == n.inputs[1]:
+        if n.op != "add" or not stream_like(n.shape) or len(n.inputs) != 2 or n.inputs[0] == n.inputs[1]:
             continue
         for a, b in (n.inputs, n.inputs[::-1]):
-            src = next((c for c in _components(g, a) if g.nodes[c].shape == shape and g.feeds(c, b)), None)
+            src = next((c for c in _components(g, a) if stream_like(g.nodes[c].shape) and g.feeds(c, b)), None)
             if src is not None and _has_compute(g, b, src):
                 found.append((n.idx, a, b, src))
                 break
@@ -168,7 +171,8 @@ def _is_rope_add(g: Graph, n: Node, trig: int) -> bool:
     return all(g.nodes[i].op == "mul" for i in n.inputs) and bool(g.anc(n.idx) & trig)
 
 
-def _attention(g: Graph, sites: list[Site], stream_bit: int, trig: int) -> list[tuple[int, dict[str, object]]]:
+def _attention(g: Graph, sites: list[Site], stream_bit: int, trig: int,
+               stream_inputs: set[int]) -> list[tuple[int, dict[str, object]]]:
     by_output = {s.output: s for s in sites}
     cores: list[tuple[int, int, int, int, float | None]] = []  # node, q, k, v, softcap
     for n in g.nodes:
@@ -217,11 +221,12 @@ def _attention(g: Graph, sites: list[Site], stream_bit: int, trig: int) -> list[
                 seen.add((i, rope))
                 node = g.nodes[i]
                 if i in by_output:
-                    found.append((by_output[i], rope))
+                    if strip(g, by_output[i].input) not in stream_inputs:  # a pre-norm is not a QK/V norm
+                        found.append((by_output[i], rope))
                     continue
                 if node.op in _PROJ or node.op in ("param", "input", "leaf") or not g.anc(i) & stream_bit:
                     continue
-                if node.op in ("matmul",) and any(g.nodes[strip(g, j)].op == "param" for j in node.inputs):
+                if node.op == "matmul" and any(g.nodes[strip(g, j, _THRU)].op == "param" for j in node.inputs):
                     continue
                 here = rope or _is_rope_add(g, node, trig)
                 stack.extend((j, here) for j in node.inputs)
@@ -272,7 +277,7 @@ def analyze(g: Graph, name: str = "model", tracer: str = "torch_function") -> In
             attn_bits |= 1 << n.idx
     by_input: dict[int, list[Site]] = {}
     for s in sites:
-        by_input.setdefault(strip(g, s.input), []).append(s)
+        by_input.setdefault(strip(g, s.input, _THRU), []).append(s)
     by_output = {s.output: s for s in sites}
     keys: dict[str, int] = {}
     for i, grp in enumerate(groups):
@@ -291,10 +296,10 @@ def analyze(g: Graph, name: str = "model", tracer: str = "torch_function") -> In
             kinds = {bool((g.anc(b) & ~g.anc(grp.source)) & attn_bits) for b in grp.branches}
             grp.kind = "attention+mlp" if kinds == {True, False} else grp.kind
         outs = {s.node for s in grp.out}
-        grp.pre = [s for s in by_input.get(strip(g, grp.source), [])
+        grp.pre = [s for s in by_input.get(strip(g, grp.source, _THRU), [])
                    if s.node not in outs and any(g.feeds(s.output, b) for b in grp.branches)]
         nxt = groups[i + 1].source if i + 1 < len(groups) else None
-        for s in by_input.get(strip(g, end), []):
+        for s in by_input.get(strip(g, end, _THRU), []):
             if nxt is not None and strip(g, nxt, _THRU) == s.output:
                 grp.post.append(s)
         layer = _layer_of(g, end, keys)
@@ -308,12 +313,12 @@ def analyze(g: Graph, name: str = "model", tracer: str = "torch_function") -> In
     final: Site | None = None
     if groups:
         last = groups[-1]
-        cands = [s for s in by_input.get(strip(g, last.adds[-1]), []) if s not in last.pre]
+        cands = [s for s in by_input.get(strip(g, last.adds[-1], _THRU), []) if s not in last.pre]
         same_kind = [grp for grp in groups[:-1] if grp.kind == last.kind]
         if cands and same_kind and same_kind[-1].post:  # the nearest layer decides (Mix-LN switches with depth)
             last.post.append(cands[0])
             end_idx = cands[0].output
-            cands = [s for s in by_input.get(strip(g, end_idx), [])]
+            cands = list(by_input.get(strip(g, end_idx, _THRU), []))
         final = cands[0] if cands else None
     # embedding
     emb_scale, emb_norm, start_bit = None, None, 0
@@ -347,7 +352,8 @@ def analyze(g: Graph, name: str = "model", tracer: str = "torch_function") -> In
     # attention
     stream_bit = start_bit
     attention: list[AttentionInfo] = []
-    for core, info in _attention(g, sites, stream_bit, trig) if groups else []:
+    stream_inputs = {strip(g, grp.source) for grp in groups} | {strip(g, grp.adds[-1]) for grp in groups}
+    for core, info in _attention(g, sites, stream_bit, trig, stream_inputs) if groups else []:
         lay = _layer_of(g, core, keys)
         hd = info["head_dim"]
         qk: list[tuple[Site, bool]] = list(info["q"]) + list(info["k"])  # type: ignore[arg-type]

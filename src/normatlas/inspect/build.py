@@ -41,6 +41,8 @@ TINY: dict[str, Any] = {
     "v_head_dim": 16,
     "sliding_window": 16,
     "first_k_dense_replace": 1,
+    "rotary_dim": 16,
+    "word_embed_proj_dim": 64,
 }
 
 
