@@ -20,12 +20,13 @@ from .convert import (
 )
 from .dataflow import Dataflow, record
 from .fold import DeferredNormLinear, cancel_pre_attention_norms, deferred_runtime, fold_gains, linear_consumers
-from .io import load_checkpoint, load_transformed, save_surgery
+from .io import MANIFEST, load_checkpoint, load_transformed, save_surgery
 from .norms import NormFacts, find_norms, probe_norm
 from .report import Change, Check, Refusal, Surgery, Swap, apply_swaps
 from .verify import Tolerance, compare, model_output, probe_inputs, run_checks
 
 __all__ = [
+    "MANIFEST",
     "Change",
     "Check",
     "Dataflow",

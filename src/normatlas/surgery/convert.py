@@ -73,16 +73,18 @@ def _stream_reasons(flow: Dataflow, norms: dict[str, NormFacts], names: list[str
             writers[call.module] = kind  # type: ignore[index]
         else:
             reasons.append(f"{call.label} writes into the stream and is not a linear layer or embedding")
+    others: list[str] = []
     for k in tensors:
         if flow.escapes(k):
             reasons.append("the stream itself is a model output, which would change")
-            break
         for r in flow.readers.get(k, []):
             call = flow.calls[r]
             if call.module in names or any(o in tensors for o in call.outputs):
                 continue
-            reasons.append(f"the stream is also read by {call.label}, which is not a LayerNorm and would see "
-                           "the centred values")
+            others.append(call.label)
+    if others:
+        reasons.append(f"the stream is also read by {', '.join(dict.fromkeys(others))}, not LayerNorms, which "
+                       "would see the centred values")
     for w in writers:
         for call in flow.module_calls(w):
             if not all(o in tensors for o in call.outputs):

@@ -111,8 +111,9 @@ def load_checkpoint(path: str | os.PathLike[str]) -> nn.Module:
     """Build the transformers model ``config.json`` names and load its safetensors weights, checked."""
     root = Path(path)
     files = _safetensors_files(root)
+    tensors = _read_tensors(files)
     model = _build(root)
-    _load_into(model, _read_tensors(files), root)
+    _load_into(model, tensors, root)
     return model
 
 
