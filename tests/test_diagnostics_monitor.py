@@ -321,3 +321,58 @@ def test_plot_helper(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="metric='nope'"):
         plot_metrics(mon.history, ["nope"])
     assert Metric("residual") is Metric.RESIDUAL
+
+
+def test_blocks_residual_add_gives_exact_branch_ratios() -> None:
+    """Optional: models built from normatlas.blocks expose each residual add as a module."""
+    blocks_model = pytest.importorskip("normatlas.blocks.model")
+    from normatlas.blocks.residual import ResidualAdd
+
+    torch.manual_seed(8)
+    from normatlas.presets import RMSNorm
+
+    model = blocks_model.TransformerLM(blocks_model.ModelConfig(norm=RMSNorm))
+    adds = [n for n, m in model.named_modules() if isinstance(m, ResidualAdd)]
+    seen: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    hooks = [
+        m.register_forward_hook(lambda mod, a, o, n=n: seen.__setitem__(n, (a[0].detach(), a[1].detach())))
+        for n, m in model.named_modules()
+        if isinstance(m, ResidualAdd)
+    ]
+    mon = Monitor(model, every=1, metrics=["residual", "attention"], print_alarms=False)
+    model(torch.randint(256, (2, 12)))
+    mon.step()
+    for h in hooks:
+        h.remove()
+    assert adds and len(mon.blocks) == 2
+    for n in adds:
+        x, b = seen[n]
+        ref = b.double().pow(2).mean().sqrt() / x.double().pow(2).mean().sqrt()
+        assert_close(mon.last[f"residual_add/branch_ratio/{n}"], float(ref), rtol=1e-5, atol=0)
+    assert "attention/entropy/L1" in mon.last
+
+
+def test_cnn_channels_first_and_progress_line(capsys: pytest.CaptureFixture[str]) -> None:
+    class Res(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = nn.Conv2d(8, 8, 3, padding=1)
+            self.bn = nn.BatchNorm2d(8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + self.bn(self.conv(x))
+
+    torch.manual_seed(9)
+    model = nn.Sequential(Res(), Res(), Res())
+    mon = Monitor(model, every=1, channels_first=True, print_progress=True, print_alarms=False)
+    x = torch.randn(2, 8, 5, 5)
+    x[1, 3, 2, 4] = 300.0  # a massive activation at position (2, 4) = token 14, channel 3 of example 1
+    model(x).sum().backward()
+    mon.step(loss=1.0)
+    rec = mon.last
+    h = x + model[0].bn(model[0].conv(x))  # bn in train mode: same batch, same statistics
+    ref = h.detach().double().movedim(1, -1).flatten(1, 2)
+    assert_close(rec["residual/rms/L0"], float(ref.pow(2).mean().sqrt()), rtol=1e-5, atol=0)
+    assert (rec["massive/token/L0"], rec["massive/channel/L0"]) == (14, 3)
+    assert "batchnorm/mean_gap/0.bn" in rec and "grad_norm/L2" in rec
+    assert capsys.readouterr().out.startswith("step 0 | loss 1 | out-norm")

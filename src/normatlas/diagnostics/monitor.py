@@ -23,7 +23,9 @@ Record keys (``metric/statistic/layer``): ``output_norm``, ``grad_norm/total``,
 ``attention/entropy/L3/h0``, ``massive/{max_ratio,value,token,channel,count}/L3``,
 ``headroom/{bf16_log2,fp16_log2,bf16_underflow_share}``, ``effective_lr/<linear>``,
 ``weight_norm/<linear>``, ``weight_growth/<linear>``, ``batchnorm/{mean_gap,var_logratio}/<bn>``,
-``ngrams/{max_repeats,flagged}``, ``modality/{vision_norm,text_norm,gap}``.
+``ngrams/{max_repeats,flagged}``, ``modality/{vision_norm,text_norm,gap}``, and, for models
+built from ``normatlas.blocks`` (whose residual add is a module), the exact per-sublayer
+``residual_add/{branch_ratio,update_ratio}/<module>`` = RMS(branch) / RMS(stream).
 """
 
 from __future__ import annotations
@@ -77,6 +79,15 @@ def _first_tensor(obj: Any, float_only: bool = True) -> Tensor | None:
     return None
 
 
+def _residual_adds(model: nn.Module) -> list[nn.Module]:
+    """``normatlas.blocks.residual.ResidualAdd`` modules, when that package is present."""
+    try:
+        from ..blocks.residual import ResidualAdd
+    except ImportError:
+        return []
+    return [m for m in model.modules() if isinstance(m, ResidualAdd)]
+
+
 class Monitor:
     """Attach diagnostics to ``model``; see the module docstring for the record keys.
 
@@ -93,6 +104,9 @@ class Monitor:
         max_examples: examples of the batch used for activation metrics.
         per_head: record the entropy of every head as well.
         print_alarms: print each alarm when it fires.
+        print_progress: print :meth:`summary` after every measured step.
+        channels_first: block outputs are ``(N, C, *spatial)`` (CNNs); activation metrics
+            then treat ``C`` as the feature axis and the spatial positions as tokens.
     """
 
     def __init__(
@@ -109,6 +123,8 @@ class Monitor:
         max_examples: int = 4,
         per_head: bool = True,
         print_alarms: bool = True,
+        print_progress: bool = False,
+        channels_first: bool = False,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
@@ -128,6 +144,7 @@ class Monitor:
         self.sinks: list[Sink] = [self.history, *sinks]
         self.alarms = list(default_alarms() if alarms is None else alarms)
         self.max_examples, self.per_head, self.print_alarms = max_examples, per_head, print_alarms
+        self.print_progress, self.channels_first = print_progress, channels_first
         self.events: list[AlarmEvent] = []
         self.step_count = 0
         self._record: dict[str, Any] = {}
@@ -178,6 +195,9 @@ class Monitor:
                     h.append(mod.register_forward_pre_hook(self._bn_pre))
         for side, mod in self.modality.items():
             h.append(mod.register_forward_hook(self._modality_post(side)))
+        if Metric.RESIDUAL in self.metrics:
+            for mod in _residual_adds(self.model):
+                h.append(mod.register_forward_hook(self._residual_add_post))
         return self
 
     def detach(self) -> None:
@@ -225,6 +245,8 @@ class Monitor:
         self._forward_done = True
 
     def _sub(self, t: Tensor) -> Tensor:
+        if self.channels_first and t.dim() >= 3:
+            t = t.movedim(1, -1).flatten(1, -2)
         return t[: self.max_examples] if t.dim() >= 3 else t
 
     def _block_pre(self, i: int) -> Any:
@@ -296,6 +318,18 @@ class Monitor:
         )
         ratio = ((var + eps) / (rv.float() + eps)).log().abs()
         self._record[f"batchnorm/var_logratio/{name}"] = float(ratio.mean())
+
+    def _residual_add_post(self, mod: nn.Module, args: tuple[Any, ...], out: Any) -> None:
+        """Exact per-sublayer split from a ``normatlas.blocks`` ``ResidualAdd(residual, branch)``."""
+        if not self.armed or len(args) < 2 or not isinstance(out, Tensor):
+            return
+        x, b = self._sub(args[0]).detach().float(), self._sub(args[1]).detach().float()
+        rms_x = x.pow(2).mean().sqrt().clamp_min(1e-30)
+        name = self._names.get(mod, "residual_add")
+        self._record[f"residual_add/branch_ratio/{name}"] = float(b.pow(2).mean().sqrt() / rms_x)
+        self._record[f"residual_add/update_ratio/{name}"] = float(
+            (self._sub(out).detach().float() - x).pow(2).mean().sqrt() / rms_x
+        )
 
     def _modality_post(self, side: str) -> Any:
         def hook(mod: nn.Module, args: Any, out: Any) -> None:
@@ -406,6 +440,8 @@ class Monitor:
                 if self.print_alarms:
                     print(e, flush=True)
             self.events += events
+            if self.print_progress:
+                print(self.summary(), flush=True)
         self._record = {}
         self._attn_calls = {}
         self._forward_done = False
