@@ -29,7 +29,8 @@ def main() -> None:
         ent = [v for k, v in mon.last.items() if k.startswith("attention/entropy_norm/")]
         logit = [v for k, v in mon.last.items() if k.startswith("attention/max_logit/")]
         print(
-            f"qk_norm={qk!s:5}  entropy-collapse alarm at step {r['alarm_step']}  loss spike at step {r['spike_step']}  "
+            f"qk_norm={qk!s:5}  entropy-collapse alarm at step {r['alarm_step']}  "
+            f"loss spike at step {r['spike_step']}  "
             f"min loss {min(r['losses']):.3f}  final loss {r['losses'][-1]:.3f}  "
             f"final min normalized entropy {min(ent):.3f}  final max logit {max(logit):.1f}  "
             f"({time.perf_counter() - t0:.1f} s)"

@@ -225,8 +225,9 @@ def test_vlm_modality_gap_through_hooks() -> None:
     pixels, ids = torch.randn(2, 4, 8), torch.randint(20, (2, 5))
     model(pixels, ids)
     mon.step()
-    v = model.proj(pixels).norm(dim=-1).mean()
-    t = model.embed(ids).norm(dim=-1).mean()
+    with torch.no_grad():
+        v = model.proj(pixels).norm(dim=-1).mean()
+        t = model.embed(ids).norm(dim=-1).mean()
     assert_close(mon.last["modality/gap"], float(v / t), rtol=1e-5, atol=0)
     with pytest.raises(ValueError, match="modality keys"):
         Monitor(model, modality={"image": model.proj})
