@@ -51,7 +51,7 @@ SPECS = {
     "ln_eps_outside": LN.with_(eps_placement=EpsPlacement.OUTSIDE_SQRT),
     "ln_2d_features": LN.with_(feature_ndim=2),
 }
-SHAPES = [(5, 123, 123), (1, 1, 1023), (0, 7, 64), (3, 64)]
+SHAPES = [(5, 123, 123), (1, 1, 1023), (0, 7, 64)]
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -90,10 +90,14 @@ def _close(a, b, dtype, name):
     torch.testing.assert_close(a.double(), b.double(), atol=tol["atol"] * scale, rtol=tol["rtol"], msg=name)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+# fp16 runs without the residual add; bf16 covers the add's rounding
+DTYPE_ADD = [(torch.float32, False), (torch.float32, True), (torch.bfloat16, False), (torch.bfloat16, True),
+             (torch.float16, False)]  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype,add", DTYPE_ADD, ids=str)
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 @pytest.mark.parametrize("name", list(SPECS))
-@pytest.mark.parametrize("add", [False, True], ids=["norm", "add_norm"])
 def test_matches_reference_fwd_bwd(name: str, shape: tuple[int, ...], dtype: torch.dtype, add: bool) -> None:
     spec = SPECS[name]
     assert unsupported(spec, torch.empty(shape, dtype=dtype)) is None
@@ -124,14 +128,15 @@ def test_matches_reference_fwd_bwd(name: str, shape: tuple[int, ...], dtype: tor
         _close(got, want, dtype, what)
 
 
-@pytest.mark.parametrize(
-    "name", ["rms", "rms_1+w", "rms_eps_outside", "rms_clamp", "l2", "ln", "ln_no_affine", "ln_2d_features"]
-)
-@pytest.mark.parametrize("add", [False, True], ids=["norm", "add_norm"])
+GRADCHECK = [(n, False) for n in ("rms", "rms_1+w", "rms_eps_outside", "rms_clamp", "l2", "ln", "ln_no_affine",
+                                   "ln_2d_features")] + [("rms", True), ("ln", True)]  # fmt: skip
+
+
+@pytest.mark.parametrize("name,add", GRADCHECK, ids=str)
 def test_gradcheck_float64(name: str, add: bool) -> None:
     spec = SPECS[name]
     gen = torch.Generator().manual_seed(2)
-    shape = (3, 4, 6)
+    shape = (2, 3, 5)
     x = torch.randn(shape, generator=gen, dtype=torch.float64) + 0.3
     r = torch.randn(shape, generator=gen, dtype=torch.float64)
     w, b = _params(spec, shape, torch.float64, gen)

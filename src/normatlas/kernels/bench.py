@@ -49,6 +49,10 @@ def _providers(op: str, device: str) -> dict[str, Fn]:
     from . import fused_add_layer_norm, fused_add_rms_norm, fused_layer_norm, fused_rms_norm
 
     eps = 1e-6
+    # the "bwd" mode replays one graph's backward (retain_graph=True), which donated buffers forbid
+    import torch._functorch.config as functorch_config
+
+    functorch_config.donated_buffer = False
     if op in ("rms", "qk"):
         out: dict[str, Fn] = {
             "ours": lambda x, r, w, b: fused_rms_norm(x, x.shape[-1], w, eps),

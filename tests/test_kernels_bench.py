@@ -1,0 +1,43 @@
+"""``normatlas bench`` and the benchmark engine: rows for every provider, sane units, clean errors."""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+import pytest
+import torch
+
+from normatlas.cli import main
+from normatlas.kernels.bench import _bytes, run_bench
+
+
+def test_run_bench_rows_have_consistent_units() -> None:
+    rows = run_bench("add_rms", [(8, 64)], [torch.float32], ["fwd", "bwd"], providers=["ours", "torch"], repeats=2)
+    assert {(r["mode"], r["provider"]) for r in rows} == {(m, p) for m in ("fwd", "bwd") for p in ("ours", "torch")}
+    for r in rows:
+        assert r["ms"] > 0 and r["copy_ms"] > 0
+        moved = _bytes("add_rms", r["mode"], 8 * 64, 4)
+        assert r["GB/s"] == pytest.approx(moved / (r["ms"] / 1e3) / 1e9, rel=0.02, abs=0.01)
+    ours = next(r for r in rows if r["provider"] == "ours" and r["mode"] == "fwd")
+    assert ours["vs_ours"] == 1.0
+
+
+def test_cli_bench_writes_csv(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "r.csv"
+    argv = ["bench", "rms", "--shape", "4x96", "--dtype", "bfloat16", "--mode", "fwdbwd", "--no-compile"]
+    assert main([*argv, "--repeats", "2", "--csv", str(out)]) == 0
+    table = capsys.readouterr().out
+    assert "ours" in table and "hf" in table
+    with out.open() as f:
+        rows = list(csv.DictReader(f))
+    assert {r["provider"] for r in rows} == {"ours", "torch", "hf"}
+    assert all(r["shape"] == "4x96" and r["dtype"] == "bfloat16" for r in rows)
+
+
+def test_cli_bench_bad_arguments(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["bench", "rms", "--shape", "4by96"])
+    assert "ROWSxHIDDEN" in capsys.readouterr().err
+    assert main(["bench", "rms", "--repeats", "0"]) == 2
+    assert "--repeats=0" in capsys.readouterr().err
