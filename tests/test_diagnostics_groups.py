@@ -176,3 +176,42 @@ def test_scale_invariant_linears_are_found_from_dataflow() -> None:
     for lin, norm in pairs:
         assert isinstance(lin, nn.Linear) and module_kind(norm) is Kind.NORM
     assert trace_linear_to_norm(TinyLM(qk_norm=False), ids) == []  # Pre-LN norms read the residual stream
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: nn.LayerNorm(12),
+        lambda: nn.RMSNorm(12),
+        lambda: nn.GroupNorm(3, 12),
+        lambda: nn.BatchNorm1d(12),
+        lambda: __import__("normatlas.presets", fromlist=["x"]).RMSNorm(12),
+        lambda: __import__("normatlas.presets", fromlist=["x"]).LayerNorm(12),
+        lambda: __import__("normatlas.presets", fromlist=["x"]).ScaleNorm(12),
+        lambda: GemmaRMSNorm(12),
+    ],
+)
+def test_behavioural_probe_agrees_with_known_norm_types(make) -> None:  # type: ignore[no-untyped-def]
+    """The probe alone (no type table) finds every known norm: Norm(a x) == Norm(x) (essay, invariances)."""
+    from normatlas.diagnostics.roles import _behaviour, _Probe
+
+    mod = make().train()
+    with _Probe(mod):
+        kind, _, _ = _behaviour(mod)
+    assert kind is Kind.NORM
+
+
+def test_non_norms_are_not_taken_for_norms() -> None:
+    from normatlas.diagnostics.roles import _behaviour, _Probe
+
+    class Affine(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.ones(12))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.relu(x) * self.w + 1.0
+
+    for mod in (Affine(), nn.BatchNorm1d(12).eval()):  # eval-mode BN is an affine map: not scale invariant
+        with _Probe(mod):
+            assert _behaviour(mod)[0] is not Kind.NORM

@@ -68,3 +68,15 @@ def test_cli_diagnose_json(capsys: pytest.CaptureFixture[str]) -> None:
     rows = json.loads(capsys.readouterr().out)
     assert len(rows) == 6 and {"rms", "attn_entropy", "massive_token", "sink_token"} <= set(rows[0])
     assert main(["diagnose", "--model", "/nonexistent/folder"]) == 2
+
+
+def test_cli_groups_summary_counts_every_layernorm(loaded, capsys: pytest.CaptureFixture[str]) -> None:  # type: ignore[no-untyped-def]
+    _, model = loaded
+    n_ln = sum(isinstance(m, torch.nn.LayerNorm) for m in model.modules())
+    n_lin = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
+    assert main(["diagnose", "--sentence", SENTENCE, "--groups"]) == 0
+    out = capsys.readouterr().out.split("param_groups(model, weight_decay=0.1)")[1]
+    rows = {line.split()[0]: line.split() for line in out.splitlines()[3:] if line.strip()}
+    assert rows["norm_gain"][1:3] == ["no_decay", str(n_ln)]
+    assert rows["weight"][1:3] == ["decay", str(n_lin)]
+    assert rows["embedding"][1] == "no_decay"

@@ -35,7 +35,7 @@ from torch import nn
 
 from .roles import Kind, gain_convention, module_kind
 
-__all__ = ["ParamInfo", "Role", "format_report", "param_groups", "param_roles"]
+__all__ = ["ParamInfo", "Role", "format_report", "param_groups", "param_roles", "summarize_roles"]
 
 
 class Role(enum.Enum):
@@ -156,3 +156,17 @@ def format_report(infos: list[ParamInfo]) -> list[dict[str, object]]:
         }
         for i in infos
     ]
+
+
+def summarize_roles(infos: list[ParamInfo]) -> list[dict[str, object]]:
+    """One row per (role, group): how many tensors, how many values, and an example name."""
+    rows: dict[tuple[str, str], dict[str, object]] = {}
+    for i in infos:
+        key = (i.role.value, "decay" if i.decay else "no_decay")
+        row = rows.setdefault(key, {"role": key[0], "group": key[1], "tensors": 0, "values": 0, "example": i.name})
+        n = 1
+        for d in i.shape:
+            n *= d
+        row["tensors"] = int(row["tensors"]) + 1  # type: ignore[call-overload]
+        row["values"] = int(row["values"]) + n  # type: ignore[call-overload]
+    return sorted(rows.values(), key=lambda r: (str(r["group"]), str(r["role"])))

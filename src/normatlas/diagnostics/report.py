@@ -51,7 +51,7 @@ def diagnose_hf(
 ) -> dict[str, Any]:
     """Per-layer geometry of a local transformers checkpoint on real sentences.
 
-    Returns ``{"rows": [...], "model": name, "sentences": n, "output_norm": float}`` with one row
+    Returns ``{"rows", "model", "sentences", "output_norm", "module"}`` (``module``: the loaded model) with one row
     per block: stream RMS after the block, update/residual ratio, cos(in, out), mean
     attention entropy (nats) and normalized entropy, max logit, the sink key position
     and its attention share, and the largest massive activation (x median, token, channel).
@@ -112,4 +112,5 @@ def diagnose_hf(
         "model": path.name if model_dir else "all-MiniLM-L6-v2",
         "sentences": len(recs),
         "output_norm": out_norm,
+        "module": model,
     }

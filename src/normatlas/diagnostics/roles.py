@@ -85,7 +85,15 @@ def _probe_inputs(module: nn.Module) -> Iterator[tuple[Tensor, int]]:
     params = _own_params(module)
     dtype = next((p.dtype for _, p in params if p.is_floating_point()), torch.float32)
     device = next((p.device for _, p in params), torch.device("cpu"))
-    sizes = sorted({p.shape[-1] for _, p in params if p.dim() >= 1 and p.numel() > 1}) or [8]
+    sizes = sorted({p.shape[-1] for _, p in params if p.dim() >= 1 and p.numel() > 1})
+    if not sizes:  # scalar-only parameters: the feature size is only a probe shape hint, not a classification
+        for attr in ("normalized_shape", "shape", "num_features", "num_channels", "dim", "hidden_size"):
+            v = getattr(module, attr, None)
+            v = v[-1] if isinstance(v, (tuple, list)) and v else v
+            if isinstance(v, int) and not isinstance(v, bool) and v > 1:
+                sizes.append(v)
+                break
+        sizes = sizes or [8]
     gen = torch.Generator().manual_seed(1)
     for d in sizes:
         yield torch.randn(2, 5, d, generator=gen).to(device, dtype), -1
