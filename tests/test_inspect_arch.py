@@ -12,29 +12,43 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from normatlas.inspect import InspectionReport, inspect_model  # noqa: E402
-from normatlas.inspect.build import _model_from_config, tiny_config  # noqa: E402
+from normatlas.inspect import InspectionReport, inspect_model
+from normatlas.inspect.build import _model_from_config, tiny_config
 
 OVERRIDES: dict[str, dict[str, Any]] = {"granite": {"residual_multiplier": 0.25, "embedding_multiplier": 12.0}}
 
 EXPECTED: dict[str, dict[str, Any]] = {
     # pre-LN RMSNorm, weight * x.to(dtype): cast before gain
-    "llama": dict(operator="rmsnorm", placement="pre", gain_convention="w", cast_order="before_gain",
-                  qk_norm="none", final_norm="rmsnorm", eps=1e-6),
+    "llama": dict(
+        operator="rmsnorm",
+        placement="pre",
+        gain_convention="w",
+        cast_order="before_gain",
+        qk_norm="none",
+        final_norm="rmsnorm",
+        eps=1e-6,
+    ),
     "mistral": dict(operator="rmsnorm", placement="pre", qk_norm="none", final_norm="rmsnorm"),
     # per-head q_norm / k_norm on head_dim, applied before apply_rotary_pos_emb
     "qwen3": dict(operator="rmsnorm", placement="pre", qk_norm="per-head", qk_norm_rope="before-rope"),
     # (1 + w) gain, computed in fp32 then cast: after gain; embeddings * sqrt(hidden)
     "gemma": dict(placement="pre", gain_convention="1+w", cast_order="after_gain", embedding_scale=math.sqrt(64)),
     # four norms per block (peri), tanh soft-capping of attention scores and final logits
-    "gemma2": dict(placement="peri", gain_convention="1+w", attn_softcap=50.0, final_logit_softcap=30.0,
-                   qk_norm="none", embedding_scale=math.sqrt(64)),
+    "gemma2": dict(
+        placement="peri",
+        gain_convention="1+w",
+        attn_softcap=50.0,
+        final_logit_softcap=30.0,
+        qk_norm="none",
+        embedding_scale=math.sqrt(64),
+    ),
     "gemma3_text": dict(placement="peri", qk_norm="per-head", qk_norm_rope="before-rope", attn_softcap=None),
     # OLMo 1: LayerNorm without affine parameters
     "olmo": dict(operator="layernorm-nonparam", placement="pre", gain_convention="none", bias=False),
     # OLMo 2: norms on branch outputs (reordered / res-post), q_norm over all heads before the head split
-    "olmo2": dict(operator="rmsnorm", placement="res-post", qk_norm="flattened", qk_norm_rope="before-rope",
-                  final_norm="rmsnorm"),
+    "olmo2": dict(
+        operator="rmsnorm", placement="res-post", qk_norm="flattened", qk_norm_rope="before-rope", final_norm="rmsnorm"
+    ),
     # one LayerNorm (no bias) feeding attention and MLP in parallel
     "cohere": dict(operator="layernorm", placement="parallel", bias=False),
     "gpt2": dict(operator="layernorm", placement="pre", bias=True, final_norm="layernorm", eps=1e-5),
@@ -87,8 +101,10 @@ def test_probe_agrees_with_the_graph(mt: str) -> None:
 
 def test_post_attention_layernorm_means_different_things() -> None:
     """HF's ``post_attention_layernorm`` is a pre-FFN norm in Llama and a branch-output norm in OLMo 2."""
-    roles = {mt: {n.role for n in report(mt).norms if n.module.endswith("post_attention_layernorm")}
-             for mt in ("llama", "olmo2")}
+    roles = {
+        mt: {n.role for n in report(mt).norms if n.module.endswith("post_attention_layernorm")}
+        for mt in ("llama", "olmo2")
+    }
     assert roles == {"llama": {"pre"}, "olmo2": {"out"}}
 
 

@@ -44,8 +44,9 @@ class L2(nn.Module):
 
 
 def make_norm(kind: str, n: int) -> nn.Module:
-    return {"rms": lambda: HandRMS(n), "ln": lambda: nn.LayerNorm(n), "ln_out": lambda: HandLNOutside(n),
-            "l2": L2}[kind]()
+    return {"rms": lambda: HandRMS(n), "ln": lambda: nn.LayerNorm(n), "ln_out": lambda: HandLNOutside(n), "l2": L2}[
+        kind
+    ]()
 
 
 def rope(x: torch.Tensor) -> torch.Tensor:
@@ -56,8 +57,14 @@ def rope(x: torch.Tensor) -> torch.Tensor:
 
 
 class Attn(nn.Module):
-    def __init__(self, qk: str | None = None, qk_kind: str = "rms", qk_after_rope: bool = False,
-                 v_norm: bool = False, softcap: float | None = None) -> None:
+    def __init__(
+        self,
+        qk: str | None = None,
+        qk_kind: str = "rms",
+        qk_after_rope: bool = False,
+        v_norm: bool = False,
+        softcap: float | None = None,
+    ) -> None:
         super().__init__()
         self.q, self.k, self.v, self.o = (nn.Linear(D, D, bias=False) for _ in range(4))
         hd = D // H
@@ -90,8 +97,18 @@ class Attn(nn.Module):
 class Block(nn.Module):
     """One residual block; ``scheme`` per sublayer: pre / post / peri / res-post / none."""
 
-    def __init__(self, attn_scheme: str, mlp_scheme: str, *, norm: str = "rms", alpha: float = 1.0,
-                 branch: str | None = None, out_scale: float = 1.0, parallel: bool = False, **attn_kw: object) -> None:
+    def __init__(
+        self,
+        attn_scheme: str,
+        mlp_scheme: str,
+        *,
+        norm: str = "rms",
+        alpha: float = 1.0,
+        branch: str | None = None,
+        out_scale: float = 1.0,
+        parallel: bool = False,
+        **attn_kw: object,
+    ) -> None:
         super().__init__()
         self.attn = Attn(**attn_kw)  # type: ignore[arg-type]
         self.mlp = nn.Sequential(nn.Linear(D, 2 * D), nn.GELU(), nn.Linear(2 * D, D))
@@ -178,8 +195,7 @@ def l2_qk_after_rope() -> Toy:
 
 
 def flat_ln_qk_softcap() -> Toy:
-    return Toy([Block("res-post", "res-post", qk="flat", qk_kind="ln", softcap=20.0, branch="const")
-                for _ in range(2)])
+    return Toy([Block("res-post", "res-post", qk="flat", qk_kind="ln", softcap=20.0, branch="const") for _ in range(2)])
 
 
 def eps_outside() -> Toy:

@@ -14,12 +14,38 @@ from functools import cache
 from importlib import resources
 from typing import Any
 
-__all__ = ["MODEL_FIELDS", "PAPER_FIELDS", "OPERATORS", "PLACEMENTS", "QK_NORMS", "models", "papers", "filter_models",
-           "filter_papers", "check"]
+__all__ = [
+    "MODEL_FIELDS",
+    "OPERATORS",
+    "PAPER_FIELDS",
+    "PLACEMENTS",
+    "QK_NORMS",
+    "check",
+    "filter_models",
+    "filter_papers",
+    "models",
+    "papers",
+]
 
-MODEL_FIELDS = ("name", "family", "kind", "year", "operator", "placement", "qk_norm", "gain_convention", "residual",
-                "vision_tower", "vision_tower_norm", "connector", "connector_norm", "hf_model_types", "status",
-                "source", "notes")
+MODEL_FIELDS = (
+    "name",
+    "family",
+    "kind",
+    "year",
+    "operator",
+    "placement",
+    "qk_norm",
+    "gain_convention",
+    "residual",
+    "vision_tower",
+    "vision_tower_norm",
+    "connector",
+    "connector_norm",
+    "hf_model_types",
+    "status",
+    "source",
+    "notes",
+)
 PAPER_FIELDS = ("key", "group", "question", "named_as", "year", "title", "arxiv", "arxiv_status", "source")
 OPERATORS = ("layernorm", "rmsnorm", "none", "unclear", "l2 (hypersphere)", "adaLN-Zero", "weight standardization")
 PLACEMENTS = ("pre", "post", "peri", "res-post", "parallel", "none", "mix", "unclear")
@@ -27,7 +53,7 @@ QK_NORMS = ("none", "yes", "per-head", "flattened", "unclear")
 
 
 def _load(name: str) -> list[dict[str, Any]]:
-    text = resources.files("normatlas").joinpath("data", name).read_text(encoding="utf-8")
+    text = resources.files("normatlas").joinpath("data").joinpath(name).read_text(encoding="utf-8")
     return list(json.loads(text))
 
 
@@ -64,8 +90,14 @@ def _matches(rec: Mapping[str, Any], query: str | None) -> bool:
     return query is None or query.lower() in json.dumps(rec, ensure_ascii=False).lower()
 
 
-def filter_models(*, family: str | None = None, operator: str | None = None, placement: str | None = None,
-                  qk_norm: str | None = None, query: str | None = None) -> list[dict[str, Any]]:
+def filter_models(
+    *,
+    family: str | None = None,
+    operator: str | None = None,
+    placement: str | None = None,
+    qk_norm: str | None = None,
+    query: str | None = None,
+) -> list[dict[str, Any]]:
     """Model records matching every given filter (case-insensitive; ``query`` searches all fields)."""
     operator = _choice("operator", operator, OPERATORS)
     placement = _choice("placement", placement, PLACEMENTS)
@@ -87,8 +119,11 @@ def filter_models(*, family: str | None = None, operator: str | None = None, pla
 
 def filter_papers(*, group: str | None = None, query: str | None = None) -> list[dict[str, Any]]:
     """Paper records whose group/question contains ``group`` and any field contains ``query``."""
-    return [r for r in papers()
-            if (group is None or group.lower() in (r["group"] + " " + r["question"]).lower()) and _matches(r, query)]
+    return [
+        r
+        for r in papers()
+        if (group is None or group.lower() in (r["group"] + " " + r["question"]).lower()) and _matches(r, query)
+    ]
 
 
 def _same(field: str, curated: str, inspected: str) -> bool:
@@ -99,8 +134,9 @@ def _same(field: str, curated: str, inspected: str) -> bool:
     return curated == inspected
 
 
-def check(inspected: Callable[[str], Mapping[str, Any]] | Mapping[str, Mapping[str, Any]],
-          include_agreements: bool = False) -> list[dict[str, Any]]:
+def check(
+    inspected: Callable[[str], Mapping[str, Any]] | Mapping[str, Mapping[str, Any]], include_agreements: bool = False
+) -> list[dict[str, Any]]:
     """Reconcile curated records with inspected dataflow summaries.
 
     ``inspected`` maps a transformers model type to a summary row (as from
@@ -117,8 +153,17 @@ def check(inspected: Callable[[str], Mapping[str, Any]] | Mapping[str, Mapping[s
             except Exception as exc:  # a model type that cannot be built is reported, not raised
                 summ = {"error": f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:120]}"}
             if summ.get("error"):
-                rows.append({"model": rec["name"], "hf_model_type": mt, "field": "-", "curated": "-",
-                             "inspected": "-", "verdict": "error: " + str(summ["error"]), "source": rec["source"]})
+                rows.append(
+                    {
+                        "model": rec["name"],
+                        "hf_model_type": mt,
+                        "field": "-",
+                        "curated": "-",
+                        "inspected": "-",
+                        "verdict": "error: " + str(summ["error"]),
+                        "source": rec["source"],
+                    }
+                )
                 continue
             for field in ("operator", "placement", "qk_norm", "gain_convention"):
                 cur, got = rec.get(field), summ.get(field)
@@ -132,6 +177,15 @@ def check(inspected: Callable[[str], Mapping[str, Any]] | Mapping[str, Mapping[s
                     verdict = "agrees"
                 else:
                     verdict = "DISAGREES"
-                rows.append({"model": rec["name"], "hf_model_type": mt, "field": field, "curated": cur,
-                             "inspected": got, "verdict": verdict, "source": rec["source"]})
+                rows.append(
+                    {
+                        "model": rec["name"],
+                        "hf_model_type": mt,
+                        "field": field,
+                        "curated": cur,
+                        "inspected": got,
+                        "verdict": verdict,
+                        "source": rec["source"],
+                    }
+                )
     return rows

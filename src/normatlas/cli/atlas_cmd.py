@@ -20,8 +20,11 @@ def _configure_matrix(p: argparse.ArgumentParser) -> None:
     p.add_argument("--qk-norm", dest="qk_norm", help="none, yes, per-head, flattened, unclear")
     p.add_argument("--search", help="free-text search over every field")
     p.add_argument("--all-fields", action="store_true", help="every field (JSON/CSV always have them)")
-    p.add_argument("--check", action="store_true",
-                   help="reconcile with the dataflow inspected from transformers' code (tiny models, offline)")
+    p.add_argument(
+        "--check",
+        action="store_true",
+        help="reconcile with the dataflow inspected from transformers' code (tiny models, offline)",
+    )
     p.add_argument("--from", dest="from_file", help="with --check: use a sweep JSON from `inspect --all-transformers`")
     p.add_argument("--agreements", action="store_true", help="with --check: also list agreements")
     add_format_option(p)
@@ -33,8 +36,9 @@ def matrix(args: argparse.Namespace) -> int:
 
     if args.check:
         return _check(args)
-    rows = atlas.filter_models(family=args.family, operator=args.operator, placement=args.placement,
-                               qk_norm=args.qk_norm, query=args.search)
+    rows = atlas.filter_models(
+        family=args.family, operator=args.operator, placement=args.placement, qk_norm=args.qk_norm, query=args.search
+    )
     if args.format == "table" and not args.all_fields:
         rows = [{k: ("-" if r[k] is None else r[k]) for k in _TABLE_COLS} for r in rows]
     elif args.format == "csv":
@@ -84,7 +88,14 @@ def papers(args: argparse.Namespace) -> int:
 
     rows = atlas.filter_papers(group=args.question, query=args.search)
     if args.format == "table":
-        rows = [{"group": r["group"], "paper": r["named_as"][:60], "year": r["year"] or "-",
-                 "arXiv": r["arxiv"] or "(unverified)"} for r in rows]
+        rows = [
+            {
+                "group": r["group"],
+                "paper": r["named_as"][:60],
+                "year": r["year"] or "-",
+                "arXiv": r["arxiv"] or "(unverified)",
+            }
+            for r in rows
+        ]
     print(format_rows(rows, args.format, title=f"{len(rows)} papers"))
     return 0

@@ -11,12 +11,19 @@ from ._format import format_table
 
 
 def _configure(p: argparse.ArgumentParser) -> None:
-    p.add_argument("target", nargs="?", help="transformers model type (built tiny, offline), a checkpoint folder "
-                   "(config.json + *.safetensors), or module.path:factory")
+    p.add_argument(
+        "target",
+        nargs="?",
+        help="transformers model type (built tiny, offline), a checkpoint folder "
+        "(config.json + *.safetensors), or module.path:factory",
+    )
     p.add_argument("--json", action="store_true", help="print the full report as JSON")
     p.add_argument("--norms", action="store_true", help="also list every normalization site")
-    p.add_argument("--all-transformers", action="store_true",
-                   help="sweep every decoder-only architecture in the installed transformers")
+    p.add_argument(
+        "--all-transformers",
+        action="store_true",
+        help="sweep every decoder-only architecture in the installed transformers",
+    )
     p.add_argument("--only", default=None, help="with --all-transformers: comma-separated model types")
     p.add_argument("--timeout", type=float, default=60.0, help="with --all-transformers: seconds per architecture")
     p.add_argument("--out", default="inspect-matrix", help="with --all-transformers: output folder (JSON + CSV)")
@@ -38,8 +45,9 @@ def inspect_cmd(args: argparse.Namespace) -> int:
     except (UntraceableModel, ValueError, TypeError, FileNotFoundError, OSError) as exc:
         raise CliError(str(exc).splitlines()[0] if str(exc) else type(exc).__name__) from exc
     except Exception as exc:  # building a model can fail in many ways; one line, never a traceback
-        raise CliError(f"cannot build or trace {args.target}: {type(exc).__name__}: "
-                       f"{(str(exc).splitlines() or [''])[0][:200]}") from exc
+        raise CliError(
+            f"cannot build or trace {args.target}: {type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}"
+        ) from exc
     if args.json:
         print(json.dumps(rep.to_dict(), indent=2, default=str))
         return 0
@@ -47,20 +55,45 @@ def inspect_cmd(args: argparse.Namespace) -> int:
     keep = {k: v for k, v in summary.items() if k not in ("model", "notes")}
     rows = [{"field": k, "value": "-" if v in (None, "") else v} for k, v in keep.items()]
     print(format_table(rows, title=f"{rep.model}: normalization design (from the traced dataflow)"))
-    subs = [{"layer": s.layer, "sublayer": s.kind, "placement": s.placement.value,
-             "pre": len(s.pre), "out": len(s.out), "post": len(s.post),
-             "residual x": s.skip_scale if s.skip_scale is not None else "-", "branch x": s.branch_scale or "-"}
-            for s in rep.sublayers]
+    subs = [
+        {
+            "layer": s.layer,
+            "sublayer": s.kind,
+            "placement": s.placement.value,
+            "pre": len(s.pre),
+            "out": len(s.out),
+            "post": len(s.post),
+            "residual x": s.skip_scale if s.skip_scale is not None else "-",
+            "branch x": s.branch_scale or "-",
+        }
+        for s in rep.sublayers
+    ]
     if subs:
         print()
         print(format_table(subs, title="per sublayer"))
     if args.norms:
         print()
-        print(format_table([{"#": n.index, "role": n.role, "layer": "-" if n.layer is None else n.layer,
-                             "operator": n.operator.value, "size": n.size, "eps": n.eps,
-                             "gain": n.gain_convention, "bias": n.bias, "cast": n.cast_order or "-",
-                             "probe": "-" if not n.probe else ("agrees" if n.probe.get("agrees") else "DISAGREES"),
-                             "module (label)": n.module} for n in rep.norms], title="normalization sites"))
+        print(
+            format_table(
+                [
+                    {
+                        "#": n.index,
+                        "role": n.role,
+                        "layer": "-" if n.layer is None else n.layer,
+                        "operator": n.operator.value,
+                        "size": n.size,
+                        "eps": n.eps,
+                        "gain": n.gain_convention,
+                        "bias": n.bias,
+                        "cast": n.cast_order or "-",
+                        "probe": "-" if not n.probe else ("agrees" if n.probe.get("agrees") else "DISAGREES"),
+                        "module (label)": n.module,
+                    }
+                    for n in rep.norms
+                ],
+                title="normalization sites",
+            )
+        )
     for note in rep.notes:
         print(f"note: {note}")
     return 0

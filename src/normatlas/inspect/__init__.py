@@ -45,8 +45,9 @@ class UntraceableModel(ValueError):
     """The model could not be run on the example inputs, so no dataflow could be recorded."""
 
 
-def inspect_model(model: nn.Module, example_inputs: Any = None, *, name: str | None = None,
-                  probe: bool = True) -> InspectionReport:
+def inspect_model(
+    model: nn.Module, example_inputs: Any = None, *, name: str | None = None, probe: bool = True
+) -> InspectionReport:
     """Report ``model``'s normalization design, derived from one recorded forward pass.
 
     ``example_inputs`` is a tensor, a tuple of positional inputs or a dict of keyword
@@ -72,8 +73,10 @@ def inspect_model(model: nn.Module, example_inputs: Any = None, *, name: str | N
         try:
             report = probe_report(model, example_inputs, label)
         except Exception:
-            raise UntraceableModel(f"cannot run {label} on the example inputs: {type(exc).__name__}: "
-                                   f"{str(exc).splitlines()[0] if str(exc) else ''}") from exc
+            raise UntraceableModel(
+                f"cannot run {label} on the example inputs: {type(exc).__name__}: "
+                f"{str(exc).splitlines()[0] if str(exc) else ''}"
+            ) from exc
         report.notes.append(f"dataflow recording failed ({type(exc).__name__}); probe-only report")
         report.seconds = time.perf_counter() - t0
         return report

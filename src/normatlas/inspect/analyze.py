@@ -26,6 +26,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Any
 
 from .norms import CASTS, SHAPES, Site, find_sites, scalar_of, strip
 from .report import (
@@ -85,7 +86,8 @@ def _scalar_mul(g: Graph, n: Node) -> tuple[int, float] | None:
 
 
 def _components(g: Graph, idx: int, limit: int = 48) -> list[int]:
-    out, queue = [], [idx]
+    out: list[int] = []
+    queue = [idx]
     while queue and len(out) < limit:
         i = queue.pop(0)
         out.append(i)
@@ -106,6 +108,7 @@ def _has_compute(g: Graph, branch: int, source: int) -> bool:
 
 def _residual_adds(g: Graph, shape: tuple[int, ...]) -> list[tuple[int, int, int, int]]:
     """(add, skip operand, branch operand, stream source) for every residual add."""
+
     def stream_like(s: tuple[int, ...] | None) -> bool:  # the stream, possibly flattened to (B*T, D)
         return s is not None and len(s) >= 2 and s[-1] == shape[-1] and math.prod(s) == math.prod(shape)
 
@@ -122,7 +125,7 @@ def _residual_adds(g: Graph, shape: tuple[int, ...]) -> list[tuple[int, int, int
 
 
 def _walk_branch(g: Graph, b: int, ends: dict[int, Site]) -> tuple[int, list[str]]:
-    scales = []
+    scales: list[str] = []
     while True:
         n = g.nodes[b]
         if b in ends:
@@ -171,8 +174,9 @@ def _is_rope_add(g: Graph, n: Node, trig: int) -> bool:
     return all(g.nodes[i].op == "mul" for i in n.inputs) and bool(g.anc(n.idx) & trig)
 
 
-def _attention(g: Graph, sites: list[Site], stream_bit: int, trig: int,
-               stream_inputs: set[int]) -> list[tuple[int, dict[str, object]]]:
+def _attention(
+    g: Graph, sites: list[Site], stream_bit: int, trig: int, stream_inputs: set[int]
+) -> list[tuple[int, dict[str, Any]]]:
     by_output = {s.output: s for s in sites}
     cores: list[tuple[int, int, int, int, float | None]] = []  # node, q, k, v, softcap
     for n in g.nodes:
@@ -200,17 +204,18 @@ def _attention(g: Graph, sites: list[Site], stream_bit: int, trig: int,
             v = None
             frontier = [n.idx]
             while frontier and v is None:
-                for u in g.users(frontier.pop()):
-                    if u.op in ("matmul", "bmm") and u.inputs and g.feeds(n.idx, u.inputs[0]) or u.inputs[0] == n.idx:
-                        if u.op in ("matmul", "bmm") and len(u.inputs) == 2:
-                            v = u.inputs[1]
-                            break
+                here = frontier.pop()
+                for u in g.users(here):
+                    if u.op in ("matmul", "bmm") and len(u.inputs) == 2 and u.inputs[0] == here:
+                        v = u.inputs[1]
+                        break
                     if u.op in _THRU:
                         frontier.append(u.idx)
             cores.append((n.idx, c.inputs[0], c.inputs[1], v if v is not None else -1, cap))
     result = []
     for core, q, k, v, cap in cores:
-        info: dict[str, object] = {"softcap": cap, "head_dim": g.nodes[q].shape[-1] if g.nodes[q].shape else None}
+        qshape = g.nodes[q].shape
+        info: dict[str, Any] = {"softcap": cap, "head_dim": qshape[-1] if qshape else None}
         for role, start in (("q", q), ("k", k), ("v", v)):
             found: list[tuple[Site, bool]] = []
             stack, seen = [(start, False)], set()
@@ -221,7 +226,7 @@ def _attention(g: Graph, sites: list[Site], stream_bit: int, trig: int,
                 seen.add((i, rope))
                 node = g.nodes[i]
                 if i in by_output:
-                    if strip(g, by_output[i].input) not in stream_inputs:  # a pre-norm is not a QK/V norm
+                    if strip(g, by_output[i].input, _THRU) not in stream_inputs:  # a pre-norm is not a QK/V norm
                         found.append((by_output[i], rope))
                     continue
                 if node.op in _PROJ or node.op in ("param", "input", "leaf") or not g.anc(i) & stream_bit:
@@ -296,8 +301,11 @@ def analyze(g: Graph, name: str = "model", tracer: str = "torch_function") -> In
             kinds = {bool((g.anc(b) & ~g.anc(grp.source)) & attn_bits) for b in grp.branches}
             grp.kind = "attention+mlp" if kinds == {True, False} else grp.kind
         outs = {s.node for s in grp.out}
-        grp.pre = [s for s in by_input.get(strip(g, grp.source, _THRU), [])
-                   if s.node not in outs and any(g.feeds(s.output, b) for b in grp.branches)]
+        grp.pre = [
+            s
+            for s in by_input.get(strip(g, grp.source, _THRU), [])
+            if s.node not in outs and any(g.feeds(s.output, b) for b in grp.branches)
+        ]
         nxt = groups[i + 1].source if i + 1 < len(groups) else None
         for s in by_input.get(strip(g, end, _THRU), []):
             if nxt is not None and strip(g, nxt, _THRU) == s.output:
@@ -352,18 +360,18 @@ def analyze(g: Graph, name: str = "model", tracer: str = "torch_function") -> In
     # attention
     stream_bit = start_bit
     attention: list[AttentionInfo] = []
-    stream_inputs = {strip(g, grp.source) for grp in groups} | {strip(g, grp.adds[-1]) for grp in groups}
+    stream_inputs = {strip(g, grp.source, _THRU) for grp in groups} | {strip(g, grp.adds[-1], _THRU) for grp in groups}
     for core, info in _attention(g, sites, stream_bit, trig, stream_inputs) if groups else []:
         lay = _layer_of(g, core, keys)
         hd = info["head_dim"]
-        qk: list[tuple[Site, bool]] = list(info["q"]) + list(info["k"])  # type: ignore[arg-type]
+        qk: list[tuple[Site, bool]] = [*info["q"], *info["k"]]
         for s, _ in qk:
             role[s.node], layer_of_site[s.node] = "qk", lay
-        for s, _ in info["v"]:  # type: ignore[attr-defined]
+        for s, _ in info["v"]:
             role[s.node], layer_of_site[s.node] = "v", lay
         if qk:
-            kinds = {QKNorm.PER_HEAD if s.size == hd else QKNorm.FLATTENED for s, _ in qk}
-            qkn = kinds.pop() if len(kinds) == 1 else QKNorm.MIXED
+            qk_kinds = {QKNorm.PER_HEAD if s.size == hd else QKNorm.FLATTENED for s, _ in qk}
+            qkn = qk_kinds.pop() if len(qk_kinds) == 1 else QKNorm.MIXED
             if any(r for _, r in qk):
                 order = RopeOrder.BEFORE_ROPE
             elif any(g.anc(s.input) & trig and g.anc(s.input) & stream_bit for s, _ in qk):
@@ -373,31 +381,56 @@ def analyze(g: Graph, name: str = "model", tracer: str = "torch_function") -> In
         else:
             qkn, order = QKNorm.NONE, RopeOrder.NOT_APPLICABLE
         cap = info["softcap"]
-        attention.append(AttentionInfo(lay if lay is not None else len(attention), qkn, order, bool(info["v"]),
-                                       cap if isinstance(cap, float) else None))
+        attention.append(
+            AttentionInfo(
+                lay if lay is not None else len(attention),
+                qkn,
+                order,
+                bool(info["v"]),
+                cap if isinstance(cap, float) else None,
+            )
+        )
     # final logit soft-cap: a tanh downstream of the final norm
     logit_cap = None
     if final is not None:
-        for n in g.nodes[final.output:]:
+        for n in g.nodes[final.output :]:
             if n.op == "tanh" and g.feeds(final.output, n.idx) and n.inputs:
                 sm = _scalar_mul(g, g.nodes[n.inputs[0]])
                 logit_cap = 1.0 / sm[1] if sm else None
     # summaries
     main = [s for s in sites if role.get(s.node) in ("pre", "out", "post", "final")]
     norms = [
-        NormInfo(s.node, role.get(s.node, "other"), layer_of_site.get(s.node), s.module, s.operator, s.size, s.eps,
-                 s.eps_placement.value if s.eps_placement else None,
-                 s.gain_convention.value if s.gain_convention else "none", s.bias,
-                 s.cast_order.value if s.cast_order else None, s.output_scale, s.fused, s.probe)
+        NormInfo(
+            s.node,
+            role.get(s.node, "other"),
+            layer_of_site.get(s.node),
+            s.module,
+            s.operator,
+            s.size,
+            s.eps,
+            s.eps_placement.value if s.eps_placement else None,
+            s.gain_convention.value if s.gain_convention else "none",
+            s.bias,
+            s.cast_order.value if s.cast_order else None,
+            s.output_scale,
+            s.fused,
+            s.probe,
+        )
         for s in sites
     ]
     subs = [
-        SublayerInfo(grp.layer, grp.kind,
-                     Placement.PARALLEL if len(grp.branches) > 1 else
-                     _SCHEME.get((bool(grp.pre), bool(grp.out), bool(grp.post)), Placement.MIX),
-                     tuple(s.node for s in grp.pre), tuple(s.node for s in grp.out), tuple(s.node for s in grp.post),
-                     grp.skip_scale if grp.skip_scale != 1.0 else None,
-                     ", ".join(sorted(set(grp.branch_scales))) or None)
+        SublayerInfo(
+            grp.layer,
+            grp.kind,
+            Placement.PARALLEL
+            if len(grp.branches) > 1
+            else _SCHEME.get((bool(grp.pre), bool(grp.out), bool(grp.post)), Placement.MIX),
+            tuple(s.node for s in grp.pre),
+            tuple(s.node for s in grp.out),
+            tuple(s.node for s in grp.post),
+            grp.skip_scale if grp.skip_scale != 1.0 else None,
+            ", ".join(sorted(set(grp.branch_scales))) or None,
+        )
         for grp in groups
     ]
 
@@ -432,9 +465,9 @@ def analyze(g: Graph, name: str = "model", tracer: str = "torch_function") -> In
     by_layer: dict[int, list[str]] = {}
     for sub in subs:
         by_layer.setdefault(sub.layer, []).append(sub.placement.value)
-    scales = [s.output_scale for grp in groups for s in grp.pre + grp.out]
+    out_scales = [s.output_scale for grp in groups for s in grp.pre + grp.out]
     depth = None
-    if len(set(round(x, 9) for x in scales)) > 1:
+    if len({round(x, 9) for x in out_scales}) > 1:
         lay_scale = {grp.layer: (grp.pre + grp.out)[0].output_scale for grp in groups if grp.pre + grp.out}
         if all(abs(v - 1 / math.sqrt(k + 1)) < 1e-6 for k, v in lay_scale.items()):
             depth = "1/sqrt(layer)"

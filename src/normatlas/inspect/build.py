@@ -4,6 +4,7 @@ from its config class (offline, random weights), a local checkpoint folder
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 from pathlib import Path
@@ -12,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["TINY", "build_target", "tiny_config", "example_inputs"]
+__all__ = ["TINY", "build_target", "example_inputs", "tiny_config"]
 
 # Shrunk sizes (litgpt-style: keep the architecture, shrink the widths). Originals are
 # thousands wide and tens of layers deep; each key is set only where the config has it.
@@ -52,16 +53,16 @@ def tiny_config(model_type: str, **overrides: Any) -> Any:
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     if model_type not in CONFIG_MAPPING:
-        raise ValueError(f"unknown model type {model_type!r}: not a transformers model type, a folder or module:factory")
+        raise ValueError(
+            f"unknown model type {model_type!r}: not a transformers model type, a folder or module:factory"
+        )
     cfg = AutoConfig.for_model(model_type)
     text = getattr(cfg, "text_config", None)
     for c in [cfg] + ([text] if text is not None and text is not cfg else []):
         for key, val in {**TINY, **overrides}.items():
             if key in c.to_dict() or key in getattr(c, "attribute_map", {}):
-                try:
+                with contextlib.suppress(Exception):  # some configs guard their attributes
                     setattr(c, key, val)
-                except Exception:
-                    pass
         if hasattr(c, "layer_types") and isinstance(c.layer_types, list):
             n = getattr(c, "num_hidden_layers", len(c.layer_types))
             c.layer_types = (c.layer_types * n)[:n]
@@ -96,7 +97,8 @@ def example_inputs(model: nn.Module, seq: int = 8, seed: int = 0) -> dict[str, t
     cfg = getattr(model, "config", None)
     vocab = getattr(cfg, "vocab_size", None) or getattr(getattr(cfg, "text_config", None), "vocab_size", 128)
     gen = torch.Generator().manual_seed(seed)
-    return {"input_ids": torch.randint(3, max(4, min(int(vocab), 1000)), (1, seq), generator=gen)}
+    high = max(4, min(int(vocab or 128), 1000))
+    return {"input_ids": torch.randint(3, high, (1, seq), generator=gen)}
 
 
 def build_target(target: str, seed: int = 0) -> tuple[nn.Module, Any, str]:
@@ -145,7 +147,7 @@ def build_target(target: str, seed: int = 0) -> tuple[nn.Module, Any, str]:
             raise TypeError(f"{target} returned {type(model).__name__}, expected an nn.Module or (module, inputs)")
         if inputs is None:
             if hasattr(model, "example_inputs"):
-                inputs = model.example_inputs()
+                inputs = model.example_inputs()  # type: ignore[operator]
             elif hasattr(model, "config"):
                 inputs = example_inputs(model, seed=seed)
             else:

@@ -25,17 +25,48 @@ from ..spec import CastOrder, EpsPlacement, GainConvention
 from .report import Operator
 from .trace import Graph, Node, Ref
 
-__all__ = ["Site", "find_sites", "strip", "scalar_of", "CASTS", "SHAPES"]
+__all__ = ["CASTS", "SHAPES", "Site", "find_sites", "scalar_of", "strip"]
 
 CASTS = frozenset({"to", "float", "half", "bfloat16", "double", "type", "type_as", "contiguous", "clone", "detach"})
 SHAPES = frozenset(
-    {"view", "reshape", "transpose", "permute", "unsqueeze", "squeeze", "flatten", "unflatten", "expand",
-     "expand_as", "get_T", "get_mT", "view_as", "movedim", "swapaxes", "dropout", "identity"}
+    {
+        "view",
+        "reshape",
+        "transpose",
+        "permute",
+        "unsqueeze",
+        "squeeze",
+        "flatten",
+        "unflatten",
+        "expand",
+        "expand_as",
+        "get_T",
+        "get_mT",
+        "view_as",
+        "movedim",
+        "swapaxes",
+        "dropout",
+        "identity",
+    }
 )
 _REDUCE = frozenset({"mean", "sum", "var", "std", "var_mean", "std_mean", "norm", "vector_norm"})
 _SCALAR_CHAIN = frozenset(
-    {"add", "sqrt", "rsqrt", "pow", "reciprocal", "div", "rdiv", "mul", "clamp", "clamp_min", "max", "maximum",
-     "item_of"} | CASTS
+    {
+        "add",
+        "sqrt",
+        "rsqrt",
+        "pow",
+        "reciprocal",
+        "div",
+        "rdiv",
+        "mul",
+        "clamp",
+        "clamp_min",
+        "max",
+        "maximum",
+        "item_of",
+    }
+    | CASTS
 )
 _ROOTS = frozenset({"sqrt", "rsqrt", "reciprocal"})
 
@@ -185,8 +216,20 @@ def _fused(g: Graph, n: Node) -> Site | None:
         return None
     x = strip(g, n.inputs[0])
     if n.op == "normalize":
-        site = Site(n.idx, x, n.idx, Operator.L2, n.shape[-1], float(arg(3, "eps") or 1e-12),  # type: ignore[arg-type]
-                    EpsPlacement.CLAMP, False, None, False, None, fused=True)
+        site = Site(
+            n.idx,
+            x,
+            n.idx,
+            Operator.L2,
+            n.shape[-1],
+            float(arg(3, "eps") or 1e-12),  # type: ignore[arg-type]
+            EpsPlacement.CLAMP,
+            False,
+            None,
+            False,
+            None,
+            fused=True,
+        )
     else:
         op = {"layer_norm": Operator.LAYERNORM, "rms_norm": Operator.RMSNORM, "group_norm": Operator.GROUPNORM}[n.op]
         w_i, b_i, e_i = (2, 3, 4) if n.op == "layer_norm" else (2, None, 3) if n.op == "rms_norm" else (2, 3, 4)
@@ -199,9 +242,20 @@ def _fused(g: Graph, n: Node) -> Site | None:
         conv = _gain_param(g, g.nodes[strip(g, w.idx)]) if isinstance(w, Ref) else None
         if isinstance(w, Ref) and conv is None:
             conv = GainConvention.W
-        site = Site(n.idx, x, n.idx, op, n.shape[-1] if n.op != "group_norm" else n.shape[1],
-                    float(eps) if eps is not None else None, EpsPlacement.INSIDE_SQRT,  # type: ignore[arg-type]
-                    isinstance(w, Ref), conv, isinstance(b, Ref), None, fused=True)
+        site = Site(
+            n.idx,
+            x,
+            n.idx,
+            op,
+            n.shape[-1] if n.op != "group_norm" else n.shape[1],
+            float(eps) if isinstance(eps, (int, float)) else None,
+            EpsPlacement.INSIDE_SQRT,  # type: ignore[arg-type]
+            isinstance(w, Ref),
+            conv,
+            isinstance(b, Ref),
+            None,
+            fused=True,
+        )
         if op is Operator.LAYERNORM and not site.gain and not site.bias:
             site.operator = Operator.LAYERNORM_NONPARAM
     site.module = n.module
@@ -262,12 +316,15 @@ def _pattern(g: Graph, s: Node) -> Site | None:
             eps, placement = consts[0], EpsPlacement.OUTSIDE_SQRT if rooted else EpsPlacement.INSIDE_SQRT
         elif c.op in ("clamp", "clamp_min", "max", "maximum") and consts and eps is None:
             eps, placement = consts[0], EpsPlacement.CLAMP
-    if l2:
-        op = Operator.OTHER if centred else Operator.L2
-    else:
-        op = Operator.LAYERNORM if centred else Operator.RMSNORM
-    site = Site(combine.idx, x, combine.idx, op, full[-1], eps, placement, False, None, False, None,
-                module=combine.module)
+    op = {
+        (True, True): Operator.OTHER,
+        (True, False): Operator.L2,
+        (False, True): Operator.LAYERNORM,
+        (False, False): Operator.RMSNORM,
+    }[(l2, centred)]
+    site = Site(
+        combine.idx, x, combine.idx, op, full[-1], eps, placement, False, None, False, None, module=combine.module
+    )
     _affine(g, site, combine.idx)
     if op is Operator.LAYERNORM and not site.gain and not site.bias:
         site.operator = Operator.LAYERNORM_NONPARAM

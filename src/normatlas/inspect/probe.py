@@ -26,7 +26,7 @@ from torch import nn
 from .report import InspectionReport, Operator, Placement, QKNorm, RopeOrder
 from .trace import Graph
 
-__all__ = ["probe_module", "check_sites", "probe_report"]
+__all__ = ["check_sites", "probe_module", "probe_report"]
 
 
 def _call(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -84,16 +84,16 @@ def probe_module(module: nn.Module, size: int, *, seed: int = 0) -> dict[str, An
         ests = []
         for k in range(0, 65):
             s = 10 ** (-k / 8)
-            r = float((_call(module, (s * row.double()).to(row.dtype)) - f0).reshape(-1)[j]) / (s * float(
-                fx.reshape(-1)[j]))
+            r = float((_call(module, (s * row.double()).to(row.dtype)) - f0).reshape(-1)[j]) / (
+                s * float(fx.reshape(-1)[j])
+            )
             if r * r > 1.05 and r * r * s * s * m < 0.95 * m and r * r * s * s < 0.95:
                 ests.append(m * (1 - r * r * s * s) / (r * r - 1))
         eps = sorted(ests)[len(ests) // 2] if ests else None
     op = Operator.LAYERNORM if centred else Operator.RMSNORM
     if op is Operator.LAYERNORM and conv == "none" and not bias:
         op = Operator.LAYERNORM_NONPARAM
-    return {"operator": op.value, "gain_convention": conv, "bias": bias,
-            "eps": float(f"{eps:.3g}") if eps else None}
+    return {"operator": op.value, "gain_convention": conv, "bias": bias, "eps": float(f"{eps:.3g}") if eps else None}
 
 
 def check_sites(model: nn.Module, graph: Graph, report: InspectionReport) -> None:
@@ -113,8 +113,11 @@ def check_sites(model: nn.Module, graph: Graph, report: InspectionReport) -> Non
         res = cache[key]
         if res is None:
             continue
-        agree = res["operator"] == info.operator.value and res["gain_convention"] == info.gain_convention \
+        agree = (
+            res["operator"] == info.operator.value
+            and res["gain_convention"] == info.gain_convention
             and res["bias"] == info.bias
+        )
         if res["eps"] and info.eps and info.eps_placement == "inside_sqrt":
             agree = agree and math.isclose(res["eps"], info.eps, rel_tol=0.05)
         info.probe.update(res, agrees=agree)
@@ -127,10 +130,17 @@ def probe_report(model: nn.Module, example_inputs: Any, name: str) -> Inspection
     seen: dict[str, int] = {}
     handles = []
     for path, mod in model.named_modules():
+
         def hook(m: nn.Module, args: tuple[Any, ...], out: Any, path: str = path) -> None:
-            if len(args) == 1 and isinstance(args[0], torch.Tensor) and isinstance(out, torch.Tensor) \
-                    and out.shape == args[0].shape and args[0].is_floating_point():
+            if (
+                len(args) == 1
+                and isinstance(args[0], torch.Tensor)
+                and isinstance(out, torch.Tensor)
+                and out.shape == args[0].shape
+                and args[0].is_floating_point()
+            ):
                 seen.setdefault(path, args[0].shape[-1])
+
         handles.append(mod.register_forward_hook(hook))
     try:
         with torch.no_grad():
@@ -149,14 +159,54 @@ def probe_report(model: nn.Module, example_inputs: Any, name: str) -> Inspection
         raise ValueError("no module ran")
     from .report import NormInfo
 
-    norms = []
+    norms: list[NormInfo] = []
     for path, size in seen.items():
         res = probe_module(model.get_submodule(path), size)
         if res is not None:
-            norms.append(NormInfo(len(norms), "other", None, path, Operator(res["operator"]), size, res["eps"],
-                                  None, res["gain_convention"], res["bias"], None, 1.0, False, res))
+            norms.append(
+                NormInfo(
+                    len(norms),
+                    "other",
+                    None,
+                    path,
+                    Operator(res["operator"]),
+                    size,
+                    res["eps"],
+                    None,
+                    res["gain_convention"],
+                    res["bias"],
+                    None,
+                    1.0,
+                    False,
+                    res,
+                )
+            )
     ops = {n.operator for n in norms}
-    return InspectionReport(name, "hooks", 0, None, ops.pop() if len(ops) == 1 else Operator.MIXED if ops else
-                            Operator.NONE, None, None, "n/a", any(n.bias for n in norms), None, Placement.UNKNOWN,
-                            "unknown", "unknown", [], None, None, None, QKNorm.NONE, RopeOrder.NOT_APPLICABLE, False,
-                            None, Operator.NONE, None, None, Operator.NONE, norms=norms)
+    return InspectionReport(
+        name,
+        "hooks",
+        0,
+        None,
+        ops.pop() if len(ops) == 1 else Operator.MIXED if ops else Operator.NONE,
+        None,
+        None,
+        "n/a",
+        any(n.bias for n in norms),
+        None,
+        Placement.UNKNOWN,
+        "unknown",
+        "unknown",
+        [],
+        None,
+        None,
+        None,
+        QKNorm.NONE,
+        RopeOrder.NOT_APPLICABLE,
+        False,
+        None,
+        Operator.NONE,
+        None,
+        None,
+        Operator.NONE,
+        norms=norms,
+    )

@@ -6,8 +6,16 @@ import enum
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-__all__ = ["Operator", "Placement", "QKNorm", "RopeOrder", "NormInfo", "SublayerInfo", "AttentionInfo",
-           "InspectionReport"]
+__all__ = [
+    "AttentionInfo",
+    "InspectionReport",
+    "NormInfo",
+    "Operator",
+    "Placement",
+    "QKNorm",
+    "RopeOrder",
+    "SublayerInfo",
+]
 
 
 class Operator(enum.Enum):

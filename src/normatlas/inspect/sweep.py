@@ -16,10 +16,32 @@ from typing import Any
 
 __all__ = ["decoder_model_types", "sweep", "write_sweep"]
 
-COLUMNS = ["model", "operator", "eps", "eps_placement", "gain_convention", "bias", "cast_order", "placement",
-           "placement_attention", "placement_mlp", "residual_scale", "branch_scale", "depth_scaling", "qk_norm",
-           "qk_norm_rope", "v_norm", "attn_softcap", "final_norm", "final_logit_softcap", "embedding_scale",
-           "embedding_norm", "layers", "seconds", "error"]
+COLUMNS = [
+    "model",
+    "operator",
+    "eps",
+    "eps_placement",
+    "gain_convention",
+    "bias",
+    "cast_order",
+    "placement",
+    "placement_attention",
+    "placement_mlp",
+    "residual_scale",
+    "branch_scale",
+    "depth_scaling",
+    "qk_norm",
+    "qk_norm_rope",
+    "v_norm",
+    "attn_softcap",
+    "final_norm",
+    "final_logit_softcap",
+    "embedding_scale",
+    "embedding_norm",
+    "layers",
+    "seconds",
+    "error",
+]
 
 
 def decoder_model_types() -> list[str]:
@@ -83,8 +105,12 @@ def _isolated(mt: str, timeout: float) -> dict[str, Any]:
     return row
 
 
-def sweep(model_types: Iterable[str] | None = None, progress: bool = True,
-          on_row: Callable[[dict[str, Any]], None] | None = None, timeout: float | None = 60.0) -> list[dict[str, Any]]:
+def sweep(
+    model_types: Iterable[str] | None = None,
+    progress: bool = True,
+    on_row: Callable[[dict[str, Any]], None] | None = None,
+    timeout: float | None = 60.0,
+) -> list[dict[str, Any]]:
     """Inspect each model type; one row per type (``error`` set where it could not be built or traced).
 
     With ``timeout`` each architecture runs in a forked child killed after that many

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["Graph", "Node", "Ref", "record", "fx_op_counts"]
+__all__ = ["Graph", "Node", "Ref", "fx_op_counts", "record"]
 
 _RENAME = {
     "radd": "add",
@@ -175,9 +175,11 @@ class _Recorder(TorchFunctionMode):
             refs.append(r)
             return Ref(r)
         if isinstance(obj, (list, tuple)):
-            return type(obj)(self._convert(o, refs) for o in obj) if isinstance(obj, tuple) else [
-                self._convert(o, refs) for o in obj
-            ]
+            return (
+                type(obj)(self._convert(o, refs) for o in obj)
+                if isinstance(obj, tuple)
+                else [self._convert(o, refs) for o in obj]
+            )
         return obj
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
@@ -221,10 +223,20 @@ def record(model: nn.Module, example_inputs: Any) -> Graph:
         if isinstance(mod, nn.ModuleList)
         for child, _ in mod.named_children()
     )
+
+    def enter(name: str) -> Callable[..., None]:
+        def hook(mod: nn.Module, args: Any) -> None:
+            rec.scope.append(name)
+
+        return hook
+
+    def leave(mod: nn.Module, args: Any, out: Any) -> None:
+        rec.scope.pop()
+
     handles = []
     for name, mod in model.named_modules():
-        handles.append(mod.register_forward_pre_hook(lambda m, a, n=name: rec.scope.append(n) and None))
-        handles.append(mod.register_forward_hook(lambda m, a, o: rec.scope.pop() and None, always_call=True))
+        handles.append(mod.register_forward_pre_hook(enter(name)))
+        handles.append(mod.register_forward_hook(leave, always_call=True))
     inputs = example_inputs
     for t in _flat_tensors(inputs):
         rec.ref(t)
