@@ -185,3 +185,13 @@ def test_alarms_fire_on_their_pattern_only() -> None:
     assert ent.check(1, {"attention/entropy_norm/L0": 0.05})[0].alarm == "entropy-collapse"
     with pytest.raises(ValueError, match="above= or below="):
         ThresholdAlarm("x")
+
+
+def test_massive_median_estimate_is_close_to_exact() -> None:
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(4, 64, 257, generator=g)
+    x[0, 0, 5] = 1e4
+    exact = massive_activations(x, median_sample=None)
+    est = massive_activations(x)
+    assert est["top"] == [dict(t, ratio=est["top"][i]["ratio"]) for i, t in enumerate(exact["top"])]
+    assert_close(est["median"], exact["median"], rtol=0.05, atol=0)
