@@ -9,6 +9,7 @@ transformer's add & norm in one pass (Xiong et al., 2020 place the norm on the r
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 from torch import Tensor
@@ -16,7 +17,7 @@ from torch import Tensor
 from ..functional import normalize
 from ..spec import CastOrder, EpsPlacement, Gain, GainConvention, NormSpec, Scale
 from .dispatch import kernel_args, unsupported
-from .ops import fused_norm_fwd
+from .ops import fused_norm
 
 __all__ = [
     "fused_add_layer_norm",
@@ -44,7 +45,7 @@ def _run(
     r = residual.reshape(flat) if residual is not None else None
     w = weight.reshape(-1) if weight is not None and spec.gain is not Gain.NONE else None
     b = bias.reshape(-1) if bias is not None else None
-    y, h, _ = fused_norm_fwd(x, r, w, b, a.eps, a.center, a.eps_mode, a.before_gain, a.one_plus_w, a.l2)
+    y, h, _ = fused_norm(x, r, w, b, a.eps, a.center, a.eps_mode, a.before_gain, a.one_plus_w, a.l2)
     return y.reshape(input.shape), (h.reshape(input.shape) if residual is not None else h)
 
 
@@ -85,6 +86,7 @@ def _shape(normalized_shape: Shape) -> tuple[int, ...]:
     return (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
 
 
+@functools.lru_cache(maxsize=256)
 def _rms_spec(
     k: int, eps: float | None, cast_order: CastOrder, gain_convention: GainConvention, eps_placement: EpsPlacement,
     affine: bool,
@@ -95,6 +97,7 @@ def _rms_spec(
     )  # fmt: skip
 
 
+@functools.lru_cache(maxsize=256)
 def _ln_spec(k: int, eps: float, cast_order: CastOrder, eps_placement: EpsPlacement, affine: bool, bias: bool):
     return NormSpec(
         feature_ndim=k, eps=eps, eps_placement=eps_placement, cast_order=cast_order,

@@ -12,6 +12,7 @@ that will run on a device (``NORMATLAS_KERNELS=eager`` forces the eager fallback
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -65,6 +66,7 @@ def unsupported(spec: NormSpec, input: Tensor, weight: Tensor | None = None, bia
     return None
 
 
+@functools.lru_cache(maxsize=512)
 def kernel_args(spec: NormSpec, dtype: torch.dtype) -> KernelArgs:
     """Map a served spec to the op's scalar arguments (eps=None resolves to the compute dtype's eps)."""
     half = dtype in _HALF
