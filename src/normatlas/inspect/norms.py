@@ -49,6 +49,7 @@ SHAPES = frozenset(
         "identity",
     }
 )
+_VIEW = CASTS | SHAPES  # value-preserving up to a view: how parameters reach the affine map
 _REDUCE = frozenset({"mean", "sum", "var", "std", "var_mean", "std_mean", "norm", "vector_norm"})
 _SCALAR_CHAIN = frozenset(
     {
@@ -171,7 +172,7 @@ def _affine(g: Graph, site: Site, start: int) -> None:
             else:
                 casts_before_gain += 1
         elif u.op == "mul" and len(others) == 1 and not site.gain and not site.bias:
-            o = g.nodes[strip(g, others[0])]
+            o = g.nodes[strip(g, others[0], _VIEW)]
             conv = _gain_param(g, o)
             if conv is None:
                 val = scalar_of(g, Ref(others[0]))
@@ -182,7 +183,7 @@ def _affine(g: Graph, site: Site, start: int) -> None:
                 site.gain, site.gain_convention = True, conv
         elif u.op == "mul" and not others and len(u.args) > 1 and scalar_of(g, u.args[1]) is not None:
             site.output_scale *= scalar_of(g, u.args[1]) or 1.0
-        elif u.op == "add" and len(others) == 1 and g.nodes[strip(g, others[0])].op == "param" and not site.bias:
+        elif u.op == "add" and len(others) == 1 and g.nodes[strip(g, others[0], _VIEW)].op == "param" and not site.bias:
             site.bias = True
         else:
             break
@@ -197,7 +198,7 @@ def _gain_param(g: Graph, o: Node) -> GainConvention | None:
     if o.op == "param" and o.shape and max(o.shape) > 1:
         return GainConvention.W
     if o.op == "add":
-        ts = [strip(g, i) for i in o.inputs]
+        ts = [strip(g, i, _VIEW) for i in o.inputs]
         consts = [a for a in o.args if isinstance(a, (int, float)) and not isinstance(a, bool)]
         consts += [v for i in o.inputs if (v := g.nodes[strip(g, i)].scalar) is not None]
         params = [i for i in ts if g.nodes[i].op == "param"]
@@ -239,7 +240,7 @@ def _fused(g: Graph, n: Node) -> Site | None:
         eps = arg(e_i, "eps")
         if eps is None:
             eps = 1e-5 if n.op != "rms_norm" else None  # rms_norm's default: finfo(dtype).eps
-        conv = _gain_param(g, g.nodes[strip(g, w.idx)]) if isinstance(w, Ref) else None
+        conv = _gain_param(g, g.nodes[strip(g, w.idx, _VIEW)]) if isinstance(w, Ref) else None
         if isinstance(w, Ref) and conv is None:
             conv = GainConvention.W
         site = Site(
