@@ -277,38 +277,6 @@ def test_overhead_cheap_version() -> None:
     assert res["overhead"] < 0.25, res
 
 
-def test_hf_callback_drives_the_monitor() -> None:
-    pytest.importorskip("transformers")
-    from normatlas.diagnostics.integrations import hf_callback
-
-    torch.manual_seed(7)
-    model = TinyLM()
-    mon = Monitor(model, every=1, metrics=["grad_norm", "output_norm"], print_alarms=False)
-    cb = hf_callback(mon)
-
-    class State:
-        def __init__(self) -> None:
-            self.log_history = [{"loss": 2.5}]
-
-    ids = torch.randint(64, (2, 8))
-    F.cross_entropy(model(ids).reshape(-1, 64), ids.reshape(-1)).backward()
-    cb.on_pre_optimizer_step(None, State(), None)
-    model.zero_grad()  # the optimizer step would clear them
-    cb.on_step_end(None, State(), None)
-    assert mon.last["loss"] == 2.5 and mon.last["grad_norm/total"] > 0 and "output_norm" in mon.last
-
-
-def test_lightning_callback_is_optional() -> None:
-    from normatlas.diagnostics.integrations import lightning_callback
-
-    mon = Monitor(TinyLM(), print_alarms=False)
-    if importlib.util.find_spec("lightning") is None and importlib.util.find_spec("pytorch_lightning") is None:
-        with pytest.raises(ImportError, match="pip install lightning"):
-            lightning_callback(mon)
-    else:
-        assert hasattr(lightning_callback(mon), "on_before_optimizer_step")
-
-
 def test_plot_helper(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     from normatlas.diagnostics.plot import layer_series, plot_metrics

@@ -2,8 +2,8 @@
 
 * plain loops: call ``monitor.step(loss=...)`` after ``backward()``, before ``zero_grad()``;
 * transformers: ``trainer.add_callback(hf_callback(monitor))``. Gradients are read in
-  ``on_pre_optimizer_step`` (they are still there), the record is closed in
-  ``on_step_end`` with the last logged loss;
+  ``on_pre_optimizer_step`` (they are still there, after the Trainer's clipping), the
+  record is closed in ``on_step_end``; the loss comes from the model output's ``loss``;
 * Lightning: ``Trainer(callbacks=[lightning_callback(monitor)])``, gradients in
   ``on_before_optimizer_step``, the record closed in ``on_train_batch_end``.
 """
@@ -52,9 +52,7 @@ def hf_callback(monitor: Monitor) -> Any:
             read_grads()
 
         def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-            hist = getattr(state, "log_history", None) or []
-            loss = next((h["loss"] for h in reversed(hist) if "loss" in h), None)
-            close(loss)
+            close(None)
 
         def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             monitor.detach()
@@ -68,7 +66,7 @@ def lightning_callback(monitor: Monitor) -> Any:
         from lightning.pytorch import Callback
     except ImportError:
         try:
-            from pytorch_lightning import Callback
+            from pytorch_lightning import Callback  # type: ignore[assignment]
         except ImportError as exc:
             raise ImportError("lightning_callback needs lightning: pip install lightning") from exc
     read_grads, close = _grads_then_step(monitor)

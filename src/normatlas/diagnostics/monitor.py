@@ -237,6 +237,9 @@ class Monitor:
             return
         if self._tracer is not None and self._pairs is None and Metric.EFFECTIVE_LR in self.metrics:
             self._stop_trace()
+        loss = out.get("loss") if isinstance(out, Mapping) else getattr(out, "loss", None)
+        if isinstance(loss, Tensor) and loss.numel() == 1:  # HF-style outputs carry their loss
+            self._record["loss"] = float(loss.detach())
         if Metric.OUTPUT_NORM in self.metrics and "output_norm" not in self._record:
             t = _first_tensor(out)
             if t is not None and t.dim() >= 2:
