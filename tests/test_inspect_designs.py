@@ -282,3 +282,11 @@ def test_names_do_not_matter() -> None:
     r = report("hybridnorm")
     labelled = [n for n in r.norms if n.module.endswith("input_layernorm")]
     assert labelled and all(n.role == "qk" for n in labelled)
+
+
+def test_package_is_callable_and_aliases() -> None:
+    import normatlas.inspect as pkg
+
+    model = lns()
+    rep = pkg(model, model.example_inputs())
+    assert rep.depth_scaling == "1/sqrt(layer)" and pkg.inspect is pkg.inspect_model

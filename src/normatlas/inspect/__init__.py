@@ -9,7 +9,9 @@ Nothing is inferred from parameter or class names.
 
 from __future__ import annotations
 
+import sys
 import time
+import types
 from typing import Any
 
 from torch import nn
@@ -96,3 +98,13 @@ def inspect_target(target: str, *, seed: int = 0, probe: bool = True) -> Inspect
 
     model, inputs, label = build_target(target, seed=seed)
     return inspect_model(model, inputs, name=label, probe=probe)
+
+
+class _CallableModule(types.ModuleType):
+    """Lets ``normatlas.inspect(model, example_inputs)`` call :func:`inspect_model` directly."""
+
+    def __call__(self, model: nn.Module, example_inputs: Any = None, **kwargs: Any) -> InspectionReport:
+        return inspect_model(model, example_inputs, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule
