@@ -160,10 +160,16 @@ def test_tensorboard_sink_when_installed(tmp_path: Path) -> None:
     pytest.importorskip("tensorboard")
     from normatlas.diagnostics import TensorBoardSink
 
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     sink = TensorBoardSink(tmp_path)
-    sink.write({"step": 0, "loss": 1.0})
+    sink.write({"step": 0, "loss": 1.5, "grad_norm/L0": 0.25})
+    sink.write({"step": 10, "loss": 1.25})
     sink.close()
-    assert any(tmp_path.iterdir())
+    acc = EventAccumulator(str(tmp_path))
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("loss")] == [(0, 1.5), (10, 1.25)]
+    assert [e.value for e in acc.Scalars("grad_norm/L0")] == [0.25]
 
 
 class BNNet(nn.Module):
