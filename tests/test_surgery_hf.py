@@ -3,6 +3,9 @@ where not. Configs are the real families' defaults shrunk to 2 layers, width 32 
 
 from __future__ import annotations
 
+import copy
+import functools
+
 import pytest
 import torch
 
@@ -31,6 +34,12 @@ SMALL = dict(num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_atte
 
 
 def tiny(family: str) -> torch.nn.Module:
+    """A fresh copy of :func:`_tiny` (built once per family per session)."""
+    return copy.deepcopy(_tiny(family))
+
+
+@functools.cache
+def _tiny(family: str) -> torch.nn.Module:
     """A seeded tiny model of ``family`` with every 1-D parameter (gains, biases) randomised, so that
     folding a gain is not a no-op and a mistake shows in the logits."""
     T = transformers
@@ -44,12 +53,22 @@ def tiny(family: str) -> torch.nn.Module:
         # OLMo-2-1B: 16 layers, width 2048, post-branch norms, QK-norm over the full projection
         "olmo2": lambda: T.Olmo2Config(**SMALL, num_key_value_heads=2),
         # GPT-2 small: 12 layers, width 768, Pre-LN LayerNorm, tied head
-        "gpt2": lambda: T.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=32,
-                                     bos_token_id=0, eos_token_id=0),
+        "gpt2": lambda: T.GPT2Config(
+            n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=32, bos_token_id=0, eos_token_id=0
+        ),
         # OPT-125m: 12 layers, width 768, Pre-LN LayerNorm, tied head
-        "opt": lambda: T.OPTConfig(num_hidden_layers=2, hidden_size=32, ffn_dim=64, num_attention_heads=4,
-                                   vocab_size=64, max_position_embeddings=32, word_embed_proj_dim=32,
-                                   pad_token_id=1, bos_token_id=0, eos_token_id=0),
+        "opt": lambda: T.OPTConfig(
+            num_hidden_layers=2,
+            hidden_size=32,
+            ffn_dim=64,
+            num_attention_heads=4,
+            vocab_size=64,
+            max_position_embeddings=32,
+            word_embed_proj_dim=32,
+            pad_token_id=1,
+            bos_token_id=0,
+            eos_token_id=0,
+        ),
     }[family]()
     torch.manual_seed(0)
     model = T.AutoModelForCausalLM.from_config(cfg).eval()
@@ -66,8 +85,6 @@ TOL64 = 1e-6  # HF norms compute in float32 even in a float64 model: errors sit 
 
 
 def logits(model: torch.nn.Module, inputs: dict, dtype: torch.dtype = torch.float64) -> torch.Tensor:
-    import copy
-
     return model_output(copy.deepcopy(model).to(dtype), inputs)[0]
 
 
@@ -75,7 +92,9 @@ def assert_same_logits(before, after, inputs) -> None:
     ref = logits(before, inputs)
     torch.testing.assert_close(logits(after, inputs), ref, rtol=0, atol=TOL64 * float(ref.abs().max()))
     ref32 = logits(before, inputs, torch.float32)
-    torch.testing.assert_close(logits(after, inputs, torch.float32), ref32, rtol=0, atol=2e-5 * float(ref32.abs().max()))
+    torch.testing.assert_close(
+        logits(after, inputs, torch.float32), ref32, rtol=0, atol=2e-5 * float(ref32.abs().max())
+    )
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -179,8 +198,10 @@ class QKVNormAttention(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.norm(x)
         b, t, d = h.shape
-        q, k, v = (n(p(h).view(b, t, self.heads, -1)).transpose(1, 2) for p, n in
-                   ((self.q, self.qn), (self.k, self.kn), (self.v, self.vn)))
+        q, k, v = (
+            n(p(h).view(b, t, self.heads, -1)).transpose(1, 2)
+            for p, n in ((self.q, self.qn), (self.k, self.kn), (self.v, self.vn))
+        )
         a = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
         return x + self.o(a.transpose(1, 2).reshape(b, t, d))
 

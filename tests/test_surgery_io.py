@@ -48,7 +48,7 @@ def test_ln_to_rms_written_loads_back_and_in_stock_transformers(gpt2_dir, tmp_pa
     out = save_surgery(s, tmp_path / "rms")
     assert sorted(p.name for p in out.iterdir()) == sorted(["config.json", "model.safetensors", MANIFEST])
     assert [p.name for p in tmp_path.iterdir()] == ["rms"]  # no temp folder left
-    stock, runtime, manifest = load_transformed(out)
+    _, runtime, manifest = load_transformed(out)
     assert manifest["transform"] == "ln-to-rms" and manifest["stock_equivalent"]
     ref = _out(model, x)
     tol = dict(rtol=0, atol=1e-5 * float(ref.abs().max()))
@@ -67,7 +67,7 @@ def test_pickle_is_refused(tmp_path) -> None:
     torch.save(model.state_dict(), folder / "pytorch_model.bin")
     with pytest.raises(ValueError, match="pickle"):
         load_checkpoint(folder)
-    with pytest.raises(ValueError, match="refusing to read .*pytorch_model.bin: a pickle"):
+    with pytest.raises(ValueError, match=r"refusing to read .*pytorch_model\.bin: a pickle"):
         load_checkpoint(folder / "pytorch_model.bin")
     (folder / "pytorch_model.bin").rename(folder / "model.safetensors")  # a pickle in disguise
     with pytest.raises(ValueError, match="not a valid safetensors file"):

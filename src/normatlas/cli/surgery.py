@@ -23,23 +23,35 @@ def _common(p: argparse.ArgumentParser, *, out: bool = True) -> None:
         p.add_argument("--force", action="store_true", help="replace a non-empty output folder")
     p.add_argument("--tol", type=float, default=1e-4, help="max relative error in the working dtype (1e-4)")
     p.add_argument("--tol64", type=float, default=1e-5, help="max relative error in float64 (1e-5)")
-    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
-                   help="working dtype (default: the checkpoint's)")
+    p.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16", "float16"),
+        default=None,
+        help="working dtype (default: the checkpoint's)",
+    )
     p.add_argument("--seed", type=int, default=0, help="probe input seed")
     add_format_option(p)
 
 
 def _fold_args(p: argparse.ArgumentParser) -> None:
     _common(p)
-    p.add_argument("--defer", action="store_true", help="also defer RMS normalisation past the GEMM (verified, "
-                   "runtime only)")
-    p.add_argument("--cancel", action="store_true", help="delete pre-attention norms whose Q, K and V are all "
-                   "normalised afterwards, instead of folding")
+    p.add_argument(
+        "--defer", action="store_true", help="also defer RMS normalisation past the GEMM (verified, runtime only)"
+    )
+    p.add_argument(
+        "--cancel",
+        action="store_true",
+        help="delete pre-attention norms whose Q, K and V are all normalised afterwards, instead of folding",
+    )
 
 
 def _convert_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("what", choices=CONVERSIONS, help="ln-rms: LayerNorm -> RMSNorm exactly; gain: w <-> 1+w; "
-                   "eps: eps value/placement; bn-fold / bn-frozen: BatchNorm")
+    p.add_argument(
+        "what",
+        choices=CONVERSIONS,
+        help="ln-rms: LayerNorm -> RMSNorm exactly; gain: w <-> 1+w; "
+        "eps: eps value/placement; bn-fold / bn-frozen: BatchNorm",
+    )
     _common(p)
     p.add_argument("--to", choices=("w", "1+w"), help="gain convention to convert to (gain)")
     p.add_argument("--eps", type=float, help="new eps (eps)")
@@ -80,22 +92,26 @@ def fold(args: argparse.Namespace) -> int:
 
     model = load_checkpoint(args.checkpoint)
     inputs = probe_inputs(model, seed=args.seed)
-    if args.cancel:
-        surgery = cancel_pre_attention_norms(model, inputs)
-    else:
-        surgery = fold_gains(model, inputs, defer=args.defer)
+    surgery = cancel_pre_attention_norms(model, inputs) if args.cancel else fold_gains(model, inputs, defer=args.defer)
     if args.defer and surgery.deferred:
         from normatlas.surgery import Tolerance, compare, deferred_runtime
 
         tol = Tolerance(args.tol64, args.tol)
-        check = compare(model, deferred_runtime(surgery), inputs, _dtype(args) or next(model.parameters()).dtype,
-                        label="deferred", tol=tol.working)
+        check = compare(
+            model,
+            deferred_runtime(surgery),
+            inputs,
+            _dtype(args) or next(model.parameters()).dtype,
+            label="deferred",
+            tol=tol.working,
+        )
         surgery.notes.append(f"deferred runtime: max_rel={check.max_rel:.3g} passed={check.passed}")
     return _finish(args, model, surgery, inputs)
 
 
-@command("convert", "convert normalization: ln-rms, gain (w <-> 1+w), eps, bn-fold, bn-frozen; proven first",
-         _convert_args)
+@command(
+    "convert", "convert normalization: ln-rms, gain (w <-> 1+w), eps, bn-fold, bn-frozen; proven first", _convert_args
+)
 def convert(args: argparse.Namespace) -> int:
     from normatlas.spec import EpsPlacement, GainConvention, parse_enum
     from normatlas.surgery import (
@@ -146,8 +162,16 @@ def verify(args: argparse.Namespace) -> int:
         for dtype, t in ((torch.float64, tol.float64), (wdtype, tol.working)):
             c = compare(original, model, inputs, dtype, label=label, tol=t)
             ok &= c.passed
-            rows.append({"model": label, "dtype": c.dtype, "max_abs": f"{c.max_abs:.3g}", "max_rel": f"{c.max_rel:.3g}",
-                         "top1": "-" if c.top1 is None else f"{c.top1:.3g}", "passed": "yes" if c.passed else "NO"})
+            rows.append(
+                {
+                    "model": label,
+                    "dtype": c.dtype,
+                    "max_abs": f"{c.max_abs:.3g}",
+                    "max_rel": f"{c.max_rel:.3g}",
+                    "top1": "-" if c.top1 is None else f"{c.top1:.3g}",
+                    "passed": "yes" if c.passed else "NO",
+                }
+            )
     changes = [{"target": c["target"], "result": c["action"], "detail": c["detail"]} for c in manifest["changes"]]
     print(format_rows(changes, args.format, title=f"{manifest['transform']}: recorded changes"))
     print(format_rows(rows, args.format, title="verification after reload"))

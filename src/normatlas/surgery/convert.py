@@ -33,8 +33,15 @@ from .fold import _fold_norm, linear_consumers
 from .norms import NormFacts, find_norms
 from .report import Change, Refusal, Surgery, Swap, spec_to_dict
 
-__all__ = ["change_eps", "convert_gain_convention", "fold_batchnorm", "freeze_batchnorm", "gain_offset_warnings",
-           "ln_to_rms", "ln_foldability"]
+__all__ = [
+    "change_eps",
+    "convert_gain_convention",
+    "fold_batchnorm",
+    "freeze_batchnorm",
+    "gain_offset_warnings",
+    "ln_foldability",
+    "ln_to_rms",
+]
 
 
 def _components(flow: Dataflow, lns: dict[str, NormFacts]) -> list[tuple[list[str], set, list]]:
@@ -54,8 +61,9 @@ def _components(flow: Dataflow, lns: dict[str, NormFacts]) -> list[tuple[list[st
     return groups
 
 
-def _stream_reasons(flow: Dataflow, norms: dict[str, NormFacts], names: list[str], tensors: set,
-                    leaves: list) -> tuple[list[str], dict[str, str]]:
+def _stream_reasons(
+    flow: Dataflow, norms: dict[str, NormFacts], names: list[str], tensors: set, leaves: list
+) -> tuple[list[str], dict[str, str]]:
     reasons: list[str] = []
     writers: dict[str, str] = {}
     for leaf in dict.fromkeys(leaves):
@@ -66,9 +74,11 @@ def _stream_reasons(flow: Dataflow, norms: dict[str, NormFacts], names: list[str
             continue
         kind = linear_kind(flow.submodule(call.module)) if call.module is not None else None
         if call.module in norms:
-            reasons.append(f"{call.module}'s output is added into the stream directly (Post-LN): g*x_hat+b is not "
-                           "centred, and centring it would need the full matrix P*diag(g), not a per-feature gain; "
-                           "that output is also what the next block's layers read")
+            reasons.append(
+                f"{call.module}'s output is added into the stream directly (Post-LN): g*x_hat+b is not "
+                "centred, and centring it would need the full matrix P*diag(g), not a per-feature gain; "
+                "that output is also what the next block's layers read"
+            )
         elif kind in ("embedding", "linear", "conv1d_t"):
             writers[call.module] = kind  # type: ignore[index]
         else:
@@ -83,8 +93,10 @@ def _stream_reasons(flow: Dataflow, norms: dict[str, NormFacts], names: list[str
                 continue
             others.append(call.label)
     if others:
-        reasons.append(f"the stream is also read by {', '.join(dict.fromkeys(others))}, not LayerNorms, which "
-                       "would see the centred values")
+        reasons.append(
+            f"the stream is also read by {', '.join(dict.fromkeys(others))}, not LayerNorms, which "
+            "would see the centred values"
+        )
     for w in writers:
         for call in flow.module_calls(w):
             if not all(o in tensors for o in call.outputs):
@@ -108,15 +120,18 @@ def _untie_readers(model: nn.Module, writer: str, surgery: Surgery) -> None:
     for name, mod in model.named_modules():
         if name != writer and getattr(mod, "weight", None) is w:
             mod.weight = nn.Parameter(w.detach().clone())
-            surgery.notes.append(f"untied {name}.weight from {writer}.weight (+{w.numel()} parameters): the "
-                                 "embedding is centred as a stream writer, the head must keep the original")
+            surgery.notes.append(
+                f"untied {name}.weight from {writer}.weight (+{w.numel()} parameters): the "
+                "embedding is centred as a stream writer, the head must keep the original"
+            )
             surgery.config_updates["tie_word_embeddings"] = False
-            if getattr(model, "config", None) is not None:
-                model.config.tie_word_embeddings = False
+            config: Any = getattr(model, "config", None)
+            if config is not None:
+                config.tie_word_embeddings = False
 
 
 @torch.no_grad()
-def _centre(module: nn.Module, kind: str) -> None:
+def _centre(module: Any, kind: str) -> None:
     w = module.weight
     dim = {"embedding": 1, "linear": 0, "conv1d_t": 1}[kind]
     w.copy_((w.double() - w.double().mean(dim, keepdim=True)).to(w.dtype))
@@ -139,8 +154,11 @@ def ln_to_rms(model: nn.Module, example_inputs: Any) -> Surgery:
         for w, kind in writers.items():
             _untie_readers(model, w, surgery)
             _centre(model.get_submodule(w), kind)
-        surgery.changes.append(Change(", ".join(writers), "centred", "stream writers: weights and biases minus "
-                                      "their mean over the model dim"))
+        surgery.changes.append(
+            Change(
+                ", ".join(writers), "centred", "stream writers: weights and biases minus their mean over the model dim"
+            )
+        )
         for n in names:
             facts = norms[n]
             consumers, why = linear_consumers(flow, n)
@@ -149,8 +167,9 @@ def ln_to_rms(model: nn.Module, example_inputs: Any) -> Surgery:
             has_bias = facts.bias_param is not None and bool((getattr(module, facts.bias_param) != 0).any())
             spec = facts.spec(center=False, gain=not folded, bias=has_bias)
             surgery.swaps.append(Swap(n, "norm", spec_to_dict(spec), [facts.dim]))
-            surgery.changes.append(Change(n, "LN -> RMSNorm", "affine folded forward" if folded
-                                          else f"affine kept in the RMSNorm ({why})"))
+            surgery.changes.append(
+                Change(n, "LN -> RMSNorm", "affine folded forward" if folded else f"affine kept in the RMSNorm ({why})")
+            )
     return surgery
 
 
@@ -163,11 +182,15 @@ def gain_offset_warnings(model: nn.Module, norms: dict[str, NormFacts]) -> list[
         w = getattr(model.get_submodule(name), f.gain_param).detach().double()
         mean = float(w.mean())
         if f.convention is GainConvention.ONE_PLUS_W and mean > 0.5:
-            out.append(f"{name}: the code computes (1 + w) but w averages {mean:.3f}, so the multiplier averages "
-                       f"{1 + mean:.3f}: the +1 offset looks already baked into the weights (double offset)")
+            out.append(
+                f"{name}: the code computes (1 + w) but w averages {mean:.3f}, so the multiplier averages "
+                f"{1 + mean:.3f}: the +1 offset looks already baked into the weights (double offset)"
+            )
         elif f.convention is GainConvention.W and float(w.abs().mean()) < 0.1:
-            out.append(f"{name}: the code computes w but |w| averages {float(w.abs().mean()):.3f}, so the layer "
-                       "nearly zeroes its output: these look like (1 + w) weights missing their offset")
+            out.append(
+                f"{name}: the code computes w but |w| averages {float(w.abs().mean()):.3f}, so the layer "
+                "nearly zeroes its output: these look like (1 + w) weights missing their offset"
+            )
     return out
 
 
@@ -190,9 +213,14 @@ def convert_gain_convention(model: nn.Module, example_inputs: Any, to: GainConve
         with torch.no_grad():
             p.add_(1.0 if to is GainConvention.W else -1.0)
         surgery.swaps.append(Swap(name, "norm", spec_to_dict(f.spec(convention=to)), [f.dim]))
-        surgery.changes.append(Change(name, f"{f.convention.value} -> {to.value}",
-                                      "measured: zero weight gives " + ("identity scale" if f.convention is
-                                      GainConvention.ONE_PLUS_W else "zero output")))
+        surgery.changes.append(
+            Change(
+                name,
+                f"{f.convention.value} -> {to.value}",
+                "measured: zero weight gives "
+                + ("identity scale" if f.convention is GainConvention.ONE_PLUS_W else "zero output"),
+            )
+        )
     return surgery
 
 
@@ -202,8 +230,9 @@ def _eps_deviation(old: nn.Module, new: nn.Module, x: torch.Tensor) -> float:
     return max(float((new(p).double() - old(p).double()).abs().max()) for p in probes)
 
 
-def change_eps(model: nn.Module, example_inputs: Any, *, eps: float | None = None,
-               eps_placement: EpsPlacement | None = None) -> Surgery:
+def change_eps(
+    model: nn.Module, example_inputs: Any, *, eps: float | None = None, eps_placement: EpsPlacement | None = None
+) -> Surgery:
     """Change eps and/or its placement in every norm; report the measured deviation per norm.
 
     Not an equivalence: the deviation is measured on the recorded inputs of each norm and on
@@ -222,8 +251,14 @@ def change_eps(model: nn.Module, example_inputs: Any, *, eps: float | None = Non
         new.load_state_dict({k: v for k, v in old.state_dict().items() if k in new.state_dict()})
         dev = _eps_deviation(old, new, flow.tensor(flow.module_calls(name)[0].inputs[0]))
         surgery.swaps.append(Swap(name, "norm", spec_to_dict(spec), [f.dim]))
-        surgery.changes.append(Change(name, "eps", f"{f.eps:g} {f.eps_placement.value} -> {spec.eps:g} "
-                                      f"{spec.eps_placement.value}; max deviation on probes {dev:.3g}"))
+        surgery.changes.append(
+            Change(
+                name,
+                "eps",
+                f"{f.eps:g} {f.eps_placement.value} -> {spec.eps:g} "
+                f"{spec.eps_placement.value}; max deviation on probes {dev:.3g}",
+            )
+        )
     surgery.notes.append("config.json keeps the old eps; the manifest's swaps carry the new one")
     return surgery
 
@@ -231,8 +266,11 @@ def change_eps(model: nn.Module, example_inputs: Any, *, eps: float | None = Non
 def _batchnorms(model: nn.Module) -> list[str]:
     from ..longtail import BatchNorm
 
-    return [n for n, m in model.named_modules() if isinstance(m, (nn.modules.batchnorm._BatchNorm, BatchNorm))
-            and getattr(m, "running_var", None) is not None]
+    return [
+        n
+        for n, m in model.named_modules()
+        if isinstance(m, (nn.modules.batchnorm._BatchNorm, BatchNorm)) and getattr(m, "running_var", None) is not None
+    ]
 
 
 def fold_batchnorm(model: nn.Module, example_inputs: Any) -> Surgery:
@@ -255,11 +293,15 @@ def fold_batchnorm(model: nn.Module, example_inputs: Any) -> Surgery:
         kind = linear_kind(flow.submodule(conv)) if conv is not None else None
         readers = flow.consumers(src.outputs[0]) if src is not None else []
         if kind not in ("conv", "linear") or len(calls) != 1 or [c.module for c in readers] != [name]:
-            why = (f"its input comes from {src.label if src else 'a model input'}, not a convolution/linear"
-                   if kind not in ("conv", "linear") else f"{conv}'s output is also read elsewhere")
+            why = (
+                f"its input comes from {src.label if src else 'a model input'}, not a convolution/linear"
+                if kind not in ("conv", "linear")
+                else f"{conv}'s output is also read elsewhere"
+            )
             surgery.refusals.append(Refusal(name, "bn-fold", why))
             continue
-        bn, lin = model.get_submodule(name), model.get_submodule(conv)  # type: ignore[arg-type]
+        bn: Any = model.get_submodule(name)
+        lin: Any = model.get_submodule(conv)  # type: ignore[arg-type]
         with torch.no_grad():
             eps = float(bn.eps if isinstance(bn.eps, float) else 1e-5)
             g = bn.weight.double() if bn.weight is not None else torch.ones_like(bn.running_var.double())

@@ -27,7 +27,7 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["Call", "Dataflow", "record", "PASS_THROUGH", "SHAPE_ONLY", "linear_kind"]
+__all__ = ["PASS_THROUGH", "SHAPE_ONLY", "Call", "Dataflow", "linear_kind", "record"]
 
 # ops that hand their input on unchanged in value (eval mode), per element
 PASS_THROUGH = frozenset(
@@ -89,6 +89,7 @@ class Dataflow:
     keep: list[Any] = field(default_factory=list)
     inputs: set[tuple[int, int]] = field(default_factory=set)
     outputs: set[tuple[int, int]] = field(default_factory=set)
+    _by_id: dict[int, Any] = field(default_factory=dict, repr=False)
 
     # -- basic lookups -------------------------------------------------------------------
     def module_calls(self, name: str) -> list[Call]:
@@ -103,10 +104,13 @@ class Dataflow:
 
     def tensor(self, key: tuple[int, int]) -> Tensor:
         """The recorded tensor for ``key`` (its latest version's value)."""
-        for t in self.keep:
-            if isinstance(t, Tensor) and id(t) == key[0]:
-                return t
-        raise KeyError(key)
+        if len(self._by_id) != len(self.keep):
+            self._by_id = {id(t): t for t in self.keep if isinstance(t, Tensor)}
+            self._by_id.update({-i - 1: None for i in range(len(self.keep) - len(self._by_id))})  # keep sizes equal
+        t = self._by_id.get(key[0])
+        if t is None:
+            raise KeyError(key)
+        return t
 
     def submodule(self, name: str) -> nn.Module:
         return self.model.get_submodule(name)
@@ -217,10 +221,14 @@ class Dataflow:
             tensors.add(k)
             idx = self.producer.get(k)
             call = self.calls[idx] if idx is not None else None
-            if call is not None and call.module is None and (
-                call.op in _ADD
-                or self.row_preserving(call)
-                or (call.op in _SCALAR_SCALE and call.scalar_args and len(call.inputs) == 1)
+            if (
+                call is not None
+                and call.module is None
+                and (
+                    call.op in _ADD
+                    or self.row_preserving(call)
+                    or (call.op in _SCALAR_SCALE and call.scalar_args and len(call.inputs) == 1)
+                )
             ):
                 stack.extend(call.inputs)
             else:

@@ -45,8 +45,10 @@ def linear_consumers(flow: Dataflow, norm: str) -> tuple[list[str], str | None]:
             kind = linear_kind(flow.submodule(c.module)) if c.module is not None else None
             if kind not in ("linear", "conv1d_t"):
                 what = type(flow.submodule(c.module)).__name__ if c.module is not None else f"'{c.op}'"
-                return [], (f"its output is also read by {c.label} ({what}), not a linear layer, so the gain "
-                            "cannot move into the readers")
+                return [], (
+                    f"its output is also read by {c.label} ({what}), not a linear layer, so the gain "
+                    "cannot move into the readers"
+                )
             if c.module not in found:
                 found.append(c.module)  # type: ignore[arg-type]
     for lin in found:
@@ -62,24 +64,27 @@ def _shared(model: nn.Module, param: Tensor) -> list[str]:
 
 
 def _untie(model: nn.Module, name: str, surgery: Surgery) -> None:
-    lin = model.get_submodule(name)
+    lin: Any = model.get_submodule(name)
     owners = _shared(model, lin.weight)
     if len(owners) > 1:
         lin.weight = nn.Parameter(lin.weight.detach().clone())
         others = [o for o in owners if not o.startswith(name + ".")]
-        surgery.notes.append(f"untied {name}.weight from {', '.join(others)} (+{lin.weight.numel()} parameters): "
-                             "folding into a tied matrix would change the embedding too")
+        surgery.notes.append(
+            f"untied {name}.weight from {', '.join(others)} (+{lin.weight.numel()} parameters): "
+            "folding into a tied matrix would change the embedding too"
+        )
         surgery.config_updates["tie_word_embeddings"] = False
-        if getattr(model, "config", None) is not None:
-            model.config.tie_word_embeddings = False
-            text = getattr(model.config, "get_text_config", None)
+        config: Any = getattr(model, "config", None)
+        if config is not None:
+            config.tie_word_embeddings = False
+            text = getattr(config, "get_text_config", None)
             if callable(text):
                 text().tie_word_embeddings = False
 
 
 @torch.no_grad()
 def _fold_into(model: nn.Module, lin_name: str, m: Tensor | None, b: Tensor | None) -> None:
-    lin = model.get_submodule(lin_name)
+    lin: Any = model.get_submodule(lin_name)
     kind = linear_kind(lin)
     w = lin.weight.double()
     if kind == "linear":  # y = x W^T + c: W' = W diag(m), c' = c + W b
@@ -128,7 +133,10 @@ class DeferredNormLinear(nn.Module):
     """FlashNorm's deferred normalisation: ``(W x) * rsqrt(mean(x^2) + eps) + c``, equal to
     ``W rmsnorm(x) + c`` for a weightless RMSNorm (statistics in fp32)."""
 
-    def __init__(self, linear: nn.Module, eps: float, eps_placement: EpsPlacement) -> None:
+    weight: Tensor
+    bias: Tensor | None
+
+    def __init__(self, linear: Any, eps: float, eps_placement: EpsPlacement) -> None:
         super().__init__()
         self.kind = linear_kind(linear)
         self.weight, self.bias = linear.weight, linear.bias
@@ -169,8 +177,14 @@ def fold_gains(model: nn.Module, example_inputs: Any, *, defer: bool = False) ->
         surgery.swaps.append(Swap(name, "norm", spec_to_dict(spec), [facts.dim]))
         if defer:
             if facts.center or has_bias:
-                surgery.refusals.append(Refusal(name, "defer", "centring/bias is not a per-token scalar, so the "
-                                                "normalisation cannot move past the GEMM (convert LN->RMS first)"))
+                surgery.refusals.append(
+                    Refusal(
+                        name,
+                        "defer",
+                        "centring/bias is not a per-token scalar, so the "
+                        "normalisation cannot move past the GEMM (convert LN->RMS first)",
+                    )
+                )
             else:
                 surgery.notes.append(f"{name}: normalisation deferred past {', '.join(consumers)} (runtime only)")
                 surgery.deferred.append((name, consumers, facts))
@@ -199,8 +213,9 @@ def cancel_pre_attention_norms(model: nn.Module, example_inputs: Any) -> Surgery
         if reason is not None:
             surgery.refusals.append(Refusal(name, "cancel", reason))
             continue
-        if len(consumers) < 2 and all(flow.reaches_norm(c.outputs[0], norms) is None
-                                      for c in flow.module_calls(consumers[0])):
+        if len(consumers) < 2 and all(
+            flow.reaches_norm(c.outputs[0], norms) is None for c in flow.module_calls(consumers[0])
+        ):
             continue  # a plain norm -> linear (an MLP input, the LM head): nothing to cancel, not a refusal
         module = model.get_submodule(name)
         missing = []
@@ -209,16 +224,19 @@ def cancel_pre_attention_norms(model: nn.Module, example_inputs: Any) -> Surgery
             if flow.reaches_norm(out, norms) is None:
                 missing.append(f"{c} -> {flow.first_non_shape_reader(out)}")
         if missing:
-            reason = ("not every consumer is normalised afterwards: " + "; ".join(missing)
-                      + ". That path still needs the 1/rms(x) scale"
-                      + (" (the value path, when only Q and K have norms)" if len(missing) < len(consumers) else ""))
+            reason = (
+                "not every consumer is normalised afterwards: "
+                + "; ".join(missing)
+                + ". That path still needs the 1/rms(x) scale"
+                + (" (the value path, when only Q and K have norms)" if len(missing) < len(consumers) else "")
+            )
         elif facts.center:
             reason = "it centres (LayerNorm); the downstream norms cancel a scale, not the mean"
         elif facts.bias_param is not None and bool((getattr(module, facts.bias_param) != 0).any()):
             reason = "it has a bias, which does not scale with 1/rms(x)"
         else:
             biased = [c for c in consumers if getattr(model.get_submodule(c), "bias", None) is not None]
-            reason = (f"{', '.join(biased)} add a bias, which does not scale with 1/rms(x)" if biased else None)
+            reason = f"{', '.join(biased)} add a bias, which does not scale with 1/rms(x)" if biased else None
         if reason is not None:
             surgery.refusals.append(Refusal(name, "cancel", reason))
             continue
@@ -227,6 +245,12 @@ def cancel_pre_attention_norms(model: nn.Module, example_inputs: Any) -> Surgery
             _fold_into(model, c, facts.multiplier(module), None)
         _set_identity(module, facts)
         surgery.swaps.append(Swap(name, "identity"))
-        surgery.changes.append(Change(name, "deleted", f"gain -> {', '.join(consumers)}; each output is "
-                                      "normalised again, which removes the per-token scale (eps aside)"))
+        surgery.changes.append(
+            Change(
+                name,
+                "deleted",
+                f"gain -> {', '.join(consumers)}; each output is "
+                "normalised again, which removes the per-token scale (eps aside)",
+            )
+        )
     return surgery

@@ -36,8 +36,10 @@ PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 def _safetensors_files(path: Path) -> list[Path]:
     if path.is_file():
         if path.suffix in PICKLE_SUFFIXES:
-            raise ValueError(f"refusing to read {path}: a pickle file can run code when loaded; "
-                             "convert it to safetensors first (normatlas never unpickles)")
+            raise ValueError(
+                f"refusing to read {path}: a pickle file can run code when loaded; "
+                "convert it to safetensors first (normatlas never unpickles)"
+            )
         raise ValueError(f"checkpoint={str(path)!r} must be a folder with config.json and *.safetensors")
     if not path.is_dir():
         raise FileNotFoundError(f"checkpoint folder {str(path)!r} does not exist")
@@ -45,8 +47,9 @@ def _safetensors_files(path: Path) -> list[Path]:
     pickles = sorted(p.name for p in path.iterdir() if p.suffix in PICKLE_SUFFIXES)
     if not files:
         what = f"only pickle weights ({', '.join(pickles)})" if pickles else "no *.safetensors file"
-        raise ValueError(f"refusing {path}: it has {what}; normatlas reads weights from safetensors only, "
-                         "never from pickles")
+        raise ValueError(
+            f"refusing {path}: it has {what}; normatlas reads weights from safetensors only, never from pickles"
+        )
     return files
 
 
@@ -58,8 +61,10 @@ def _read_tensors(files: list[Path]) -> dict[str, torch.Tensor]:
         try:
             out.update(load_file(str(f)))
         except Exception as exc:
-            raise ValueError(f"{f} is not a valid safetensors file ({type(exc).__name__}: {exc}); if it is a "
-                             "pickle renamed, convert it properly: normatlas never unpickles") from exc
+            raise ValueError(
+                f"{f} is not a valid safetensors file ({type(exc).__name__}: {exc}); if it is a "
+                "pickle renamed, convert it properly: normatlas never unpickles"
+            ) from exc
     return out
 
 
@@ -75,8 +80,10 @@ def _build(path: Path, config_updates: dict[str, Any] | None = None) -> nn.Modul
     arch = (getattr(config, "architectures", None) or [None])[0]
     cls = getattr(transformers, arch, None) if isinstance(arch, str) else None
     if cls is None or not isinstance(cls, type) or not issubclass(cls, nn.Module):
-        raise ValueError(f"config.json architectures={getattr(config, 'architectures', None)!r} does not name a "
-                         "transformers model class")
+        raise ValueError(
+            f"config.json architectures={getattr(config, 'architectures', None)!r} does not name a "
+            "transformers model class"
+        )
     model = cls(config)
     return model.eval()
 
@@ -89,15 +96,19 @@ def _load_into(model: nn.Module, tensors: dict[str, torch.Tensor], where: Path) 
     tied = {k for k in missing if _is_tied(model, k, tensors)}
     missing = [k for k in missing if k not in tied]
     if missing:
-        raise ValueError(f"{where} is missing tensor(s) {missing[:5]}{' ...' if len(missing) > 5 else ''} that "
-                         f"config.json's {type(model).__name__} needs")
+        raise ValueError(
+            f"{where} is missing tensor(s) {missing[:5]}{' ...' if len(missing) > 5 else ''} that "
+            f"config.json's {type(model).__name__} needs"
+        )
     unexpected = [k for k in tensors if k not in expected and k not in buffers]
     if unexpected:
         raise ValueError(f"{where} has tensor(s) {unexpected[:5]} that {type(model).__name__} does not have")
     for k, v in tensors.items():
         if k in expected and tuple(v.shape) != tuple(expected[k].shape):
-            raise ValueError(f"{where}: tensor {k!r} has shape {tuple(v.shape)} but config.json's "
-                             f"{type(model).__name__} needs {tuple(expected[k].shape)}")
+            raise ValueError(
+                f"{where}: tensor {k!r} has shape {tuple(v.shape)} but config.json's "
+                f"{type(model).__name__} needs {tuple(expected[k].shape)}"
+            )
     model.load_state_dict({k: v for k, v in tensors.items() if k in expected}, strict=False)
 
 

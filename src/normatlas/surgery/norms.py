@@ -44,6 +44,7 @@ class NormFacts:
     eps_placement: EpsPlacement
     cast_order: CastOrder
     eps_attr: float | None = None
+    eps_measured: float | None = None
 
     def multiplier(self, module: nn.Module) -> Tensor | None:
         """The per-feature multiplier the gain parameter stands for (``w`` or ``1 + w``)."""
@@ -58,9 +59,16 @@ class NormFacts:
     def identity_gain_value(self) -> float:
         return 0.0 if self.convention is GainConvention.ONE_PLUS_W else 1.0
 
-    def spec(self, *, center: bool | None = None, gain: bool = True, bias: bool | None = None,
-             convention: GainConvention | None = None, eps: float | None = None,
-             eps_placement: EpsPlacement | None = None) -> NormSpec:
+    def spec(
+        self,
+        *,
+        center: bool | None = None,
+        gain: bool = True,
+        bias: bool | None = None,
+        convention: GainConvention | None = None,
+        eps: float | None = None,
+        eps_placement: EpsPlacement | None = None,
+    ) -> NormSpec:
         """A normatlas spec computing the same thing (fields overridable for conversions)."""
         return NormSpec(
             center=self.center if center is None else center,
@@ -89,25 +97,27 @@ def _measure_eps(module: nn.Module, dim: int, center: bool, dtype: torch.dtype) 
     u = u / u.pow(2).mean().sqrt()
     inside: list[float] = []
     outside: list[float] = []
-    for k in range(4, -19, -1):
+    for k in range(4, -31, -1):
         x = (u * math.sqrt(10.0**k)).to(dtype)
         xd = x.double()
         v = float(((xd - xd.mean()) if center else xd).pow(2).mean())
         y = module(x[None]).double()[0]
         my2 = float(y.pow(2).mean())
-        if my2 <= 0 or not math.isfinite(my2):
+        if my2 <= 0 or not math.isfinite(my2) or v <= 0:
             continue
-        eps_in = v / my2 - v
-        if 0.05 <= eps_in / v <= 20.0:
-            inside.append(eps_in)
-            outside.append(math.sqrt(v / my2) - math.sqrt(v))
-    if not inside:
+        e_in, e_out = v / my2 - v, math.sqrt(v / my2) - math.sqrt(v)
+        if 0.05 <= e_in / v <= 20.0:
+            inside.append(e_in)
+        if 0.05 <= e_out / math.sqrt(v) <= 20.0:
+            outside.append(e_out)
+
+    def spread(vals: list[float]) -> float:
+        return max(vals) / min(vals) - 1 if len(vals) >= 2 and min(vals) > 0 else math.inf
+
+    if not inside and not outside:
         return 0.0, EpsPlacement.INSIDE_SQRT
-    if len(inside) >= 2:
-        spread_in = abs(inside[0] / inside[-1] - 1)
-        spread_out = abs(outside[0] / outside[-1] - 1) if outside[-1] else math.inf
-        if spread_out < spread_in:
-            return outside[len(outside) // 2], EpsPlacement.OUTSIDE_SQRT
+    if spread(outside) < spread(inside) or not inside:
+        return outside[len(outside) // 2], EpsPlacement.OUTSIDE_SQRT
     return inside[len(inside) // 2], EpsPlacement.INSIDE_SQRT
 
 
@@ -145,9 +155,9 @@ def probe_norm(module: nn.Module, name: str, dim: int) -> NormFacts | None:
     dtype = next(iter(params.values())).dtype if params else torch.float32
     saved = {n: p.detach().clone() for n, p in params.items()}
     gen = torch.Generator().manual_seed(3)
-    x = (torch.randn(16, dim, generator=gen) * 2 + 0.3).to(dtype)
+    x = ((torch.randn(16, dim, generator=gen) * 2 + 0.3) * 30).to(dtype)  # large: eps negligible
     try:
-        for n, p in params.items():  # make the probe well conditioned: gains away from zero
+        for p in params.values():  # make the probe well conditioned: gains away from zero
             p.copy_(torch.rand(dim, generator=gen).to(dtype) + 0.5)
         y = module(x)
         if not isinstance(y, Tensor) or y.shape != x.shape or not _close(module(x * 3.7), y, 2e-3):
@@ -172,15 +182,25 @@ def probe_norm(module: nn.Module, name: str, dim: int) -> NormFacts | None:
             convention = GainConvention.W
         else:
             return None
-        facts = NormFacts(name, dim, center, gain_param, bias_param, convention, 0.0,
-                          EpsPlacement.INSIDE_SQRT, CastOrder.AFTER_GAIN)
+        facts = NormFacts(
+            name, dim, center, gain_param, bias_param, convention, 0.0, EpsPlacement.INSIDE_SQRT, CastOrder.AFTER_GAIN
+        )
         if gain_param:
             getattr(module, gain_param).fill_(facts.identity_gain_value())
         eps, placement = _measure_eps(module, dim, center, dtype)
-        attr = next((float(v) for a in ("eps", "variance_epsilon", "epsilon")
-                     if isinstance(v := getattr(module, a, None), float)), None)
+        attr = next(
+            (
+                float(v)
+                for a in ("eps", "variance_epsilon", "epsilon")
+                if isinstance(v := getattr(module, a, None), float)
+            ),
+            None,
+        )
         facts.eps_attr = attr
-        facts.eps = attr if attr is not None and eps > 0 and abs(eps / attr - 1) < 1e-2 else eps
+        facts.eps_measured = eps
+        if attr is not None and eps > 0 and abs(eps / attr - 1) < 1e-2:
+            eps = attr
+        facts.eps = eps if eps > 0 else (attr or torch.finfo(torch.float32).tiny)
         facts.eps_placement = placement
     finally:
         for n, p in params.items():

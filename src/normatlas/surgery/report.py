@@ -108,19 +108,33 @@ class Surgery:
             return "-" if v is None else f"{v:.3g}"
 
         return [
-            {"model": c.model, "dtype": c.dtype, "max_abs": fmt(c.max_abs), "max_rel": fmt(c.max_rel),
-             "top1": fmt(c.top1), "min_cos": "-" if c.min_cos is None else f"{c.min_cos:.8f}",
-             "passed": "yes" if c.passed else "NO"}
+            {
+                "model": c.model,
+                "dtype": c.dtype,
+                "max_abs": fmt(c.max_abs),
+                "max_rel": fmt(c.max_rel),
+                "top1": fmt(c.top1),
+                "min_cos": "-" if c.min_cos is None else f"{c.min_cos:.8f}",
+                "passed": "yes" if c.passed else "NO",
+            }
             for c in self.checks
         ]
 
 
 def spec_to_dict(spec: NormSpec) -> dict[str, Any]:
     return {
-        "layout": spec.layout.value, "reduce": sorted(a.value for a in spec.reduce), "feature_ndim": spec.feature_ndim,
-        "groups": spec.groups, "center": spec.center, "scale": spec.scale.value, "eps": spec.eps,
-        "eps_placement": spec.eps_placement.value, "cast_order": spec.cast_order.value, "gain": spec.gain.value,
-        "gain_convention": spec.gain_convention.value, "bias": spec.bias,
+        "layout": spec.layout.value,
+        "reduce": sorted(a.value for a in spec.reduce),
+        "feature_ndim": spec.feature_ndim,
+        "groups": spec.groups,
+        "center": spec.center,
+        "scale": spec.scale.value,
+        "eps": spec.eps,
+        "eps_placement": spec.eps_placement.value,
+        "cast_order": spec.cast_order.value,
+        "gain": spec.gain.value,
+        "gain_convention": spec.gain_convention.value,
+        "bias": spec.bias,
     }
 
 
@@ -130,8 +144,11 @@ def spec_from_dict(d: dict[str, Any]) -> NormSpec:
     return NormSpec(
         layout=parse_enum(Layout, d["layout"], name="layout"),
         reduce=frozenset(parse_enum(Axis, a, name="reduce") for a in d["reduce"]),
-        feature_ndim=int(d["feature_ndim"]), groups=int(d["groups"]), center=bool(d["center"]),
-        scale=parse_enum(Scale, d["scale"], name="scale"), eps=d["eps"],
+        feature_ndim=int(d["feature_ndim"]),
+        groups=int(d["groups"]),
+        center=bool(d["center"]),
+        scale=parse_enum(Scale, d["scale"], name="scale"),
+        eps=d["eps"],
         eps_placement=parse_enum(EpsPlacement, d["eps_placement"], name="eps_placement"),
         cast_order=parse_enum(CastOrder, d["cast_order"], name="cast_order"),
         gain=parse_enum(Gain, d["gain"], name="gain"),
@@ -161,8 +178,8 @@ def apply_swaps(model: nn.Module, swaps: list[Swap]) -> nn.Module:
             new = FrozenBatchNorm.from_batchnorm(old)
         elif s.kind == "bias_into":
             assert s.source is not None
-            src = model.get_submodule(s.source)
-            old.bias = nn.Parameter(src.bias.detach().clone())  # type: ignore[union-attr]
+            src: Any = model.get_submodule(s.source)
+            old.bias = nn.Parameter(src.bias.detach().clone())
             model.set_submodule(s.source, nn.Identity())
             continue
         else:

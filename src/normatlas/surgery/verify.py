@@ -19,7 +19,7 @@ from torch import Tensor, nn
 
 from .report import Check, Surgery
 
-__all__ = ["Tolerance", "model_output", "probe_inputs", "run_checks", "compare"]
+__all__ = ["Tolerance", "compare", "model_output", "probe_inputs", "run_checks"]
 
 Head = Callable[[Tensor, dict[str, Any]], Tensor]
 
@@ -62,8 +62,13 @@ def probe_inputs(model: nn.Module, *, batch: int = 2, length: int = 12, seed: in
 def model_output(model: nn.Module, inputs: Any) -> tuple[Tensor, bool]:
     """Run ``model`` and return (the output tensor, whether it is LM logits)."""
     with torch.no_grad():
-        out = model(**inputs) if isinstance(inputs, dict) else model(*inputs) if isinstance(inputs, tuple) \
+        out = (
+            model(**inputs)
+            if isinstance(inputs, dict)
+            else model(*inputs)
+            if isinstance(inputs, tuple)
             else model(inputs)
+        )
     if isinstance(out, Tensor):
         return out, False
     logits = getattr(out, "logits", None)
@@ -87,16 +92,36 @@ def _cast_inputs(inputs: Any, dtype: torch.dtype) -> Any:
     return inputs
 
 
-def compare(before: nn.Module, after: nn.Module, inputs: Any, dtype: torch.dtype, *, label: str = "runtime",
-            tol: float = 1e-4, head: Head | None = None) -> Check:
-    """One check: both models cast to ``dtype`` (copies), same inputs."""
-    b = copy.deepcopy(before).to(dtype).eval()
-    a = copy.deepcopy(after).to(dtype).eval()
+def _as(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """``model`` in ``dtype``: itself when already there, else a cast copy (the original is untouched)."""
+    if all(p.dtype == dtype for p in model.parameters() if p.is_floating_point()):
+        return model.eval()
+    return copy.deepcopy(model).to(dtype).eval()
+
+
+def _reference(before: nn.Module, inputs: Any, dtype: torch.dtype, head: Head | None) -> tuple[Tensor, bool]:
     x = _cast_inputs(inputs, dtype)
-    ref, is_lm = model_output(b, x)
-    out, _ = model_output(a, x)
+    ref, is_lm = model_output(_as(before, dtype), x)
+    return (head(ref, x) if head is not None else ref), is_lm
+
+
+def compare(
+    before: nn.Module,
+    after: nn.Module,
+    inputs: Any,
+    dtype: torch.dtype,
+    *,
+    label: str = "runtime",
+    tol: float = 1e-4,
+    head: Head | None = None,
+    reference: tuple[Tensor, bool] | None = None,
+) -> Check:
+    """One check: both models in ``dtype`` (cast copies where needed), same inputs."""
+    ref, is_lm = reference if reference is not None else _reference(before, inputs, dtype, head)
+    x = _cast_inputs(inputs, dtype)
+    out, _ = model_output(_as(after, dtype), x)
     if head is not None:
-        ref, out = head(ref, x), head(out, x)
+        out = head(out, x)
     ref64, out64 = ref.double(), out.double()
     max_abs = float((out64 - ref64).abs().max())
     max_rel = max_abs / max(float(ref64.abs().max()), torch.finfo(torch.float64).tiny)
@@ -109,9 +134,16 @@ def compare(before: nn.Module, after: nn.Module, inputs: Any, dtype: torch.dtype
     return Check(label, str(dtype).replace("torch.", ""), max_abs, max_rel, top1, min_cos, ok)
 
 
-def run_checks(before: nn.Module, surgery: Surgery, inputs: Any, *, tolerance: Tolerance | None = None,
-               working_dtype: torch.dtype | None = None, head: Head | None = None,
-               runtime: nn.Module | None = None) -> Surgery:
+def run_checks(
+    before: nn.Module,
+    surgery: Surgery,
+    inputs: Any,
+    *,
+    tolerance: Tolerance | None = None,
+    working_dtype: torch.dtype | None = None,
+    head: Head | None = None,
+    runtime: nn.Module | None = None,
+) -> Surgery:
     """Attach the proof to ``surgery``: runtime (swapped) model, and the saved structure when it is
     meant to be stock-equivalent, each in float64 and the working dtype."""
     tol = tolerance or Tolerance()
@@ -120,7 +152,9 @@ def run_checks(before: nn.Module, surgery: Surgery, inputs: Any, *, tolerance: T
     if surgery.stock_equivalent and surgery.swaps:
         targets.append(("stock", surgery.stock))
     surgery.checks = []
-    for label, model in targets:
-        for dtype, t in ((torch.float64, tol.float64), (wdtype, tol.working)):
-            surgery.checks.append(compare(before, model, inputs, dtype, label=label, tol=t, head=head))
+    for dtype, t in ((torch.float64, tol.float64), (wdtype, tol.working)):
+        ref = _reference(before, inputs, dtype, head)
+        for label, model in targets:
+            surgery.checks.append(compare(before, model, inputs, dtype, label=label, tol=t, head=head, reference=ref))
+    surgery.checks.sort(key=lambda c: c.model != "runtime")
     return surgery
