@@ -158,9 +158,9 @@ def test_jsonl_and_csv_sinks_roundtrip(tmp_path: Path) -> None:
 
 def test_tensorboard_sink_when_installed(tmp_path: Path) -> None:
     pytest.importorskip("tensorboard")
-    from normatlas.diagnostics import TensorBoardSink
-
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from normatlas.diagnostics import TensorBoardSink
 
     sink = TensorBoardSink(tmp_path)
     sink.write({"step": 0, "loss": 1.5, "grad_norm/L0": 0.25})

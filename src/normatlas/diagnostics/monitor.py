@@ -133,6 +133,8 @@ class Monitor:
         if max_examples < 1:
             raise ValueError(f"max_examples={max_examples!r} must be >= 1")
         self.model, self.every, self.optimizer = model, every, optimizer
+        if isinstance(metrics, (str, Metric)):
+            metrics = [metrics]
         self.metrics = frozenset(parse_enum(Metric, m, name="metrics") for m in metrics)
         self.blocks = list(blocks) if blocks is not None else find_blocks(model)
         if modality is not None and set(modality) != {"vision", "text"}:
