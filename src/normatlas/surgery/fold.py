@@ -210,13 +210,9 @@ def cancel_pre_attention_norms(model: nn.Module, example_inputs: Any) -> Surgery
     surgery = Surgery("cancel", model)
     for name, facts in norms.items():
         consumers, reason = linear_consumers(flow, name)
-        if reason is not None:
-            surgery.refusals.append(Refusal(name, "cancel", reason))
-            continue
-        if len(consumers) < 2 and all(
-            flow.reaches_norm(c.outputs[0], norms) is None for c in flow.module_calls(consumers[0])
-        ):
-            continue  # a plain norm -> linear (an MLP input, the LM head): nothing to cancel, not a refusal
+        renormed = [c for c in consumers if flow.reaches_norm(flow.module_calls(c)[0].outputs[0], norms) is not None]
+        if reason is not None or not renormed:
+            continue  # no consumer is normalised again (MLP input, LM head, post-branch norm): not a candidate
         module = model.get_submodule(name)
         missing = []
         for c in consumers:
@@ -252,5 +248,9 @@ def cancel_pre_attention_norms(model: nn.Module, example_inputs: Any) -> Surgery
                 f"gain -> {', '.join(consumers)}; each output is "
                 "normalised again, which removes the per-token scale (eps aside)",
             )
+        )
+    if not surgery.changes and not surgery.refusals:
+        surgery.notes.append(
+            "no norm feeds linear layers whose outputs are normalised again (no QK-norm): nothing to cancel"
         )
     return surgery
