@@ -266,3 +266,33 @@ def test_eps_changes_report_measured_deviation() -> None:
     assert not big.passed and big.checks[0].max_rel > 1e-3
     with pytest.raises(ValueError, match="eps=-1"):
         change_eps(model, x, eps=-1.0)
+
+
+def test_ln_to_rms_refuses_post_ln_opt_with_the_reason() -> None:
+    # OPT-350m's layout: do_layer_norm_before=False (Post-LN), 24 layers, width 1024
+    cfg = transformers.OPTConfig(
+        num_hidden_layers=2,
+        hidden_size=32,
+        ffn_dim=64,
+        num_attention_heads=4,
+        vocab_size=64,
+        max_position_embeddings=32,
+        word_embed_proj_dim=32,
+        do_layer_norm_before=False,
+        pad_token_id=1,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    x = probe_inputs(model)
+    s = ln_to_rms(model, x)
+    assert not s.changes and len(s.refusals) == 4
+    assert all("Post-LN" in r.reason and "P*diag(g)" in r.reason for r in s.refusals[1:])
+    first = s.refusals[0]  # reads embeddings only, but its stream is also read by the attention projections
+    assert "q_proj" in first.reason and "would see the centred values" in first.reason
+    folded = fold_gains(model, x)
+    assert all("add" in r.reason or "model output" in r.reason for r in folded.refusals)
+    assert [c.target for c in folded.changes] == ["model.decoder.layers.1.final_layer_norm"]  # feeds only lm_head
+    run_checks(model, folded, x, tolerance=Tolerance(TOL64, 1e-5))
+    assert folded.passed, folded.check_rows()

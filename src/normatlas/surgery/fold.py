@@ -112,7 +112,9 @@ def _fold_norm(model: nn.Module, facts: NormFacts, consumers: list[str], surgery
     module = model.get_submodule(facts.name)
     m, b = facts.multiplier(module), facts.bias(module)
     keep_bias = None
-    if b is not None and bool((b != 0).any()):
+    if b is not None and not bool((b != 0).any()):
+        b = None  # a zero bias: nothing to move
+    if b is not None:
         no_bias = [c for c in consumers if model.get_submodule(c).bias is None]
         if no_bias:
             if m is None or bool((m == 0).any()):
