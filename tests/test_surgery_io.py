@@ -45,7 +45,7 @@ def test_ln_to_rms_written_loads_back_and_in_stock_transformers(gpt2_dir, tmp_pa
     x = probe_inputs(model)
     s = ln_to_rms(model, x)
     run_checks(model, s, x)
-    out = save_surgery(s, tmp_path / "rms")
+    out = save_surgery(s, tmp_path / "rms", inputs=x)
     assert sorted(p.name for p in out.iterdir()) == sorted(["config.json", "model.safetensors", MANIFEST])
     assert [p.name for p in tmp_path.iterdir()] == ["rms"]  # no temp folder left
     _, runtime, manifest = load_transformed(out)

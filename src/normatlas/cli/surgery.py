@@ -81,7 +81,7 @@ def _finish(args: argparse.Namespace, model, surgery, inputs) -> int:  # type: i
         return 0 if surgery.passed else 1
     if not args.output:
         raise CliError("an output folder is required (or pass --dry-run)")
-    path = save_surgery(surgery, args.output, force=args.force)
+    path = save_surgery(surgery, args.output, force=args.force, inputs=inputs)
     print(f"wrote {path} (model.safetensors, config.json, normatlas_surgery.json; read back and compared)")
     return 0
 

@@ -156,8 +156,10 @@ def _dedup(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def save_surgery(surgery: Surgery, out: str | os.PathLike[str], *, force: bool = False) -> Path:
-    """Write ``surgery`` atomically, only when its proof passed; then load it back and check it equals."""
+def save_surgery(surgery: Surgery, out: str | os.PathLike[str], *, force: bool = False, inputs: Any = None) -> Path:
+    """Write ``surgery`` atomically, only when its proof passed; before publishing, load it back and check
+    every tensor reads back equal and (given ``inputs``) the reloaded runtime model's output is bitwise the
+    in-memory one's."""
     from safetensors.torch import save_file
 
     if not surgery.checks:
@@ -184,6 +186,12 @@ def save_surgery(surgery: Surgery, out: str | os.PathLike[str], *, force: bool =
             for k, v in stock.state_dict().items():
                 if k in ref and not torch.equal(v, ref[k]):
                     raise ValueError(f"written tensor {k!r} does not read back equal")
+            if inputs is not None:
+                from .verify import model_output
+
+                _, reloaded, _ = load_transformed(tmp)
+                if not torch.equal(model_output(reloaded, inputs)[0], model_output(surgery.runtime(), inputs)[0]):
+                    raise ValueError("the reloaded runtime model does not reproduce the verified output")
         if target.exists():
             old = target.with_name(f".{target.name}.old-{os.getpid()}")
             os.replace(target, old)
