@@ -206,6 +206,10 @@ def convert_gain_convention(model: nn.Module, example_inputs: Any, to: GainConve
     norms = find_norms(flow)
     surgery = Surgery(f"gain-{to.value}", model, stock_equivalent=False)
     surgery.notes.extend(gain_offset_warnings(model, norms))
+    surgery.notes.append(
+        "the saved gains are in the target convention: stock code for this config.json would apply its own "
+        "convention on top, so load with normatlas.surgery.load_transformed (the manifest swaps the norms)"
+    )
     for name, f in norms.items():
         if f.gain_param is None or f.convention is to:
             continue
