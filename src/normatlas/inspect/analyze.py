@@ -67,6 +67,9 @@ class _Group:
     post: list[Site] = field(default_factory=list)
     kind: str = "mlp"
     layer: int = 0
+    parallel_same: bool = False
+    whole: int | None = None  # the branch operand before splitting a sum of branches
+    skip_learned: str | None = None  # a learned multiplier on the residual itself
 
 
 def _scalar_mul(g: Graph, n: Node) -> tuple[int, float] | None:
@@ -98,7 +101,21 @@ def _components(g: Graph, idx: int, limit: int = 48) -> list[int]:
             queue.extend(n.inputs)
         elif (sm := _scalar_mul(g, n)) is not None:
             queue.append(sm[0])
+        elif (lp := _learned_mul(g, n)) is not None:
+            queue.append(lp[0])
     return out
+
+
+def _learned_mul(g: Graph, n: Node) -> tuple[int, str] | None:
+    """``x * p`` with p a parameter: (x, "learned scalar" | "per-channel")."""
+    if n.op != "mul" or len(n.inputs) != 2:
+        return None
+    params = [i for i in n.inputs if g.nodes[strip(g, i, _THRU)].op == "param"]
+    if len(params) != 1:
+        return None
+    p = g.nodes[strip(g, params[0], _THRU)]
+    kind = "learned scalar" if p.shape is not None and math.prod(p.shape) == 1 else "per-channel"
+    return next(i for i in n.inputs if i != params[0]), kind
 
 
 def _has_compute(g: Graph, branch: int, source: int) -> bool:
@@ -139,13 +156,11 @@ def _walk_branch(g: Graph, b: int, ends: dict[int, Site]) -> tuple[int, list[str
                 scales.append(f"{sm[1]:.6g}")
             b = sm[0]
             continue
-        if n.op == "mul" and len(n.inputs) == 2:
-            params = [i for i in n.inputs if g.nodes[strip(g, i)].op == "param"]
-            if len(params) == 1:
-                p = g.nodes[strip(g, params[0])]
-                scales.append("learned scalar" if p.shape is not None and math.prod(p.shape) == 1 else "per-channel")
-                b = next(i for i in n.inputs if i != params[0])
-                continue
+        lm = _learned_mul(g, n)
+        if lm is not None:
+            scales.append(lm[1])
+            b = lm[0]
+            continue
         return b, scales
 
 
@@ -156,14 +171,15 @@ def _layer_of(g: Graph, idx: int, keys: dict[str, int]) -> int | None:
     return None
 
 
-def _stream_shape(g: Graph) -> tuple[int, ...] | None:
-    for n in g.nodes:
-        if n.op == "embedding" and n.shape is not None:
-            return n.shape
-    for n in g.nodes:
-        if n.op == "input" and n.dtype is not None and n.dtype.is_floating_point and n.shape:
-            return n.shape
-    return None
+def _stream_shapes(g: Graph, sites: list[Site]) -> list[tuple[int, ...]]:
+    """Candidate residual-stream shapes: embedding outputs, float inputs, then normalized inputs by frequency."""
+    cands = [n.shape for n in g.nodes if n.op == "embedding" and n.shape is not None]
+    cands += [
+        n.shape for n in g.nodes if n.op == "input" and n.dtype is not None and n.dtype.is_floating_point and n.shape
+    ]
+    counts = Counter(g.nodes[s.input].shape for s in sites if g.nodes[s.input].shape)
+    cands += [sh for sh, _ in counts.most_common() if sh is not None and len(sh) >= 2]
+    return list(dict.fromkeys(c for c in cands if c))
 
 
 def _is_rope_add(g: Graph, n: Node, trig: int) -> bool:
@@ -188,7 +204,7 @@ def _attention(
             cur, cap = n.inputs[0], None
             for _ in range(12):
                 c = g.nodes[cur]
-                if c.op in ("matmul", "bmm", "einsum") and len(c.inputs) == 2:
+                if (c.op in ("matmul", "bmm", "einsum") and len(c.inputs) == 2) or c.op in _PROJ:
                     break
                 if c.op == "tanh":
                     pre = g.nodes[c.inputs[0]]
@@ -201,6 +217,8 @@ def _attention(
             c = g.nodes[cur]
             if c.op not in ("matmul", "bmm") or len(c.inputs) != 2:
                 continue
+            if any(g.nodes[strip(g, i, _THRU)].op in ("param", "buffer") for i in c.inputs):
+                continue  # a router or a projection, not q @ k^T
             v = None
             frontier = [n.idx]
             while frontier and v is None:
@@ -243,12 +261,16 @@ def _attention(
 def analyze(g: Graph, name: str = "model", tracer: str = "torch_function") -> InspectionReport:
     """Derive the :class:`InspectionReport` of a recorded graph."""
     sites = find_sites(g)
-    shape = _stream_shape(g)
     notes: list[str] = []
-    if shape is None:
+    cands = _stream_shapes(g, sites)
+    if not cands:
         raise ValueError("cannot find the residual stream: the model has no embedding and no floating input")
+    found = [(_residual_adds(g, c), c) for c in cands[:6]]
+    adds, shape = max(found, key=lambda f: len(f[0]))
+    if not adds:
+        shape = cands[0]
     groups: list[_Group] = []
-    for add, skip, branch, src in _residual_adds(g, shape):
+    for add, skip, branch, src in adds:
         last = groups[-1] if groups else None
         if last is not None and src == last.source and last.adds[-1] in _components(g, skip):
             last.adds.append(add)
@@ -259,9 +281,13 @@ def analyze(g: Graph, name: str = "model", tracer: str = "torch_function") -> In
         while cur != src:
             n = g.nodes[cur]
             sm = _scalar_mul(g, n)
+            lm = _learned_mul(g, n)
             if sm is not None:
                 grp.skip_scale *= sm[1]
                 cur = sm[0]
+            elif lm is not None:
+                grp.skip_learned = lm[1]
+                cur = lm[0]
             elif n.op in _THRU and n.inputs:
                 cur = strip(g, cur, _THRU)
             else:
@@ -270,16 +296,18 @@ def analyze(g: Graph, name: str = "model", tracer: str = "torch_function") -> In
         if bnode.op == "add":  # one branch that is a sum of branches of s (GPT-J style parallel)
             parts = [i for i in bnode.inputs if g.feeds(src, i) and _has_compute(g, i, src)]
             if len(parts) == 2:
-                grp.branches = parts
+                grp.whole, grp.branches = grp.branches[0], parts
         groups.append(grp)
     trig = 0
     for n in g.nodes:
         if n.op in ("cos", "sin", "polar", "view_as_complex"):
             trig |= 1 << n.idx
+    start_bit = 1 << groups[0].source if groups else 0
+    stream_inputs = {strip(g, grp.source, _THRU) for grp in groups} | {strip(g, grp.adds[-1], _THRU) for grp in groups}
+    cores = _attention(g, sites, start_bit, trig, stream_inputs) if groups else []
     attn_bits = 0
-    for n in g.nodes:
-        if n.op in ("softmax", "scaled_dot_product_attention"):
-            attn_bits |= 1 << n.idx
+    for core, _ in cores:
+        attn_bits |= 1 << core
     by_input: dict[int, list[Site]] = {}
     for s in sites:
         by_input.setdefault(strip(g, s.input, _THRU), []).append(s)
@@ -299,7 +327,12 @@ def analyze(g: Graph, name: str = "model", tracer: str = "torch_function") -> In
         grp.kind = "attention" if own & attn_bits else "mlp"
         if len(grp.branches) > 1:
             kinds = {bool((g.anc(b) & ~g.anc(grp.source)) & attn_bits) for b in grp.branches}
-            grp.kind = "attention+mlp" if kinds == {True, False} else grp.kind
+            if kinds == {True, False}:
+                grp.kind = "attention+mlp"
+            else:  # two branches of one kind (routed + shared experts): one sublayer, not parallel
+                grp.parallel_same = True
+                if grp.whole is not None:
+                    grp.branches = [grp.whole]
         outs = {s.node for s in grp.out}
         grp.pre = [
             s
@@ -360,8 +393,7 @@ def analyze(g: Graph, name: str = "model", tracer: str = "torch_function") -> In
     # attention
     stream_bit = start_bit
     attention: list[AttentionInfo] = []
-    stream_inputs = {strip(g, grp.source, _THRU) for grp in groups} | {strip(g, grp.adds[-1], _THRU) for grp in groups}
-    for core, info in _attention(g, sites, stream_bit, trig, stream_inputs) if groups else []:
+    for core, info in cores:
         lay = _layer_of(g, core, keys)
         hd = info["head_dim"]
         qk: list[tuple[Site, bool]] = [*info["q"], *info["k"]]
@@ -423,7 +455,7 @@ def analyze(g: Graph, name: str = "model", tracer: str = "torch_function") -> In
             grp.layer,
             grp.kind,
             Placement.PARALLEL
-            if len(grp.branches) > 1
+            if len(grp.branches) > 1 and not grp.parallel_same
             else _SCHEME.get((bool(grp.pre), bool(grp.out), bool(grp.post)), Placement.MIX),
             tuple(s.node for s in grp.pre),
             tuple(s.node for s in grp.out),
@@ -491,7 +523,13 @@ def analyze(g: Graph, name: str = "model", tracer: str = "torch_function") -> In
         placement_attention=pa,
         placement_mlp=pm,
         placement_by_layer=["/".join(v) for _, v in sorted(by_layer.items())],
-        residual_scale=", ".join(sorted({f"{sub.skip_scale:.6g}" for sub in subs if sub.skip_scale})) or None,
+        residual_scale=", ".join(
+            sorted(
+                {f"{sub.skip_scale:.6g}" for sub in subs if sub.skip_scale}
+                | {f"{grp.skip_learned} (learned)" for grp in groups if grp.skip_learned}
+            )
+        )
+        or None,
         branch_scale=", ".join(sorted({sub.branch_scale for sub in subs if sub.branch_scale})) or None,
         depth_scaling=depth,
         qk_norm=qks.pop() if len(qks) == 1 else QKNorm.MIXED if qks else QKNorm.NONE,

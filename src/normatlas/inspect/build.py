@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import inspect as pyinspect
 import json
 from pathlib import Path
 from typing import Any
@@ -42,6 +43,8 @@ TINY: dict[str, Any] = {
     "v_head_dim": 16,
     "sliding_window": 16,
     "first_k_dense_replace": 1,
+    "n_group": 2,
+    "topk_group": 1,
     "rotary_dim": 16,
     "word_embed_proj_dim": 64,
 }
@@ -63,9 +66,21 @@ def tiny_config(model_type: str, **overrides: Any) -> Any:
             if key in c.to_dict() or key in getattr(c, "attribute_map", {}):
                 with contextlib.suppress(Exception):  # some configs guard their attributes
                     setattr(c, key, val)
-        if hasattr(c, "layer_types") and isinstance(c.layer_types, list):
+        if isinstance(getattr(c, "layer_types", None), list):
             n = getattr(c, "num_hidden_layers", len(c.layer_types))
-            c.layer_types = (c.layer_types * n)[:n]
+            kinds = list(dict.fromkeys(c.layer_types))  # keep every layer kind of a hybrid in the tiny model
+            with contextlib.suppress(Exception):  # a read-only property on some hybrid configs
+                c.layer_types = (kinds * n)[:n] if len(kinds) <= n else c.layer_types[:n]
+        if "qk_rope_head_dim" in c.to_dict() and "head_dim" in c.to_dict():  # MLA: rotary part sets head_dim
+            with contextlib.suppress(Exception):
+                c.head_dim = c.qk_rope_head_dim
+                c.num_key_value_heads = c.num_attention_heads
+        vocab = getattr(c, "vocab_size", None)
+        for tok in ("pad_token_id", "bos_token_id", "eos_token_id"):
+            tid = getattr(c, tok, None)
+            if isinstance(vocab, int) and isinstance(tid, int) and tid >= vocab:
+                with contextlib.suppress(Exception):
+                    setattr(c, tok, min(2, vocab - 1))
     cfg._attn_implementation = "eager"
     return cfg
 
@@ -92,13 +107,17 @@ def _model_for_checkpoint(cfg: Any) -> nn.Module:
     return AutoModel.from_config(cfg, attn_implementation="eager").eval()
 
 
-def example_inputs(model: nn.Module, seq: int = 8, seed: int = 0) -> dict[str, torch.Tensor]:
+def example_inputs(model: nn.Module, seq: int = 8, seed: int = 0) -> dict[str, Any]:
     """A token batch ``{"input_ids": (1, seq)}`` valid for the model's vocabulary."""
     cfg = getattr(model, "config", None)
     vocab = getattr(cfg, "vocab_size", None) or getattr(getattr(cfg, "text_config", None), "vocab_size", 128)
     gen = torch.Generator().manual_seed(seed)
     high = max(4, min(int(vocab or 128), 1000))
-    return {"input_ids": torch.randint(3, high, (1, seq), generator=gen)}
+    inputs: dict[str, Any] = {"input_ids": torch.randint(3, high, (1, seq), generator=gen)}
+    with contextlib.suppress(TypeError, ValueError):
+        if "use_cache" in pyinspect.signature(model.forward).parameters:
+            inputs["use_cache"] = False  # hybrid / linear-attention caches need not be built to read the design
+    return inputs
 
 
 def build_target(target: str, seed: int = 0) -> tuple[nn.Module, Any, str]:
