@@ -262,13 +262,13 @@ def analyze(g: Graph, name: str = "model", tracer: str = "torch_function") -> In
     """Derive the :class:`InspectionReport` of a recorded graph."""
     sites = find_sites(g)
     notes: list[str] = []
-    cands = _stream_shapes(g, sites)
-    if not cands:
+    shapes = _stream_shapes(g, sites)
+    if not shapes:
         raise ValueError("cannot find the residual stream: the model has no embedding and no floating input")
-    found = [(_residual_adds(g, c), c) for c in cands[:6]]
+    found = [(_residual_adds(g, c), c) for c in shapes[:6]]
     adds, shape = max(found, key=lambda f: len(f[0]))
     if not adds:
-        shape = cands[0]
+        shape = shapes[0]
     groups: list[_Group] = []
     for add, skip, branch, src in adds:
         last = groups[-1] if groups else None
