@@ -131,3 +131,10 @@ def test_full_sweep_classifies_most_decoders(tmp_path: Path) -> None:
     ok = [r for r in rows if not r["error"]]
     assert len(ok) >= len(rows) // 2, [r["error"] for r in rows if r["error"]][:10]
     assert all(r["placement"] for r in ok)
+
+
+def test_several_targets_compare_in_one_table(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "inspect", "tests.test_inspect_cli:toy", "no_such_arch_xyz", "--json")
+    rows = json.loads(out)
+    assert code == 1 and [r["model"] for r in rows] == ["tests.test_inspect_cli:toy", "no_such_arch_xyz"]
+    assert rows[0]["placement"] == "post" and rows[1]["operator"].startswith("error: unknown model type")

@@ -13,7 +13,7 @@ from ._format import format_table
 def _configure(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "target",
-        nargs="?",
+        nargs="*",
         help="transformers model type (built tiny, offline), a checkpoint folder "
         "(config.json + *.safetensors), or module.path:factory",
     )
@@ -40,13 +40,15 @@ def inspect_cmd(args: argparse.Namespace) -> int:
         return _sweep(args)
     if not args.target:
         raise CliError("give a TARGET or --all-transformers")
+    if len(args.target) > 1:
+        return _compare(args)
     try:
-        rep = inspect_target(args.target)
+        rep = inspect_target(args.target[0])
     except (UntraceableModel, ValueError, TypeError, FileNotFoundError, OSError) as exc:
         raise CliError(str(exc).splitlines()[0] if str(exc) else type(exc).__name__) from exc
     except Exception as exc:  # building a model can fail in many ways; one line, never a traceback
         raise CliError(
-            f"cannot build or trace {args.target}: {type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}"
+            f"cannot build or trace {args.target[0]}: {type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}"
         ) from exc
     if args.json:
         print(json.dumps(rep.to_dict(), indent=2, default=str))
@@ -109,3 +111,46 @@ def _sweep(args: argparse.Namespace) -> int:
     ok = sum(1 for r in rows if not r["error"])
     print(f"classified {ok}/{len(rows)} architectures in {time.perf_counter() - t0:.1f} s; wrote {jp} and {cp}")
     return 0
+
+
+_COMPARE = (
+    "model",
+    "operator",
+    "eps",
+    "gain_convention",
+    "bias",
+    "placement",
+    "residual_scale",
+    "branch_scale",
+    "qk_norm",
+    "qk_norm_rope",
+    "attn_softcap",
+    "final_norm",
+    "final_logit_softcap",
+    "embedding_scale",
+)
+
+
+def _compare(args: argparse.Namespace) -> int:
+    """Several targets: one summary row each (errors as rows, exit 1 if any failed)."""
+    from ..inspect import inspect_target
+
+    rows, failed = [], 0
+    for target in args.target:
+        try:
+            summ = inspect_target(target).summary_row()
+            summ["model"] = target
+            rows.append({k: "-" if summ.get(k) in (None, "") else summ.get(k) for k in _COMPARE})
+        except Exception as exc:  # one failing target must not hide the others
+            failed += 1
+            rows.append({"model": target, "operator": f"error: {(str(exc).splitlines() or [''])[0][:80]}"})
+    if args.json:
+        print(json.dumps(rows, indent=2, default=str))
+    else:
+        print(
+            format_table(
+                [{k: r.get(k, "") for k in _COMPARE} for r in rows],
+                title="normalization designs (from the traced dataflow)",
+            )
+        )
+    return 1 if failed else 0
