@@ -15,7 +15,10 @@ pytest.importorskip("transformers")
 from normatlas.inspect import InspectionReport, inspect_model
 from normatlas.inspect.build import _model_from_config, tiny_config
 
-OVERRIDES: dict[str, dict[str, Any]] = {"granite": {"residual_multiplier": 0.25, "embedding_multiplier": 12.0}}
+OVERRIDES: dict[str, dict[str, Any]] = {
+    "granite": {"residual_multiplier": 0.25, "embedding_multiplier": 12.0},
+    "chameleon": {"swin_norm": True},  # the 34B recipe; the default (7B) config is pre-norm
+}
 
 EXPECTED: dict[str, dict[str, Any]] = {
     # pre-LN RMSNorm, weight * x.to(dtype): cast before gain
@@ -67,6 +70,14 @@ EXPECTED: dict[str, dict[str, Any]] = {
     # LayerNorm1P: layer_norm with weight + 1
     "nemotron": dict(operator="layernorm", placement="pre", gain_convention="1+w"),
     "stablelm": dict(operator="layernorm", placement="pre"),
+    # swin_norm: norms on branch outputs; per-head LayerNorm (with per-head affine) on q and k before RoPE
+    "chameleon": dict(operator="rmsnorm", placement="res-post", qk_norm="per-head", qk_norm_rope="before-rope"),
+    # a learned per-channel multiplier on the residual itself
+    "doge": dict(placement="pre", residual_scale="per-channel (learned)", qk_norm="per-head"),
+    # MoE with a shared expert: one MLP sublayer, not a parallel block
+    "qwen2_moe": dict(placement="pre", placement_mlp="pre", placement_attention="pre"),
+    # zero-centred (1+w) RMSNorm, per-head QK-norm in the full-attention layers
+    "qwen3_next": dict(gain_convention="1+w", qk_norm="per-head"),
 }
 
 _REPORTS: dict[str, InspectionReport] = {}
@@ -106,6 +117,11 @@ def test_post_attention_layernorm_means_different_things() -> None:
         for mt in ("llama", "olmo2")
     }
     assert roles == {"llama": {"pre"}, "olmo2": {"out"}}
+
+
+def test_chameleon_qk_norm_is_layernorm_with_affine() -> None:
+    qk = [n for n in report("chameleon").norms if n.role == "qk"]
+    assert qk and all(n.operator.value == "layernorm" and n.gain_convention == "w" and n.bias for n in qk)
 
 
 def test_every_layer_classified_and_sublayers_paired() -> None:

@@ -160,7 +160,7 @@ def check(
                         "field": "-",
                         "curated": "-",
                         "inspected": "-",
-                        "verdict": "error: " + str(summ["error"]),
+                        "verdict": "error: " + str(summ["error"])[:90],
                         "source": rec["source"],
                     }
                 )

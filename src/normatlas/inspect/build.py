@@ -75,6 +75,8 @@ def tiny_config(model_type: str, **overrides: Any) -> Any:
             with contextlib.suppress(Exception):
                 c.head_dim = c.qk_rope_head_dim
                 c.num_key_value_heads = c.num_attention_heads
+        if "vocabulary_map" in c.to_dict() and not c.vocabulary_map:  # Chameleon needs its image-token map
+            c.vocabulary_map = {"<image>": 3}
         vocab = getattr(c, "vocab_size", None)
         for tok in ("pad_token_id", "bos_token_id", "eos_token_id"):
             tid = getattr(c, tok, None)

@@ -257,13 +257,13 @@ def _fused(g: Graph, n: Node) -> Site | None:
             None,
             fused=True,
         )
-        if op is Operator.LAYERNORM and not site.gain and not site.bias:
-            site.operator = Operator.LAYERNORM_NONPARAM
     site.module = n.module
     gain_before = site.gain
-    _affine(g, site, n.idx)
+    _affine(g, site, n.idx)  # an affine map applied after a parameter-free fused kernel
     if gain_before:
         site.cast_order = None  # gain applied inside the fused kernel
+    if site.operator is Operator.LAYERNORM and not site.gain and not site.bias:
+        site.operator = Operator.LAYERNORM_NONPARAM
     return site
 
 
