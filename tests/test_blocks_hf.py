@@ -33,12 +33,21 @@ CASES = {
                          layer_types=["sliding_attention", "full_attention"])),
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", dict(_DEC)),
     "cohere": ("CohereConfig", "CohereForCausalLM", dict(_DEC, logit_scale=0.5)),
+    "cohere+qk_norm": ("CohereConfig", "CohereForCausalLM", dict(_DEC, logit_scale=0.5, use_qk_norm=True)),
     "gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=32)),
+    "gpt2+scaled": ("GPT2Config", "GPT2LMHeadModel",
+                    dict(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=32,
+                         scale_attn_by_inverse_layer_idx=True, reorder_and_upcast_attn=True)),
     "bert": ("BertConfig", "BertForMaskedLM",
              dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                   intermediate_size=128, max_position_embeddings=32, type_vocab_size=2)),
     "glm4": ("Glm4Config", "Glm4ForCausalLM", dict(_DEC)),
 }  # fmt: skip
+"""Keys are HF ``model_type`` names, with ``+variant`` for a second configuration of the same architecture."""
+
+
+def _type(name: str) -> str:
+    return name.split("+")[0]
 
 
 def _build(name: str):
@@ -70,8 +79,8 @@ def _inputs(seed: int = 1):
 
 def test_model_type_matches_keymap(pair):
     name, hf, _ = pair
-    assert hf.config.model_type == name
-    assert type(hf).__name__ == keymap_for(name).hf_class
+    assert hf.config.model_type == _type(name)
+    assert type(hf).__name__ == keymap_for(_type(name)).hf_class
 
 
 def test_same_logits(pair):
@@ -92,7 +101,7 @@ def test_same_gradients(pair):
     (hf(input_ids=ids).logits * upstream).sum().backward()
     (ours(ids) * upstream).sum().backward()
     ours_grads = {n: p.grad for n, p in ours.named_parameters(remove_duplicate=False) if p.grad is not None}
-    mapped = to_hf_state_dict(ours, name, ours_grads)
+    mapped = to_hf_state_dict(ours, _type(name), ours_grads)
     hf_params = dict(hf.named_parameters(remove_duplicate=False))
     assert mapped, "no gradients mapped"
     for key, g in mapped.items():
@@ -104,10 +113,10 @@ def test_same_gradients(pair):
 
 def test_round_trip_state_dict_loads_strict(pair):
     name, hf, ours = pair
-    sd = to_hf_state_dict(ours, name)
+    sd = to_hf_state_dict(ours, _type(name))
     fresh = _build(name)
     missing, unexpected = fresh.load_state_dict(sd, strict=False)
-    km = keymap_for(name)
+    km = keymap_for(_type(name))
     assert not unexpected
     assert all(any(k.endswith(s) for s in km.ignore) for k in missing), missing
     ids, _ = _inputs(3)
@@ -118,3 +127,18 @@ def test_round_trip_state_dict_loads_strict(pair):
 def test_unknown_model_type_is_rejected():
     with pytest.raises(ValueError, match="model_type='mamba' has no key map; supported: bert"):
         keymap_for("mamba")
+
+
+def test_variants_configure_what_they_claim():
+    """The ``+variant`` cases exercise the flags: Cohere's per-head LayerNorm QK-norm, GPT-2's 1/(layer+1) scale."""
+    cohere = from_hf(_build("cohere+qk_norm"))
+    q_norm = cohere.layers[0].attn.q_norm
+    assert q_norm is not None and tuple(q_norm.weight.shape) == (4, 16)
+    gpt2 = from_hf(_build("gpt2+scaled"))
+    assert [b.attn.scale for b in gpt2.layers] == pytest.approx([16**-0.5, 16**-0.5 / 2])
+
+
+def test_gpt2_cross_attention_is_rejected():
+    cfg = transformers.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=1, n_head=4, add_cross_attention=True)
+    with pytest.raises(ValueError, match="add_cross_attention=True is not supported"):
+        from_hf(transformers.GPT2LMHeadModel(cfg))

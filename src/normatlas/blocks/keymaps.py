@@ -190,11 +190,20 @@ def _gpt2(c: Any) -> ModelConfig:
     eps = c.layer_norm_epsilon
     if c.activation_function not in ("gelu_new", "gelu_pytorch_tanh"):
         raise ValueError(f"activation_function={c.activation_function!r} is not supported")
+    if getattr(c, "add_cross_attention", False):
+        raise ValueError("add_cross_attention=True is not supported (our blocks have no cross-attention)")
+    # scale_attn_weights / scale_attn_by_inverse_layer_idx: q.k times head_dim**-0.5 (if set) / (layer + 1) (if set).
+    # reorder_and_upcast_attn only changes the order and dtype of that product (fp32 scores): the same arithmetic
+    # for an fp32 model, which is the only dtype whose port we check.
+    head_scale = (c.n_embd // c.n_head) ** -0.5 if c.scale_attn_weights else 1.0
+    inverse_layer = bool(c.scale_attn_by_inverse_layer_idx)
+    layer_scale = tuple(head_scale / (i + 1 if inverse_layer else 1) for i in range(c.n_layer))
     return ModelConfig(
         vocab_size=c.vocab_size, d_model=c.n_embd, n_layers=c.n_layer, n_heads=c.n_head,
         d_ff=c.n_inner or 4 * c.n_embd, norm=lambda d: LayerNorm(d, eps), placement=pre_ln(),
         activation=Activation.GELU_TANH, gated=False, qkv_bias=True, out_bias=True, mlp_bias=True,
         rope=None, max_positions=c.n_positions, tie_embeddings=bool(c.tie_word_embeddings),
+        layer_attn_scale=layer_scale,
     )  # fmt: skip
 
 

@@ -47,7 +47,8 @@ class ModelConfig:
     such as ``normatlas.RMSNorm`` or ``DyT``); ``placement`` a :class:`Placement` for
     every layer or a :class:`Schedule` with one entry per layer. ``max_positions > 0``
     adds learned absolute positions (GPT-2, BERT); ``rope=None`` disables RoPE.
-    ``layer_windows`` / ``layer_rope_theta`` give per-layer sliding windows and RoPE bases.
+    ``layer_windows`` / ``layer_rope_theta`` / ``layer_attn_scale`` give per-layer sliding windows, RoPE bases
+    and q.k multipliers (the last overrides ``attn_scale``; GPT-2's ``scale_attn_by_inverse_layer_idx``).
     ``pad_token_id`` is the embedding's ``padding_idx`` (its row gets no gradient, as in torch).
     """
 
@@ -81,6 +82,7 @@ class ModelConfig:
     attn_scale: float | None = None
     layer_windows: tuple[int | None, ...] | None = None
     layer_rope_theta: tuple[float, ...] | None = None
+    layer_attn_scale: tuple[float, ...] | None = None
     head_transform: bool = False
     head_bias: bool = False
     init_std: float = 0.02
@@ -116,7 +118,7 @@ class ModelConfig:
             for name in ("final_norm", "embed_norm", "head_transform"):
                 if getattr(self, name):
                     raise ValueError(f"{name}=True needs a norm operator but norm=None")
-        for name in ("layer_windows", "layer_rope_theta"):
+        for name in ("layer_windows", "layer_rope_theta", "layer_attn_scale"):
             v = getattr(self, name)
             if v is not None and len(v) != self.n_layers:
                 raise ValueError(f"{name} has {len(v)} entries but n_layers={self.n_layers}")
@@ -153,7 +155,8 @@ def _blocks(cfg: ModelConfig) -> nn.ModuleList:
                 cfg.d_model, placement, norm, layer=i, n_layers=cfg.n_layers, n_heads=cfg.n_heads,
                 n_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim, d_ff=cfg.d_ff, activation=cfg.activation,
                 gated=cfg.gated, mlp_bias=cfg.mlp_bias, qkv_bias=cfg.qkv_bias, out_bias=cfg.out_bias,
-                qk_norm=cfg.qk_norm, attn_scale=cfg.attn_scale, attn_softcap=cfg.attn_softcap,
+                qk_norm=cfg.qk_norm, attn_softcap=cfg.attn_softcap,
+                attn_scale=cfg.attn_scale if cfg.layer_attn_scale is None else cfg.layer_attn_scale[i],
                 window=None if cfg.layer_windows is None else cfg.layer_windows[i],
                 rope_theta=None if cfg.layer_rope_theta is None else cfg.layer_rope_theta[i],
             )
