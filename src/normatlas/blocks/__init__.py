@@ -9,7 +9,7 @@ from .attention import Attention, Rope, RopeStyle, apply_rope, rope_tables
 from .block import MLP, Activation, Block
 from .hf_port import from_hf, keymap_for, to_hf_state_dict
 from .keymaps import KEYMAPS, KeyMap, Rule
-from .model import ModelConfig, TransformerLM, ViTConfig, ViTEncoder, as_factory
+from .model import ModelConfig, TransformerLM, ViTConfig, ViTEncoder, ViTPool, as_factory
 from .placement import (
     DepthScale,
     Gate,
@@ -53,7 +53,7 @@ __all__ = [
     "KEYMAPS", "MLP", "PRESETS", "Activation", "Attention", "Block", "DeepNormArch", "DeepNormConstants",
     "DepthScale", "Gate", "KeyMap", "LayerPlan", "LayerScale", "ModelConfig", "NormFactory", "Placement",
     "QKGain", "QKNorm", "QKNormConfig", "QKOperator", "QKScope", "ReZero", "ResidualAdd", "Rope", "RopeOrder",
-    "RopeStyle", "Rule", "Schedule", "SkipInit", "Sublayer", "TransformerLM", "ViTConfig", "ViTEncoder",
+    "RopeStyle", "Rule", "Schedule", "SkipInit", "Sublayer", "TransformerLM", "ViTConfig", "ViTEncoder", "ViTPool",
     "apply_rope", "as_factory", "deepnorm", "deepnorm_constants", "depth_scaled_sandwich", "from_hf",
     "hybridnorm", "hybridnorm_star", "keymap_for", "layernorm_scaling", "layerscale", "mix_ln", "norm_free",
     "parallel", "peri_ln", "post_ln", "pre_ln", "reordered_norm", "res_post_norm", "rezero", "rope_tables",

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from .keymaps import KEYMAPS, KeyMap, Rule
-from .model import TransformerLM
+from .model import TransformerLM, ViTConfig, ViTEncoder
 
 __all__ = ["from_hf", "keymap_for", "to_hf_state_dict"]
 
@@ -50,8 +50,9 @@ def _ignored(km: KeyMap, key: str) -> bool:
     return any(key.endswith(s) for s in km.ignore)
 
 
-def from_hf(hf_model: nn.Module, *, keymap: KeyMap | None = None) -> TransformerLM:
-    """Build a :class:`TransformerLM` equal to ``hf_model`` (same logits) and copy its weights."""
+def from_hf(hf_model: nn.Module, *, keymap: KeyMap | None = None) -> TransformerLM | ViTEncoder:
+    """Build a :class:`TransformerLM` (or a :class:`ViTEncoder`, when the key map's config is a
+    :class:`ViTConfig`) equal to ``hf_model`` (same logits) and copy its weights."""
     config = getattr(hf_model, "config", None)
     if config is None:
         raise TypeError(f"{type(hf_model).__name__} has no .config; pass an HF PreTrainedModel")
@@ -62,7 +63,7 @@ def from_hf(hf_model: nn.Module, *, keymap: KeyMap | None = None) -> Transformer
     pad = getattr(embedding, "padding_idx", None)
     if pad is not None:  # read from the module, which is what decides the gradient
         ours_cfg = ours_cfg.with_(pad_token_id=pad)
-    model = TransformerLM(ours_cfg)
+    model = ViTEncoder(ours_cfg) if isinstance(ours_cfg, ViTConfig) else TransformerLM(ours_cfg)
     theirs = hf_model.state_dict()
     ours = model.state_dict()
     filled: dict[str, Tensor] = {}
@@ -92,7 +93,7 @@ def from_hf(hf_model: nn.Module, *, keymap: KeyMap | None = None) -> Transformer
 
 
 def to_hf_state_dict(
-    model: TransformerLM, model_type: str, tensors: Mapping[str, Tensor] | None = None
+    model: TransformerLM | ViTEncoder, model_type: str, tensors: Mapping[str, Tensor] | None = None
 ) -> dict[str, Any]:
     """Our state dict (or any dict with our names, e.g. gradients) under the HF names of ``model_type``."""
     km = keymap_for(model_type)

@@ -8,6 +8,7 @@ Switching a model from Pre-LN to Peri-LN is one field: ``replace(cfg, placement=
 
 from __future__ import annotations
 
+import enum
 import math
 from dataclasses import dataclass, field, replace
 
@@ -21,7 +22,7 @@ from .block import Activation, Block
 from .placement import NormFactory, Placement, Schedule, pre_ln
 from .qknorm import QKNormConfig
 
-__all__ = ["ModelConfig", "TransformerLM", "ViTConfig", "ViTEncoder", "as_factory"]
+__all__ = ["ModelConfig", "TransformerLM", "ViTConfig", "ViTEncoder", "ViTPool", "as_factory"]
 
 
 def as_factory(norm: NormFactory | NormSpec | None) -> NormFactory | None:
@@ -269,9 +270,20 @@ class TransformerLM(_Stack):
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
 
+class ViTPool(enum.Enum):
+    """What the classifier head reads from the final tokens."""
+
+    CLS = "cls"  # the class token (ViT)
+    CLS_AND_MEAN = "cls_and_mean"  # [class token, mean of the patch tokens] (DINOv2's linear head)
+
+
 @dataclass(frozen=True)
 class ViTConfig(ModelConfig):
-    """A ViT-style encoder: patches in, class logits out (Dosovitskiy et al., 2021)."""
+    """A ViT-style encoder: patches in, class logits out (Dosovitskiy et al., 2021).
+
+    ``pool`` chooses the head's input (:class:`ViTPool`); DINOv2 is ``layerscale(...)`` placement with
+    ``ViTPool.CLS_AND_MEAN``.
+    """
 
     image_size: int = 32
     patch_size: int = 8
@@ -281,9 +293,13 @@ class ViTConfig(ModelConfig):
     causal: bool = False
     gated: bool = False
     activation: Activation = Activation.GELU
+    pool: ViTPool = ViTPool.CLS
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if not isinstance(self.pool, ViTPool):
+            allowed = ", ".join(f"ViTPool.{m.name}" for m in ViTPool)
+            raise TypeError(f"pool={self.pool!r} must be one of {allowed}")
         for name in ("image_size", "patch_size", "in_chans", "num_classes"):
             _positive(getattr(self, name), name)
         if self.image_size % self.patch_size:
@@ -309,7 +325,7 @@ class ViTEncoder(_Stack):
         self.pos_embed = nn.Parameter(torch.zeros(1, cfg.n_patches + 1, d))
         self.layers = _blocks(cfg)
         self.final_norm = norm(d) if cfg.final_norm and norm else None
-        self.head = nn.Linear(d, cfg.num_classes)
+        self.head = nn.Linear(2 * d if cfg.pool is ViTPool.CLS_AND_MEAN else d, cfg.num_classes)
         self._init_weights()
         nn.init.normal_(self.pos_embed, std=cfg.init_std)
         nn.init.normal_(self.cls_token, std=cfg.init_std)
@@ -320,4 +336,6 @@ class ViTEncoder(_Stack):
         x = self.run_layers(x)
         if self.final_norm is not None:
             x = self.final_norm(x)
+        if self.config.pool is ViTPool.CLS_AND_MEAN:
+            return self.head(torch.cat((x[:, 0], x[:, 1:].mean(dim=1)), dim=-1))
         return self.head(x[:, 0])

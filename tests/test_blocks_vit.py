@@ -1,0 +1,117 @@
+"""Ported HF ViT-style image classifiers give the same logits and gradients as our ViTEncoder (fp32, <= 1e-5).
+
+``vit`` is the Pre-LN LayerNorm encoder of Dosovitskiy et al. (2021); ``dinov2`` adds LayerScale on both
+branches (Oquab et al., 2023: the essay's LayerScale in a shipped model) and a head on [class token, mean of
+patch tokens]. Each is built tiny (2 layers, width 64, 32x32 images, 8x8 patches) from its config class,
+offline, with every parameter randomised (so LayerScale's per-channel gains and the LayerNorm biases matter),
+then ported with ``from_hf``; each model is built once per module.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from normatlas.blocks import Gate, ViTEncoder, ViTPool, from_hf, keymap_for, to_hf_state_dict  # noqa: E402
+
+_VIT = dict(image_size=32, patch_size=8, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_labels=10)
+# Original sizes for reference: ViT-B/16 768/12L at 224px; DINOv2-S/14 384/12L, LayerScale init 1e-5 (HF: 1.0).
+CASES = {
+    "vit": ("ViTConfig", "ViTForImageClassification", dict(_VIT, intermediate_size=128)),
+    "dinov2": ("Dinov2Config", "Dinov2ForImageClassification", dict(_VIT, mlp_ratio=2, layerscale_value=0.1)),
+}
+
+
+def _build(name: str):
+    cfg_cls, model_cls, kw = CASES[name]
+    cfg = getattr(transformers, cfg_cls)(**kw)
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    hf = getattr(transformers, model_cls)(cfg).float().eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.add_(0.1 * torch.randn_like(p))  # every gain, bias, LayerScale and weight away from its init
+    return hf
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def pair(request):
+    hf = _build(request.param)
+    ours = from_hf(hf).eval()
+    return request.param, hf, ours
+
+
+def _images(seed: int):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(3, 3, 32, 32, generator=g), torch.randn(3, 10, generator=g)
+
+
+def test_structure_is_what_the_architecture_says(pair):
+    name, hf, ours = pair
+    assert isinstance(ours, ViTEncoder)
+    assert type(hf).__name__ == keymap_for(name).hf_class
+    blocks = ours.blocks()
+    assert all(b.attn_pre_norm is not None and b.attn_after_norm is None for b in blocks)  # Pre-LN
+    if name == "dinov2":
+        assert ours.config.pool is ViTPool.CLS_AND_MEAN and ours.config.placement.gate is Gate.VECTOR
+        gamma = blocks[0].attn_residual.gate.gamma
+        torch.testing.assert_close(gamma, hf.dinov2.encoder.layer[0].layer_scale1.lambda1, atol=0, rtol=0)
+    else:
+        assert ours.config.pool is ViTPool.CLS and ours.config.placement.gate is Gate.NONE
+
+
+def test_same_logits(pair):
+    _, hf, ours = pair
+    images, _ = _images(1)
+    with torch.no_grad():
+        ref = hf(pixel_values=images).logits
+        got = ours(images)
+    assert got.shape == (3, 10) and got.dtype == torch.float32
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
+
+
+def test_same_gradients(pair):
+    name, hf, ours = pair
+    images, upstream = _images(2)
+    hf.zero_grad(set_to_none=True)
+    ours.zero_grad(set_to_none=True)
+    x_ref, x_got = images.clone().requires_grad_(), images.clone().requires_grad_()
+    (hf(pixel_values=x_ref).logits * upstream).sum().backward()
+    (ours(x_got) * upstream).sum().backward()
+    torch.testing.assert_close(x_got.grad, x_ref.grad, atol=1e-5, rtol=1e-4)
+    grads = {n: p.grad for n, p in ours.named_parameters() if p.grad is not None}
+    mapped = to_hf_state_dict(ours, name, grads)
+    hf_params = dict(hf.named_parameters())
+    trained = {k for k, p in hf_params.items() if p.grad is not None}
+    assert set(mapped) == trained, set(mapped) ^ trained
+    for key, g in mapped.items():
+        torch.testing.assert_close(g, hf_params[key].grad, atol=1e-5, rtol=1e-4, msg=lambda m, k=key: f"{k}: {m}")
+
+
+def test_round_trip_state_dict_loads(pair):
+    name, hf, ours = pair
+    fresh = _build(name)
+    with torch.no_grad():
+        for p in fresh.parameters():
+            p.zero_()
+    missing, unexpected = fresh.load_state_dict(to_hf_state_dict(ours, name), strict=False)
+    assert not unexpected
+    assert all(any(k.endswith(s) for s in keymap_for(name).ignore) for k in missing), missing
+    images, _ = _images(3)
+    with torch.no_grad():
+        torch.testing.assert_close(fresh(pixel_values=images).logits, hf(pixel_values=images).logits, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize(
+    "name, change, message",
+    [
+        ("dinov2", dict(use_swiglu_ffn=True), "use_swiglu_ffn=True is not supported"),
+        ("vit", dict(hidden_act="relu"), "hidden_act='relu' is not supported"),
+    ],
+)
+def test_unsupported_configs_are_rejected(name, change, message):
+    cfg_cls, _, kw = CASES[name]
+    with pytest.raises(ValueError, match=message):
+        keymap_for(name).config(getattr(transformers, cfg_cls)(**{**kw, **change}))
