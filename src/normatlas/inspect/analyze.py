@@ -483,7 +483,11 @@ def analyze(g: Graph, name: str = "model", tracer: str = "torch_function") -> In
 
     def summarise(pl: list[Placement]) -> str:
         uniq = list(dict.fromkeys(p.value for p in pl))
-        return uniq[0] if len(uniq) == 1 else "mix(" + ",".join(p.value for p in pl) + ")"
+        if len(uniq) == 1:
+            return uniq[0]
+        if len(pl) > 8:  # long stacks: counts, not the sequence
+            return "mix(" + ", ".join(f"{k} x{v}" for k, v in Counter(p.value for p in pl).items()) + ")"
+        return "mix(" + ",".join(p.value for p in pl) + ")"
 
     pa = summarise(per_kind.get("attention", [])) if "attention" in per_kind else "n/a"
     pm = summarise(per_kind.get("mlp", [])) if "mlp" in per_kind else "n/a"
