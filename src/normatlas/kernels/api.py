@@ -10,13 +10,17 @@ transformer's add & norm in one pass (Xiong et al., 2020 place the norm on the r
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
 
+import torch
 from torch import Tensor
 
 from ..functional import normalize
 from ..spec import CastOrder, EpsPlacement, Gain, GainConvention, NormSpec, Scale
-from .dispatch import kernel_args, unsupported
+from . import cpu
+from .dispatch import kernel_args, spec_unsupported, unsupported
 from .ops import fused_norm
 
 __all__ = [
@@ -31,6 +35,82 @@ __all__ = [
 Shape = int | Sequence[int]
 
 
+class _Plan:
+    """The C++ op and its scalar arguments for one (spec, input dtype): the eager CPU hot path.
+
+    Built once per key and cached, so a call costs a dict lookup, a few shape / device
+    comparisons and one pybind11 call (autograd included, in C++). Anything unusual (a shape,
+    dtype or device mismatch, a tracer, a missing weight for ``1 + w``) returns None and the
+    caller takes the fully checked path, which raises the informative error or falls back.
+    """
+
+    __slots__ = ("args", "k", "needs_weight", "norm", "strict", "use_weight")
+
+    def __init__(self, spec: NormSpec, dtype: torch.dtype, norm: Callable[..., list[Tensor]]) -> None:
+        a = kernel_args(spec, dtype)
+        self.args = (a.eps, a.center, a.eps_mode, a.before_gain, a.one_plus_w, a.l2)
+        self.k = spec.feature_ndim
+        self.norm = norm
+        self.strict = spec.cast_order is CastOrder.BEFORE_GAIN
+        self.use_weight = spec.gain is not Gain.NONE
+        self.needs_weight = spec.gain_convention is GainConvention.ONE_PLUS_W
+
+    def __call__(
+        self, input: Tensor, residual: Tensor | None, weight: Tensor | None, bias: Tensor | None, fshape: Any
+    ) -> list[Tensor] | None:
+        shape = input.shape
+        k = self.k
+        if not input.is_cpu or len(shape) < k:
+            return None
+        feat = shape[-k:]
+        if fshape is not None and feat != fshape:
+            return None
+        if not self.use_weight:
+            weight = None
+        elif weight is None:
+            if self.needs_weight:
+                return None
+        elif weight.shape != feat or not weight.is_cpu or (self.strict and weight.dtype != input.dtype):
+            return None
+        if bias is not None and (bias.shape != feat or not bias.is_cpu or (self.strict and bias.dtype != input.dtype)):
+            return None
+        if residual is not None and (
+            residual.shape != shape or residual.dtype != input.dtype or not residual.is_cpu
+        ):  # fmt: skip
+            return None
+        n = feat[0] if k == 1 else math.prod(feat)
+        if n == 0:
+            return None
+        return self.norm(input, residual, weight, bias, *self.args, n)
+
+
+_PLANS: dict[Any, _Plan | None] = {}
+
+
+def _plan(spec: NormSpec, dtype: torch.dtype) -> _Plan | None:
+    key = (spec, dtype)
+    try:
+        return _PLANS[key]
+    except KeyError:
+        pass
+    ext = cpu.extension()
+    plan = None if ext is None or spec_unsupported(spec, dtype) is not None else _Plan(spec, dtype, ext.norm)
+    if len(_PLANS) > 1024:
+        _PLANS.clear()
+    _PLANS[key] = plan
+    return plan
+
+
+def _fast(
+    spec: NormSpec, input: Tensor, residual: Tensor | None, weight: Tensor | None, bias: Tensor | None, fshape: Any
+) -> list[Tensor] | None:
+    """``[y, h]`` from the cached C++ plan, or None (compiling, not CPU, or anything the checked path must see)."""
+    if torch.compiler.is_compiling():
+        return None
+    plan = _plan(spec, input.dtype)
+    return None if plan is None else plan(input, residual, weight, bias, fshape)
+
+
 def _run(
     input: Tensor, spec: NormSpec, weight: Tensor | None, bias: Tensor | None, residual: Tensor | None
 ) -> tuple[Tensor, Tensor]:
@@ -40,11 +120,15 @@ def _run(
     n = 1
     for d in input.shape[input.dim() - k :]:
         n *= d
+    w = weight.reshape(-1) if weight is not None and spec.gain is not Gain.NONE else None
+    b = bias.reshape(-1) if bias is not None else None
+    ext = cpu.extension() if input.is_cpu and not torch.compiler.is_compiling() else None
+    if ext is not None:
+        y, h = ext.norm(input, residual, w, b, a.eps, a.center, a.eps_mode, a.before_gain, a.one_plus_w, a.l2, n)
+        return y, h
     flat = (*lead, n)
     x = input.reshape(flat)
     r = residual.reshape(flat) if residual is not None else None
-    w = weight.reshape(-1) if weight is not None and spec.gain is not Gain.NONE else None
-    b = bias.reshape(-1) if bias is not None else None
     y, h, _ = fused_norm(x, r, w, b, a.eps, a.center, a.eps_mode, a.before_gain, a.one_plus_w, a.l2)
     return y.reshape(input.shape), (h.reshape(input.shape) if residual is not None else h)
 
@@ -57,6 +141,15 @@ def fused_normalize(
     residual: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """``normalize(input, spec, weight, bias)`` on the fused path; with ``residual``, ``(y, input + residual)``."""
+    out = _fast(spec, input, residual, weight, bias, None)
+    if out is not None:
+        return (out[0], out[1]) if residual is not None else out[0]
+    return _checked(input, spec, weight, bias, residual)
+
+
+def _checked(
+    input: Tensor, spec: NormSpec, weight: Tensor | None, bias: Tensor | None, residual: Tensor | None
+) -> Tensor | tuple[Tensor, Tensor]:
     if residual is not None and residual.shape != input.shape:
         raise ValueError(f"residual has shape {tuple(residual.shape)}; input has {tuple(input.shape)}")
     if residual is not None and residual.dtype != input.dtype:
@@ -86,6 +179,13 @@ def _shape(normalized_shape: Shape) -> tuple[int, ...]:
     return (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
 
 
+def _check_shape(input: Tensor, fshape: tuple[int, ...]) -> None:
+    got = tuple(input.shape[max(0, input.dim() - len(fshape)) :])
+    if got != fshape:
+        raise ValueError(f"normalized_shape={list(fshape)} does not match the input's trailing dims {list(got)} "
+                         f"(input shape {tuple(input.shape)})")  # fmt: skip
+
+
 @functools.lru_cache(maxsize=256)
 def _rms_spec(
     k: int, eps: float | None, cast_order: CastOrder, gain_convention: GainConvention, eps_placement: EpsPlacement,
@@ -105,6 +205,17 @@ def _ln_spec(k: int, eps: float, cast_order: CastOrder, eps_placement: EpsPlacem
     )  # fmt: skip
 
 
+def _call(
+    spec: NormSpec, fshape: tuple[int, ...], input: Tensor, residual: Tensor | None, weight: Tensor | None,
+    bias: Tensor | None,
+) -> list[Tensor] | tuple[Tensor, Tensor] | Tensor:  # fmt: skip
+    out = _fast(spec, input, residual, weight, bias, fshape)
+    if out is not None:
+        return out
+    _check_shape(input, fshape)
+    return _checked(input, spec, weight, bias, residual)
+
+
 def fused_rms_norm(
     input: Tensor,
     normalized_shape: Shape,
@@ -116,10 +227,10 @@ def fused_rms_norm(
     eps_placement: EpsPlacement = EpsPlacement.INSIDE_SQRT,
 ) -> Tensor:
     """``F.rms_norm`` (same arguments and defaults) on the fused path, plus the spec's knobs."""
-    spec = _rms_spec(len(_shape(normalized_shape)), eps, cast_order, gain_convention, eps_placement, weight is not None)
-    out = fused_normalize(input, spec, weight)
-    assert isinstance(out, Tensor)
-    return out
+    fshape = _shape(normalized_shape)
+    spec = _rms_spec(len(fshape), eps, cast_order, gain_convention, eps_placement, weight is not None)
+    out = _call(spec, fshape, input, None, weight, None)
+    return out if isinstance(out, Tensor) else out[0]
 
 
 def fused_layer_norm(
@@ -133,10 +244,10 @@ def fused_layer_norm(
     eps_placement: EpsPlacement = EpsPlacement.INSIDE_SQRT,
 ) -> Tensor:
     """``F.layer_norm`` (same arguments and defaults) on the fused path."""
-    spec = _ln_spec(len(_shape(normalized_shape)), eps, cast_order, eps_placement, weight is not None, bias is not None)
-    out = fused_normalize(input, spec, weight, bias)
-    assert isinstance(out, Tensor)
-    return out
+    fshape = _shape(normalized_shape)
+    spec = _ln_spec(len(fshape), eps, cast_order, eps_placement, weight is not None, bias is not None)
+    out = _call(spec, fshape, input, None, weight, bias)
+    return out if isinstance(out, Tensor) else out[0]
 
 
 def fused_add_rms_norm(
@@ -151,8 +262,9 @@ def fused_add_rms_norm(
     eps_placement: EpsPlacement = EpsPlacement.INSIDE_SQRT,
 ) -> tuple[Tensor, Tensor]:
     """``(rms_norm(input + residual), input + residual)`` in one pass over memory."""
-    spec = _rms_spec(len(_shape(normalized_shape)), eps, cast_order, gain_convention, eps_placement, weight is not None)
-    y, h = fused_normalize(input, spec, weight, residual=residual)
+    fshape = _shape(normalized_shape)
+    spec = _rms_spec(len(fshape), eps, cast_order, gain_convention, eps_placement, weight is not None)
+    y, h = _call(spec, fshape, input, residual, weight, None)
     return y, h
 
 
@@ -168,8 +280,9 @@ def fused_add_layer_norm(
     eps_placement: EpsPlacement = EpsPlacement.INSIDE_SQRT,
 ) -> tuple[Tensor, Tensor]:
     """``(layer_norm(input + residual), input + residual)`` in one pass over memory."""
-    spec = _ln_spec(len(_shape(normalized_shape)), eps, cast_order, eps_placement, weight is not None, bias is not None)
-    y, h = fused_normalize(input, spec, weight, bias, residual=residual)
+    fshape = _shape(normalized_shape)
+    spec = _ln_spec(len(fshape), eps, cast_order, eps_placement, weight is not None, bias is not None)
+    y, h = _call(spec, fshape, input, residual, weight, bias)
     return y, h
 
 

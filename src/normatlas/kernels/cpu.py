@@ -88,7 +88,7 @@ def _build() -> ModuleType | None:
         module = load_inline(
             name=name,
             cpp_sources=[source],
-            functions=["norm_fwd", "norm_bwd"],
+            functions=["norm_fwd", "norm_bwd", "norm"],
             extra_cflags=list(_CFLAGS),
             extra_ldflags=list(_LDFLAGS),
             build_directory=str(build_dir),

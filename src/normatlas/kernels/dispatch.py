@@ -21,7 +21,7 @@ from torch import Tensor
 
 from ..spec import Axis, CastOrder, EpsPlacement, Gain, GainConvention, NormSpec, Scale
 
-__all__ = ["KernelArgs", "backend", "kernel_args", "unsupported"]
+__all__ = ["KernelArgs", "backend", "kernel_args", "spec_unsupported", "unsupported"]
 
 _DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 _HALF = (torch.float16, torch.bfloat16)
@@ -41,21 +41,28 @@ class KernelArgs:
     feature_ndim: int
 
 
-def unsupported(spec: NormSpec, input: Tensor, weight: Tensor | None = None, bias: Tensor | None = None) -> str | None:
-    """Why the fused kernels cannot run ``spec`` on these tensors, or None when they can."""
+def spec_unsupported(spec: NormSpec, dtype: torch.dtype) -> str | None:
+    """Why the kernels cannot serve ``spec`` for inputs of ``dtype`` whatever their shape, or None."""
     if not spec.layout.channels_last or spec.reduce != frozenset({Axis.FEATURE}) or spec.groups != 1:
         return "the kernels normalize over the trailing feature dims only (reduce={FEATURE}, channels-last, groups=1)"
     if spec.scale is Scale.NONE:
         return "scale=Scale.NONE is not served"
     if spec.gain is Gain.SCALAR:
         return "gain=Gain.SCALAR is not served"
-    if input.dtype not in _DTYPES:
-        return f"input dtype {input.dtype} is not one of {_DTYPES}"
+    if dtype not in _DTYPES:
+        return f"input dtype {dtype} is not one of {_DTYPES}"
+    if spec.cast_order is CastOrder.INPUT_DTYPE and dtype in _HALF:
+        return "cast_order=INPUT_DTYPE on half inputs computes statistics in half precision; not served"
+    return None
+
+
+def unsupported(spec: NormSpec, input: Tensor, weight: Tensor | None = None, bias: Tensor | None = None) -> str | None:
+    """Why the fused kernels cannot run ``spec`` on these tensors, or None when they can."""
+    reason = spec_unsupported(spec, input.dtype)
+    if reason is not None:
+        return reason
     if input.dim() < spec.feature_ndim or any(s == 0 for s in input.shape[input.dim() - spec.feature_ndim :]):
         return "the feature dims must be present and non-empty"
-    half = input.dtype in _HALF
-    if spec.cast_order is CastOrder.INPUT_DTYPE and half:
-        return "cast_order=INPUT_DTYPE on half inputs computes statistics in half precision; not served"
     if spec.cast_order is CastOrder.BEFORE_GAIN:
         for name, t in (("weight", weight), ("bias", bias)):
             if t is not None and t.dtype != input.dtype:

@@ -129,13 +129,9 @@ def fwd_impl(
             if triton_kernels.available():
                 return triton_kernels.norm_fwd(x, residual, weight, bias, *args)
         return eager_fwd(x, residual, weight, bias, *args)
-    n = x.shape[-1]
-    x2 = x.reshape(-1, n).contiguous()
-    r2 = residual.reshape(-1, n).contiguous() if residual is not None else None
-    g = _gain(weight, n, x.dtype, before_gain, one_plus_w, x.device)
-    b = bias.reshape(-1).to(_acc(x.dtype)).contiguous() if bias is not None else None
-    y, h, stats = ext.norm_fwd(x2, r2, g, b, float(eps), center, eps_mode, before_gain, l2)
-    return y.reshape(x.shape), (h.reshape(x.shape) if residual is not None else h), stats
+    y, h, stats = ext.norm_fwd(x, residual, weight, bias, float(eps), center, eps_mode, before_gain, one_plus_w, l2,
+                               x.shape[-1])  # fmt: skip
+    return y, h, stats
 
 
 @torch.library.custom_op("normatlas::fused_norm_fwd", mutates_args=())
@@ -167,14 +163,9 @@ def bwd_impl(
             if triton_kernels.available():
                 return triton_kernels.norm_bwd(dy, x, weight, stats, dres, *args)
         return eager_bwd(dy, x, weight, stats, dres, *args)
-    n = x.shape[-1]
-    g = _gain(weight, n, x.dtype, before_gain, one_plus_w, x.device)
-    d2 = dres.reshape(-1, n).contiguous() if dres is not None else None
-    dx, dg, db = ext.norm_bwd(
-        dy.reshape(-1, n).contiguous(), x.reshape(-1, n).contiguous(), g, stats.contiguous(), d2,
-        center, before_gain, l2, need_dg, need_db,
-    )  # fmt: skip
-    return dx.reshape(x.shape), dg, db
+    dx, dg, db = ext.norm_bwd(dy, x, weight, stats, dres, center, before_gain, one_plus_w, l2, need_dg, need_db,
+                              x.shape[-1])  # fmt: skip
+    return dx, dg, db
 
 
 @torch.library.custom_op("normatlas::fused_norm_bwd", mutates_args=())

@@ -78,19 +78,12 @@ inline void scale_of(A ms, A eps, int64_t mode, A& r, A& drdms) {
 }
 
 template <typename T>
-void fwd_impl(const at::Tensor& x, const c10::optional<at::Tensor>& res, const at::Tensor& gain,
-              const c10::optional<at::Tensor>& bias, at::Tensor& y, at::Tensor& h, at::Tensor& stats,
-              double eps_d, bool center, int64_t eps_mode, bool before_gain, bool l2) {
+void fwd_impl(const typename IO<T>::raw* xp, const typename IO<T>::raw* rp, typename IO<T>::raw* hp,
+              typename IO<T>::raw* yp, const typename IO<T>::acc* gp, const typename IO<T>::acc* bp,
+              typename IO<T>::acc* sp, int64_t rows, int64_t n, double eps_d, bool center, int64_t eps_mode,
+              bool before_gain, bool l2) {
   using R = typename IO<T>::raw;
   using A = typename IO<T>::acc;
-  const int64_t rows = x.size(0), n = x.size(1);
-  const R* xp = reinterpret_cast<const R*>(x.data_ptr());
-  const R* rp = res ? reinterpret_cast<const R*>(res->data_ptr()) : nullptr;
-  R* hp = rp ? reinterpret_cast<R*>(h.data_ptr()) : nullptr;
-  R* yp = reinterpret_cast<R*>(y.data_ptr());
-  const A* gp = gain.data_ptr<A>();
-  const A* bp = bias ? bias->data_ptr<A>() : nullptr;
-  A* sp = stats.data_ptr<A>();
   const A eps = static_cast<A>(eps_d);
   const A div = l2 ? A(1) : static_cast<A>(n);
   const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(n, 1));
@@ -188,25 +181,21 @@ inline void bwd_row(const R* __restrict xr, const R* __restrict dyr, const R* __
 }
 
 template <typename T>
-void bwd_impl(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& gain, const at::Tensor& stats,
-              const c10::optional<at::Tensor>& dres, at::Tensor& dx, at::Tensor& dg, at::Tensor& db,
-              bool center, bool before_gain, bool l2, bool need_dg, bool need_db) {
+void bwd_impl(const typename IO<T>::raw* dyp, const typename IO<T>::raw* xp, const typename IO<T>::raw* drp,
+              typename IO<T>::raw* dxp, const typename IO<T>::acc* gp, const typename IO<T>::acc* sp,
+              typename IO<T>::acc* dgp, typename IO<T>::acc* dbp, int64_t rows, int64_t n, bool center,
+              bool before_gain, bool l2) {
   using R = typename IO<T>::raw;
   using A = typename IO<T>::acc;
-  const int64_t rows = x.size(0), n = x.size(1);
-  const R* xp = reinterpret_cast<const R*>(x.data_ptr());
-  const R* dyp = reinterpret_cast<const R*>(dy.data_ptr());
-  const R* drp = dres ? reinterpret_cast<const R*>(dres->data_ptr()) : nullptr;
-  R* dxp = reinterpret_cast<R*>(dx.data_ptr());
-  const A* gp = gain.data_ptr<A>();
-  const A* sp = stats.data_ptr<A>();
+  const bool need_dg = dgp != nullptr, need_db = dbp != nullptr;
   const A div = l2 ? A(1) : static_cast<A>(n);
   // one chunk per thread, but none smaller than ~16K elements: tiny inputs stay on one thread
   const int64_t work = std::max<int64_t>(1, rows * n / 16384);
   const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>({rows, work, int64_t(at::get_num_threads())}));
-  std::vector<A> pg(need_dg ? chunks * n : 0, A(0)), pb(need_db ? chunks * n : 0, A(0));
-  A* pgp = need_dg ? pg.data() : nullptr;
-  A* pbp = need_db ? pb.data() : nullptr;
+  // partial gain / bias sums per chunk (a single chunk accumulates straight into the zeroed outputs)
+  std::vector<A> pg(need_dg && chunks > 1 ? chunks * n : 0, A(0)), pb(need_db && chunks > 1 ? chunks * n : 0, A(0));
+  A* pgp = need_dg ? (chunks > 1 ? pg.data() : dgp) : nullptr;
+  A* pbp = need_db ? (chunks > 1 ? pb.data() : dbp) : nullptr;
   at::parallel_for(0, chunks, 1, [&](int64_t cb, int64_t ce) {
     for (int64_t c = cb; c < ce; ++c) {
       const int64_t r0 = rows * c / chunks, r1 = rows * (c + 1) / chunks;
@@ -218,9 +207,7 @@ void bwd_impl(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& gain,
       }
     }
   });
-  A* dgp = need_dg ? dg.data_ptr<A>() : nullptr;
-  A* dbp = need_db ? db.data_ptr<A>() : nullptr;
-  for (int64_t c = 0; c < chunks; ++c) {
+  for (int64_t c = 0; c < chunks && chunks > 1; ++c) {
     if (dgp) {
       const A* src = pgp + c * n;
 #pragma omp simd
@@ -234,50 +221,200 @@ void bwd_impl(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& gain,
   }
 }
 
+
 at::ScalarType acc_type(at::ScalarType t) { return t == at::kDouble ? at::kDouble : at::kFloat; }
 
-void check_rows(const at::Tensor& t, const at::Tensor& like, const char* name) {
-  TORCH_CHECK(t.is_contiguous() && t.dim() == 2 && t.sizes() == like.sizes() && t.scalar_type() == like.scalar_type(),
-              name, " must be a contiguous 2-d tensor shaped and typed like x");
+// The per-feature multiplier in the accumulation dtype A: w, 1 + w, or ones without a weight. With
+// `round` (cast_order BEFORE_GAIN) 1 + w is rounded in the weight's own dtype first, as torch's `1 + w`.
+template <typename A>
+std::vector<A> load_vec(const at::Tensor& t, int64_t n, A fill, bool plus_one, bool round) {
+  std::vector<A> out(static_cast<size_t>(n), fill);
+  if (!t.defined()) return out;
+  TORCH_CHECK(t.numel() == n, "weight / bias must have ", n, " elements, got ", t.numel());
+  const at::Tensor c = t.contiguous();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, c.scalar_type(), "load_vec", [&] {
+    using W = IO<scalar_t>;
+    const auto* p = reinterpret_cast<const typename W::raw*>(c.data_ptr());
+    for (int64_t j = 0; j < n; ++j) {
+      A v = static_cast<A>(W::ld(p[j]));
+      if (plus_one) v = round ? static_cast<A>(W::ld(W::st(W::ld(p[j]) + 1))) : v + A(1);
+      out[j] = v;
+    }
+  });
+  return out;
 }
 
-}  // namespace
+struct Flags {
+  double eps;
+  bool center;
+  int64_t eps_mode;
+  bool before_gain;
+  bool one_plus_w;
+  bool l2;
+  int64_t n;
+};
 
-// x: (rows, n) contiguous. gain: (n,) in the accumulation dtype, the multiplier (w or 1 + w).
-// Returns y, h (x + residual, or an empty tensor) and stats (rows, 3): mean, rstd, d rstd / d ms.
-std::vector<at::Tensor> norm_fwd(const at::Tensor& x, const c10::optional<at::Tensor>& residual,
-                                 const at::Tensor& gain, const c10::optional<at::Tensor>& bias, double eps,
-                                 bool center, int64_t eps_mode, bool before_gain, bool l2) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous 2-d tensor");
-  if (residual) check_rows(*residual, x, "residual");
+int64_t rows_of(const at::Tensor& x, int64_t n) {
+  TORCH_CHECK(n > 0 && x.numel() % n == 0, "the feature size ", n, " does not divide numel ", x.numel());
+  return x.numel() / n;
+}
+
+// y and h shaped like x (h empty without a residual) and stats (rows, 3): mean, rstd, d rstd / d ms.
+std::vector<at::Tensor> fwd_core(const at::Tensor& x_in, const at::Tensor& res_in, const at::Tensor& weight,
+                                 const at::Tensor& bias, const Flags& f) {
+  const at::Tensor x = x_in.contiguous();
+  const int64_t n = f.n, rows = rows_of(x, n);
+  at::Tensor res;
+  if (res_in.defined()) {
+    TORCH_CHECK(res_in.sizes() == x.sizes() && res_in.scalar_type() == x.scalar_type(),
+                "residual must be shaped and typed like x");
+    res = res_in.contiguous();
+  }
   const auto acc = acc_type(x.scalar_type());
-  TORCH_CHECK(gain.scalar_type() == acc && gain.is_contiguous() && gain.numel() == x.size(1), "bad gain");
-  if (bias) TORCH_CHECK(bias->scalar_type() == acc && bias->is_contiguous() && bias->numel() == x.size(1), "bad bias");
-  auto y = at::empty_like(x);
-  auto h = residual ? at::empty_like(x) : at::empty({0}, x.options());
-  auto stats = at::empty({x.size(0), 3}, x.options().dtype(acc));
-  if (x.size(1) == 0 || x.size(0) == 0) return {y, h, stats.zero_()};
+  auto y = at::empty(x.sizes(), x.options());
+  auto h = res.defined() ? at::empty(x.sizes(), x.options()) : at::empty({0}, x.options());
+  auto stats = at::empty({rows, 3}, x.options().dtype(acc));
+  if (rows == 0) return {y, h, stats};
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "norm_fwd", [&] {
-    fwd_impl<scalar_t>(x, residual, gain, bias, y, h, stats, eps, center, eps_mode, before_gain, l2);
+    using R = typename IO<scalar_t>::raw;
+    using A = typename IO<scalar_t>::acc;
+    const auto g = load_vec<A>(weight, n, A(1), f.one_plus_w, f.before_gain);
+    const auto b = bias.defined() ? load_vec<A>(bias, n, A(0), false, false) : std::vector<A>();
+    fwd_impl<scalar_t>(reinterpret_cast<const R*>(x.data_ptr()),
+                       res.defined() ? reinterpret_cast<const R*>(res.data_ptr()) : nullptr,
+                       res.defined() ? reinterpret_cast<R*>(h.data_ptr()) : nullptr, reinterpret_cast<R*>(y.data_ptr()),
+                       g.data(), bias.defined() ? b.data() : nullptr, stats.data_ptr<A>(), rows, n, f.eps, f.center,
+                       f.eps_mode, f.before_gain, f.l2);
   });
   return {y, h, stats};
 }
 
-// Returns dx (plus d_residual_out when given), dgain and dbias (accumulation dtype; empty when not needed).
-std::vector<at::Tensor> norm_bwd(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& gain,
-                                 const at::Tensor& stats, const c10::optional<at::Tensor>& dres, bool center,
-                                 bool before_gain, bool l2, bool need_dg, bool need_db) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous 2-d tensor");
-  check_rows(dy, x, "dy");
-  if (dres) check_rows(*dres, x, "d_residual");
+// dx shaped like x (plus d_residual_out when given) and dgain / dbias of shape (n,) in the accumulation dtype
+// (empty when not needed).
+std::vector<at::Tensor> bwd_core(const at::Tensor& dy_in, const at::Tensor& x_in, const at::Tensor& weight,
+                                 const at::Tensor& stats_in, const at::Tensor& dres_in, const Flags& f, bool need_dg,
+                                 bool need_db) {
+  const at::Tensor x = x_in.contiguous(), dy = dy_in.contiguous(), stats = stats_in.contiguous();
+  const int64_t n = f.n, rows = rows_of(x, n);
+  TORCH_CHECK(dy.sizes() == x.sizes() && dy.scalar_type() == x.scalar_type(), "dy must be shaped and typed like x");
+  at::Tensor dres;
+  if (dres_in.defined()) {
+    TORCH_CHECK(dres_in.numel() == x.numel(), "d_residual must be shaped like x");
+    dres = dres_in.to(x.scalar_type()).contiguous();
+  }
   const auto acc = acc_type(x.scalar_type());
-  auto dx = at::empty_like(x);
+  TORCH_CHECK(stats.scalar_type() == acc && stats.numel() == 3 * rows, "stats must be (rows, 3) in ", acc);
+  auto dx = at::empty(x.sizes(), x.options());
   auto opts = x.options().dtype(acc);
-  auto dg = need_dg ? at::zeros({x.size(1)}, opts) : at::empty({0}, opts);
-  auto db = need_db ? at::zeros({x.size(1)}, opts) : at::empty({0}, opts);
-  if (x.size(0) == 0 || x.size(1) == 0) return {dx, dg, db};
+  auto dg = need_dg ? at::zeros({n}, opts) : at::empty({0}, opts);
+  auto db = need_db ? at::zeros({n}, opts) : at::empty({0}, opts);
+  if (rows == 0) return {dx, dg, db};
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "norm_bwd", [&] {
-    bwd_impl<scalar_t>(dy, x, gain, stats, dres, dx, dg, db, center, before_gain, l2, need_dg, need_db);
+    using R = typename IO<scalar_t>::raw;
+    using A = typename IO<scalar_t>::acc;
+    const auto g = load_vec<A>(weight, n, A(1), f.one_plus_w, f.before_gain);
+    bwd_impl<scalar_t>(reinterpret_cast<const R*>(dy.data_ptr()), reinterpret_cast<const R*>(x.data_ptr()),
+                       dres.defined() ? reinterpret_cast<const R*>(dres.data_ptr()) : nullptr,
+                       reinterpret_cast<R*>(dx.data_ptr()), g.data(), stats.data_ptr<A>(),
+                       need_dg ? dg.data_ptr<A>() : nullptr, need_db ? db.data_ptr<A>() : nullptr, rows, n, f.center,
+                       f.before_gain, f.l2);
   });
   return {dx, dg, db};
+}
+
+at::Tensor opt(const c10::optional<at::Tensor>& t) { return t.has_value() ? *t : at::Tensor(); }
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+// Eager autograd without a Python frame: forward and backward both run here, so a training step pays
+// one pybind11 call for the norm instead of the Python autograd.Function machinery.
+struct NormFn : public torch::autograd::Function<NormFn> {
+  // absent tensors are passed as empty optionals, so they take no autograd edge
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& x, const c10::optional<at::Tensor>& res_o,
+                               const c10::optional<at::Tensor>& weight_o, const c10::optional<at::Tensor>& bias_o,
+                               double eps, bool center, int64_t eps_mode, bool before_gain, bool one_plus_w, bool l2,
+                               int64_t n) {
+    const at::Tensor res = opt(res_o), weight = opt(weight_o), bias = opt(bias_o);
+    const Flags f{eps, center, eps_mode, before_gain, one_plus_w, l2, n};
+    auto out = fwd_core(x, res, weight, bias, f);
+    ctx->save_for_backward({res.defined() ? out[1] : x, weight, out[2]});
+    ctx->saved_data["center"] = center;
+    ctx->saved_data["before_gain"] = before_gain;
+    ctx->saved_data["one_plus_w"] = one_plus_w;
+    ctx->saved_data["l2"] = l2;
+    ctx->saved_data["n"] = n;
+    ctx->saved_data["has_res"] = res.defined();
+    ctx->saved_data["has_bias"] = bias.defined();
+    if (bias.defined()) {
+      ctx->saved_data["bias_dtype"] = bias.scalar_type();
+      ctx->saved_data["bias_shape"] = bias.sizes().vec();
+    }
+    ctx->set_materialize_grads(false);
+    return {out[0], out[1]};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    TORCH_CHECK(!torch::autograd::GradMode::is_enabled(),
+                "normatlas fused norm: double backward (create_graph=True) is not supported on the eager path");
+    auto saved = ctx->get_saved_variables();
+    const at::Tensor& src = saved[0];
+    const at::Tensor& weight = saved[1];
+    const bool has_res = ctx->saved_data["has_res"].toBool();
+    const bool has_bias = ctx->saved_data["has_bias"].toBool();
+    const Flags f{0.0, ctx->saved_data["center"].toBool(), 0, ctx->saved_data["before_gain"].toBool(),
+                  ctx->saved_data["one_plus_w"].toBool(), ctx->saved_data["l2"].toBool(),
+                  ctx->saved_data["n"].toInt()};
+    at::Tensor dy = grads[0];
+    at::Tensor dh = has_res ? grads[1] : at::Tensor();
+    variable_list out(11);
+    if (!dy.defined() && !dh.defined()) return out;
+    if (!dy.defined()) dy = at::zeros_like(src);
+    // edge indices count only the tensors that were passed: x, then residual, weight, bias if present
+    const size_t e_w = has_res ? 2 : 1, e_b = e_w + (weight.defined() ? 1 : 0);
+    const bool need_dg = weight.defined() && ctx->needs_input_grad(e_w);
+    const bool need_db = has_bias && ctx->needs_input_grad(e_b);
+    auto g = bwd_core(dy, src, weight, saved[2], dh, f, need_dg, need_db);
+    if (ctx->needs_input_grad(0)) out[0] = g[0];
+    if (has_res && ctx->needs_input_grad(1)) out[1] = g[0];
+    if (need_dg) out[2] = g[1].to(weight.scalar_type()).view(weight.sizes());
+    if (need_db) {
+      const auto bt = static_cast<at::ScalarType>(ctx->saved_data["bias_dtype"].toScalarType());
+      out[3] = g[2].to(bt).view(ctx->saved_data["bias_shape"].toIntVector());
+    }
+    return out;
+  }
+};
+
+}  // namespace
+
+// The custom op's implementations (used under torch.compile and by the eager fallback's tests): x of any
+// shape whose trailing features hold n elements; weight / bias as given (any float dtype, numel n).
+std::vector<at::Tensor> norm_fwd(const at::Tensor& x, const c10::optional<at::Tensor>& residual,
+                                 const c10::optional<at::Tensor>& weight, const c10::optional<at::Tensor>& bias,
+                                 double eps, bool center, int64_t eps_mode, bool before_gain, bool one_plus_w, bool l2,
+                                 int64_t n) {
+  return fwd_core(x, opt(residual), opt(weight), opt(bias), Flags{eps, center, eps_mode, before_gain, one_plus_w, l2, n});
+}
+
+std::vector<at::Tensor> norm_bwd(const at::Tensor& dy, const at::Tensor& x, const c10::optional<at::Tensor>& weight,
+                                 const at::Tensor& stats, const c10::optional<at::Tensor>& dres, bool center,
+                                 bool before_gain, bool one_plus_w, bool l2, bool need_dg, bool need_db, int64_t n) {
+  return bwd_core(dy, x, opt(weight), stats, opt(dres), Flags{0.0, center, 0, before_gain, one_plus_w, l2, n}, need_dg,
+                  need_db);
+}
+
+// The eager entry point: (y, h) with autograd handled in C++ when any input requires grad.
+std::vector<at::Tensor> norm(const at::Tensor& x, const c10::optional<at::Tensor>& residual,
+                             const c10::optional<at::Tensor>& weight, const c10::optional<at::Tensor>& bias, double eps,
+                             bool center, int64_t eps_mode, bool before_gain, bool one_plus_w, bool l2, int64_t n) {
+  const at::Tensor r = opt(residual), w = opt(weight), b = opt(bias);
+  const bool grad = torch::autograd::GradMode::is_enabled() &&
+                    (x.requires_grad() || (r.defined() && r.requires_grad()) || (w.defined() && w.requires_grad()) ||
+                     (b.defined() && b.requires_grad()));
+  if (!grad) {
+    auto out = fwd_core(x, r, w, b, Flags{eps, center, eps_mode, before_gain, one_plus_w, l2, n});
+    return {out[0], out[1]};
+  }
+  return NormFn::apply(x, residual, weight, bias, eps, center, eps_mode, before_gain, one_plus_w, l2, n);
 }
