@@ -263,10 +263,10 @@ def test_dyt_norm_free_blocks_use_the_pointwise_operator():
 
 
 # --------------------------------------------------------------------------- Xiong et al. 2020 / Liu et al. 2020
-# Both papers measure at initialisation with Xavier-initialised linear weights (Xiong: Theorem 1 and Fig. 3 on a
-# 6-6 IWSLT Transformer; Liu: Figs. 3-5 on 6/18-layer WMT Transformers), LayerNorm, a ReLU FFN of width 4d, and,
-# for Pre-LN, a final LayerNorm before the output (Post-LN's last block already ends in one). We build exactly
-# that as a causal LM (the self-attention + FFN stack of Liu's encoder with a causal mask; no cross-attention).
+# Both papers analyse initialisation with Xavier-initialised linear weights, LayerNorm and a ReLU FFN of width 4d
+# (Xiong et al.: mean-field Theorem 1 on the Post-LN / Pre-LN Transformer, where Pre-LN ends in a final LayerNorm
+# and Post-LN's last block already ends in one; Liu et al.: translation encoders and decoders). We build exactly
+# that as a causal LM (the self-attention + FFN stack of an encoder with a causal mask; no cross-attention).
 XAVIER_SEEDS, SHALLOW, DEEP = (0, 1, 2), 2, 12
 
 
@@ -365,7 +365,7 @@ def test_gradient_profile_over_layers_pre_ln_favours_early_layers_post_ln_does_n
     Post-LN renormalises every add, so its profile is not tilted that way.
 
     What does NOT hold here, measured: "Post-LN gradients decay towards early layers" at initialisation. Liu
-    et al. (2020, Fig. 3) find that vanishing only in the Post-LN *decoder*, caused by the encoder-attention
+    et al. (2020, Sec. 3) find that vanishing only in the Post-LN *decoder*, caused by the encoder-attention
     branch, which does not depend on the stream (a LayerNorm after ``x + f`` with ``f`` independent of ``x``
     divides the gradient by ``sqrt(1 + Var f / Var x)``); a self-attention + FFN stack (their encoder, our model)
     does not vanish. A wider scan (batch 16 x 32, 6 seeds, depth 12) gave Post-LN bottom/top ``W2`` gradient

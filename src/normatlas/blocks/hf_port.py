@@ -1,4 +1,7 @@
-"""Port weights between HF transformers reference models and :class:`TransformerLM`, driven by key maps.
+"""Port weights between HF transformers reference models and :class:`TransformerLM` / :class:`ViTEncoder`.
+
+Driven by declarative key maps (:mod:`normatlas.blocks.keymaps`): language models (llama, qwen3, gemma2,
+gemma3_text, olmo2, cohere, gpt2, bert, glm4) and image classifiers (vit, dinov2).
 
 ``from_hf(model)`` reads ``model.config`` through the architecture's
 :class:`~normatlas.blocks.keymaps.KeyMap` into a :class:`ModelConfig`, builds our

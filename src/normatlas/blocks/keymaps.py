@@ -1,4 +1,4 @@
-"""Declarative key maps from HF transformers reference models to :class:`TransformerLM`.
+"""Declarative key maps from HF transformers reference models to :class:`TransformerLM` and :class:`ViTEncoder`.
 
 Each :class:`KeyMap` is data: rules pairing our parameter name with the HF one
 (``{i}`` is the layer index), with the one transform a tensor needs (transpose for

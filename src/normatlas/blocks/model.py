@@ -313,6 +313,8 @@ class ViTConfig(ModelConfig):
 class ViTEncoder(_Stack):
     """Patch embedding (a strided conv), a class token, learned positions, the blocks, a final norm and a head."""
 
+    config: ViTConfig
+
     def __init__(self, config: ViTConfig) -> None:
         super().__init__()
         if not isinstance(config, ViTConfig):
