@@ -11,8 +11,9 @@ pre/post hooks on every module keep the module path of each call, used only as a
 Guaranteed property: the graph is the dataflow of the run that happened (like
 ``torch.jit.trace``): data-dependent control flow is recorded as taken. Nested
 calls inside a recorded call are not recorded (``F.layer_norm`` is one node).
-Compared with ``torch.fx`` it needs no symbolic tracing, so it works on every
-model that runs eagerly; :func:`fx_op_counts` is the fx cross-check.
+Unlike ``torch.fx`` / ``torch.export`` it needs no symbolic tracing, so it works
+on every model that runs eagerly (HF models with data-dependent Python control
+flow included); when even this fails, :mod:`.probe` falls back to module hooks.
 """
 
 from __future__ import annotations
@@ -255,16 +256,3 @@ def record(model: nn.Module, example_inputs: Any) -> Graph:
     outs = tuple(rec.by_id[id(t)] for t in _flat_tensors(out) if id(t) in rec.by_id)
     return Graph(rec.nodes, outs, list_children)
 
-
-def fx_op_counts(model: nn.Module) -> dict[str, int] | None:
-    """Operator counts from ``torch.fx.symbolic_trace`` (None when fx cannot trace the model)."""
-    try:
-        gm = torch.fx.symbolic_trace(model)
-    except Exception:
-        return None
-    counts: dict[str, int] = {}
-    for n in gm.graph.nodes:
-        if n.op in ("call_function", "call_method"):
-            name = _op_name(n.target) if callable(n.target) else str(n.target)
-            counts[name] = counts.get(name, 0) + 1
-    return counts
