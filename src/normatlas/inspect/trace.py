@@ -26,7 +26,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["Graph", "Node", "Ref", "fx_op_counts", "record"]
+__all__ = ["Graph", "Node", "Ref", "record"]
 
 _RENAME = {
     "radd": "add",
@@ -255,4 +255,3 @@ def record(model: nn.Module, example_inputs: Any) -> Graph:
             h.remove()
     outs = tuple(rec.by_id[id(t)] for t in _flat_tensors(out) if id(t) in rec.by_id)
     return Graph(rec.nodes, outs, list_children)
-
