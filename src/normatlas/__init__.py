@@ -22,6 +22,9 @@ from .presets import (
 from .spec import Axis, CastOrder, EpsPlacement, Gain, GainConvention, Layout, NormSpec, Scale
 from .taxonomy import Taxon, classify
 
+# the capabilities built on the core; each imports its heavy dependencies lazily
+from . import atlas, blocks, diagnostics, inspect, kernels, longtail, surgery  # isort: skip
+
 __version__ = "0.1.0"
 
 __all__ = [
@@ -46,6 +49,13 @@ __all__ = [
     "Scale",
     "ScaleNorm",
     "Taxon",
+    "atlas",
+    "blocks",
     "classify",
+    "diagnostics",
+    "inspect",
+    "kernels",
+    "longtail",
     "normalize",
+    "surgery",
 ]
