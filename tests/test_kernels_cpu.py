@@ -280,3 +280,67 @@ def test_layer_norm_gradient_is_orthogonal_to_ones_and_xhat() -> None:
     xhat = y.detach()
     torch.testing.assert_close(dx.sum(-1), torch.zeros(6, dtype=torch.float64), atol=1e-10, rtol=0)
     torch.testing.assert_close((dx * xhat).sum(-1), torch.zeros(6, dtype=torch.float64), atol=1e-7, rtol=0)
+
+
+def test_fast_path_equals_checked_path_and_keeps_autograd() -> None:
+    """The cached C++ plan (eager hot path) and the checked custom-op path agree, values and gradients."""
+    from normatlas.kernels import api
+
+    gen = torch.Generator().manual_seed(8)
+    for spec in (SPECS["rms"], SPECS["ln"], SPECS["rms_1+w"], SPECS["ln_2d_features"]):
+        shape = (3, 4, 6, 10)
+        x = torch.randn(shape, generator=gen, dtype=torch.float64)
+        r = torch.randn(shape, generator=gen, dtype=torch.float64)
+        w, b = _params(spec, shape, torch.float64, gen)
+        gy = torch.randn(shape, generator=gen, dtype=torch.float64)
+        xs, rs, ws, bs = _leaves(x, r, w, b)
+        fast = api._fast(spec, xs, rs, ws, bs, None)
+        assert fast is not None
+        xc, rc, wc, bc = _leaves(x, r, w, b)
+        # the checked path on the custom op (what torch.compile traces), with the trailing dims flattened
+        k = spec.feature_ndim
+        flat = (*shape[: len(shape) - k], -1)
+        a = api.kernel_args(spec, x.dtype)
+        scalars = (a.eps, a.center, a.eps_mode, a.before_gain, a.one_plus_w, a.l2)
+        y2, h2, _ = api.fused_norm(
+            xc.reshape(flat), rc.reshape(flat), wc.reshape(-1) if wc is not None else None,
+            bc.reshape(-1) if bc is not None else None, *scalars,
+        )  # fmt: skip
+        torch.testing.assert_close(fast[0], y2.reshape(shape), atol=1e-12, rtol=1e-12)
+        torch.testing.assert_close(fast[1], h2.reshape(shape), atol=0, rtol=0)
+        g_fast = _grads((fast[0] * gy).sum() + fast[1].pow(2).sum(), [xs, rs, ws, bs], None)
+        g_slow = _grads((y2.reshape(shape) * gy).sum() + h2.pow(2).sum(), [xc, rc, wc, bc], None)
+        for gf, gs, what in zip(g_fast, g_slow, ("dx", "dresidual", "dweight", "dbias"), strict=True):
+            if gs is None:
+                assert gf is None, what
+            else:
+                torch.testing.assert_close(gf, gs, atol=1e-10, rtol=1e-10, msg=what)
+
+
+def test_fast_path_gradients_only_where_needed() -> None:
+    gen = torch.Generator().manual_seed(9)
+    x = torch.randn(5, 16, generator=gen, requires_grad=True)
+    w = torch.randn(16, generator=gen)  # a frozen weight: no gradient computed or returned
+    b = torch.randn(16, generator=gen, requires_grad=True)
+    y = fused_layer_norm(x, 16, w, b)
+    y.sum().backward()
+    assert x.grad is not None and b.grad is not None and w.grad is None
+    torch.testing.assert_close(b.grad, torch.full((16,), 5.0))
+    with torch.no_grad():
+        assert fused_rms_norm(x, 16, w).grad_fn is None
+    y = fused_rms_norm(x, 16, w.requires_grad_(True))
+    (gx,) = torch.autograd.grad(y.sum(), x, create_graph=False)
+    assert gx.shape == x.shape
+    y = fused_rms_norm(x, 16, w)
+    with pytest.raises(RuntimeError, match="double backward"):
+        torch.autograd.grad(y.sum(), x, create_graph=True)
+
+
+def test_normalized_shape_must_match_the_input() -> None:
+    x = torch.randn(2, 8)
+    with pytest.raises(ValueError, match="normalized_shape"):
+        fused_rms_norm(x, 16)
+    with pytest.raises(ValueError, match="normalized_shape"):
+        fused_layer_norm(x, [2, 4])
+    with pytest.raises(ValueError, match="trailing dims"):
+        FusedRMSNorm(16)(x)

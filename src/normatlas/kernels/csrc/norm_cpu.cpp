@@ -57,6 +57,24 @@ template <> struct IO<c10::Half> {
   static inline c10::Half st(float v) { return c10::Half(v); }
 };
 
+// Row reductions keep L partial sums (four AVX-512 vectors of fp32) so consecutive adds do not wait
+// on each other; a single accumulator would make every row latency-bound instead of bandwidth-bound.
+constexpr int64_t L = 64;
+
+template <typename A, typename F>
+inline A lane_sum(int64_t n, F f) {
+  A acc[L] = {};
+  int64_t j = 0;
+  for (; j + L <= n; j += L) {
+#pragma omp simd
+    for (int64_t k = 0; k < L; ++k) acc[k] += f(j + k);
+  }
+  A s = 0;
+  for (; j < n; ++j) s += f(j);
+  for (int64_t k = 0; k < L; ++k) s += acc[k];
+  return s;
+}
+
 enum EpsMode : int64_t { INSIDE = 0, OUTSIDE = 1, CLAMP = 2 };
 
 // rstd r(ms) and dr/dms for the three eps placements.
@@ -91,25 +109,29 @@ void fwd_impl(const typename IO<T>::raw* xp, const typename IO<T>::raw* rp, type
     for (int64_t i = begin; i < end; ++i) {
       const R* xr = xp + i * n;
       const R* src = xr;
+      A mean = 0, ss = 0;
       if (rp) {  // h = x + residual, rounded to the storage dtype, is both an output and the input
         const R* rr = rp + i * n;
         R* hr = hp + i * n;
-#pragma omp simd
-        for (int64_t j = 0; j < n; ++j) hr[j] = IO<T>::st(IO<T>::ld(xr[j]) + IO<T>::ld(rr[j]));
         src = hr;
+        auto h_at = [&](int64_t j) {  // writes h[j] and returns it as read back
+          const R hv = IO<T>::st(IO<T>::ld(xr[j]) + IO<T>::ld(rr[j]));
+          hr[j] = hv;
+          return IO<T>::ld(hv);
+        };
+        if (center) {
+          mean = lane_sum<A>(n, h_at) / static_cast<A>(n);
+        } else {
+          ss = lane_sum<A>(n, [&](int64_t j) { const A v = h_at(j); return v * v; });
+        }
+      } else if (center) {
+        mean = lane_sum<A>(n, [&](int64_t j) { return IO<T>::ld(src[j]); }) / static_cast<A>(n);
       }
-      A mean = 0;
-      if (center) {
-        A s = 0;
-#pragma omp simd reduction(+ : s)
-        for (int64_t j = 0; j < n; ++j) s += IO<T>::ld(src[j]);
-        mean = s / static_cast<A>(n);
-      }
-      A ss = 0;
-#pragma omp simd reduction(+ : ss)
-      for (int64_t j = 0; j < n; ++j) {
-        A v = IO<T>::ld(src[j]) - mean;
-        ss += v * v;
+      if (center || !rp) {
+        ss = lane_sum<A>(n, [&](int64_t j) {
+          const A v = IO<T>::ld(src[j]) - mean;
+          return v * v;
+        });
       }
       A r, drdms;
       scale_of<A>(ss / div, eps, eps_mode, r, drdms);
@@ -147,14 +169,30 @@ template <typename T, typename R, typename A>
 inline void bwd_row(const R* __restrict xr, const R* __restrict dyr, const R* __restrict drr, R* __restrict dxr,
                     const A* __restrict gp, A* __restrict pgc, A* __restrict pbc, int64_t n, A mean, A r, A drdms,
                     A div, bool center, bool before_gain) {
+  A a1[L] = {}, a2[L] = {}, a3[L] = {};  // L independent partial sums each, so the adds pipeline
+  int64_t j0 = 0;
+  for (; j0 + L <= n; j0 += L) {
+#pragma omp simd
+    for (int64_t k = 0; k < L; ++k) {
+      const A xc = IO<T>::ld(xr[j0 + k]) - mean;
+      const A dxh = IO<T>::ld(dyr[j0 + k]) * gp[j0 + k];
+      a1[k] += dxh;
+      a2[k] += dxh * xc;
+      a3[k] += xc;
+    }
+  }
   A s_dxh = 0, s_dxh_xc = 0, s_xc = 0;
-#pragma omp simd reduction(+ : s_dxh, s_dxh_xc, s_xc)
-  for (int64_t j = 0; j < n; ++j) {
+  for (int64_t j = j0; j < n; ++j) {
     const A xc = IO<T>::ld(xr[j]) - mean;
     const A dxh = IO<T>::ld(dyr[j]) * gp[j];
     s_dxh += dxh;
     s_dxh_xc += dxh * xc;
     s_xc += xc;
+  }
+  for (int64_t k = 0; k < L; ++k) {
+    s_dxh += a1[k];
+    s_dxh_xc += a2[k];
+    s_xc += a3[k];
   }
   if (pgc && before_gain) {
 #pragma omp simd
