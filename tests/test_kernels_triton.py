@@ -76,3 +76,50 @@ def test_int64_offsets_beyond_2_31_elements() -> None:  # pragma: no cover - nee
     x = torch.ones(rows, n, device="cuda", dtype=torch.bfloat16)
     y, _, _ = triton_kernels.norm_fwd(x, None, None, None, 1e-6, False, 0, False, False, False)
     assert torch.all(y[-1] == 1)
+
+
+def _gpu_bench():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_bench.py"
+    spec = importlib.util.spec_from_file_location("gpu_bench", path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_gpu_bench_correctness_step_runs_here() -> None:
+    """The GPU script's first step, on this device (the interpreter without a GPU), finds no failure."""
+    bench = _gpu_bench()
+    assert bench.correctness(DEVICE, shapes=[(3, 40), (2, 8200), (0, 16)], int64=False) == []
+
+
+def test_gpu_bench_correctness_step_catches_a_wrong_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    bench = _gpu_bench()
+    real = triton_kernels.norm_fwd
+
+    def off_by_a_bit(*args, **kwargs):
+        y, h, st = real(*args, **kwargs)
+        return y * 1.01, h, st
+
+    monkeypatch.setattr(triton_kernels, "norm_fwd", off_by_a_bit)
+    failures = bench.correctness(DEVICE, shapes=[(3, 40)], int64=False)
+    assert failures and all("forward y" in f for f in failures if "forward" in f)
+
+
+def test_gpu_bench_targets_from_rows() -> None:
+    bench = _gpu_bench()
+    row = {"op": "rms", "dtype": "bfloat16", "hidden": 4096}
+    rows = [
+        {**row, "mode": "fwd", "provider": "ours", "ms": 1.0, "of_copy_bw": 0.9},
+        {**row, "mode": "fwd", "provider": "liger", "ms": 0.8, "of_copy_bw": 1.1},
+        {**row, "mode": "bwd", "provider": "ours", "ms": 2.0, "of_copy_bw": 0.5},
+    ]
+    got = {t["target"]: t["met"] for t in bench.targets(rows)}
+    assert got == {
+        "rms fwd bf16 4096: of copy bandwidth": "yes",
+        "rms fwd bfloat16 4096: Liger time / ours": "NO",
+        "rms bwd bf16 4096: of copy bandwidth": "NO",
+    }

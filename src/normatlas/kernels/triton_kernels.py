@@ -84,7 +84,8 @@ if HAS_TRITON:
             m = rmask[:, None] & cmask[None, :]
             x = tl.load(X + base + cols[None, :], mask=m, other=0.0)
             if HAS_RES:
-                x = x + tl.load(RES + base + cols[None, :], mask=m, other=0.0)
+                r_ = tl.load(RES + base + cols[None, :], mask=m, other=0.0)
+                x = (x.to(tl.float32) + r_.to(tl.float32)).to(X.dtype.element_ty)  # torch's add: fp32, rounded
                 tl.store(H + base + cols[None, :], x, mask=m)
             xf = x.to(tl.float32)
             mean = tl.sum(xf, axis=1) / n if CENTER else tl.zeros([ROWS], dtype=tl.float32)
@@ -109,7 +110,8 @@ if HAS_TRITON:
                 m = rmask[:, None] & (c < n)[None, :]
                 x = tl.load(X + base + c[None, :], mask=m, other=0.0)
                 if HAS_RES:
-                    x = x + tl.load(RES + base + c[None, :], mask=m, other=0.0)
+                    r_ = tl.load(RES + base + c[None, :], mask=m, other=0.0)
+                    x = (x.to(tl.float32) + r_.to(tl.float32)).to(X.dtype.element_ty)
                     tl.store(H + base + c[None, :], x, mask=m)
                 acc += x.to(tl.float32)
             mean = tl.sum(acc, axis=1) / n if CENTER else tl.zeros([ROWS], dtype=tl.float32)
