@@ -2,12 +2,15 @@
 
 Forward: each program normalizes ``ROWS`` rows (several per program for short rows such as
 QK-norm's head dim); a row that fits one block stays in registers between the statistics and
-the output, a longer one (hidden sizes up to 262,144 and beyond) is streamed in chunks twice,
-the second read hitting L2. Statistics are fp32 and every row offset is int64, so tensors over
-2^31 elements index correctly. Backward: one pass over x and dy per row computes dx, and each
-program accumulates its rows' gain / bias gradients in fp32 partial sums (registers when a row
-fits a block, a private row of a global buffer otherwise); a final sum over programs gives
-dgain and dbias, so no atomics are needed. The arithmetic is the eager reference's
+the output, a longer one (hidden sizes up to 262,144 and beyond) is streamed in chunks: twice
+for RMSNorm (statistics, output), three times for LayerNorm (mean, centred variance, output).
+Statistics are fp32 and every row offset is int64, so tensors over 2^31 elements index
+correctly. Backward: for rows that fit a block, one pass over x and dy per row computes dx; each
+program accumulates its rows' gain / bias gradients in fp32 registers, written once as a
+partial row; wider rows take two kernels: one program per row computes the row's two backward
+scalars, then (column block x row group) tiles write dx and one partial gain / bias row per
+group, so the partial buffer stays a few MiB whatever the width. A final sum over the partial
+rows gives dgain and dbias; no atomics. The arithmetic is the eager reference's
 (:func:`normatlas.kernels.ops.eager_fwd` / ``eager_bwd``).
 """
 
@@ -102,7 +105,7 @@ if HAS_TRITON:
                 if HAS_B:
                     y = y + tl.load(B + cols, mask=cmask, other=0.0)[None, :]
             tl.store(Y + base + cols[None, :], y.to(Y.dtype.element_ty), mask=m)
-        else:  # ROWS == 1: stream the row twice in chunks
+        else:  # ROWS == 1: stream the row in chunks; two passes for RMS (stats, output), three for LayerNorm
             src = H if HAS_RES else X
             acc = tl.zeros([ROWS, BLOCK], dtype=tl.float32)
             for off in range(0, n, BLOCK):
@@ -113,16 +116,23 @@ if HAS_TRITON:
                     r_ = tl.load(RES + base + c[None, :], mask=m, other=0.0)
                     x = (x.to(tl.float32) + r_.to(tl.float32)).to(X.dtype.element_ty)
                     tl.store(H + base + c[None, :], x, mask=m)
-                acc += x.to(tl.float32)
-            mean = tl.sum(acc, axis=1) / n if CENTER else tl.zeros([ROWS], dtype=tl.float32)
-            acc = tl.zeros([ROWS, BLOCK], dtype=tl.float32)
-            for off in range(0, n, BLOCK):
-                c = off + cols
-                m = rmask[:, None] & (c < n)[None, :]
-                xc = tl.where(
-                    m, tl.load(src + base + c[None, :], mask=m, other=0.0).to(tl.float32) - mean[:, None], 0.0
-                )
-                acc += xc * xc
+                xf = x.to(tl.float32)
+                if CENTER:
+                    acc += xf
+                else:
+                    acc += xf * xf
+            if CENTER:
+                mean = tl.sum(acc, axis=1) / n
+                acc = tl.zeros([ROWS, BLOCK], dtype=tl.float32)
+                for off in range(0, n, BLOCK):
+                    c = off + cols
+                    m = rmask[:, None] & (c < n)[None, :]
+                    xc = tl.where(
+                        m, tl.load(src + base + c[None, :], mask=m, other=0.0).to(tl.float32) - mean[:, None], 0.0
+                    )
+                    acc += xc * xc
+            else:
+                mean = tl.zeros([ROWS], dtype=tl.float32)
             r, d = _rstd(tl.sum(acc, axis=1) / div, eps, EPS_MODE)
             for off in range(0, n, BLOCK):
                 c = off + cols
@@ -146,10 +156,13 @@ if HAS_TRITON:
 
     @triton.jit
     def _bwd_kernel(DY, X, DRES, DX, G, STATS, PG, PB, rows, n, div, rows_per_prog,
-                    BLOCK: tl.constexpr, SINGLE: tl.constexpr, CENTER: tl.constexpr, BEFORE: tl.constexpr,
+                    BLOCK: tl.constexpr, CENTER: tl.constexpr, BEFORE: tl.constexpr,
                     HAS_DRES: tl.constexpr, NEED_DG: tl.constexpr, NEED_DB: tl.constexpr):  # fmt: skip
+        """Rows that fit one block: each program walks its rows, gain / bias partials stay in registers."""
         pid = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
+        cm = cols < n
+        g = tl.load(G + cols, mask=cm, other=0.0)
         start = pid * rows_per_prog
         pg = tl.zeros([BLOCK], dtype=tl.float32)
         pb = tl.zeros([BLOCK], dtype=tl.float32)
@@ -159,66 +172,91 @@ if HAS_TRITON:
             mean = tl.load(STATS + row * 3)
             r = tl.load(STATS + row * 3 + 1)
             d = tl.load(STATS + row * 3 + 2)
-            if SINGLE:
-                cm = cols < n
-                x = tl.load(X + base + cols, mask=cm, other=0.0)
-                dy = tl.load(DY + base + cols, mask=cm, other=0.0).to(tl.float32)
-                g = tl.load(G + cols, mask=cols < n, other=0.0)
-                xc = tl.where(cm, x.to(tl.float32) - mean, 0.0)
-                dxh = dy * g
-                k = d * 2.0 / div * tl.sum(dxh * xc, axis=0)
-                off = (r * tl.sum(dxh, axis=0) + k * tl.sum(xc, axis=0)) / n if CENTER else 0.0
-                dx = r * dxh + k * xc - off
-                if HAS_DRES:
-                    dx += tl.load(DRES + base + cols, mask=cm, other=0.0).to(tl.float32)
-                tl.store(DX + base + cols, dx.to(DX.dtype.element_ty), mask=cm)
-                if NEED_DG:
-                    xh = xc * r
-                    if BEFORE:
-                        xh = xh.to(x.dtype).to(tl.float32)
-                    pg += dy * xh
-                if NEED_DB:
-                    pb += dy
-            else:
-                s1 = tl.zeros([BLOCK], dtype=tl.float32)
-                s2 = tl.zeros([BLOCK], dtype=tl.float32)
-                s3 = tl.zeros([BLOCK], dtype=tl.float32)
-                for o in range(0, n, BLOCK):
-                    c = o + cols
-                    cm = c < n
-                    xc = tl.where(cm, tl.load(X + base + c, mask=cm, other=0.0).to(tl.float32) - mean, 0.0)
-                    dxh = tl.load(DY + base + c, mask=cm, other=0.0).to(tl.float32) * tl.load(
-                        G + c, mask=c < n, other=0.0
-                    )
-                    s1 += dxh
-                    s2 += dxh * xc
-                    s3 += xc
-                k = d * 2.0 / div * tl.sum(s2, axis=0)
-                off = (r * tl.sum(s1, axis=0) + k * tl.sum(s3, axis=0)) / n if CENTER else 0.0
-                for o in range(0, n, BLOCK):
-                    c = o + cols
-                    cm = c < n
-                    x = tl.load(X + base + c, mask=cm, other=0.0)
-                    xc = tl.where(cm, x.to(tl.float32) - mean, 0.0)
-                    dy = tl.load(DY + base + c, mask=cm, other=0.0).to(tl.float32)
-                    dx = r * dy * tl.load(G + c, mask=c < n, other=0.0) + k * xc - off
-                    if HAS_DRES:
-                        dx += tl.load(DRES + base + c, mask=cm, other=0.0).to(tl.float32)
-                    tl.store(DX + base + c, dx.to(DX.dtype.element_ty), mask=cm)
-                    if NEED_DG:
-                        xh = xc * r
-                        if BEFORE:
-                            xh = xh.to(x.dtype).to(tl.float32)
-                        prev = tl.load(PG + pid * n + c, mask=c < n, other=0.0)
-                        tl.store(PG + pid * n + c, prev + dy * xh, mask=c < n)
-                    if NEED_DB:
-                        prev = tl.load(PB + pid * n + c, mask=c < n, other=0.0)
-                        tl.store(PB + pid * n + c, prev + dy, mask=c < n)
-        if SINGLE:
+            x = tl.load(X + base + cols, mask=cm, other=0.0)
+            dy = tl.load(DY + base + cols, mask=cm, other=0.0).to(tl.float32)
+            xc = tl.where(cm, x.to(tl.float32) - mean, 0.0)
+            dxh = dy * g
+            k = d * 2.0 / div * tl.sum(dxh * xc, axis=0)
+            off = (r * tl.sum(dxh, axis=0) + k * tl.sum(xc, axis=0)) / n if CENTER else 0.0
+            dx = r * dxh + k * xc - off
+            if HAS_DRES:
+                dx += tl.load(DRES + base + cols, mask=cm, other=0.0).to(tl.float32)
+            tl.store(DX + base + cols, dx.to(DX.dtype.element_ty), mask=cm)
             if NEED_DG:
-                tl.store(PG + pid * n + cols, pg, mask=cols < n)
+                xh = xc * r
+                if BEFORE:
+                    xh = xh.to(x.dtype).to(tl.float32)
+                pg += dy * xh
             if NEED_DB:
-                tl.store(PB + pid * n + cols, pb, mask=cols < n)
+                pb += dy
+        if NEED_DG:
+            tl.store(PG + pid * n + cols, pg, mask=cm)
+        if NEED_DB:
+            tl.store(PB + pid * n + cols, pb, mask=cm)
+
+    @triton.jit
+    def _bwd_rowdot_kernel(DY, X, G, STATS, ROWK, n, div, BLOCK: tl.constexpr, CENTER: tl.constexpr):
+        """Wide rows, step 1: one program per row streams x and dy once for the row's two backward scalars."""
+        row = tl.program_id(0).to(tl.int64)
+        base = row * n
+        cols = tl.arange(0, BLOCK)
+        mean = tl.load(STATS + row * 3)
+        r = tl.load(STATS + row * 3 + 1)
+        d = tl.load(STATS + row * 3 + 2)
+        s1 = tl.zeros([BLOCK], dtype=tl.float32)
+        s2 = tl.zeros([BLOCK], dtype=tl.float32)
+        s3 = tl.zeros([BLOCK], dtype=tl.float32)
+        for o in range(0, n, BLOCK):
+            c = o + cols
+            cm = c < n
+            xc = tl.where(cm, tl.load(X + base + c, mask=cm, other=0.0).to(tl.float32) - mean, 0.0)
+            dxh = tl.load(DY + base + c, mask=cm, other=0.0).to(tl.float32) * tl.load(G + c, mask=cm, other=0.0)
+            s1 += dxh
+            s2 += dxh * xc
+            s3 += xc
+        k = d * 2.0 / div * tl.sum(s2, axis=0)
+        off = (r * tl.sum(s1, axis=0) + k * tl.sum(s3, axis=0)) / n if CENTER else 0.0
+        tl.store(ROWK + row * 2, k)
+        tl.store(ROWK + row * 2 + 1, off)
+
+    @triton.jit
+    def _bwd_tile_kernel(DY, X, DRES, DX, G, STATS, ROWK, PG, PB, rows, n, group,
+                         BLOCK: tl.constexpr, BEFORE: tl.constexpr, HAS_DRES: tl.constexpr,
+                         NEED_DG: tl.constexpr, NEED_DB: tl.constexpr):  # fmt: skip
+        """Wide rows, step 2: a (column block, row group) tile writes dx and one partial row of dgain / dbias."""
+        pc = tl.program_id(0).to(tl.int64)
+        pgid = tl.program_id(1).to(tl.int64)
+        cols = pc * BLOCK + tl.arange(0, BLOCK)
+        cm = cols < n
+        g = tl.load(G + cols, mask=cm, other=0.0)
+        pg = tl.zeros([BLOCK], dtype=tl.float32)
+        pb = tl.zeros([BLOCK], dtype=tl.float32)
+        start = pgid * group
+        end = tl.minimum(start + group, rows)
+        for row in range(start, end):
+            base = row * n
+            mean = tl.load(STATS + row * 3)
+            r = tl.load(STATS + row * 3 + 1)
+            k = tl.load(ROWK + row * 2)
+            off = tl.load(ROWK + row * 2 + 1)
+            x = tl.load(X + base + cols, mask=cm, other=0.0)
+            xc = tl.where(cm, x.to(tl.float32) - mean, 0.0)
+            dy = tl.load(DY + base + cols, mask=cm, other=0.0).to(tl.float32)
+            dx = r * dy * g + k * xc - off
+            if HAS_DRES:
+                dx += tl.load(DRES + base + cols, mask=cm, other=0.0).to(tl.float32)
+            tl.store(DX + base + cols, dx.to(DX.dtype.element_ty), mask=cm)
+            if NEED_DG:
+                xh = xc * r
+                if BEFORE:
+                    xh = xh.to(x.dtype).to(tl.float32)
+                pg += dy * xh
+            if NEED_DB:
+                pb += dy
+        if NEED_DG:
+            tl.store(PG + pgid * n + cols, pg, mask=cm)
+        if NEED_DB:
+            tl.store(PB + pgid * n + cols, pb, mask=cm)
 
 
 def _gain(weight: Tensor | None, n: int, x: Tensor, before_gain: bool, one_plus_w: bool) -> Tensor:
@@ -267,16 +305,30 @@ def norm_bwd(
     rows = x2.shape[0]
     dx = torch.empty_like(x2)
     g = _gain(weight, n, x, before_gain, one_plus_w)
-    programs = max(1, min(rows, _programs(x.device)))
-    rows_per_prog = math.ceil(rows / programs) if rows else 0
     block, _, single = _blocks(n, rows)
+    div = 1.0 if l2 else float(n)
+    flags = {"BEFORE": before_gain, "HAS_DRES": dr is not None, "NEED_DG": need_dg, "NEED_DB": need_db}
+    if single:  # one pass per row; a few programs per SM walk the rows
+        programs = max(1, min(rows, _programs(x.device)))
+        rows_per_prog = math.ceil(rows / programs) if rows else 0
+    else:  # wide rows: per-row scalars first, then (column block x row group) tiles
+        tile = 2048
+        col_blocks = triton.cdiv(n, tile)
+        programs = max(1, min(rows, triton.cdiv(_programs(x.device), col_blocks)))  # row groups
+        rows_per_prog = math.ceil(rows / programs) if rows else 0
     pg = torch.zeros((programs, n) if need_dg else (1, 1), dtype=torch.float32, device=x.device)
     pb = torch.zeros((programs, n) if need_db else (1, 1), dtype=torch.float32, device=x.device)
-    if rows:
+    if rows and single:
         _bwd_kernel[(programs,)](
-            dy2, x2, dr if dr is not None else dy2, dx, g, stats, pg, pb, rows, n, 1.0 if l2 else float(n),
-            rows_per_prog, BLOCK=block, SINGLE=single, CENTER=center, BEFORE=before_gain,
-            HAS_DRES=dr is not None, NEED_DG=need_dg, NEED_DB=need_db, num_warps=_warps(block),
+            dy2, x2, dr if dr is not None else dy2, dx, g, stats, pg, pb, rows, n, div, rows_per_prog,
+            BLOCK=block, CENTER=center, **flags, num_warps=_warps(block),
+        )  # fmt: skip
+    elif rows:
+        rowk = torch.empty((rows, 2), dtype=torch.float32, device=x.device)
+        _bwd_rowdot_kernel[(rows,)](dy2, x2, g, stats, rowk, n, div, BLOCK=block, CENTER=center, num_warps=16)
+        _bwd_tile_kernel[(col_blocks, programs)](
+            dy2, x2, dr if dr is not None else dy2, dx, g, stats, rowk, pg, pb, rows, n, rows_per_prog,
+            BLOCK=tile, **flags, num_warps=_warps(tile),
         )  # fmt: skip
     dg = pg.sum(0) if need_dg else pg.new_empty(0)
     db = pb.sum(0) if need_db else pb.new_empty(0)
