@@ -1,7 +1,7 @@
 """What each module and parameter *does*, found from behaviour and dataflow, never from names.
 
-* :func:`module_kind` classifies a module: known torch / normatlas types first, then a
-  behavioural probe on synthetic inputs for anything else. A module is a **norm** when
+* :func:`module_kind` classifies a module: known torch / normatlas types first, then the
+  shared behavioural probe (:mod:`normatlas.probe`) on synthetic inputs for anything else. A module is a **norm** when
   its output is invariant to rescaling its input (``f(a x) == f(x)``, the essay's
   re-scaling invariance) and still depends on the input; it is **pointwise** when each
   output feature depends only on the same input feature (DyT, LayerScale, scalings).
@@ -26,6 +26,7 @@ import torch
 from torch import Tensor, nn
 
 from ..modules import Norm
+from ..probe import ParamRole, param_roles, randomized, respond
 from ..spec import Axis
 
 __all__ = ["Kind", "find_blocks", "gain_convention", "iter_kinds", "module_kind", "trace_linear_to_norm"]
@@ -57,89 +58,16 @@ def _own_params(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
     return [(n, p) for n, p in module.named_parameters(recurse=False) if p is not None]
 
 
-class _Probe:
-    """Random parameters for the probe; restores parameters and buffers on exit."""
-
-    def __init__(self, module: nn.Module, seed: int = 0) -> None:
-        self.module = module
-        self.seed = seed
-
-    def __enter__(self) -> _Probe:
-        self.saved = {k: v.detach().clone() for k, v in self.module.state_dict(keep_vars=True).items()}
-        gen = torch.Generator().manual_seed(self.seed)
-        with torch.no_grad():
-            for _, p in _own_params(self.module):
-                if p.is_floating_point():
-                    p.copy_((0.5 + torch.rand(p.shape, generator=gen)).to(p))
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        with torch.no_grad():
-            for k, v in self.module.state_dict(keep_vars=True).items():
-                if k in self.saved and isinstance(v, Tensor):
-                    v.copy_(self.saved[k])
-
-
-def _probe_inputs(module: nn.Module) -> Iterator[tuple[Tensor, int]]:
-    """Synthetic inputs ``(x, feature_dim)``: channels-last ``(2, 5, D)`` then channels-first ``(2, D, 5)``."""
-    params = _own_params(module)
-    dtype = next((p.dtype for _, p in params if p.is_floating_point()), torch.float32)
-    device = next((p.device for _, p in params), torch.device("cpu"))
-    sizes = sorted({p.shape[-1] for _, p in params if p.dim() >= 1 and p.numel() > 1})
-    if not sizes:  # scalar-only parameters: the feature size is only a probe shape hint, not a classification
-        for attr in ("normalized_shape", "shape", "num_features", "num_channels", "dim", "hidden_size"):
-            v = getattr(module, attr, None)
-            v = v[-1] if isinstance(v, (tuple, list)) and v else v
-            if isinstance(v, int) and not isinstance(v, bool) and v > 1:
-                sizes.append(v)
-                break
-        sizes = sizes or [8]
-    gen = torch.Generator().manual_seed(1)
-    for d in sizes:
-        yield torch.randn(2, 5, d, generator=gen).to(device, dtype), -1
-        yield torch.randn(2, d, 5, generator=gen).to(device, dtype), 1
-        yield torch.randn(2, d, 3, 3, generator=gen).to(device, dtype), 1
-
-
-def _call(module: nn.Module, x: Tensor) -> Tensor | None:
-    try:
-        with torch.no_grad():
-            y = module(x)
-    except Exception:
-        return None
-    return y if isinstance(y, Tensor) and y.shape == x.shape else None
-
-
-def _close(a: Tensor, b: Tensor) -> bool:
-    tol = 1e-2 if a.dtype in (torch.float16, torch.bfloat16) else 1e-4
-    scale = float(a.abs().max()) + 1e-12
-    return float((a - b).abs().max()) <= tol * scale
+_Probe = randomized  # random own parameters for the probe; restores parameters, buffers, flags
 
 
 def _behaviour(module: nn.Module) -> tuple[Kind, Tensor | None, int]:
-    for x, fdim in _probe_inputs(module):
-        y = _call(module, x)
-        if y is None:
-            continue
-        y3 = _call(module, 3.0 * x)
-        y_other = _call(module, torch.roll(x, 1, dims=0) + 0.5)
-        if y3 is None or y_other is None:
-            continue
-        depends = not _close(y, y_other)
-        y_small = _call(module, 0.5 * x)
-        if depends and _close(y, y3) and y_small is not None and _close(y, y_small):
-            return Kind.NORM, x, fdim
-        xp = x.clone()
-        xp.select(fdim, 0).add_(1.0)
-        yp = _call(module, xp)
-        if yp is not None and depends:
-            changed = (yp - y).abs() > 1e-6 * (float(y.abs().max()) + 1e-12)
-            untouched = changed.clone()
-            untouched.select(fdim, 0).zero_()
-            if not bool(untouched.any()):
-                return Kind.POINTWISE, x, fdim
-        return Kind.OTHER, x, fdim
-    return Kind.OTHER, None, -1
+    """The shared probe's response as ``(kind, probe input, feature axis)``."""
+    resp = respond(module)
+    if resp is None:
+        return Kind.OTHER, None, -1
+    kind = Kind.NORM if resp.norm else Kind.POINTWISE if resp.pointwise else Kind.OTHER
+    return kind, resp.x, resp.feature_axis
 
 
 def module_kind(module: nn.Module) -> Kind:
@@ -181,33 +109,13 @@ def gain_convention(module: nn.Module) -> dict[str, str]:
     when setting it to -1 does, and a bias otherwise. Scalars (numel 1) such as DyT's
     alpha are reported as ``"scalar"``.
     """
-    out: dict[str, str] = {}
     params = _own_params(module)
-    with _Probe(module):
+    with randomized(module):
         _, x, _ = _behaviour(module)
         if x is None:
             return {n: "scalar" if p.numel() == 1 else "bias" for n, p in params}
-        x2 = torch.roll(x, 1, dims=0) + 0.5
-        for name, p in params:
-            if p.numel() == 1:
-                out[name] = "scalar"
-                continue
-            saved = p.detach().clone()
-            role = "bias"
-            for value, label in ((0.0, "gain"), (-1.0, "gain_one_plus_w")):
-                with torch.no_grad():
-                    p.fill_(value)
-                y1, y2 = _call(module, x), _call(module, x2)
-                if y1 is not None and y2 is not None and _close(y1, y2) and not _close(y1, 0 * y1 + 1):
-                    role = label
-                    break
-                if y1 is not None and y2 is not None and float(y1.abs().max()) == 0.0 == float(y2.abs().max()):
-                    role = label
-                    break
-            with torch.no_grad():
-                p.copy_(saved)
-            out[name] = role
-    return out
+        roles = param_roles(module, x)
+    return {n: "scalar" if p.numel() == 1 else roles.get(n, ParamRole.BIAS).value for n, p in params}
 
 
 def find_blocks(model: nn.Module) -> list[nn.Module]:

@@ -1,99 +1,44 @@
 """Classify a norm module by perturbation, name-free (the hook-based probe).
 
-Method: call the module on a seeded random batch ``x`` (non-zero mean) and on
-transformed copies, in float32:
-
-* rescale: ``f(a x) == f(x)`` for a > 0 -> it normalizes (essay §02, re-scaling
-  invariance); shift: ``f(x + c) == f(x)`` -> it centres (LayerNorm), else RMS;
-* gain convention: with every floating parameter set to 0 the output is 0 for a
-  ``w`` gain and the unit-RMS normalized input for a ``1+w`` gain;
-* bias: with random parameters, ``f(0) != 0`` only when a bias is added;
-* eps: with ``r(s) = (f(s x) - f(0)) / (s (f(x) - f(0)))`` (gain and bias cancel),
-  eps inside the root gives ``r^2 = (m + eps) / (s^2 m + eps)`` with m the row's
-  (centred) mean square, so ``eps = m (1 - r^2 s^2) / (r^2 - 1)``; measured at the
-  scales s where both factors are well conditioned, median taken.
+Method: the shared behavioural probe :func:`normatlas.probe.probe` (rescale invariance
+-> it normalizes, essay §02; shift invariance -> it centres; the zeroing test -> gain
+convention ``w`` / ``1+w`` and bias; eps measured from ``mean(y^2)`` at known input
+scales), restricted to norms over the last axis of size ``size``, reported in the
+inspect vocabulary (operator, ``"w"``/``"1+w"``/``"none"``/``"other"``).
 """
 
 from __future__ import annotations
 
-import copy
 import math
 from typing import Any
 
 import torch
 from torch import nn
 
+from ..probe import ParamRole, probe
 from .report import InspectionReport, Operator, Placement, QKNorm, RopeOrder
 from .trace import Graph
 
 __all__ = ["check_sites", "probe_module", "probe_report"]
 
 
-def _call(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    out = module(x)
-    if isinstance(out, (tuple, list)):
-        out = out[0]
-    if not isinstance(out, torch.Tensor) or out.shape != x.shape:
-        raise TypeError("module does not map a tensor to a tensor of the same shape")
-    return out.float()
-
-
-def _close(a: torch.Tensor, b: torch.Tensor, tol: float = 1e-4) -> bool:
-    return bool(((a - b).abs().max() <= tol * (1 + b.abs().max())).item())
-
-
 def probe_module(module: nn.Module, size: int, *, seed: int = 0) -> dict[str, Any] | None:
     """Perturbation probe of a module acting on the last axis of size ``size``; None if it is no norm."""
-    gen = torch.Generator().manual_seed(seed)
-    dtype = next((p.dtype for p in module.parameters()), torch.float32)
-    x = (torch.randn(3, 5, size, generator=gen) * 3 + 0.5).to(dtype)
-    with torch.no_grad():
-        try:
-            y = _call(module, x)
-        except Exception:
-            return None
-        if not _close(_call(module, 2.5 * x), y, 1e-3):
-            return None
-        centred = _close(_call(module, x + 1.7), y, 1e-3)
-        params = [p for p in module.parameters() if p.is_floating_point()]
-        zeroed = copy.deepcopy(module)
-        for p in zeroed.parameters():
-            p.zero_()
-        y0 = _call(zeroed, x)
-        xc = x.float() - x.float().mean(-1, keepdim=True) if centred else x.float()
-        unit = xc / xc.pow(2).mean(-1, keepdim=True).sqrt()
-        if not params:
-            conv = "none"
-        elif _close(y0, torch.zeros_like(y0)):
-            conv = "w"
-        elif _close(y0, unit, 1e-3):
-            conv = "1+w"
-        else:
-            conv = "other"
-        rnd = copy.deepcopy(module)
-        for p in rnd.parameters():
-            p.copy_(torch.randn(p.shape, generator=gen).to(p.dtype))
-        bias = bool(_call(rnd, torch.zeros_like(x)).abs().max() > 1e-6)
-        # eps from the ratio curve, first row, largest coordinate
-        row = x[:1, :1]
-        f0 = _call(module, torch.zeros_like(row))
-        fx = _call(module, row) - f0
-        j = int(fx.abs().argmax())
-        rc = row.float() - row.float().mean(-1, keepdim=True) if centred else row.float()
-        m = float(rc.pow(2).mean())
-        ests = []
-        for k in range(0, 65):
-            s = 10 ** (-k / 8)
-            r = float((_call(module, (s * row.double()).to(row.dtype)) - f0).reshape(-1)[j]) / (
-                s * float(fx.reshape(-1)[j])
-            )
-            if r * r > 1.05 and r * r * s * s * m < 0.95 * m and r * r * s * s < 0.95:
-                ests.append(m * (1 - r * r * s * s) / (r * r - 1))
-        eps = sorted(ests)[len(ests) // 2] if ests else None
-    op = Operator.LAYERNORM if centred else Operator.RMSNORM
+    facts = probe(module, size, seed=seed)
+    if facts is None or facts.feature_axis != -1:
+        return None
+    if not any(p.is_floating_point() for p in module.parameters()):
+        conv = "none"
+    elif facts.structured and facts.gain_param is not None:
+        conv = facts.convention.value  # "w" or "1+w"
+    else:
+        conv = "other"
+    bias = any(r is ParamRole.BIAS for r in facts.roles.values())
+    eps = float(f"{facts.eps:.3g}") if facts.eps_measured else None
+    op = Operator.LAYERNORM if facts.center else Operator.RMSNORM
     if op is Operator.LAYERNORM and conv == "none" and not bias:
         op = Operator.LAYERNORM_NONPARAM
-    return {"operator": op.value, "gain_convention": conv, "bias": bias, "eps": float(f"{eps:.3g}") if eps else None}
+    return {"operator": op.value, "gain_convention": conv, "bias": bias, "eps": eps}
 
 
 def check_sites(model: nn.Module, graph: Graph, report: InspectionReport) -> None:
