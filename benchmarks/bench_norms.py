@@ -19,7 +19,10 @@ At DRAM sizes every fresh output of >= 32 MiB is a new mmap whose 4 KiB page fau
 much as the data movement on this VM; all providers pay them alike. ``THP_MEM_ALLOC_ENABLE=1``
 (a PyTorch setting: 2 MiB transparent huge pages for large CPU tensors) removes most of that
 cost for every provider; the header says which regime a run used. Check ``uptime`` first: the
-machine is shared, and the header and footer print the load average.
+machine is shared, and the header and footer print the load average. Under load, a 2-thread
+op waits for a scheduler slice whenever the other core is taken (medians jump to ~8 ms at
+any size, for every provider); ``--threads 1`` measures the kernels without that wait, and the
+summary also gives each ratio from the best calls (``min_ms``).
 
 Writes ``results/bench_norms_cpu.csv`` (``results/`` is gitignored) and prints a summary of the
 issue's targets, each with the two figures it compares, measured in this run.
@@ -41,16 +44,16 @@ from normatlas.kernels.bench import run_bench
 SIZES = {"cache": (256, 4096), "dram": (2048, 4096)}  # 4 MiB fp32 sits in L3; 32 MiB does not
 
 
-def _ms(rows: list[dict], op: str, mode: str, shape: tuple[int, int], dtype: str, provider: str) -> float:
+def _ms(rows: list[dict], stat: str, op: str, mode: str, shape: tuple[int, int], dtype: str, provider: str) -> float:
     key = "x".join(map(str, shape))
     for r in rows:
         if (r["op"], r["mode"], r["shape"], r["dtype"], r["provider"]) == (op, mode, key, dtype, provider):
-            return float(r["ms"])
+            return float(r[stat])
     return float("nan")
 
 
-def targets(rows: list[dict]) -> list[dict]:
-    """The issue's ratio targets, each computed from this run's medians."""
+def targets(rows: list[dict], stat: str = "ms") -> list[dict]:
+    """The issue's ratio targets, each computed from this run's medians (or, ``stat="min_ms"``, best calls)."""
     out = []
 
     def add(what: str, num: float, den: float, want: str, ok: bool) -> None:
@@ -59,18 +62,20 @@ def targets(rows: list[dict]) -> list[dict]:
 
     for size, shape in SIZES.items():
         for dt, need in (("float32", 2.5), ("bfloat16", 10.0)):
-            ours = _ms(rows, "rms", "fwd", shape, dt, "ours")
-            rms, ln = _ms(rows, "rms", "fwd", shape, dt, "torch"), _ms(rows, "layer", "fwd", shape, dt, "torch")
+            ours = _ms(rows, stat, "rms", "fwd", shape, dt, "ours")
+            rms, ln = (
+                _ms(rows, stat, "rms", "fwd", shape, dt, "torch"),
+                _ms(rows, stat, "layer", "fwd", shape, dt, "torch"),
+            )
             add(f"rms fwd {size} {dt}: F.rms_norm / ours", rms, ours, f">= {need}", rms / ours >= need)
             if ln == ln:
                 add(f"rms fwd {size} {dt}: F.layer_norm / ours", ln, ours, ">= 1.0", ln / ours >= 1.0)
             if dt == "float32":
-                copy = next(float(r["copy_ms"]) for r in rows if r["op"] == "rms" and r["mode"] == "fwd"
-                            and r["shape"] == "x".join(map(str, shape)) and r["dtype"] == dt)  # fmt: skip
+                copy = _ms(rows, "copy_ms" if stat == "ms" else "copy_min_ms", "rms", "fwd", shape, dt, "ours")
                 add(f"rms fwd {size} {dt}: ours / x.clone()", ours, copy, "<= 1.15", ours / copy <= 1.15)
-            ours_fb = _ms(rows, "rms", "fwdbwd", shape, dt, "ours")
-            rms_fb = _ms(rows, "rms", "fwdbwd", shape, dt, "torch")
-            ln_fb = _ms(rows, "layer", "fwdbwd", shape, dt, "torch")
+            ours_fb = _ms(rows, stat, "rms", "fwdbwd", shape, dt, "ours")
+            rms_fb = _ms(rows, stat, "rms", "fwdbwd", shape, dt, "torch")
+            ln_fb = _ms(rows, stat, "layer", "fwdbwd", shape, dt, "torch")
             need_fb = 3.0 if dt == "float32" else 6.0
             add(
                 f"rms fwd+bwd {size} {dt}: F.rms_norm / ours",
@@ -82,12 +87,15 @@ def targets(rows: list[dict]) -> list[dict]:
             if ln_fb == ln_fb:
                 add(f"rms fwd+bwd {size} {dt}: ours / F.layer_norm", ours_fb, ln_fb, "<= 1.3", ours_fb / ln_fb <= 1.3)
             for mode in ("fwd", "bwd"):
-                o, t = _ms(rows, "layer", mode, shape, dt, "ours"), _ms(rows, "layer", mode, shape, dt, "torch")
+                o, t = (
+                    _ms(rows, stat, "layer", mode, shape, dt, "ours"),
+                    _ms(rows, stat, "layer", mode, shape, dt, "torch"),
+                )
                 if o == o:
                     add(f"layer {mode} {size} {dt}: F.layer_norm / ours", t, o, ">= 1.0", t / o >= 1.0)
             for mode in ("fwd", "fwdbwd"):
-                o = _ms(rows, "add_rms", mode, shape, dt, "ours")
-                pairs = {p: _ms(rows, "add_rms", mode, shape, dt, p) for p in ("torch", "hf", "compile_pair")}
+                o = _ms(rows, stat, "add_rms", mode, shape, dt, "ours")
+                pairs = {p: _ms(rows, stat, "add_rms", mode, shape, dt, p) for p in ("torch", "hf", "compile_pair")}
                 eager = min(pairs["torch"], pairs["hf"])
                 measured = [v for v in pairs.values() if v == v]
                 if not measured:
@@ -108,7 +116,7 @@ def targets(rows: list[dict]) -> list[dict]:
         for dt in ("float32", "bfloat16"):
             for op in ("rms", "layer", "add_rms"):
                 for mode in ("fwd", "fwdbwd"):
-                    c, o = _ms(rows, op, mode, shape, dt, "compile"), _ms(rows, op, mode, shape, dt, "ours")
+                    c, o = _ms(rows, stat, op, mode, shape, dt, "compile"), _ms(rows, stat, op, mode, shape, dt, "ours")
                     if c == c and o == o:
                         out.append({"target": f"(context) {op} {mode} {size} {dt}: torch.compile(HF) / ours",
                                     "ratio": f"{c / o:.2f}", "want": "-", "met": "-"})  # fmt: skip
@@ -120,10 +128,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--quick", action="store_true", help="rms, layer and add_rms only; torch.compile only for the add pair"
     )
-    p.add_argument("--repeats", type=int, default=15)
+    p.add_argument("--repeats", type=int, default=15, help="at least this many interleaved rounds")
+    p.add_argument("--min-time", type=float, default=1.0, help="more rounds (up to 10x) until this many seconds")
+    p.add_argument("--threads", type=int, help="torch.set_num_threads for every provider (default: torch's)")
     p.add_argument("--ops", nargs="+", choices=("rms", "layer", "add_rms", "add_layer", "qk"), help="a subset")
     p.add_argument("--out", type=Path, default=Path("results/bench_norms_cpu.csv"))
     args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     thp = os.environ.get("THP_MEM_ALLOC_ENABLE", "0")
     print(f"# kernels: {build_info()}  torch {torch.__version__}  threads={torch.get_num_threads()}  "
           f"THP_MEM_ALLOC_ENABLE={thp}  load average at start: {os.getloadavg()}", file=sys.stderr)  # fmt: skip
@@ -134,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         shapes = [(16384, 128)] if op == "qk" else list(SIZES.values())
         providers = ["ours", "torch", "hf", "compile_pair"] if args.quick else None
         rows += run_bench(op, shapes, [torch.float32, torch.bfloat16], ["fwd", "bwd", "fwdbwd"],
-                          providers=providers, repeats=args.repeats,
+                          providers=providers, repeats=args.repeats, min_time=args.min_time,
                           progress=lambda s: print(f"# {s}", file=sys.stderr))  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(format_rows(rows, "csv") + "\n")
@@ -142,7 +154,12 @@ def main(argv: list[str] | None = None) -> int:
         format_rows(rows, "table", "== fused norms vs peers (median ms, GB/s, time over a copy of the same bytes) ==")
     )
     print()
-    print(format_rows(targets(rows), "table", "== issue 8 targets, this run =="))
+    by_min = targets(rows, "min_ms")
+    table = []
+    for t, m in zip(targets(rows), by_min, strict=True):  # the same targets in the same order
+        table.append({**t, "ratio_of_best_calls": m["ratio"], "met_by_best": m["met"]})
+    title = "== issue 8 targets, this run (ratio of medians; of best calls alongside) =="
+    print(format_rows(table, "table", title))
     print(f"\nload average at end: {os.getloadavg()}  (2 cores; figures above ~1.5 mean a shared machine)")
     print(f"wrote {args.out}")
     return 0

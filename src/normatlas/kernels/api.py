@@ -65,12 +65,15 @@ class _Plan:
         feat = shape[-k:]
         if fshape is not None and feat != fshape:
             return None
-        if not self.use_weight:
-            weight = None
-        elif weight is None:
-            if self.needs_weight:
+        if weight is None:
+            if self.needs_weight and self.use_weight:
                 return None
-        elif weight.shape != feat or not weight.is_cpu or (self.strict and weight.dtype != input.dtype):
+        elif (
+            not self.use_weight  # a weight the spec does not use: the checked path decides
+            or weight.shape != feat
+            or not weight.is_cpu
+            or (self.strict and weight.dtype != input.dtype)
+        ):
             return None
         if bias is not None and (bias.shape != feat or not bias.is_cpu or (self.strict and bias.dtype != input.dtype)):
             return None

@@ -150,10 +150,15 @@ def run_bench(
     *,
     providers: list[str] | None = None,
     repeats: int = 15,
+    min_time: float = 0.0,
     device: str = "cpu",
     progress: Callable[[str], None] | None = None,
 ) -> list[dict[str, Any]]:
-    """Time every provider for each (shape, dtype, mode); one row per provider."""
+    """Time every provider for each (shape, dtype, mode); one row per provider.
+
+    At least ``repeats`` interleaved rounds, more (up to 10x) until ``min_time`` seconds have
+    passed, so fast cache-resident cases get many samples for their median.
+    """
     rows: list[dict[str, Any]] = []
     all_fns = _providers(op, device)
     names = [p for p in (providers or list(all_fns)) if p in all_fns]
@@ -177,7 +182,9 @@ def run_bench(
                     first[name] = time.perf_counter() - t0
                     calls[name] = call
                 times: dict[str, list[float]] = {k: [] for k in calls}
-                for _ in range(repeats):
+                t_start, rounds = time.perf_counter(), 0
+                while rounds < repeats or (time.perf_counter() - t_start < min_time and rounds < 10 * repeats):
+                    rounds += 1
                     for name, call in calls.items():
                         _sync(device)
                         t0 = time.perf_counter()
@@ -194,9 +201,9 @@ def run_bench(
                         "dtype": str(dtype).removeprefix("torch."), "provider": name,
                         "ms": round(med[name] * 1e3, 4), "min_ms": round(min(times[name]) * 1e3, 4),
                         "GB/s": round(moved / med[name] / 1e9, 2),
-                        "copy_ms": round(med["copy"] * 1e3, 4),
+                        "copy_ms": round(med["copy"] * 1e3, 4), "copy_min_ms": round(min(times["copy"]) * 1e3, 4),
                         "vs_copy": round(med[name] / (copy_per_byte * moved), 3),
                         "vs_ours": round(med[name] / med["ours"], 3) if "ours" in med else "",
-                        "first_call_s": round(first[name], 3),
+                        "first_call_s": round(first[name], 3), "rounds": rounds,
                     })  # fmt: skip
     return rows

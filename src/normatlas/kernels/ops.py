@@ -8,6 +8,10 @@ cast back, and an optional bias. ``stats`` holds per-row ``(mean, rstd, d rstd /
 accumulation dtype. ``normatlas::fused_norm_bwd`` computes dx (plus the gradient flowing into
 ``h``), dgain and dbias in one pass over x and dy.
 
+On CPU in eager mode the public functions skip these ops altogether: they call the C++
+extension's ``norm`` entry, whose forward and backward (a ``torch::autograd::Function``) run
+without a Python frame; the custom ops are what ``torch.compile`` traces.
+
 Guaranteed: the same function as :func:`normatlas.functional.normalize` for the specs that
 :mod:`normatlas.kernels.dispatch` accepts, within the dtype's rounding. Both ops carry fake
 (meta) implementations with symbolic shapes, so they trace under ``torch.compile(fullgraph=True,

@@ -75,6 +75,49 @@ inline A lane_sum(int64_t n, F f) {
   return s;
 }
 
+// Mean and sum of squared deviations of a row in one pass (LayerNorm): Welford's update in each of L
+// lanes, then the lanes merged exactly (equal counts: M2 = sum q_k + c * sum (m_k - mean)^2, Chan et al.
+// 1979), then any tail element by element. As accurate as the two-pass formula, with one read of the row.
+template <typename A, typename F>
+inline void lane_moments(int64_t n, F f, A& mean, A& m2) {
+  A m[L] = {}, q[L] = {};
+  int64_t c = 0, j = 0;
+  for (; j + L <= n; j += L) {
+    ++c;
+    const A inv = A(1) / static_cast<A>(c);
+#pragma omp simd
+    for (int64_t k = 0; k < L; ++k) {
+      const A v = f(j + k);
+      const A d = v - m[k];
+      m[k] += d * inv;
+      q[k] += d * (v - m[k]);
+    }
+  }
+  A mu = 0, M2 = 0;
+  int64_t cnt = 0;
+  if (c > 0) {
+    A s = 0;
+    for (int64_t k = 0; k < L; ++k) s += m[k];
+    mu = s / static_cast<A>(L);
+    A qs = 0, ds = 0;
+    for (int64_t k = 0; k < L; ++k) {
+      qs += q[k];
+      ds += (m[k] - mu) * (m[k] - mu);
+    }
+    M2 = qs + static_cast<A>(c) * ds;
+    cnt = c * L;
+  }
+  for (; j < n; ++j) {
+    ++cnt;
+    const A v = f(j);
+    const A d = v - mu;
+    mu += d / static_cast<A>(cnt);
+    M2 += d * (v - mu);
+  }
+  mean = mu;
+  m2 = M2;
+}
+
 enum EpsMode : int64_t { INSIDE = 0, OUTSIDE = 1, CLAMP = 2 };
 
 // rstd r(ms) and dr/dms for the three eps placements.
@@ -120,16 +163,15 @@ void fwd_impl(const typename IO<T>::raw* xp, const typename IO<T>::raw* rp, type
           return IO<T>::ld(hv);
         };
         if (center) {
-          mean = lane_sum<A>(n, h_at) / static_cast<A>(n);
+          lane_moments<A>(n, h_at, mean, ss);
         } else {
           ss = lane_sum<A>(n, [&](int64_t j) { const A v = h_at(j); return v * v; });
         }
       } else if (center) {
-        mean = lane_sum<A>(n, [&](int64_t j) { return IO<T>::ld(src[j]); }) / static_cast<A>(n);
-      }
-      if (center || !rp) {
+        lane_moments<A>(n, [&](int64_t j) { return IO<T>::ld(src[j]); }, mean, ss);
+      } else {
         ss = lane_sum<A>(n, [&](int64_t j) {
-          const A v = IO<T>::ld(src[j]) - mean;
+          const A v = IO<T>::ld(src[j]);
           return v * v;
         });
       }
