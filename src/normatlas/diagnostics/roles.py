@@ -11,9 +11,9 @@
   the gain to 0 (resp. -1) makes the output independent of the input.
 * :func:`find_blocks` finds the repeated blocks of a model: the largest container of
   two or more modules of one class (the residual stack).
-* :func:`trace_linear_to_norm` runs one forward and records which linear/conv layers
-  feed a norm directly (through views only): those weights are scale-invariant, so
-  their effective learning rate is ``lr / ||W||^2`` (essay, "Scale invariance").
+* :func:`trace_linear_to_norm` records one forward (:mod:`normatlas.dataflow`) and finds
+  which linear/conv layers feed a norm directly (through views, reshapes and splits only):
+  those weights are scale-invariant, so their effective learning rate is ``lr / ||W||^2`` (essay, "Scale invariance").
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ import enum
 from collections.abc import Iterator
 from typing import Any
 
-import torch
 from torch import Tensor, nn
 
+from ..dataflow import collapse, record
 from ..modules import Norm
 from ..probe import ParamRole, param_roles, randomized, respond
 from ..spec import Axis
@@ -136,45 +136,40 @@ def find_blocks(model: nn.Module) -> list[nn.Module]:
     return best
 
 
-def _storage(t: Tensor) -> int:
-    return t.untyped_storage().data_ptr()
+# ops whose output holds the same elements as their first input, only re-indexed (views, splits)
+_VIEWS = frozenset(
+    {"view", "view_as", "reshape", "reshape_as", "transpose", "swapaxes", "permute", "movedim", "flatten"}
+    | {"unflatten", "unsqueeze", "squeeze", "getitem", "split", "chunk", "unbind", "narrow", "expand"}
+    | {"contiguous", "detach", "alias", "get_T", "get_mT"}
+)
 
 
 def trace_linear_to_norm(model: nn.Module, *args: Any, **kwargs: Any) -> list[tuple[nn.Module, nn.Module]]:
     """Run ``model(*args, **kwargs)`` once and return ``(linear, norm)`` pairs where the norm's
-    input is the linear's output (possibly through views / reshapes).
+    input is the linear's output (possibly through views / reshapes / splits).
 
+    Method: the shared dataflow recorder (:mod:`normatlas.dataflow`) with linear and norm
+    modules as opaque calls; each norm's input is followed back through re-indexing ops only.
     Norms are found by :func:`module_kind`, so custom norm classes count. Only norms that
     normalize over features of each sample make the linear's weight scale-invariant as a
     whole; a BatchNorm makes each output channel's row scale-invariant, which also holds.
     """
     kinds = {m: module_kind(m) for m in model.modules()}
-    produced: dict[int, tuple[nn.Module, Tensor]] = {}
+    flow = collapse(record(model, args, kwargs), lambda name, m: kinds.get(m) in (Kind.LINEAR, Kind.NORM))
     pairs: list[tuple[nn.Module, nn.Module]] = []
-    handles = []
-
-    def after_linear(mod: nn.Module, inp: Any, out: Any) -> None:
-        if isinstance(out, Tensor):
-            produced[_storage(out)] = (mod, out)  # holding ``out`` keeps its storage from reuse
-
-    def before_norm(mod: nn.Module, inp: Any) -> None:
-        if inp and isinstance(inp[0], Tensor):
-            hit = produced.get(_storage(inp[0]))
-            if hit is not None and (hit[0], mod) not in pairs:
-                pairs.append((hit[0], mod))
-
-    for mod, kind in kinds.items():
-        if kind is Kind.LINEAR:
-            handles.append(mod.register_forward_hook(after_linear))
-        elif kind is Kind.NORM:
-            handles.append(mod.register_forward_pre_hook(before_norm))
-    try:
-        with torch.no_grad():
-            model(*args, **kwargs)
-    finally:
-        for h in handles:
-            h.remove()
-        produced.clear()
+    for call in flow.calls:
+        norm = flow.submodule(call.module) if call.module is not None else None
+        if norm is None or kinds.get(norm) is not Kind.NORM or not call.inputs:
+            continue
+        key, src = call.inputs[0], None
+        while (idx := flow.producer.get(key)) is not None:
+            src = flow.calls[idx]
+            if src.module is not None or src.op not in _VIEWS or not src.inputs:
+                break
+            key = src.inputs[0]
+        lin = flow.submodule(src.module) if src is not None and src.module is not None else None
+        if lin is not None and kinds.get(lin) is Kind.LINEAR and (lin, norm) not in pairs:
+            pairs.append((lin, norm))
     return pairs
 
 
