@@ -60,6 +60,7 @@ _RENAME = {
     "truediv": "div",
     "true_divide": "div",
     "itruediv": "div",
+    "idiv": "div",  # Tensor.__itruediv__.__name__ is "__idiv__"
     "divide": "div",
     "rtruediv": "rdiv",
     "subtract": "sub",
