@@ -26,12 +26,17 @@ def _shape(text: str) -> tuple[int, int]:
 def _configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("op", choices=_OPS, help="rms, layer, add_rms, add_layer, or qk (many short rows)")
     p.add_argument("--shape", type=_shape, action="append", help="ROWSxHIDDEN (repeatable); default: "
-                   "64x4096 (cache-resident) and 2048x4096 (DRAM-resident); qk: 16384x128")  # fmt: skip
+                   "256x4096 (cache-resident) and 2048x4096 (DRAM-resident); qk: 16384x128")  # fmt: skip
     p.add_argument("--dtype", choices=_DTYPES, action="append", help="repeatable; default float32 and bfloat16")
     p.add_argument("--mode", choices=("fwd", "bwd", "fwdbwd"), action="append", help="repeatable; default all")
-    p.add_argument("--provider", action="append", help="ours, torch, hf, compile, liger (default: all that run)")
-    p.add_argument("--no-compile", action="store_true", help="skip the torch.compile provider (saves ~20 s)")
+    p.add_argument(
+        "--provider",
+        action="append",
+        help="ours, torch, hf, compile, compile_pair (add_rms), liger (default: all that run)",
+    )
+    p.add_argument("--no-compile", action="store_true", help="skip the torch.compile providers (saves ~20 s each)")
     p.add_argument("--repeats", type=int, default=15, help="interleaved rounds; the median is reported")
+    p.add_argument("--min-time", type=float, default=0.5, help="more rounds (up to 10x) until this many seconds")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--csv", type=Path, help="also write the rows to this CSV file")
     add_format_option(p)
@@ -48,18 +53,23 @@ def bench(args: argparse.Namespace) -> int:
         raise CliError(f"--repeats={args.repeats} must be >= 1")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise CliError("--device=cuda but CUDA is not available here")
-    shapes = args.shape or ([(16384, 128)] if args.op == "qk" else [(64, 4096), (2048, 4096)])
+    shapes = args.shape or ([(16384, 128)] if args.op == "qk" else [(256, 4096), (2048, 4096)])
     dtypes = [getattr(torch, d) for d in (args.dtype or ["float32", "bfloat16"])]
     providers = args.provider
     if args.no_compile:
-        providers = [p for p in (providers or ["ours", "torch", "hf", "torch_ln_pair", "liger"]) if p != "compile"]
+        providers = [p for p in (providers or ["ours", "torch", "hf", "liger"]) if not p.startswith("compile")]
     info = build_info() if args.device == "cpu" else {}
     print(f"# kernels: {info}  threads={torch.get_num_threads()}", file=sys.stderr)
     rows = run_bench(
         args.op, shapes, dtypes, args.mode or ["fwd", "bwd", "fwdbwd"], providers=providers,
-        repeats=args.repeats, device=args.device, progress=lambda s: print(f"# {s}", file=sys.stderr),
+        repeats=args.repeats, min_time=args.min_time, device=args.device,
+        progress=lambda s: print(f"# {s}", file=sys.stderr),
     )  # fmt: skip
-    print(format_rows(rows, args.format, f"== normatlas bench {args.op} (median of {args.repeats}) =="))
+    print(
+        format_rows(
+            rows, args.format, f"== normatlas bench {args.op} (median of >= {args.repeats} interleaved rounds) =="
+        )
+    )
     if args.csv:
         args.csv.parent.mkdir(parents=True, exist_ok=True)
         args.csv.write_text(format_rows(rows, "csv") + "\n")

@@ -22,9 +22,9 @@ __all__ = ["FusedAddLayerNorm", "FusedAddRMSNorm", "FusedLayerNorm", "FusedNorm"
 class _Fused(Norm):
     def forward(self, input: Tensor, mask: Tensor | None = None) -> Tensor:
         if mask is None and self.running_var is None:
-            out = _fast(self.spec, input, None, self.weight, self.bias, self.shape)
-            if out is not None:
-                return out[0]
+            fast = _fast(self.spec, input, None, self.weight, self.bias, self.shape)
+            if fast is not None:
+                return fast[0]
         if mask is None and self.running_var is None and unsupported(self.spec, input, self.weight, self.bias) is None:
             if self.shape is not None:
                 self._check_shape(input)
@@ -37,9 +37,9 @@ class _Fused(Norm):
 class _FusedAdd(Norm):
     def forward(self, input: Tensor, residual: Tensor) -> tuple[Tensor, Tensor]:  # type: ignore[override]
         if self.running_var is None:
-            out = _fast(self.spec, input, residual, self.weight, self.bias, self.shape)
-            if out is not None:
-                return out[0], out[1]
+            fast = _fast(self.spec, input, residual, self.weight, self.bias, self.shape)
+            if fast is not None:
+                return fast[0], fast[1]
         if self.shape is not None:
             self._check_shape(input)
         y, h = fused_normalize(input, self.spec, self.weight, self.bias, residual=residual)

@@ -12,6 +12,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -236,6 +237,30 @@ inline void bwd_row(const R* __restrict xr, const R* __restrict dyr, const R* __
     s_dxh_xc += a2[k];
     s_xc += a3[k];
   }
+  const A k = drdms * A(2) / div * s_dxh_xc;
+  const A off = center ? (r * s_dxh + k * s_xc) / static_cast<A>(n) : A(0);
+  if (pgc && !before_gain) {  // the training case: dx, dgain (and dbias) in one second pass
+    auto second_pass = [&](auto has_b, auto has_dres) {
+#pragma omp simd
+      for (int64_t j = 0; j < n; ++j) {
+        const A dy = IO<T>::ld(dyr[j]);
+        const A xc = IO<T>::ld(xr[j]) - mean;
+        pgc[j] += dy * (xc * r);
+        if constexpr (decltype(has_b)::value) pbc[j] += dy;
+        A v = r * dy * gp[j] + k * xc - off;
+        if constexpr (decltype(has_dres)::value) v += IO<T>::ld(drr[j]);
+        dxr[j] = IO<T>::st(v);
+      }
+    };
+    using yes = std::true_type;
+    using no = std::false_type;
+    if (pbc) {
+      if (drr) second_pass(yes{}, yes{}); else second_pass(yes{}, no{});
+    } else {
+      if (drr) second_pass(no{}, yes{}); else second_pass(no{}, no{});
+    }
+    return;
+  }
   if (pgc && before_gain) {
 #pragma omp simd
     for (int64_t j = 0; j < n; ++j) pgc[j] += IO<T>::ld(dyr[j]) * IO<T>::ld(IO<T>::st((IO<T>::ld(xr[j]) - mean) * r));
@@ -247,8 +272,6 @@ inline void bwd_row(const R* __restrict xr, const R* __restrict dyr, const R* __
 #pragma omp simd
     for (int64_t j = 0; j < n; ++j) pbc[j] += IO<T>::ld(dyr[j]);
   }
-  const A k = drdms * A(2) / div * s_dxh_xc;
-  const A off = center ? (r * s_dxh + k * s_xc) / static_cast<A>(n) : A(0);
   if (drr) {
 #pragma omp simd
     for (int64_t j = 0; j < n; ++j)
