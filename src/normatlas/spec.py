@@ -171,6 +171,10 @@ class NormSpec:
     gain: Gain = Gain.PER_FEATURE
     gain_convention: GainConvention = GainConvention.W
     bias: bool = True
+    _hash: int = field(init=False, repr=False, compare=False, default=0)
+
+    def __hash__(self) -> int:  # cached: specs key the plan caches on every call
+        return self._hash
 
     def __post_init__(self) -> None:
         _require_enum(self.layout, Layout, "layout")
@@ -211,6 +215,9 @@ class NormSpec:
             raise ValueError("gain_convention=GainConvention.ONE_PLUS_W needs a gain (gain is Gain.NONE)")
         if self.scale is Scale.NONE and not self.center:
             raise ValueError("scale=Scale.NONE with center=False normalizes nothing")
+        fields = (self.layout, self.reduce, self.feature_ndim, self.groups, self.center, self.scale, self.eps)
+        fields += (self.eps_placement, self.cast_order, self.gain, self.gain_convention, self.bias)
+        object.__setattr__(self, "_hash", hash(fields))
 
     @property
     def batch_dependent(self) -> bool:
