@@ -215,9 +215,9 @@ class NormSpec:
             raise ValueError("gain_convention=GainConvention.ONE_PLUS_W needs a gain (gain is Gain.NONE)")
         if self.scale is Scale.NONE and not self.center:
             raise ValueError("scale=Scale.NONE with center=False normalizes nothing")
-        fields = (self.layout, self.reduce, self.feature_ndim, self.groups, self.center, self.scale, self.eps)
-        fields += (self.eps_placement, self.cast_order, self.gain, self.gain_convention, self.bias)
-        object.__setattr__(self, "_hash", hash(fields))
+        knobs = (self.eps_placement, self.cast_order, self.gain, self.gain_convention, self.bias)
+        axes = (self.layout, self.reduce, self.feature_ndim, self.groups, self.center, self.scale, self.eps)
+        object.__setattr__(self, "_hash", hash((axes, knobs)))
 
     @property
     def batch_dependent(self) -> bool:
