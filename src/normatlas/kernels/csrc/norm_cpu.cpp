@@ -212,65 +212,60 @@ template <typename T, typename R, typename A>
 inline void bwd_row(const R* __restrict xr, const R* __restrict dyr, const R* __restrict drr, R* __restrict dxr,
                     const A* __restrict gp, A* __restrict pgc, A* __restrict pbc, int64_t n, A mean, A r, A drdms,
                     A div, bool center, bool before_gain) {
-  A a1[L] = {}, a2[L] = {}, a3[L] = {};  // L independent partial sums each, so the adds pipeline
-  int64_t j0 = 0;
-  for (; j0 + L <= n; j0 += L) {
-#pragma omp simd
-    for (int64_t k = 0; k < L; ++k) {
-      const A xc = IO<T>::ld(xr[j0 + k]) - mean;
-      const A dxh = IO<T>::ld(dyr[j0 + k]) * gp[j0 + k];
-      a1[k] += dxh;
-      a2[k] += dxh * xc;
-      a3[k] += xc;
-    }
-  }
+  // First pass (x and dy come from memory here): the row sums, and in the training case (gain after the
+  // cast) the gain / bias partial sums too, so the second pass only reads the now cached row and writes dx.
   A s_dxh = 0, s_dxh_xc = 0, s_xc = 0;
-  for (int64_t j = j0; j < n; ++j) {
-    const A xc = IO<T>::ld(xr[j]) - mean;
-    const A dxh = IO<T>::ld(dyr[j]) * gp[j];
-    s_dxh += dxh;
-    s_dxh_xc += dxh * xc;
-    s_xc += xc;
-  }
-  for (int64_t k = 0; k < L; ++k) {
-    s_dxh += a1[k];
-    s_dxh_xc += a2[k];
-    s_xc += a3[k];
-  }
+  auto first_pass = [&](auto acc_g, auto acc_b) {
+    constexpr bool G = decltype(acc_g)::value, B = decltype(acc_b)::value;
+    A a1[L] = {}, a2[L] = {}, a3[L] = {};  // L independent partial sums each, so the adds pipeline
+    int64_t j0 = 0;
+    for (; j0 + L <= n; j0 += L) {
+#pragma omp simd
+      for (int64_t k = 0; k < L; ++k) {
+        const A dy = IO<T>::ld(dyr[j0 + k]);
+        const A xc = IO<T>::ld(xr[j0 + k]) - mean;
+        const A dxh = dy * gp[j0 + k];
+        a1[k] += dxh;
+        a2[k] += dxh * xc;
+        a3[k] += xc;
+        if constexpr (G) pgc[j0 + k] += dy * (xc * r);
+        if constexpr (B) pbc[j0 + k] += dy;
+      }
+    }
+    for (int64_t j = j0; j < n; ++j) {
+      const A dy = IO<T>::ld(dyr[j]);
+      const A xc = IO<T>::ld(xr[j]) - mean;
+      const A dxh = dy * gp[j];
+      s_dxh += dxh;
+      s_dxh_xc += dxh * xc;
+      s_xc += xc;
+      if constexpr (G) pgc[j] += dy * (xc * r);
+      if constexpr (B) pbc[j] += dy;
+    }
+    for (int64_t k = 0; k < L; ++k) {
+      s_dxh += a1[k];
+      s_dxh_xc += a2[k];
+      s_xc += a3[k];
+    }
+  };
+  using yes = std::true_type;
+  using no = std::false_type;
+  const bool fused = pgc && !before_gain;
+  if (fused && pbc) first_pass(yes{}, yes{});
+  else if (fused) first_pass(yes{}, no{});
+  else first_pass(no{}, no{});
   const A k = drdms * A(2) / div * s_dxh_xc;
   const A off = center ? (r * s_dxh + k * s_xc) / static_cast<A>(n) : A(0);
-  if (pgc && !before_gain) {  // the training case: dx, dgain (and dbias) in one second pass
-    auto second_pass = [&](auto has_b, auto has_dres) {
+  if (!fused) {
+    if (pgc && before_gain) {
 #pragma omp simd
-      for (int64_t j = 0; j < n; ++j) {
-        const A dy = IO<T>::ld(dyr[j]);
-        const A xc = IO<T>::ld(xr[j]) - mean;
-        pgc[j] += dy * (xc * r);
-        if constexpr (decltype(has_b)::value) pbc[j] += dy;
-        A v = r * dy * gp[j] + k * xc - off;
-        if constexpr (decltype(has_dres)::value) v += IO<T>::ld(drr[j]);
-        dxr[j] = IO<T>::st(v);
-      }
-    };
-    using yes = std::true_type;
-    using no = std::false_type;
-    if (pbc) {
-      if (drr) second_pass(yes{}, yes{}); else second_pass(yes{}, no{});
-    } else {
-      if (drr) second_pass(no{}, yes{}); else second_pass(no{}, no{});
+      for (int64_t j = 0; j < n; ++j)
+        pgc[j] += IO<T>::ld(dyr[j]) * IO<T>::ld(IO<T>::st((IO<T>::ld(xr[j]) - mean) * r));
     }
-    return;
-  }
-  if (pgc && before_gain) {
+    if (pbc) {
 #pragma omp simd
-    for (int64_t j = 0; j < n; ++j) pgc[j] += IO<T>::ld(dyr[j]) * IO<T>::ld(IO<T>::st((IO<T>::ld(xr[j]) - mean) * r));
-  } else if (pgc) {
-#pragma omp simd
-    for (int64_t j = 0; j < n; ++j) pgc[j] += IO<T>::ld(dyr[j]) * ((IO<T>::ld(xr[j]) - mean) * r);
-  }
-  if (pbc) {
-#pragma omp simd
-    for (int64_t j = 0; j < n; ++j) pbc[j] += IO<T>::ld(dyr[j]);
+      for (int64_t j = 0; j < n; ++j) pbc[j] += IO<T>::ld(dyr[j]);
+    }
   }
   if (drr) {
 #pragma omp simd
