@@ -183,9 +183,13 @@ def run_bench(
                     calls[name] = call
                 times: dict[str, list[float]] = {k: [] for k in calls}
                 t_start, rounds = time.perf_counter(), 0
+                order = list(calls.items())
                 while rounds < repeats or (time.perf_counter() - t_start < min_time and rounds < 10 * repeats):
+                    # each round starts one provider later, so none always runs right after the same neighbour
+                    # (which allocator and cache state a call inherits would otherwise bias a fixed order)
+                    k = rounds % len(order)
                     rounds += 1
-                    for name, call in calls.items():
+                    for name, call in order[k:] + order[:k]:
                         _sync(device)
                         t0 = time.perf_counter()
                         call()
