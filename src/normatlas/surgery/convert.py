@@ -120,14 +120,10 @@ def _untie_readers(model: nn.Module, writer: str, surgery: Surgery) -> None:
     for name, mod in model.named_modules():
         if name != writer and getattr(mod, "weight", None) is w:
             mod.weight = nn.Parameter(w.detach().clone())
-            surgery.notes.append(
+            surgery.mark_untied(
                 f"untied {name}.weight from {writer}.weight (+{w.numel()} parameters): the "
                 "embedding is centred as a stream writer, the head must keep the original"
             )
-            surgery.config_updates["tie_word_embeddings"] = False
-            config: Any = getattr(model, "config", None)
-            if config is not None:
-                config.tie_word_embeddings = False
 
 
 @torch.no_grad()

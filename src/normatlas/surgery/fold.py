@@ -69,17 +69,10 @@ def _untie(model: nn.Module, name: str, surgery: Surgery) -> None:
     if len(owners) > 1:
         lin.weight = nn.Parameter(lin.weight.detach().clone())
         others = [o for o in owners if not o.startswith(name + ".")]
-        surgery.notes.append(
+        surgery.mark_untied(
             f"untied {name}.weight from {', '.join(others)} (+{lin.weight.numel()} parameters): "
             "folding into a tied matrix would change the embedding too"
         )
-        surgery.config_updates["tie_word_embeddings"] = False
-        config: Any = getattr(model, "config", None)
-        if config is not None:
-            config.tie_word_embeddings = False
-            text = getattr(config, "get_text_config", None)
-            if callable(text):
-                text().tie_word_embeddings = False
 
 
 @torch.no_grad()

@@ -75,6 +75,18 @@ class Surgery:
     config_updates: dict[str, Any] = field(default_factory=dict)
     deferred: list[tuple[str, list[str], Any]] = field(default_factory=list)  # runtime-only FlashNorm deferral
 
+    def mark_untied(self, note: str) -> None:
+        """Record that a tied weight was given its own copy: the note, and ``tie_word_embeddings=False`` in the
+        saved config and in the live model's config (and its text config, for composite VLM configs)."""
+        self.notes.append(note)
+        self.config_updates["tie_word_embeddings"] = False
+        config: Any = getattr(self.stock, "config", None)
+        if config is not None:
+            config.tie_word_embeddings = False
+            text = getattr(config, "get_text_config", None)
+            if callable(text):
+                text().tie_word_embeddings = False
+
     @property
     def passed(self) -> bool:
         return bool(self.checks) and all(c.passed for c in self.checks)
