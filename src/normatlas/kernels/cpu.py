@@ -28,7 +28,8 @@ __all__ = ["build_info", "cache_dir", "extension"]
 
 log = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("csrc") / "norm_cpu.cpp"
+_CSRC = Path(__file__).with_name("csrc")
+_SOURCE = _CSRC / "norm_cpu.cpp"
 _CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno")
 _LDFLAGS = ("-fopenmp",)
 _lock = threading.Lock()
@@ -76,7 +77,8 @@ def _build() -> ModuleType | None:
         _state["info"] = {"backend": "eager", "reason": "NORMATLAS_KERNELS=eager"}
         return None
     source = _SOURCE.read_text()
-    key = _key(source)
+    # the key covers every file the build reads (the source and the headers it includes)
+    key = _key("\n".join(p.read_text() for p in sorted(_CSRC.glob("*.h"))) + source)
     build_dir = cache_dir() / f"norm_cpu_{key}"
     name = f"normatlas_norm_cpu_{key}"
     cached = any(build_dir.glob("*.so"))
@@ -91,6 +93,7 @@ def _build() -> ModuleType | None:
             functions=["norm_fwd", "norm_bwd", "norm"],
             extra_cflags=list(_CFLAGS),
             extra_ldflags=list(_LDFLAGS),
+            extra_include_paths=[str(_CSRC)],
             build_directory=str(build_dir),
             verbose=False,
         )

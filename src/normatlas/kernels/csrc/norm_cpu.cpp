@@ -15,6 +15,13 @@
 #include <type_traits>
 #include <vector>
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && !defined(NORMATLAS_NO_AVX512)
+#define NORMATLAS_AVX512 1
+#include "norm_cpu_avx512.h"
+#else
+#define NORMATLAS_AVX512 0
+#endif
+
 namespace {
 
 template <typename T> struct IO;
@@ -156,6 +163,65 @@ inline void scale_of(A ms, A eps, int64_t mode, A& r, A& drdms) {
   }
 }
 
+#if NORMATLAS_AVX512
+// The explicit-vector row kernels serve fp32, bf16 and fp16 (fp64 keeps the generic path).
+template <typename T> struct Vec { using type = void; };
+template <> struct Vec<float> { using type = avx512::F32; };
+template <> struct Vec<c10::BFloat16> { using type = avx512::BF16; };
+template <> struct Vec<c10::Half> { using type = avx512::F16; };
+
+template <class V>
+void fwd_impl_v(const typename V::raw* xp, const typename V::raw* rp, typename V::raw* hp, typename V::raw* yp,
+                const float* gp, const float* bp, float* sp, int64_t rows, int64_t n, double eps_d, bool center,
+                int64_t eps_mode, bool before_gain, bool l2) {
+  using R = typename V::raw;
+  const float eps = static_cast<float>(eps_d);
+  const float div = l2 ? 1.f : static_cast<float>(n);
+  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(n, 1));
+  const bool stream = streams_from_memory(rows * n * static_cast<int64_t>(sizeof(R)) * (rp ? 2 : 1));
+  const auto write = avx512::pick_writer<V>(center, before_gain, bp != nullptr);
+  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const R* xr = xp + i * n;
+      const R* rr = rp ? rp + i * n : nullptr;
+      R* hr = rp ? hp + i * n : nullptr;
+      float mean = 0.f, ss = 0.f;
+      if (center) avx512::moments<V>(xr, rr, hr, n, mean, ss);
+      else ss = avx512::sumsq<V>(xr, rr, hr, n);
+      float r, drdms;
+      scale_of<float>(ss / div, eps, eps_mode, r, drdms);
+      sp[3 * i] = mean;
+      sp[3 * i + 1] = r;
+      sp[3 * i + 2] = drdms;
+      const bool more = stream && i + 1 < end;
+      write(rp ? hr : xr, yp + i * n, gp, bp, mean, r, n, more ? xr + n : nullptr, more && rp ? rr + n : nullptr);
+    }
+  });
+}
+
+template <class V>
+using BwdRowFn = void (*)(const typename V::raw*, const typename V::raw*, const typename V::raw*, typename V::raw*,
+                          const float*, float*, float*, int64_t, float, float, float, float);
+
+template <class V>
+BwdRowFn<V> pick_bwd_row(bool center, bool g, bool b, bool dr) {
+  switch ((center ? 8 : 0) | (g ? 4 : 0) | (b ? 2 : 0) | (dr ? 1 : 0)) {
+#define NA_CASE(k, C, G, B, D) \
+  case k:                      \
+    return avx512::bwd_row<V, C, G, B, D>;
+    NA_CASE(0, false, false, false, false) NA_CASE(1, false, false, false, true)
+    NA_CASE(2, false, false, true, false) NA_CASE(3, false, false, true, true)
+    NA_CASE(4, false, true, false, false) NA_CASE(5, false, true, false, true)
+    NA_CASE(6, false, true, true, false) NA_CASE(7, false, true, true, true)
+    NA_CASE(8, true, false, false, false) NA_CASE(9, true, false, false, true)
+    NA_CASE(10, true, false, true, false) NA_CASE(11, true, false, true, true)
+    NA_CASE(12, true, true, false, false) NA_CASE(13, true, true, false, true)
+    NA_CASE(14, true, true, true, false) default: return avx512::bwd_row<V, true, true, true, true>;
+#undef NA_CASE
+  }
+}
+#endif
+
 template <typename T>
 void fwd_impl(const typename IO<T>::raw* xp, const typename IO<T>::raw* rp, typename IO<T>::raw* hp,
               typename IO<T>::raw* yp, const typename IO<T>::acc* gp, const typename IO<T>::acc* bp,
@@ -163,6 +229,15 @@ void fwd_impl(const typename IO<T>::raw* xp, const typename IO<T>::raw* rp, type
               bool before_gain, bool l2) {
   using R = typename IO<T>::raw;
   using A = typename IO<T>::acc;
+#if NORMATLAS_AVX512
+  if constexpr (!std::is_void_v<typename Vec<T>::type>) {
+    using V = typename Vec<T>::type;
+    using VR = typename V::raw;
+    fwd_impl_v<V>(reinterpret_cast<const VR*>(xp), reinterpret_cast<const VR*>(rp), reinterpret_cast<VR*>(hp),
+                  reinterpret_cast<VR*>(yp), gp, bp, sp, rows, n, eps_d, center, eps_mode, before_gain, l2);
+    return;
+  }
+#endif
   const A eps = static_cast<A>(eps_d);
   const A div = l2 ? A(1) : static_cast<A>(n);
   const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(n, 1));
@@ -331,6 +406,22 @@ void bwd_impl(const typename IO<T>::raw* dyp, const typename IO<T>::raw* xp, con
       const int64_t r0 = rows * c / chunks, r1 = rows * (c + 1) / chunks;
       A* pgc = pgp ? pgp + c * n : nullptr;
       A* pbc = pbp ? pbp + c * n : nullptr;
+#if NORMATLAS_AVX512
+      if constexpr (!std::is_void_v<typename Vec<T>::type>) {
+        using V = typename Vec<T>::type;
+        using VR = typename V::raw;
+        const bool g_now = pgc && !before_gain, b_now = pbc && !before_gain;
+        const auto row = pick_bwd_row<V>(center, g_now, b_now, drp != nullptr);
+        for (int64_t i = r0; i < r1; ++i) {
+          const VR* xi = reinterpret_cast<const VR*>(xp + i * n);
+          const VR* dyi = reinterpret_cast<const VR*>(dyp + i * n);
+          row(xi, dyi, drp ? reinterpret_cast<const VR*>(drp + i * n) : nullptr, reinterpret_cast<VR*>(dxp + i * n), gp,
+              pgc, pbc, n, sp[3 * i], sp[3 * i + 1], sp[3 * i + 2], div);
+          if (before_gain && (pgc || pbc)) avx512::bwd_gain_before_cast<V>(xi, dyi, pgc, pbc, n, sp[3 * i], sp[3 * i + 1], center);
+        }
+        continue;
+      }
+#endif
       for (int64_t i = r0; i < r1; ++i) {
         bwd_row<T, R, A>(xp + i * n, dyp + i * n, drp ? drp + i * n : nullptr, dxp + i * n, gp, pgc, pbc, n,
                          sp[3 * i], sp[3 * i + 1], sp[3 * i + 2], div, center, before_gain);

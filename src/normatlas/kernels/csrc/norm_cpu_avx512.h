@@ -1,0 +1,335 @@
+// AVX-512 row kernels for fp32, bf16 and fp16 (included by norm_cpu.cpp when the compiler targets AVX-512).
+//
+// The same arithmetic as the generic templates in norm_cpu.cpp, written with explicit 16-lane vectors:
+// compilers vectorise the generic bf16 loops poorly (a scalar round-to-nearest-even with a NaN test per
+// element, an array of lane sums), which left the bf16 forward at 6x a copy on a cache-resident input.
+// Conversions: bf16 -> fp32 is a 16-bit shift; fp32 -> bf16 rounds to nearest even (one VCVTNEPS2BF16 with
+// AVX512_BF16, else the same integer rounding as the scalar path, NaN kept quiet); fp16 uses F16C-style
+// VCVTPH2PS / VCVTPS2PH with round to nearest even. Statistics are fp32. Tails are masked, so any row
+// length runs on the vector path.
+#pragma once
+
+#include <immintrin.h>
+
+#include <cmath>
+#include <cstdint>
+#include <type_traits>
+
+namespace avx512 {
+
+inline __mmask16 tail_mask(int64_t left) { return static_cast<__mmask16>((1u << left) - 1u); }
+
+struct F32 {
+  using raw = float;
+  static inline __m512 ld(const raw* p) { return _mm512_loadu_ps(p); }
+  static inline __m512 ldm(const raw* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+  static inline void st(raw* p, __m512 v) { _mm512_storeu_ps(p, v); }
+  static inline void stm(raw* p, __m512 v, __mmask16 m) { _mm512_mask_storeu_ps(p, m, v); }
+  static inline __m512 rt(__m512 v) { return v; }  // round trip through the storage dtype
+  // 32 elements at once (two vectors): lo = elements 0-15, hi = 16-31
+  static inline void ld2(const raw* p, __m512& lo, __m512& hi) {
+    lo = _mm512_loadu_ps(p);
+    hi = _mm512_loadu_ps(p + 16);
+  }
+  static inline void st2(raw* p, __m512 lo, __m512 hi) {
+    _mm512_storeu_ps(p, lo);
+    _mm512_storeu_ps(p + 16, hi);
+  }
+};
+
+struct BF16 {
+  using raw = uint16_t;
+  static inline __m512 up(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
+  static inline __m256i down(__m512 v) {
+#if defined(__AVX512BF16__)
+    return (__m256i)_mm512_cvtneps_pbh(v);
+#else
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb), 16);
+    const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    r = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+    return _mm512_cvtepi32_epi16(r);
+#endif
+  }
+  static inline __m512 ld(const raw* p) { return up(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+  static inline __m512 ldm(const raw* p, __mmask16 m) { return up(_mm256_maskz_loadu_epi16(m, p)); }
+  static inline void st(raw* p, __m512 v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), down(v)); }
+  static inline void stm(raw* p, __m512 v, __mmask16 m) { _mm256_mask_storeu_epi16(p, m, down(v)); }
+  static inline __m512 rt(__m512 v) { return up(down(v)); }
+  static inline void ld2(const raw* p, __m512& lo, __m512& hi) {
+    const __m512i v = _mm512_loadu_si512(p);
+    lo = up(_mm512_castsi512_si256(v));
+    hi = up(_mm512_extracti64x4_epi64(v, 1));
+  }
+  static inline void st2(raw* p, __m512 lo, __m512 hi) {
+#if defined(__AVX512BF16__)
+    _mm512_storeu_si512(p, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+#else
+    st(p, lo);
+    st(p + 16, hi);
+#endif
+  }
+};
+
+struct F16 {
+  using raw = uint16_t;
+  static constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  static inline __m512 ld(const raw* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+  static inline __m512 ldm(const raw* p, __mmask16 m) { return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, p)); }
+  static inline void st(raw* p, __m512 v) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(v, kRound));
+  }
+  static inline void stm(raw* p, __m512 v, __mmask16 m) { _mm256_mask_storeu_epi16(p, m, _mm512_cvtps_ph(v, kRound)); }
+  static inline __m512 rt(__m512 v) { return _mm512_cvtph_ps(_mm512_cvtps_ph(v, kRound)); }
+  static inline void ld2(const raw* p, __m512& lo, __m512& hi) {
+    const __m512i v = _mm512_loadu_si512(p);
+    lo = _mm512_cvtph_ps(_mm512_castsi512_si256(v));
+    hi = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(v, 1));
+  }
+  static inline void st2(raw* p, __m512 lo, __m512 hi) {
+    const __m512i v = _mm512_castsi256_si512(_mm512_cvtps_ph(lo, kRound));
+    _mm512_storeu_si512(p, _mm512_inserti64x4(v, _mm512_cvtps_ph(hi, kRound), 1));
+  }
+};
+
+// Calls body(j, mask) over the row in 16-lane steps, the last one masked (mask 0xffff elsewhere).
+template <typename F>
+inline void each16(int64_t n, F&& body) {
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16) body(j, static_cast<__mmask16>(0xffff));
+  if (j < n) body(j, tail_mask(n - j));
+}
+
+template <class V>
+inline __m512 load(const typename V::raw* p, __mmask16 m) {
+  return m == 0xffff ? V::ld(p) : V::ldm(p, m);
+}
+template <class V>
+inline void store(typename V::raw* p, __m512 v, __mmask16 m) {
+  if (m == 0xffff) V::st(p, v);
+  else V::stm(p, v, m);
+}
+inline __m512 loadf(const float* p, __mmask16 m) { return m == 0xffff ? _mm512_loadu_ps(p) : _mm512_maskz_loadu_ps(m, p); }
+
+// Sum of squares of a row with four independent accumulators (so the FMAs pipeline). With a residual,
+// h = x + r rounded to the storage dtype is written out and its rounded value is what is summed.
+template <class V>
+inline float sumsq(const typename V::raw* x, const typename V::raw* r, typename V::raw* h, int64_t n) {
+  __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+#if defined(__AVX512BF16__)
+  if (std::is_same_v<V, BF16> && !r) {
+    // bf16 pairs straight into fp32 sums: VDPBF16PS forms each square exactly and adds it in fp32
+    // (denormal bf16 inputs, below 1e-38, count as zero), 32 elements per instruction
+    int64_t j = 0;
+    for (; j + 128 <= n; j += 128) {  // four independent sums: the dot-product latency is hidden
+      const auto* p = x + j;
+      const __m512bh v0 = (__m512bh)_mm512_loadu_si512(p), v1 = (__m512bh)_mm512_loadu_si512(p + 32);
+      const __m512bh v2 = (__m512bh)_mm512_loadu_si512(p + 64), v3 = (__m512bh)_mm512_loadu_si512(p + 96);
+      a0 = _mm512_dpbf16_ps(a0, v0, v0);
+      a1 = _mm512_dpbf16_ps(a1, v1, v1);
+      a2 = _mm512_dpbf16_ps(a2, v2, v2);
+      a3 = _mm512_dpbf16_ps(a3, v3, v3);
+    }
+    for (; j < n; j += 16) {
+      const __mmask16 m = j + 16 <= n ? static_cast<__mmask16>(0xffff) : tail_mask(n - j);
+      const __m512 v = load<V>(x + j, m);
+      a0 = _mm512_fmadd_ps(v, v, a0);
+    }
+    return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
+  }
+#endif
+  auto val = [&](int64_t j, __mmask16 m) {
+    if (!r) return load<V>(x + j, m);
+    const __m512 v = V::rt(_mm512_add_ps(load<V>(x + j, m), load<V>(r + j, m)));
+    store<V>(h + j, v, m);
+    return v;
+  };
+  int64_t j = 0;
+  for (; j + 64 <= n; j += 64) {
+    const __m512 v0 = val(j, 0xffff), v1 = val(j + 16, 0xffff), v2 = val(j + 32, 0xffff), v3 = val(j + 48, 0xffff);
+    a0 = _mm512_fmadd_ps(v0, v0, a0);
+    a1 = _mm512_fmadd_ps(v1, v1, a1);
+    a2 = _mm512_fmadd_ps(v2, v2, a2);
+    a3 = _mm512_fmadd_ps(v3, v3, a3);
+  }
+  for (; j < n; j += 16) {
+    const __mmask16 m = j + 16 <= n ? static_cast<__mmask16>(0xffff) : tail_mask(n - j);
+    const __m512 v = val(j, m);
+    a0 = _mm512_fmadd_ps(v, v, a0);
+  }
+  return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
+}
+
+// Mean and sum of squared deviations in one read: Welford's update in 64 lanes (four vectors) over whole
+// 64-element blocks, the lanes merged exactly (Chan et al.), then the tail element by element; the same
+// scheme as the generic lane_moments.
+template <class V>
+inline void moments(const typename V::raw* x, const typename V::raw* r, typename V::raw* h, int64_t n, float& mean,
+                    float& m2) {
+  __m512 m[4], q[4];
+  for (int k = 0; k < 4; ++k) m[k] = q[k] = _mm512_setzero_ps();
+  auto val = [&](int64_t j, __mmask16 mk) {
+    if (!r) return load<V>(x + j, mk);
+    const __m512 v = V::rt(_mm512_add_ps(load<V>(x + j, mk), load<V>(r + j, mk)));
+    store<V>(h + j, v, mk);
+    return v;
+  };
+  int64_t c = 0, j = 0;
+  for (; j + 64 <= n; j += 64) {
+    ++c;
+    const __m512 inv = _mm512_set1_ps(1.0f / static_cast<float>(c));
+    for (int k = 0; k < 4; ++k) {
+      const __m512 v = val(j + 16 * k, 0xffff);
+      const __m512 d = _mm512_sub_ps(v, m[k]);
+      m[k] = _mm512_fmadd_ps(d, inv, m[k]);
+      q[k] = _mm512_fmadd_ps(d, _mm512_sub_ps(v, m[k]), q[k]);
+    }
+  }
+  float mu = 0.f, M2 = 0.f;
+  int64_t cnt = 0;
+  if (c > 0) {
+    alignas(64) float ms[64], qs[64];
+    for (int k = 0; k < 4; ++k) {
+      _mm512_store_ps(ms + 16 * k, m[k]);
+      _mm512_store_ps(qs + 16 * k, q[k]);
+    }
+    float s = 0.f;
+    for (int k = 0; k < 64; ++k) s += ms[k];
+    mu = s / 64.f;
+    float qsum = 0.f, dsum = 0.f;
+    for (int k = 0; k < 64; ++k) {
+      qsum += qs[k];
+      dsum += (ms[k] - mu) * (ms[k] - mu);
+    }
+    M2 = qsum + static_cast<float>(c) * dsum;
+    cnt = c * 64;
+  }
+  if (j < n) {  // the tail, rounded through the storage dtype like the rest (written out when r is given)
+    alignas(64) float tail[64];
+    each16(n - j, [&](int64_t k, __mmask16 mk) { _mm512_mask_storeu_ps(tail + k, mk, val(j + k, mk)); });
+    for (int64_t k = 0; k < n - j; ++k) {
+      ++cnt;
+      const float v = tail[k];
+      const float d = v - mu;
+      mu += d / static_cast<float>(cnt);
+      M2 += d * (v - mu);
+    }
+  }
+  mean = mu;
+  m2 = M2;
+}
+
+// y = affine(normalised row), reading the row (x, or h with a residual) from cache. C: subtract the mean;
+// BG: cast before the gain (HF Llama order: gain * x_hat.to(dtype), each product rounded); B: add a bias.
+// With `nx` / `nr` set (inputs streaming from memory) the next row is prefetched while this one is written.
+template <class V, bool C, bool BG, bool B>
+inline void write_row(const typename V::raw* src, typename V::raw* y, const float* g, const float* b, float mean,
+                      float rstd, int64_t n, const typename V::raw* nx, const typename V::raw* nr) {
+  const __m512 mu = _mm512_set1_ps(mean), rs = _mm512_set1_ps(rstd);
+  auto affine = [&](__m512 v, int64_t j, __mmask16 m) {
+    if (C) v = _mm512_sub_ps(v, mu);
+    v = _mm512_mul_ps(v, rs);
+    const __m512 gv = loadf(g + j, m);
+    if (BG) {
+      v = V::rt(_mm512_mul_ps(V::rt(v), gv));
+      return B ? _mm512_add_ps(v, loadf(b + j, m)) : v;
+    }
+    return B ? _mm512_fmadd_ps(v, gv, loadf(b + j, m)) : _mm512_mul_ps(v, gv);
+  };
+  constexpr int64_t kLine = 64 / sizeof(typename V::raw);  // elements per 64-byte line
+  int64_t j = 0;
+  for (; j + 32 <= n; j += 32) {  // 32 elements: one line of bf16 / fp16, two of fp32
+    if (nx) {  // the next row streams in from memory while this one is written from cache
+      for (int64_t o = 0; o < 32; o += kLine) {
+        _mm_prefetch(reinterpret_cast<const char*>(nx + j + o), _MM_HINT_T0);
+        if (nr) _mm_prefetch(reinterpret_cast<const char*>(nr + j + o), _MM_HINT_T0);
+      }
+    }
+    __m512 lo, hi;
+    V::ld2(src + j, lo, hi);
+    V::st2(y + j, affine(lo, j, 0xffff), affine(hi, j + 16, 0xffff));
+  }
+  each16(n - j, [&](int64_t k, __mmask16 m) { store<V>(y + j + k, affine(load<V>(src + j + k, m), j + k, m), m); });
+}
+
+template <class V>
+using WriteFn = void (*)(const typename V::raw*, typename V::raw*, const float*, const float*, float, float, int64_t,
+                         const typename V::raw*, const typename V::raw*);
+
+template <class V>
+inline WriteFn<V> pick_writer(bool center, bool before_gain, bool bias) {
+  const int k = (center ? 4 : 0) | (before_gain ? 2 : 0) | (bias ? 1 : 0);
+  switch (k) {
+    case 0: return write_row<V, false, false, false>;
+    case 1: return write_row<V, false, false, true>;
+    case 2: return write_row<V, false, true, false>;
+    case 3: return write_row<V, false, true, true>;
+    case 4: return write_row<V, true, false, false>;
+    case 5: return write_row<V, true, false, true>;
+    case 6: return write_row<V, true, true, false>;
+    default: return write_row<V, true, true, true>;
+  }
+}
+
+// One row of the backward (the same algebra as the generic bwd_row): a first pass over x and dy for the row
+// sums and, when the gain follows the cast, the gain / bias partial sums; a second pass that writes dx.
+template <class V, bool C, bool G, bool Bs, bool DR>
+inline void bwd_row(const typename V::raw* x, const typename V::raw* dy, const typename V::raw* dr,
+                    typename V::raw* dx, const float* g, float* pg, float* pb, int64_t n, float mean, float r,
+                    float drdms, float div) {
+  const __m512 mu = _mm512_set1_ps(mean), rs = _mm512_set1_ps(r);
+  __m512 s1 = _mm512_setzero_ps(), s2 = s1, s3 = s1, t1 = s1, t2 = s1, t3 = s1;
+  int64_t step = 0;
+  each16(n, [&](int64_t j, __mmask16 m) {
+    const __m512 d = load<V>(dy + j, m);
+    __m512 xc = load<V>(x + j, m);
+    if (C) xc = _mm512_maskz_sub_ps(m, xc, mu);  // masked lanes stay 0 so they add nothing
+    const __m512 dxh = _mm512_mul_ps(d, loadf(g + j, m));
+    // two sets of accumulators, alternating, so consecutive adds do not wait on each other
+    if (step++ & 1) {
+      t1 = _mm512_add_ps(t1, dxh);
+      t2 = _mm512_fmadd_ps(dxh, xc, t2);
+      if (C) t3 = _mm512_add_ps(t3, xc);
+    } else {
+      s1 = _mm512_add_ps(s1, dxh);
+      s2 = _mm512_fmadd_ps(dxh, xc, s2);
+      if (C) s3 = _mm512_add_ps(s3, xc);
+    }
+    if (G) _mm512_mask_storeu_ps(pg + j, m, _mm512_fmadd_ps(d, _mm512_mul_ps(xc, rs), loadf(pg + j, m)));
+    if (Bs) _mm512_mask_storeu_ps(pb + j, m, _mm512_add_ps(d, loadf(pb + j, m)));
+  });
+  const float s_dxh = _mm512_reduce_add_ps(_mm512_add_ps(s1, t1));
+  const float s_dxh_xc = _mm512_reduce_add_ps(_mm512_add_ps(s2, t2));
+  const float s_xc = C ? _mm512_reduce_add_ps(_mm512_add_ps(s3, t3)) : 0.f;
+  const float k = drdms * 2.f / div * s_dxh_xc;
+  const float off = C ? (r * s_dxh + k * s_xc) / static_cast<float>(n) : 0.f;
+  const __m512 kv = _mm512_set1_ps(k), offv = _mm512_set1_ps(off);
+  each16(n, [&](int64_t j, __mmask16 m) {
+    __m512 xc = load<V>(x + j, m);
+    if (C) xc = _mm512_sub_ps(xc, mu);
+    __m512 v = _mm512_mul_ps(_mm512_mul_ps(rs, load<V>(dy + j, m)), loadf(g + j, m));
+    v = _mm512_fmadd_ps(kv, xc, v);
+    if (C) v = _mm512_sub_ps(v, offv);
+    if (DR) v = _mm512_add_ps(v, load<V>(dr + j, m));
+    store<V>(dx + j, v, m);
+  });
+}
+
+// The gain / bias partial sums when the gain follows the cast back (cast BEFORE_GAIN): dg += dy * x_hat
+// rounded to the storage dtype, db += dy.
+template <class V>
+inline void bwd_gain_before_cast(const typename V::raw* x, const typename V::raw* dy, float* pg, float* pb, int64_t n,
+                                 float mean, float r, bool center) {
+  const __m512 mu = _mm512_set1_ps(center ? mean : 0.f), rs = _mm512_set1_ps(r);
+  each16(n, [&](int64_t j, __mmask16 m) {
+    const __m512 d = load<V>(dy + j, m);
+    if (pg) {
+      const __m512 xh = V::rt(_mm512_mul_ps(_mm512_sub_ps(load<V>(x + j, m), mu), rs));
+      _mm512_mask_storeu_ps(pg + j, m, _mm512_fmadd_ps(d, xh, loadf(pg + j, m)));
+    }
+    if (pb) _mm512_mask_storeu_ps(pb + j, m, _mm512_add_ps(d, loadf(pb + j, m)));
+  });
+}
+
+}  // namespace avx512
