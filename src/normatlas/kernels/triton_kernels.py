@@ -155,30 +155,44 @@ if HAS_TRITON:
         tl.store(STATS + row * 3 + 2, d, mask=rmask)
 
     @triton.jit
-    def _bwd_kernel(DY, X, DRES, DX, G, STATS, PG, PB, rows, n, div, rows_per_prog,
-                    BLOCK: tl.constexpr, CENTER: tl.constexpr, BEFORE: tl.constexpr,
+    def _bwd_kernel(DY, X, DRES, DX, G, STATS, ROWK, PG, PB, rows, n, div, group,
+                    BLOCK: tl.constexpr, WIDE: tl.constexpr, CENTER: tl.constexpr, BEFORE: tl.constexpr,
                     HAS_DRES: tl.constexpr, NEED_DG: tl.constexpr, NEED_DB: tl.constexpr):  # fmt: skip
-        """Rows that fit one block: each program walks its rows, gain / bias partials stay in registers."""
-        pid = tl.program_id(0).to(tl.int64)
-        cols = tl.arange(0, BLOCK)
+        """dx for a group of ``group`` rows, and the group's partial row of dgain / dbias kept in fp32 registers.
+
+        ``WIDE=False`` (rows that fit one block): a 1-D grid of row groups; each row's two backward
+        scalars come from the same pass over x and dy. ``WIDE=True`` (step 2 of wide rows): a (column
+        block, row group) grid; the scalars were written to ``ROWK`` by :func:`_bwd_rowdot_kernel`.
+        """
+        if WIDE:
+            prog = tl.program_id(1).to(tl.int64)
+            cols = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        else:
+            prog = tl.program_id(0).to(tl.int64)
+            cols = tl.arange(0, BLOCK)
         cm = cols < n
         g = tl.load(G + cols, mask=cm, other=0.0)
-        start = pid * rows_per_prog
         pg = tl.zeros([BLOCK], dtype=tl.float32)
         pb = tl.zeros([BLOCK], dtype=tl.float32)
-        end = tl.minimum(start + rows_per_prog, rows)
+        start = prog * group
+        end = tl.minimum(start + group, rows)
         for row in range(start, end):
             base = row * n
             mean = tl.load(STATS + row * 3)
             r = tl.load(STATS + row * 3 + 1)
-            d = tl.load(STATS + row * 3 + 2)
             x = tl.load(X + base + cols, mask=cm, other=0.0)
-            dy = tl.load(DY + base + cols, mask=cm, other=0.0).to(tl.float32)
             xc = tl.where(cm, x.to(tl.float32) - mean, 0.0)
-            dxh = dy * g
-            k = d * 2.0 / div * tl.sum(dxh * xc, axis=0)
-            off = (r * tl.sum(dxh, axis=0) + k * tl.sum(xc, axis=0)) / n if CENTER else 0.0
-            dx = r * dxh + k * xc - off
+            dy = tl.load(DY + base + cols, mask=cm, other=0.0).to(tl.float32)
+            if WIDE:
+                k = tl.load(ROWK + row * 2)
+                off = tl.load(ROWK + row * 2 + 1)
+                dx = r * dy * g + k * xc - off
+            else:
+                d = tl.load(STATS + row * 3 + 2)
+                dxh = dy * g
+                k = d * 2.0 / div * tl.sum(dxh * xc, axis=0)
+                off = (r * tl.sum(dxh, axis=0) + k * tl.sum(xc, axis=0)) / n if CENTER else 0.0
+                dx = r * dxh + k * xc - off
             if HAS_DRES:
                 dx += tl.load(DRES + base + cols, mask=cm, other=0.0).to(tl.float32)
             tl.store(DX + base + cols, dx.to(DX.dtype.element_ty), mask=cm)
@@ -190,9 +204,9 @@ if HAS_TRITON:
             if NEED_DB:
                 pb += dy
         if NEED_DG:
-            tl.store(PG + pid * n + cols, pg, mask=cm)
+            tl.store(PG + prog * n + cols, pg, mask=cm)
         if NEED_DB:
-            tl.store(PB + pid * n + cols, pb, mask=cm)
+            tl.store(PB + prog * n + cols, pb, mask=cm)
 
     @triton.jit
     def _bwd_rowdot_kernel(DY, X, G, STATS, ROWK, n, div, BLOCK: tl.constexpr, CENTER: tl.constexpr):
@@ -218,45 +232,6 @@ if HAS_TRITON:
         off = (r * tl.sum(s1, axis=0) + k * tl.sum(s3, axis=0)) / n if CENTER else 0.0
         tl.store(ROWK + row * 2, k)
         tl.store(ROWK + row * 2 + 1, off)
-
-    @triton.jit
-    def _bwd_tile_kernel(DY, X, DRES, DX, G, STATS, ROWK, PG, PB, rows, n, group,
-                         BLOCK: tl.constexpr, BEFORE: tl.constexpr, HAS_DRES: tl.constexpr,
-                         NEED_DG: tl.constexpr, NEED_DB: tl.constexpr):  # fmt: skip
-        """Wide rows, step 2: a (column block, row group) tile writes dx and one partial row of dgain / dbias."""
-        pc = tl.program_id(0).to(tl.int64)
-        pgid = tl.program_id(1).to(tl.int64)
-        cols = pc * BLOCK + tl.arange(0, BLOCK)
-        cm = cols < n
-        g = tl.load(G + cols, mask=cm, other=0.0)
-        pg = tl.zeros([BLOCK], dtype=tl.float32)
-        pb = tl.zeros([BLOCK], dtype=tl.float32)
-        start = pgid * group
-        end = tl.minimum(start + group, rows)
-        for row in range(start, end):
-            base = row * n
-            mean = tl.load(STATS + row * 3)
-            r = tl.load(STATS + row * 3 + 1)
-            k = tl.load(ROWK + row * 2)
-            off = tl.load(ROWK + row * 2 + 1)
-            x = tl.load(X + base + cols, mask=cm, other=0.0)
-            xc = tl.where(cm, x.to(tl.float32) - mean, 0.0)
-            dy = tl.load(DY + base + cols, mask=cm, other=0.0).to(tl.float32)
-            dx = r * dy * g + k * xc - off
-            if HAS_DRES:
-                dx += tl.load(DRES + base + cols, mask=cm, other=0.0).to(tl.float32)
-            tl.store(DX + base + cols, dx.to(DX.dtype.element_ty), mask=cm)
-            if NEED_DG:
-                xh = xc * r
-                if BEFORE:
-                    xh = xh.to(x.dtype).to(tl.float32)
-                pg += dy * xh
-            if NEED_DB:
-                pb += dy
-        if NEED_DG:
-            tl.store(PG + pgid * n + cols, pg, mask=cm)
-        if NEED_DB:
-            tl.store(PB + pgid * n + cols, pb, mask=cm)
 
 
 def _gain(weight: Tensor | None, n: int, x: Tensor, before_gain: bool, one_plus_w: bool) -> Tensor:
@@ -320,15 +295,15 @@ def norm_bwd(
     pb = torch.zeros((programs, n) if need_db else (1, 1), dtype=torch.float32, device=x.device)
     if rows and single:
         _bwd_kernel[(programs,)](
-            dy2, x2, dr if dr is not None else dy2, dx, g, stats, pg, pb, rows, n, div, rows_per_prog,
-            BLOCK=block, CENTER=center, **flags, num_warps=_warps(block),
+            dy2, x2, dr if dr is not None else dy2, dx, g, stats, stats, pg, pb, rows, n, div, rows_per_prog,
+            BLOCK=block, WIDE=False, CENTER=center, **flags, num_warps=_warps(block),
         )  # fmt: skip
     elif rows:
         rowk = torch.empty((rows, 2), dtype=torch.float32, device=x.device)
         _bwd_rowdot_kernel[(rows,)](dy2, x2, g, stats, rowk, n, div, BLOCK=block, CENTER=center, num_warps=16)
-        _bwd_tile_kernel[(col_blocks, programs)](
-            dy2, x2, dr if dr is not None else dy2, dx, g, stats, rowk, pg, pb, rows, n, rows_per_prog,
-            BLOCK=tile, **flags, num_warps=_warps(tile),
+        _bwd_kernel[(col_blocks, programs)](
+            dy2, x2, dr if dr is not None else dy2, dx, g, stats, rowk, pg, pb, rows, n, div, rows_per_prog,
+            BLOCK=tile, WIDE=True, CENTER=center, **flags, num_warps=_warps(tile),
         )  # fmt: skip
     dg = pg.sum(0) if need_dg else pg.new_empty(0)
     db = pb.sum(0) if need_db else pb.new_empty(0)
