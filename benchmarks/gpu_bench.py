@@ -40,14 +40,6 @@ try:  # run from a checkout without installing the package
 except ImportError:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-# (center, eps_mode, before_gain, one_plus_w, l2, residual, bias): RMSNorm, LN+add, Llama order + (1+w), clamp, L2
-CASES = [
-    (False, 0, False, False, False, False, False),
-    (True, 0, False, False, False, True, True),
-    (False, 1, True, True, False, True, False),
-    (True, 2, False, False, False, False, True),
-    (False, 0, False, False, True, False, False),
-]
 TOL = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
 
 
@@ -79,7 +71,7 @@ def correctness(device: str = "cuda", shapes: list[tuple[int, int]] | None = Non
     dtypes = (torch.float32, torch.bfloat16, torch.float16) if device == "cuda" else (torch.float32, torch.float16)
     for dtype in dtypes:
         for rows, n in shapes:
-            for case in CASES:
+            for case in triton_kernels.CASES:  # the flag combinations the test suite checks too
                 center, eps_mode, before, one_plus_w, l2, has_res, has_bias = case
                 what = f"{dtype} {rows}x{n} {case}"
                 try:

@@ -24,19 +24,11 @@ pytestmark = pytest.mark.skipif(
 )
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: {"atol": 1e-5, "rtol": 1e-5}, torch.float16: {"atol": 2e-3, "rtol": 2e-3}}
-# (center, eps_mode, before_gain, one_plus_w, l2, residual, bias): RMSNorm, LayerNorm+add, Llama order, ...
-CASES = [
-    (False, 0, False, False, False, False, False),
-    (True, 0, False, False, False, True, True),
-    (False, 1, True, True, False, True, False),
-    (True, 2, False, False, False, False, True),
-    (False, 0, False, False, True, False, False),
-]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("rows,n", [(7, 37), (5, 256), (2, 8200), (0, 16)], ids=str)
-@pytest.mark.parametrize("case", CASES, ids=str)
+@pytest.mark.parametrize("case", triton_kernels.CASES, ids=str)
 def test_triton_matches_eager(case: tuple, rows: int, n: int, dtype: torch.dtype) -> None:
     center, eps_mode, before, one_plus_w, l2, has_res, has_bias = case
     gen = torch.Generator().manual_seed(0)

@@ -31,9 +31,20 @@ try:
 except ImportError:  # pragma: no cover - exercised where triton is absent
     HAS_TRITON = False
 
-__all__ = ["available", "interpreted", "norm_bwd", "norm_fwd"]
+__all__ = ["CASES", "available", "interpreted", "norm_bwd", "norm_fwd"]
 
 MAX_FUSED = 8192  # widest row kept in registers in one block
+
+# The flag combinations the kernels are checked on against the eager reference, by the test suite (interpreter)
+# and by benchmarks/gpu_bench.py (GPU): (center, eps_mode, before_gain, one_plus_w, l2, residual, bias).
+# RMSNorm; LayerNorm + add + bias; Llama cast order + (1 + w) + add, eps outside the root; clamp eps; L2.
+CASES: tuple[tuple[bool, int, bool, bool, bool, bool, bool], ...] = (
+    (False, 0, False, False, False, False, False),
+    (True, 0, False, False, False, True, True),
+    (False, 1, True, True, False, True, False),
+    (True, 2, False, False, False, False, True),
+    (False, 0, False, False, True, False, False),
+)
 
 
 def interpreted() -> bool:
