@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..functional import compute_dtype, normalize, resolve
+from ..functional import _statistics, compute_dtype, normalize, resolve
 from ..modules import Norm
 from ..spec import Axis, CastOrder, Gain, Layout, NormSpec
 
@@ -59,22 +59,25 @@ def batch_norm_spec(layout: Layout = Layout.NC_ANY, eps: float = 1e-5, affine: b
     )
 
 
+_MOMENTS_SPEC = batch_norm_spec()  # centred, mean of squares: what batch_moments asks the core for
+
+
 def batch_moments(x: Tensor, dims: tuple[int, ...], mask: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """(count, mean, biased variance) over ``dims`` (kept), counting only ``mask``'s True positions.
 
-    ``x`` should already be in the compute dtype. An all-masked slice has count 0, mean 0, var 0.
+    A thin adapter over the core's statistics (``normatlas.functional._statistics``, which the
+    core's generic path uses) for the BatchNorm spec, with the count as a tensor. ``x`` should
+    already be in the compute dtype. An empty or all-masked slice has count 0, mean 0, var 0.
     """
-    if mask is None:
-        n = math.prod(x.shape[d] for d in dims)
-        count = torch.full([1] * x.dim(), float(n), dtype=x.dtype, device=x.device)
-        mean = x.mean(dims, keepdim=True) if n else torch.zeros_like(x.sum(dims, keepdim=True))
-        var = (x - mean).pow(2).mean(dims, keepdim=True) if n else torch.zeros_like(mean)
-        return count, mean, var
-    m = mask.expand(x.shape).to(x.dtype)
-    count = m.sum(dims, keepdim=True)
-    denom = count.clamp_min(1)
-    mean = (x * m).sum(dims, keepdim=True) / denom
-    var = ((x - mean).pow(2) * m).sum(dims, keepdim=True) / denom
+    if mask is not None:
+        mask = mask.expand(x.shape)  # as the core does: a broadcast mask counts every position it covers
+    elif math.prod(x.shape[d] for d in dims) == 0:  # the core's mean of nothing is NaN; ours is 0
+        zero = torch.zeros_like(x.sum(dims, keepdim=True))
+        return torch.zeros([1] * x.dim(), dtype=x.dtype, device=x.device), zero, torch.zeros_like(zero)
+    mean, _, var, count = _statistics(x, _MOMENTS_SPEC, dims, mask)
+    assert mean is not None  # the BatchNorm spec centres
+    if not isinstance(count, Tensor):
+        count = torch.full([1] * x.dim(), float(count), dtype=x.dtype, device=x.device)
     return count, mean, var
 
 
