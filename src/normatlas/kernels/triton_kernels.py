@@ -84,6 +84,20 @@ if HAS_TRITON:
         return r, d
 
     @triton.jit
+    def _affine(xh, x, G, B, c, cmask, BEFORE: tl.constexpr, HAS_B: tl.constexpr):
+        """Gain and bias on the fp32 x_hat of columns ``c``; ``BEFORE``: Llama's order, x_hat rounded to x's dtype."""
+        g = tl.load(G + c, mask=cmask, other=0.0)
+        if BEFORE:
+            y = (xh.to(x.dtype).to(tl.float32) * g[None, :]).to(x.dtype)
+            if HAS_B:
+                y = (y.to(tl.float32) + tl.load(B + c, mask=cmask, other=0.0)[None, :]).to(x.dtype)
+        else:
+            y = xh * g[None, :]
+            if HAS_B:
+                y = y + tl.load(B + c, mask=cmask, other=0.0)[None, :]
+        return y
+
+    @triton.jit
     def _fwd_kernel(X, RES, H, Y, G, B, STATS, rows, n, div, eps,
                     BLOCK: tl.constexpr, ROWS: tl.constexpr, SINGLE: tl.constexpr, CENTER: tl.constexpr,
                     EPS_MODE: tl.constexpr, BEFORE: tl.constexpr, HAS_RES: tl.constexpr,
@@ -105,16 +119,7 @@ if HAS_TRITON:
             mean = tl.sum(xf, axis=1) / n if CENTER else tl.zeros([ROWS], dtype=tl.float32)
             xc = tl.where(m, xf - mean[:, None], 0.0)
             r, d = _rstd(tl.sum(xc * xc, axis=1) / div, eps, EPS_MODE)
-            g = tl.load(G + cols, mask=cmask, other=0.0)
-            xh = xc * r[:, None]
-            if BEFORE:
-                y = (xh.to(x.dtype).to(tl.float32) * g[None, :]).to(x.dtype)
-                if HAS_B:
-                    y = (y.to(tl.float32) + tl.load(B + cols, mask=cmask, other=0.0)[None, :]).to(x.dtype)
-            else:
-                y = xh * g[None, :]
-                if HAS_B:
-                    y = y + tl.load(B + cols, mask=cmask, other=0.0)[None, :]
+            y = _affine(xc * r[:, None], x, G, B, cols, cmask, BEFORE, HAS_B)
             tl.store(Y + base + cols[None, :], y.to(Y.dtype.element_ty), mask=m)
         else:  # ROWS == 1: stream the row in chunks; two passes for RMS (stats, output), three for LayerNorm
             src = H if HAS_RES else X
@@ -151,15 +156,7 @@ if HAS_TRITON:
                 m = rmask[:, None] & cmask[None, :]
                 x = tl.load(src + base + c[None, :], mask=m, other=0.0)
                 xh = (x.to(tl.float32) - mean[:, None]) * r[:, None]
-                g = tl.load(G + c, mask=cmask, other=0.0)
-                if BEFORE:
-                    y = (xh.to(x.dtype).to(tl.float32) * g[None, :]).to(x.dtype)
-                    if HAS_B:
-                        y = (y.to(tl.float32) + tl.load(B + c, mask=cmask, other=0.0)[None, :]).to(x.dtype)
-                else:
-                    y = xh * g[None, :]
-                    if HAS_B:
-                        y = y + tl.load(B + c, mask=cmask, other=0.0)[None, :]
+                y = _affine(xh, x, G, B, c, cmask, BEFORE, HAS_B)
                 tl.store(Y + base + c[None, :], y.to(Y.dtype.element_ty), mask=m)
         tl.store(STATS + row * 3, mean, mask=rmask)
         tl.store(STATS + row * 3 + 1, r, mask=rmask)
