@@ -16,6 +16,7 @@ from normatlas.kernels import (
     FusedNorm,
     FusedRMSNorm,
     build_info,
+    cpu,
     fused_add_layer_norm,
     fused_add_rms_norm,
     fused_layer_norm,
@@ -344,3 +345,39 @@ def test_normalized_shape_must_match_the_input() -> None:
         fused_layer_norm(x, [2, 4])
     with pytest.raises(ValueError, match="trailing dims"):
         FusedRMSNorm(16)(x)
+
+
+@pytest.mark.parametrize("case", ["offset_1e4", "massive_activation", "tiny_spread_1e3"])
+def test_layer_norm_statistics_as_accurate_as_torch(case: str) -> None:
+    """The fp32 LayerNorm statistics (corrected two-pass) stay within 2x torch's own error against float64.
+
+    The hard rows for a one-pass sum of squares: a large common offset, one massive channel (the essay's massive
+    activations), and a tiny spread around a large mean.
+    """
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(64, 4097 if case == "offset_1e4" else 1000, generator=gen, dtype=torch.float64)
+    if case == "offset_1e4":
+        x = x + 1e4
+    elif case == "massive_activation":
+        x[:, 7] = 3e3
+    else:
+        x = x * 1e-2 + 1e3
+    x32 = x.float()
+    n = x.shape[-1]
+    truth = torch.nn.functional.layer_norm(x32.double(), (n,), eps=1e-5)
+    ours = (fused_layer_norm(x32, n, eps=1e-5).double() - truth).abs().max().item()
+    peer = (torch.nn.functional.layer_norm(x32, (n,), eps=1e-5).double() - truth).abs().max().item()
+    assert ours <= 2 * peer + 1e-6, (ours, peer)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_affine_floor_is_the_output_pass(dtype: torch.dtype) -> None:
+    """The benchmark's floor (``y = x * s * w`` row by row) computes what it claims, odd row lengths included."""
+    ext = cpu.extension()
+    if ext is None:
+        pytest.skip("no C++ kernels")
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(7, 3, 123, generator=gen).to(dtype)
+    w = torch.rand(123, generator=gen).to(dtype)
+    want = (x.float() * 0.5 * w.float()).to(dtype)
+    torch.testing.assert_close(ext.affine_floor(x, w, 0.5), want, **TOL[dtype])

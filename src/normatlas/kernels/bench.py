@@ -6,8 +6,10 @@ reference: ``w * (x.float() * rsqrt(mean(x^2) + eps)).to(dtype)``, after ``x + r
 variants), ``compile`` (``torch.compile(dynamic=True)`` of the HF-style code; for add+RMSNorm
 inductor fuses the add into the norm, so it is a fused peer), ``compile_pair`` (add+RMSNorm
 only: torch's ``x + r``, then the compiled HF-style RMSNorm: the strongest *unfused* pair),
-``liger`` (Liger-Kernel, only where it runs: CUDA), and ``copy`` (``x.clone()`` of the same
-tensor, the bandwidth limit). First-call seconds (compile time) are reported. Calls are
+``liger`` (Liger-Kernel, only where it runs: CUDA), ``floor`` (CPU, forward of rms / layer
+only: the output pass alone, ``y = x * s * w`` row by row with our vector code and threading, no
+statistics: no norm forward can beat it on this machine), and ``copy`` (``x.clone()`` of the
+same tensor, the bandwidth limit). First-call seconds (compile time) are reported. Calls are
 interleaved round-robin and the median of ``repeats`` rounds is reported (``min_ms`` too),
 so machine noise hits every provider alike.
 
@@ -32,6 +34,7 @@ __all__ = ["MODES", "OPS", "run_bench"]
 
 OPS = ("rms", "layer", "add_rms", "add_layer", "qk")
 MODES = ("fwd", "bwd", "fwdbwd")
+FWD_ONLY = frozenset({"floor"})  # providers with no backward
 Fn = Callable[..., Any]
 
 
@@ -89,6 +92,12 @@ def _providers(op: str, device: str) -> dict[str, Fn]:
         out["compile"] = torch.compile(out["hf"], dynamic=True)
     else:
         raise ValueError(f"op={op!r} is not one of {OPS}")
+    if device == "cpu" and op in ("rms", "layer"):
+        from .cpu import extension
+
+        ext = extension()
+        if ext is not None:
+            out["floor"] = lambda x, r, w, b: ext.affine_floor(x, w, 0.5)
     if device == "cuda":
         liger = _liger(op)
         if liger is not None:
@@ -174,7 +183,8 @@ def run_bench(
                     progress(f"{op} {mode} {tuple(shape)} {dtype}")
                 first: dict[str, float] = {}
                 calls: dict[str, Callable[[], Any]] = {"copy": x.clone}
-                for name in names:
+                here = [n for n in names if mode == "fwd" or n not in FWD_ONLY]
+                for name in here:
                     t0 = time.perf_counter()
                     call = _make_call(all_fns[name], mode, x, r, w, b)
                     call()
@@ -199,7 +209,7 @@ def run_bench(
                 numel, itemsize = x.numel(), x.element_size()
                 moved = _bytes(op, mode, numel, itemsize)
                 copy_per_byte = med["copy"] / (2 * numel * itemsize)
-                for name in names:
+                for name in here:
                     rows.append({
                         "op": op, "mode": mode, "shape": "x".join(map(str, shape)),
                         "dtype": str(dtype).removeprefix("torch."), "provider": name,
