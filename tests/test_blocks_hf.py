@@ -14,34 +14,29 @@ transformers = pytest.importorskip("transformers")
 
 from normatlas.blocks import from_hf, keymap_for, to_hf_state_dict  # noqa: E402
 
-SEQ, BATCH, VOCAB = 7, 2, 97
-_DEC = dict(
-    vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-    head_dim=16, intermediate_size=128, max_position_embeddings=64, pad_token_id=0,
-)  # fmt: skip
+from .tiny_hf import randomise_, tiny_model  # noqa: E402
 
-# Original sizes for reference: Llama-3-8B 4096/32L, Qwen3-8B 4096/36L, Gemma-2-9B 3584/42L,
-# Gemma-3-4B 2560/34L, OLMo-2-7B 4096/32L, Command-R 8192/40L, GPT-2 768/12L, BERT-base 768/12L, GLM-4-9B 4096/40L.
+SEQ, BATCH, VOCAB = 7, 2, 97
+_DEC = dict(width=64, vocab_size=VOCAB, max_position_embeddings=64, pad_token_id=0)  # head_dim 16, ffn 128
+_ENC = dict(width=64, vocab_size=VOCAB)  # GPT-2 / BERT: 32 positions, ffn 128
+
+# Original sizes: see tests/tiny_hf.py (Llama-3-8B 4096/32L ... BERT-base 768/12L).
 CASES = {
-    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(_DEC)),
-    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(_DEC)),
-    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM",
+    "llama": ("LlamaForCausalLM", _DEC),
+    "qwen3": ("Qwen3ForCausalLM", _DEC),
+    "gemma2": ("Gemma2ForCausalLM",
                dict(_DEC, sliding_window=4, query_pre_attn_scalar=24, attn_logit_softcapping=5.0,
                     final_logit_softcapping=3.0)),
-    "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM",
+    "gemma3_text": ("Gemma3ForCausalLM",
                     dict(_DEC, sliding_window=4, query_pre_attn_scalar=24,
                          layer_types=["sliding_attention", "full_attention"])),
-    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", dict(_DEC)),
-    "cohere": ("CohereConfig", "CohereForCausalLM", dict(_DEC, logit_scale=0.5)),
-    "cohere+qk_norm": ("CohereConfig", "CohereForCausalLM", dict(_DEC, logit_scale=0.5, use_qk_norm=True)),
-    "gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=32)),
-    "gpt2+scaled": ("GPT2Config", "GPT2LMHeadModel",
-                    dict(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=32,
-                         scale_attn_by_inverse_layer_idx=True, reorder_and_upcast_attn=True)),
-    "bert": ("BertConfig", "BertForMaskedLM",
-             dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                  intermediate_size=128, max_position_embeddings=32, type_vocab_size=2)),
-    "glm4": ("Glm4Config", "Glm4ForCausalLM", dict(_DEC)),
+    "olmo2": ("Olmo2ForCausalLM", _DEC),
+    "cohere": ("CohereForCausalLM", dict(_DEC, logit_scale=0.5)),
+    "cohere+qk_norm": ("CohereForCausalLM", dict(_DEC, logit_scale=0.5, use_qk_norm=True)),
+    "gpt2": ("GPT2LMHeadModel", _ENC),
+    "gpt2+scaled": ("GPT2LMHeadModel", dict(_ENC, scale_attn_by_inverse_layer_idx=True, reorder_and_upcast_attn=True)),
+    "bert": ("BertForMaskedLM", _ENC),
+    "glm4": ("Glm4ForCausalLM", _DEC),
 }  # fmt: skip
 """Keys are HF ``model_type`` names, with ``+variant`` for a second configuration of the same architecture."""
 
@@ -51,15 +46,9 @@ def _type(name: str) -> str:
 
 
 def _build(name: str):
-    cfg_cls, model_cls, kw = CASES[name]
-    cfg = getattr(transformers, cfg_cls)(**kw)
-    cfg._attn_implementation = "eager"
-    torch.manual_seed(0)
-    hf = getattr(transformers, model_cls)(cfg).float().eval()
-    with torch.no_grad():
-        for p in hf.parameters():
-            p.add_(0.1 * torch.randn_like(p))  # every gain, bias and weight away from its init
-    return hf
+    model_cls, kw = CASES[name]
+    hf = tiny_model(_type(name), model_cls, seed=0, attn_implementation="eager", **kw).float()
+    return randomise_(hf, 0.1)  # every gain, bias and weight away from its init
 
 
 @pytest.fixture(scope="module", params=sorted(CASES))
@@ -139,6 +128,6 @@ def test_variants_configure_what_they_claim():
 
 
 def test_gpt2_cross_attention_is_rejected():
-    cfg = transformers.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=1, n_head=4, add_cross_attention=True)
+    hf = tiny_model("gpt2", "GPT2LMHeadModel", **_ENC, n_layer=1, add_cross_attention=True)
     with pytest.raises(ValueError, match="add_cross_attention=True is not supported"):
-        from_hf(transformers.GPT2LMHeadModel(cfg))
+        from_hf(hf)

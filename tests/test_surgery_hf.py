@@ -30,7 +30,14 @@ from normatlas.surgery import (  # noqa: E402
     save_surgery,
 )
 
-SMALL = dict(num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4, vocab_size=64)
+from .tiny_hf import randomise_, tiny_model  # noqa: E402
+
+# 2 layers, width 32, vocab 64 (tests/tiny_hf.py), shrunk from: Llama-2-7B (4096 wide, 32 layers); Qwen3-0.6B
+# (1024/28L, QK-norm per head); Gemma-3-1B text (1152/26L, (1 + w) gains, sandwich norms, QK-norm); OLMo-2-1B
+# (2048/16L, post-branch norms, QK-norm over the full projection); GPT-2 small and OPT-125m (768/12L, Pre-LN
+# LayerNorm, tied head). GPT-2 and OPT need in-vocabulary token ids.
+TOKENS = {"gpt2": dict(bos_token_id=0, eos_token_id=0), "opt": dict(pad_token_id=1, bos_token_id=0, eos_token_id=0)}
+MODEL_TYPE = {"gemma3": "gemma3_text"}  # family name in the test ids -> HF model_type
 
 
 def tiny(family: str) -> torch.nn.Module:
@@ -42,42 +49,8 @@ def tiny(family: str) -> torch.nn.Module:
 def _tiny(family: str) -> torch.nn.Module:
     """A seeded tiny model of ``family`` with every 1-D parameter (gains, biases) randomised, so that
     folding a gain is not a no-op and a mistake shows in the logits."""
-    T = transformers
-    cfg = {
-        # Llama-2-7B: 32 layers, width 4096
-        "llama": lambda: T.LlamaConfig(**SMALL, num_key_value_heads=2),
-        # Qwen3-0.6B: 28 layers, width 1024, QK-norm per head
-        "qwen3": lambda: T.Qwen3Config(**SMALL, num_key_value_heads=2, head_dim=8),
-        # Gemma-3-1B text: 26 layers, width 1152, (1 + w) gains, sandwich norms, QK-norm
-        "gemma3": lambda: T.Gemma3TextConfig(**SMALL, num_key_value_heads=2, head_dim=8),
-        # OLMo-2-1B: 16 layers, width 2048, post-branch norms, QK-norm over the full projection
-        "olmo2": lambda: T.Olmo2Config(**SMALL, num_key_value_heads=2),
-        # GPT-2 small: 12 layers, width 768, Pre-LN LayerNorm, tied head
-        "gpt2": lambda: T.GPT2Config(
-            n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=32, bos_token_id=0, eos_token_id=0
-        ),
-        # OPT-125m: 12 layers, width 768, Pre-LN LayerNorm, tied head
-        "opt": lambda: T.OPTConfig(
-            num_hidden_layers=2,
-            hidden_size=32,
-            ffn_dim=64,
-            num_attention_heads=4,
-            vocab_size=64,
-            max_position_embeddings=32,
-            word_embed_proj_dim=32,
-            pad_token_id=1,
-            bos_token_id=0,
-            eos_token_id=0,
-        ),
-    }[family]()
-    torch.manual_seed(0)
-    model = T.AutoModelForCausalLM.from_config(cfg).eval()
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 1:
-                p.add_(torch.randn(p.shape, generator=gen) * 0.3)
-    return model
+    model = tiny_model(MODEL_TYPE.get(family, family), seed=0, **TOKENS.get(family, {}))
+    return randomise_(model, 0.3, vectors_only=True, generator=torch.Generator().manual_seed(1))
 
 
 FAMILIES = ["llama", "qwen3", "gemma3", "olmo2", "gpt2", "opt"]
@@ -270,21 +243,7 @@ def test_eps_changes_report_measured_deviation() -> None:
 
 def test_ln_to_rms_refuses_post_ln_opt_with_the_reason() -> None:
     # OPT-350m's layout: do_layer_norm_before=False (Post-LN), 24 layers, width 1024
-    cfg = transformers.OPTConfig(
-        num_hidden_layers=2,
-        hidden_size=32,
-        ffn_dim=64,
-        num_attention_heads=4,
-        vocab_size=64,
-        max_position_embeddings=32,
-        word_embed_proj_dim=32,
-        do_layer_norm_before=False,
-        pad_token_id=1,
-        bos_token_id=0,
-        eos_token_id=0,
-    )
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    model = tiny_model("opt", seed=0, do_layer_norm_before=False, **TOKENS["opt"])
     x = probe_inputs(model)
     s = ln_to_rms(model, x)
     assert not s.changes and len(s.refusals) == 4
