@@ -128,7 +128,11 @@ inline void lane_moments(int64_t n, F f, A& mean, A& m2) {
 
 // Whether an input of this many bytes streams from memory rather than from the last-level cache: a fixed
 // 8 MiB, a quarter of a 32 MiB L3 (sysconf's cache sizes are unreliable in VMs: one here reports 320 MiB).
+#ifdef NORMATLAS_NO_PREFETCH
+inline bool streams_from_memory(int64_t) { return false; }
+#else
 inline bool streams_from_memory(int64_t bytes) { return bytes > (int64_t(8) << 20); }
+#endif
 
 // Runs body(jb, je) over blocks of L elements, first prefetching the same span of p1 and p2 (either may be
 // null): a pass that works on a cached row can pull the next row in from memory meanwhile.
@@ -194,14 +198,17 @@ void fwd_impl_v(const typename V::raw* xp, const typename V::raw* rp, typename V
       sp[3 * i + 1] = r;
       sp[3 * i + 2] = drdms;
       const bool more = stream && i + 1 < end;
-      write(rp ? hr : xr, yp + i * n, gp, bp, mean, r, n, more ? xr + n : nullptr, more && rp ? rr + n : nullptr);
+      write(rp ? hr : xr, yp + i * n, gp, bp, mean, r, n, more ? xr + n : nullptr, more && rp ? rr + n : nullptr,
+            stream);
     }
+    if (stream) _mm_sfence();  // order this thread's streaming stores before the result is handed back
   });
 }
 
 template <class V>
 using BwdRowFn = void (*)(const typename V::raw*, const typename V::raw*, const typename V::raw*, typename V::raw*,
-                          const float*, float*, float*, int64_t, float, float, float, float);
+                          const float*, float*, float*, int64_t, float, float, float, float,
+                          const typename V::raw*, const typename V::raw*, const typename V::raw*, bool);
 
 template <class V>
 BwdRowFn<V> pick_bwd_row(bool center, bool g, bool b, bool dr) {
@@ -397,6 +404,7 @@ void bwd_impl(const typename IO<T>::raw* dyp, const typename IO<T>::raw* xp, con
   // one chunk per thread, but none smaller than ~16K elements: tiny inputs stay on one thread
   const int64_t work = std::max<int64_t>(1, rows * n / 16384);
   const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>({rows, work, int64_t(at::get_num_threads())}));
+  const bool stream = streams_from_memory(rows * n * static_cast<int64_t>(sizeof(R)) * (drp ? 3 : 2));
   // partial gain / bias sums per chunk (a single chunk accumulates straight into the zeroed outputs)
   std::vector<A> pg(need_dg && chunks > 1 ? chunks * n : 0, A(0)), pb(need_db && chunks > 1 ? chunks * n : 0, A(0));
   A* pgp = need_dg ? (chunks > 1 ? pg.data() : dgp) : nullptr;
@@ -413,12 +421,17 @@ void bwd_impl(const typename IO<T>::raw* dyp, const typename IO<T>::raw* xp, con
         const bool g_now = pgc && !before_gain, b_now = pbc && !before_gain;
         const auto row = pick_bwd_row<V>(center, g_now, b_now, drp != nullptr);
         for (int64_t i = r0; i < r1; ++i) {
+          const bool more = stream && i + 1 < r1;
           const VR* xi = reinterpret_cast<const VR*>(xp + i * n);
           const VR* dyi = reinterpret_cast<const VR*>(dyp + i * n);
           row(xi, dyi, drp ? reinterpret_cast<const VR*>(drp + i * n) : nullptr, reinterpret_cast<VR*>(dxp + i * n), gp,
-              pgc, pbc, n, sp[3 * i], sp[3 * i + 1], sp[3 * i + 2], div);
+              pgc, pbc, n, sp[3 * i], sp[3 * i + 1], sp[3 * i + 2], div,
+              more ? reinterpret_cast<const VR*>(xp + (i + 1) * n) : nullptr,
+              more ? reinterpret_cast<const VR*>(dyp + (i + 1) * n) : nullptr,
+              more && drp ? reinterpret_cast<const VR*>(drp + (i + 1) * n) : nullptr, stream);
           if (before_gain && (pgc || pbc)) avx512::bwd_gain_before_cast<V>(xi, dyi, pgc, pbc, n, sp[3 * i], sp[3 * i + 1], center);
         }
+        if (stream) _mm_sfence();
         continue;
       }
 #endif
@@ -645,6 +658,8 @@ std::vector<at::Tensor> norm(const at::Tensor& x, const c10::optional<at::Tensor
 template <typename T>
 void affine_floor_impl(const typename IO<T>::raw* xp, typename IO<T>::raw* yp, const float* g, float sc, int64_t rows,
                        int64_t n) {
+  // the forward's store policy: streaming stores for an input that comes from memory
+  const bool stream = streams_from_memory(rows * n * static_cast<int64_t>(sizeof(typename IO<T>::raw)));
   at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / n), [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
 #if NORMATLAS_AVX512
@@ -653,7 +668,8 @@ void affine_floor_impl(const typename IO<T>::raw* xp, typename IO<T>::raw* yp, c
         using VR = typename V::raw;
         avx512::write_row<V, false, false, false>(reinterpret_cast<const VR*>(xp + i * n),
                                                   reinterpret_cast<VR*>(yp + i * n), g, nullptr, 0.f, sc, n, nullptr,
-                                                  nullptr);
+                                                  nullptr, stream);
+        if (stream && i + 1 == end) _mm_sfence();
         continue;
       }
 #endif

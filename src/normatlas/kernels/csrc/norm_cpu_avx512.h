@@ -20,6 +20,9 @@ namespace avx512 {
 
 inline __mmask16 tail_mask(int64_t left) { return static_cast<__mmask16>((1u << left) - 1u); }
 
+// Whether streaming (non-temporal) stores may write a row starting at p: it must start on a 64-byte line.
+inline bool line_aligned(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 63u) == 0; }
+
 struct F32 {
   using raw = float;
   static inline __m512 ld(const raw* p) { return _mm512_loadu_ps(p); }
@@ -35,6 +38,12 @@ struct F32 {
   static inline void st2(raw* p, __m512 lo, __m512 hi) {
     _mm512_storeu_ps(p, lo);
     _mm512_storeu_ps(p + 16, hi);
+  }
+  // non-temporal (streaming) stores, p 64-byte aligned: the line goes to memory without being read first
+  static inline void st_nt(raw* p, __m512 v) { _mm512_stream_ps(p, v); }
+  static inline void st2_nt(raw* p, __m512 lo, __m512 hi) {
+    _mm512_stream_ps(p, lo);
+    _mm512_stream_ps(p + 16, hi);
   }
 };
 
@@ -64,13 +73,17 @@ struct BF16 {
     hi = up(_mm512_extracti64x4_epi64(v, 1));
   }
   static inline void st2(raw* p, __m512 lo, __m512 hi) {
+    _mm512_storeu_si512(p, pack2(lo, hi));
+  }
+  static inline __m512i pack2(__m512 lo, __m512 hi) {
 #if defined(__AVX512BF16__)
-    _mm512_storeu_si512(p, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+    return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
 #else
-    st(p, lo);
-    st(p + 16, hi);
+    return _mm512_inserti64x4(_mm512_castsi256_si512(down(lo)), down(hi), 1);
 #endif
   }
+  static inline void st_nt(raw* p, __m512 v) { _mm256_stream_si256(reinterpret_cast<__m256i*>(p), down(v)); }
+  static inline void st2_nt(raw* p, __m512 lo, __m512 hi) { _mm512_stream_si512(reinterpret_cast<__m512i*>(p), pack2(lo, hi)); }
 };
 
 struct F16 {
@@ -88,10 +101,14 @@ struct F16 {
     lo = _mm512_cvtph_ps(_mm512_castsi512_si256(v));
     hi = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(v, 1));
   }
-  static inline void st2(raw* p, __m512 lo, __m512 hi) {
-    const __m512i v = _mm512_castsi256_si512(_mm512_cvtps_ph(lo, kRound));
-    _mm512_storeu_si512(p, _mm512_inserti64x4(v, _mm512_cvtps_ph(hi, kRound), 1));
+  static inline __m512i pack2(__m512 lo, __m512 hi) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtps_ph(lo, kRound)), _mm512_cvtps_ph(hi, kRound), 1);
   }
+  static inline void st2(raw* p, __m512 lo, __m512 hi) { _mm512_storeu_si512(p, pack2(lo, hi)); }
+  static inline void st_nt(raw* p, __m512 v) {
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(v, kRound));
+  }
+  static inline void st2_nt(raw* p, __m512 lo, __m512 hi) { _mm512_stream_si512(reinterpret_cast<__m512i*>(p), pack2(lo, hi)); }
 };
 
 // Calls body(j, mask) over the row in 16-lane steps, the last one masked (mask 0xffff elsewhere).
@@ -226,8 +243,9 @@ inline void moments(const typename V::raw* x, const typename V::raw* r, typename
 // With `nx` / `nr` set (inputs streaming from memory) the next row is prefetched while this one is written.
 template <class V, bool C, bool BG, bool B>
 inline void write_row(const typename V::raw* src, typename V::raw* y, const float* g, const float* b, float mean,
-                      float rstd, int64_t n, const typename V::raw* nx, const typename V::raw* nr) {
+                      float rstd, int64_t n, const typename V::raw* nx, const typename V::raw* nr, bool nt) {
   const __m512 mu = _mm512_set1_ps(mean), rs = _mm512_set1_ps(rstd);
+  nt = nt && line_aligned(y);
   auto affine = [&](__m512 v, int64_t j, __mmask16 m) {
     if (C) v = _mm512_sub_ps(v, mu);
     v = _mm512_mul_ps(v, rs);
@@ -249,14 +267,15 @@ inline void write_row(const typename V::raw* src, typename V::raw* y, const floa
     }
     __m512 lo, hi;
     V::ld2(src + j, lo, hi);
-    V::st2(y + j, affine(lo, j, 0xffff), affine(hi, j + 16, 0xffff));
+    if (nt) V::st2_nt(y + j, affine(lo, j, 0xffff), affine(hi, j + 16, 0xffff));
+    else V::st2(y + j, affine(lo, j, 0xffff), affine(hi, j + 16, 0xffff));
   }
   each16(n - j, [&](int64_t k, __mmask16 m) { store<V>(y + j + k, affine(load<V>(src + j + k, m), j + k, m), m); });
 }
 
 template <class V>
 using WriteFn = void (*)(const typename V::raw*, typename V::raw*, const float*, const float*, float, float, int64_t,
-                         const typename V::raw*, const typename V::raw*);
+                         const typename V::raw*, const typename V::raw*, bool);
 
 template <class V>
 inline WriteFn<V> pick_writer(bool center, bool before_gain, bool bias) {
@@ -274,46 +293,57 @@ inline WriteFn<V> pick_writer(bool center, bool before_gain, bool bias) {
 }
 
 // One row of the backward (the same algebra as the generic bwd_row): a first pass over x and dy for the row
-// sums and, when the gain follows the cast, the gain / bias partial sums; a second pass that writes dx.
+// sums and, when the gain follows the cast, the gain / bias partial sums; a second pass over the now cached row
+// that writes dx. With `nx` set (inputs streaming from memory) the second pass prefetches the next row's x, dy
+// and d_residual (`nx`, `ndy`, `ndr`) so that the next first pass finds them in cache.
 template <class V, bool C, bool G, bool Bs, bool DR>
 inline void bwd_row(const typename V::raw* x, const typename V::raw* dy, const typename V::raw* dr,
                     typename V::raw* dx, const float* g, float* pg, float* pb, int64_t n, float mean, float r,
-                    float drdms, float div) {
+                    float drdms, float div, const typename V::raw* nx, const typename V::raw* ndy,
+                    const typename V::raw* ndr, bool nt) {
   const __m512 mu = _mm512_set1_ps(mean), rs = _mm512_set1_ps(r);
-  __m512 s1 = _mm512_setzero_ps(), s2 = s1, s3 = s1, t1 = s1, t2 = s1, t3 = s1;
-  int64_t step = 0;
-  each16(n, [&](int64_t j, __mmask16 m) {
+  nt = nt && line_aligned(dx);
+  // two sets of accumulators (even and odd 16-element steps), so consecutive adds do not wait on each other
+  __m512 s[2][3];
+  for (auto& set : s) set[0] = set[1] = set[2] = _mm512_setzero_ps();
+  auto first = [&](int64_t j, __mmask16 m, __m512* acc) {
     const __m512 d = load<V>(dy + j, m);
     __m512 xc = load<V>(x + j, m);
     if (C) xc = _mm512_maskz_sub_ps(m, xc, mu);  // masked lanes stay 0 so they add nothing
     const __m512 dxh = _mm512_mul_ps(d, loadf(g + j, m));
-    // two sets of accumulators, alternating, so consecutive adds do not wait on each other
-    if (step++ & 1) {
-      t1 = _mm512_add_ps(t1, dxh);
-      t2 = _mm512_fmadd_ps(dxh, xc, t2);
-      if (C) t3 = _mm512_add_ps(t3, xc);
-    } else {
-      s1 = _mm512_add_ps(s1, dxh);
-      s2 = _mm512_fmadd_ps(dxh, xc, s2);
-      if (C) s3 = _mm512_add_ps(s3, xc);
-    }
+    acc[0] = _mm512_add_ps(acc[0], dxh);
+    acc[1] = _mm512_fmadd_ps(dxh, xc, acc[1]);
+    if (C) acc[2] = _mm512_add_ps(acc[2], xc);
     if (G) _mm512_mask_storeu_ps(pg + j, m, _mm512_fmadd_ps(d, _mm512_mul_ps(xc, rs), loadf(pg + j, m)));
     if (Bs) _mm512_mask_storeu_ps(pb + j, m, _mm512_add_ps(d, loadf(pb + j, m)));
-  });
-  const float s_dxh = _mm512_reduce_add_ps(_mm512_add_ps(s1, t1));
-  const float s_dxh_xc = _mm512_reduce_add_ps(_mm512_add_ps(s2, t2));
-  const float s_xc = C ? _mm512_reduce_add_ps(_mm512_add_ps(s3, t3)) : 0.f;
+  };
+  int64_t j = 0;
+  for (; j + 32 <= n; j += 32) {
+    first(j, 0xffff, s[0]);
+    first(j + 16, 0xffff, s[1]);
+  }
+  for (; j < n; j += 16) first(j, j + 16 <= n ? static_cast<__mmask16>(0xffff) : tail_mask(n - j), s[0]);
+  const float s_dxh = _mm512_reduce_add_ps(_mm512_add_ps(s[0][0], s[1][0]));
+  const float s_dxh_xc = _mm512_reduce_add_ps(_mm512_add_ps(s[0][1], s[1][1]));
+  const float s_xc = C ? _mm512_reduce_add_ps(_mm512_add_ps(s[0][2], s[1][2])) : 0.f;
   const float k = drdms * 2.f / div * s_dxh_xc;
   const float off = C ? (r * s_dxh + k * s_xc) / static_cast<float>(n) : 0.f;
   const __m512 kv = _mm512_set1_ps(k), offv = _mm512_set1_ps(off);
+  constexpr int64_t kLine = 64 / sizeof(typename V::raw);
   each16(n, [&](int64_t j, __mmask16 m) {
+    if (nx && j % kLine == 0) {
+      _mm_prefetch(reinterpret_cast<const char*>(nx + j), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(ndy + j), _MM_HINT_T0);
+      if (DR) _mm_prefetch(reinterpret_cast<const char*>(ndr + j), _MM_HINT_T0);
+    }
     __m512 xc = load<V>(x + j, m);
     if (C) xc = _mm512_sub_ps(xc, mu);
     __m512 v = _mm512_mul_ps(_mm512_mul_ps(rs, load<V>(dy + j, m)), loadf(g + j, m));
     v = _mm512_fmadd_ps(kv, xc, v);
     if (C) v = _mm512_sub_ps(v, offv);
     if (DR) v = _mm512_add_ps(v, load<V>(dr + j, m));
-    store<V>(dx + j, v, m);
+    if (nt && m == 0xffff) V::st_nt(dx + j, v);
+    else store<V>(dx + j, v, m);
   });
 }
 
