@@ -1,6 +1,11 @@
 // AVX-512 row kernels for fp32, bf16 and fp16 (included by norm_cpu.cpp when the compiler targets AVX-512).
 //
-// The same arithmetic as the generic templates in norm_cpu.cpp, written with explicit 16-lane vectors:
+// Written with 256-bit vectors (8 fp32 lanes) and the AVX-512VL forms of the masked loads / stores and of the bf16
+// conversions: a memory-bound kernel moves the same bytes per cycle at either width, and live 512-bit register
+// state made every page fault on a fresh output ~20% dearer on the VM we measured (sys time 17.9 vs 14.7 ms per
+// 2048 x 4096 fp32 forward, same fault count), which is most of such a call's time.
+//
+// The same arithmetic as the generic templates in norm_cpu.cpp, written with explicit vectors:
 // compilers vectorise the generic bf16 loops poorly (a scalar round-to-nearest-even with a NaN test per
 // element, an array of lane sums), which left the bf16 forward at 6x a copy on a cache-resident input.
 // Conversions: bf16 -> fp32 is a 16-bit shift; fp32 -> bf16 rounds to nearest even (one VCVTNEPS2BF16 with
@@ -18,165 +23,174 @@
 
 namespace avx512 {
 
-inline __mmask16 tail_mask(int64_t left) { return static_cast<__mmask16>((1u << left) - 1u); }
+inline __mmask8 tail_mask(int64_t left) { return static_cast<__mmask8>((1u << left) - 1u); }
 
 // Whether streaming (non-temporal) stores may write a row starting at p: it must start on a 64-byte line.
 inline bool line_aligned(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 63u) == 0; }
 
+// The sum of the 8 lanes.
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
 struct F32 {
   using raw = float;
-  static inline __m512 ld(const raw* p) { return _mm512_loadu_ps(p); }
-  static inline __m512 ldm(const raw* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
-  static inline void st(raw* p, __m512 v) { _mm512_storeu_ps(p, v); }
-  static inline void stm(raw* p, __m512 v, __mmask16 m) { _mm512_mask_storeu_ps(p, m, v); }
-  static inline __m512 rt(__m512 v) { return v; }  // round trip through the storage dtype
-  // 32 elements at once (two vectors): lo = elements 0-15, hi = 16-31
-  static inline void ld2(const raw* p, __m512& lo, __m512& hi) {
-    lo = _mm512_loadu_ps(p);
-    hi = _mm512_loadu_ps(p + 16);
+  static inline __m256 ld(const raw* p) { return _mm256_loadu_ps(p); }
+  static inline __m256 ldm(const raw* p, __mmask8 m) { return _mm256_maskz_loadu_ps(m, p); }
+  static inline void st(raw* p, __m256 v) { _mm256_storeu_ps(p, v); }
+  static inline void stm(raw* p, __m256 v, __mmask8 m) { _mm256_mask_storeu_ps(p, m, v); }
+  static inline __m256 rt(__m256 v) { return v; }  // round trip through the storage dtype
+  // 16 elements at once (two vectors): lo = elements 0-7, hi = 8-15
+  static inline void ld2(const raw* p, __m256& lo, __m256& hi) {
+    lo = _mm256_loadu_ps(p);
+    hi = _mm256_loadu_ps(p + 8);
   }
-  static inline void st2(raw* p, __m512 lo, __m512 hi) {
-    _mm512_storeu_ps(p, lo);
-    _mm512_storeu_ps(p + 16, hi);
+  static inline void st2(raw* p, __m256 lo, __m256 hi) {
+    _mm256_storeu_ps(p, lo);
+    _mm256_storeu_ps(p + 8, hi);
   }
   // non-temporal (streaming) stores, p 64-byte aligned: the line goes to memory without being read first
-  static inline void st_nt(raw* p, __m512 v) { _mm512_stream_ps(p, v); }
-  static inline void st2_nt(raw* p, __m512 lo, __m512 hi) {
-    _mm512_stream_ps(p, lo);
-    _mm512_stream_ps(p + 16, hi);
+  static inline void st_nt(raw* p, __m256 v) { _mm256_stream_ps(p, v); }
+  static inline void st2_nt(raw* p, __m256 lo, __m256 hi) {
+    _mm256_stream_ps(p, lo);
+    _mm256_stream_ps(p + 8, hi);
   }
 };
 
 struct BF16 {
   using raw = uint16_t;
-  static inline __m512 up(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
-  static inline __m256i down(__m512 v) {
+  static inline __m256 up(__m128i h) { return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)); }
+  static inline __m128i down(__m256 v) {
 #if defined(__AVX512BF16__)
-    return (__m256i)_mm512_cvtneps_pbh(v);
+    return (__m128i)_mm256_cvtneps_pbh(v);
 #else
-    const __m512i u = _mm512_castps_si512(v);
-    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb), 16);
-    const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-    r = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
-    return _mm512_cvtepi32_epi16(r);
+    const __m256i u = _mm256_castps_si256(v);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb), 16);
+    const __mmask8 nan = _mm256_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    r = _mm256_mask_or_epi32(r, nan, _mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
+    return _mm256_cvtepi32_epi16(r);
 #endif
   }
-  static inline __m512 ld(const raw* p) { return up(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
-  static inline __m512 ldm(const raw* p, __mmask16 m) { return up(_mm256_maskz_loadu_epi16(m, p)); }
-  static inline void st(raw* p, __m512 v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), down(v)); }
-  static inline void stm(raw* p, __m512 v, __mmask16 m) { _mm256_mask_storeu_epi16(p, m, down(v)); }
-  static inline __m512 rt(__m512 v) { return up(down(v)); }
-  static inline void ld2(const raw* p, __m512& lo, __m512& hi) {
-    const __m512i v = _mm512_loadu_si512(p);
-    lo = up(_mm512_castsi512_si256(v));
-    hi = up(_mm512_extracti64x4_epi64(v, 1));
+  static inline __m256 ld(const raw* p) { return up(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+  static inline __m256 ldm(const raw* p, __mmask8 m) { return up(_mm_maskz_loadu_epi16(m, p)); }
+  static inline void st(raw* p, __m256 v) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), down(v)); }
+  static inline void stm(raw* p, __m256 v, __mmask8 m) { _mm_mask_storeu_epi16(p, m, down(v)); }
+  static inline __m256 rt(__m256 v) { return up(down(v)); }
+  static inline void ld2(const raw* p, __m256& lo, __m256& hi) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    lo = up(_mm256_castsi256_si128(v));
+    hi = up(_mm256_extracti128_si256(v, 1));
   }
-  static inline void st2(raw* p, __m512 lo, __m512 hi) {
-    _mm512_storeu_si512(p, pack2(lo, hi));
+  static inline void st2(raw* p, __m256 lo, __m256 hi) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), pack2(lo, hi));
   }
-  static inline __m512i pack2(__m512 lo, __m512 hi) {
+  static inline __m256i pack2(__m256 lo, __m256 hi) {
 #if defined(__AVX512BF16__)
-    return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+    return (__m256i)_mm256_cvtne2ps_pbh(hi, lo);
 #else
-    return _mm512_inserti64x4(_mm512_castsi256_si512(down(lo)), down(hi), 1);
+    return _mm256_inserti128_si256(_mm256_castsi128_si256(down(lo)), down(hi), 1);
 #endif
   }
-  static inline void st_nt(raw* p, __m512 v) { _mm256_stream_si256(reinterpret_cast<__m256i*>(p), down(v)); }
-  static inline void st2_nt(raw* p, __m512 lo, __m512 hi) { _mm512_stream_si512(reinterpret_cast<__m512i*>(p), pack2(lo, hi)); }
+  static inline void st_nt(raw* p, __m256 v) { _mm_stream_si128(reinterpret_cast<__m128i*>(p), down(v)); }
+  static inline void st2_nt(raw* p, __m256 lo, __m256 hi) { _mm256_stream_si256(reinterpret_cast<__m256i*>(p), pack2(lo, hi)); }
 };
 
 struct F16 {
   using raw = uint16_t;
   static constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
-  static inline __m512 ld(const raw* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
-  static inline __m512 ldm(const raw* p, __mmask16 m) { return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, p)); }
-  static inline void st(raw* p, __m512 v) {
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(v, kRound));
+  static inline __m256 ld(const raw* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+  static inline __m256 ldm(const raw* p, __mmask8 m) { return _mm256_cvtph_ps(_mm_maskz_loadu_epi16(m, p)); }
+  static inline void st(raw* p, __m256 v) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(v, kRound));
   }
-  static inline void stm(raw* p, __m512 v, __mmask16 m) { _mm256_mask_storeu_epi16(p, m, _mm512_cvtps_ph(v, kRound)); }
-  static inline __m512 rt(__m512 v) { return _mm512_cvtph_ps(_mm512_cvtps_ph(v, kRound)); }
-  static inline void ld2(const raw* p, __m512& lo, __m512& hi) {
-    const __m512i v = _mm512_loadu_si512(p);
-    lo = _mm512_cvtph_ps(_mm512_castsi512_si256(v));
-    hi = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(v, 1));
+  static inline void stm(raw* p, __m256 v, __mmask8 m) { _mm_mask_storeu_epi16(p, m, _mm256_cvtps_ph(v, kRound)); }
+  static inline __m256 rt(__m256 v) { return _mm256_cvtph_ps(_mm256_cvtps_ph(v, kRound)); }
+  static inline void ld2(const raw* p, __m256& lo, __m256& hi) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    lo = _mm256_cvtph_ps(_mm256_castsi256_si128(v));
+    hi = _mm256_cvtph_ps(_mm256_extracti128_si256(v, 1));
   }
-  static inline __m512i pack2(__m512 lo, __m512 hi) {
-    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtps_ph(lo, kRound)), _mm512_cvtps_ph(hi, kRound), 1);
+  static inline __m256i pack2(__m256 lo, __m256 hi) {
+    return _mm256_inserti128_si256(_mm256_castsi128_si256(_mm256_cvtps_ph(lo, kRound)), _mm256_cvtps_ph(hi, kRound), 1);
   }
-  static inline void st2(raw* p, __m512 lo, __m512 hi) { _mm512_storeu_si512(p, pack2(lo, hi)); }
-  static inline void st_nt(raw* p, __m512 v) {
-    _mm256_stream_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(v, kRound));
+  static inline void st2(raw* p, __m256 lo, __m256 hi) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), pack2(lo, hi)); }
+  static inline void st_nt(raw* p, __m256 v) {
+    _mm_stream_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(v, kRound));
   }
-  static inline void st2_nt(raw* p, __m512 lo, __m512 hi) { _mm512_stream_si512(reinterpret_cast<__m512i*>(p), pack2(lo, hi)); }
+  static inline void st2_nt(raw* p, __m256 lo, __m256 hi) { _mm256_stream_si256(reinterpret_cast<__m256i*>(p), pack2(lo, hi)); }
 };
 
-// Calls body(j, mask) over the row in 16-lane steps, the last one masked (mask 0xffff elsewhere).
+// Calls body(j, mask) over the row in 8-lane steps, the last one masked (mask 0xff elsewhere).
 template <typename F>
-inline void each16(int64_t n, F&& body) {
+inline void each8(int64_t n, F&& body) {
   int64_t j = 0;
-  for (; j + 16 <= n; j += 16) body(j, static_cast<__mmask16>(0xffff));
+  for (; j + 8 <= n; j += 8) body(j, static_cast<__mmask8>(0xff));
   if (j < n) body(j, tail_mask(n - j));
 }
 
 template <class V>
-inline __m512 load(const typename V::raw* p, __mmask16 m) {
-  return m == 0xffff ? V::ld(p) : V::ldm(p, m);
+inline __m256 load(const typename V::raw* p, __mmask8 m) {
+  return m == 0xff ? V::ld(p) : V::ldm(p, m);
 }
 template <class V>
-inline void store(typename V::raw* p, __m512 v, __mmask16 m) {
-  if (m == 0xffff) V::st(p, v);
+inline void store(typename V::raw* p, __m256 v, __mmask8 m) {
+  if (m == 0xff) V::st(p, v);
   else V::stm(p, v, m);
 }
-inline __m512 loadf(const float* p, __mmask16 m) { return m == 0xffff ? _mm512_loadu_ps(p) : _mm512_maskz_loadu_ps(m, p); }
+inline __m256 loadf(const float* p, __mmask8 m) { return m == 0xff ? _mm256_loadu_ps(p) : _mm256_maskz_loadu_ps(m, p); }
 
 // Sum of squares of a row with four independent accumulators (so the FMAs pipeline). With a residual,
 // h = x + r rounded to the storage dtype is written out and its rounded value is what is summed.
 template <class V>
 inline float sumsq(const typename V::raw* x, const typename V::raw* r, typename V::raw* h, int64_t n) {
-  __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
 #if defined(__AVX512BF16__)
   if (std::is_same_v<V, BF16> && !r) {
     // bf16 pairs straight into fp32 sums: VDPBF16PS forms each square exactly and adds it in fp32
-    // (denormal bf16 inputs, below 1e-38, count as zero), 32 elements per instruction
+    // (denormal bf16 inputs, below 1e-38, count as zero), 16 elements per instruction
     int64_t j = 0;
-    for (; j + 128 <= n; j += 128) {  // four independent sums: the dot-product latency is hidden
+    for (; j + 64 <= n; j += 64) {  // four independent sums: the dot-product latency is hidden
       const auto* p = x + j;
-      const __m512bh v0 = (__m512bh)_mm512_loadu_si512(p), v1 = (__m512bh)_mm512_loadu_si512(p + 32);
-      const __m512bh v2 = (__m512bh)_mm512_loadu_si512(p + 64), v3 = (__m512bh)_mm512_loadu_si512(p + 96);
-      a0 = _mm512_dpbf16_ps(a0, v0, v0);
-      a1 = _mm512_dpbf16_ps(a1, v1, v1);
-      a2 = _mm512_dpbf16_ps(a2, v2, v2);
-      a3 = _mm512_dpbf16_ps(a3, v3, v3);
+      const __m256bh v0 = (__m256bh)_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+      const __m256bh v1 = (__m256bh)_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16));
+      const __m256bh v2 = (__m256bh)_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32));
+      const __m256bh v3 = (__m256bh)_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 48));
+      a0 = _mm256_dpbf16_ps(a0, v0, v0);
+      a1 = _mm256_dpbf16_ps(a1, v1, v1);
+      a2 = _mm256_dpbf16_ps(a2, v2, v2);
+      a3 = _mm256_dpbf16_ps(a3, v3, v3);
     }
-    for (; j < n; j += 16) {
-      const __mmask16 m = j + 16 <= n ? static_cast<__mmask16>(0xffff) : tail_mask(n - j);
-      const __m512 v = load<V>(x + j, m);
-      a0 = _mm512_fmadd_ps(v, v, a0);
+    for (; j < n; j += 8) {
+      const __mmask8 m = j + 8 <= n ? static_cast<__mmask8>(0xff) : tail_mask(n - j);
+      const __m256 v = load<V>(x + j, m);
+      a0 = _mm256_fmadd_ps(v, v, a0);
     }
-    return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
+    return hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
   }
 #endif
-  auto val = [&](int64_t j, __mmask16 m) {
+  auto val = [&](int64_t j, __mmask8 m) {
     if (!r) return load<V>(x + j, m);
-    const __m512 v = V::rt(_mm512_add_ps(load<V>(x + j, m), load<V>(r + j, m)));
+    const __m256 v = V::rt(_mm256_add_ps(load<V>(x + j, m), load<V>(r + j, m)));
     store<V>(h + j, v, m);
     return v;
   };
   int64_t j = 0;
-  for (; j + 64 <= n; j += 64) {
-    const __m512 v0 = val(j, 0xffff), v1 = val(j + 16, 0xffff), v2 = val(j + 32, 0xffff), v3 = val(j + 48, 0xffff);
-    a0 = _mm512_fmadd_ps(v0, v0, a0);
-    a1 = _mm512_fmadd_ps(v1, v1, a1);
-    a2 = _mm512_fmadd_ps(v2, v2, a2);
-    a3 = _mm512_fmadd_ps(v3, v3, a3);
+  for (; j + 32 <= n; j += 32) {
+    const __m256 v0 = val(j, 0xff), v1 = val(j + 8, 0xff), v2 = val(j + 16, 0xff), v3 = val(j + 24, 0xff);
+    a0 = _mm256_fmadd_ps(v0, v0, a0);
+    a1 = _mm256_fmadd_ps(v1, v1, a1);
+    a2 = _mm256_fmadd_ps(v2, v2, a2);
+    a3 = _mm256_fmadd_ps(v3, v3, a3);
   }
-  for (; j < n; j += 16) {
-    const __mmask16 m = j + 16 <= n ? static_cast<__mmask16>(0xffff) : tail_mask(n - j);
-    const __m512 v = val(j, m);
-    a0 = _mm512_fmadd_ps(v, v, a0);
+  for (; j < n; j += 8) {
+    const __mmask8 m = j + 8 <= n ? static_cast<__mmask8>(0xff) : tail_mask(n - j);
+    const __m256 v = val(j, m);
+    a0 = _mm256_fmadd_ps(v, v, a0);
   }
-  return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
+  return hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
 }
 
 // Mean and sum of squared deviations by the corrected two-pass algorithm (Chan, Golub & LeVeque 1983): a sum
@@ -187,53 +201,53 @@ template <class V>
 inline void moments(const typename V::raw* x, const typename V::raw* r, typename V::raw* h, int64_t n, float& mean,
                     float& m2) {
   const typename V::raw* src = r ? h : x;
-  __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-  auto val = [&](int64_t j, __mmask16 m) {
+  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+  auto val = [&](int64_t j, __mmask8 m) {
     if (!r) return load<V>(x + j, m);
-    const __m512 v = V::rt(_mm512_add_ps(load<V>(x + j, m), load<V>(r + j, m)));
+    const __m256 v = V::rt(_mm256_add_ps(load<V>(x + j, m), load<V>(r + j, m)));
     store<V>(h + j, v, m);
     return v;
   };
   int64_t j = 0;
   if (r) {
-    for (; j + 64 <= n; j += 64) {
-      a0 = _mm512_add_ps(a0, val(j, 0xffff));
-      a1 = _mm512_add_ps(a1, val(j + 16, 0xffff));
-      a2 = _mm512_add_ps(a2, val(j + 32, 0xffff));
-      a3 = _mm512_add_ps(a3, val(j + 48, 0xffff));
+    for (; j + 32 <= n; j += 32) {
+      a0 = _mm256_add_ps(a0, val(j, 0xff));
+      a1 = _mm256_add_ps(a1, val(j + 8, 0xff));
+      a2 = _mm256_add_ps(a2, val(j + 16, 0xff));
+      a3 = _mm256_add_ps(a3, val(j + 24, 0xff));
     }
   } else {  // the common case without a residual, kept free of the residual's branch
-    for (; j + 64 <= n; j += 64) {
-      a0 = _mm512_add_ps(a0, V::ld(x + j));
-      a1 = _mm512_add_ps(a1, V::ld(x + j + 16));
-      a2 = _mm512_add_ps(a2, V::ld(x + j + 32));
-      a3 = _mm512_add_ps(a3, V::ld(x + j + 48));
+    for (; j + 32 <= n; j += 32) {
+      a0 = _mm256_add_ps(a0, V::ld(x + j));
+      a1 = _mm256_add_ps(a1, V::ld(x + j + 8));
+      a2 = _mm256_add_ps(a2, V::ld(x + j + 16));
+      a3 = _mm256_add_ps(a3, V::ld(x + j + 24));
     }
   }
-  for (; j < n; j += 16) a0 = _mm512_add_ps(a0, val(j, j + 16 <= n ? static_cast<__mmask16>(0xffff) : tail_mask(n - j)));
-  const float mu0 = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3))) / static_cast<float>(n);
-  const __m512 mu = _mm512_set1_ps(mu0);
+  for (; j < n; j += 8) a0 = _mm256_add_ps(a0, val(j, j + 8 <= n ? static_cast<__mmask8>(0xff) : tail_mask(n - j)));
+  const float mu0 = hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3))) / static_cast<float>(n);
+  const __m256 mu = _mm256_set1_ps(mu0);
   // four independent chains each for the squares and the deviations, so the FMA latency stays hidden
-  __m512 q[4], d[4];
-  for (int k = 0; k < 4; ++k) q[k] = d[k] = _mm512_setzero_ps();
+  __m256 q[4], d[4];
+  for (int k = 0; k < 4; ++k) q[k] = d[k] = _mm256_setzero_ps();
   j = 0;
-  for (; j + 64 <= n; j += 64) {
+  for (; j + 32 <= n; j += 32) {
     for (int k = 0; k < 4; ++k) {
-      const __m512 e = _mm512_sub_ps(V::ld(src + j + 16 * k), mu);
-      q[k] = _mm512_fmadd_ps(e, e, q[k]);
-      d[k] = _mm512_add_ps(d[k], e);
+      const __m256 e = _mm256_sub_ps(V::ld(src + j + 8 * k), mu);
+      q[k] = _mm256_fmadd_ps(e, e, q[k]);
+      d[k] = _mm256_add_ps(d[k], e);
     }
   }
-  for (; j < n; j += 16) {
-    const __mmask16 m = j + 16 <= n ? static_cast<__mmask16>(0xffff) : tail_mask(n - j);
-    const __m512 e = _mm512_maskz_sub_ps(m, load<V>(src + j, m), mu);  // masked lanes stay 0
-    q[0] = _mm512_fmadd_ps(e, e, q[0]);
-    d[0] = _mm512_add_ps(d[0], e);
+  for (; j < n; j += 8) {
+    const __mmask8 m = j + 8 <= n ? static_cast<__mmask8>(0xff) : tail_mask(n - j);
+    const __m256 e = _mm256_maskz_sub_ps(m, load<V>(src + j, m), mu);  // masked lanes stay 0
+    q[0] = _mm256_fmadd_ps(e, e, q[0]);
+    d[0] = _mm256_add_ps(d[0], e);
   }
-  const __m512 q0 = _mm512_add_ps(q[0], q[1]), q1 = _mm512_add_ps(q[2], q[3]);
-  const __m512 d0 = _mm512_add_ps(d[0], d[1]), d1 = _mm512_add_ps(d[2], d[3]);
-  const float sd = _mm512_reduce_add_ps(_mm512_add_ps(d0, d1));
-  const float sq = _mm512_reduce_add_ps(_mm512_add_ps(q0, q1));
+  const __m256 q0 = _mm256_add_ps(q[0], q[1]), q1 = _mm256_add_ps(q[2], q[3]);
+  const __m256 d0 = _mm256_add_ps(d[0], d[1]), d1 = _mm256_add_ps(d[2], d[3]);
+  const float sd = hsum(_mm256_add_ps(d0, d1));
+  const float sq = hsum(_mm256_add_ps(q0, q1));
   mean = mu0 + sd / static_cast<float>(n);
   m2 = std::max(0.f, sq - sd * sd / static_cast<float>(n));
 }
@@ -244,33 +258,31 @@ inline void moments(const typename V::raw* x, const typename V::raw* r, typename
 template <class V, bool C, bool BG, bool B>
 inline void write_row(const typename V::raw* src, typename V::raw* y, const float* g, const float* b, float mean,
                       float rstd, int64_t n, const typename V::raw* nx, const typename V::raw* nr, bool nt) {
-  const __m512 mu = _mm512_set1_ps(mean), rs = _mm512_set1_ps(rstd);
+  const __m256 mu = _mm256_set1_ps(mean), rs = _mm256_set1_ps(rstd);
   nt = nt && line_aligned(y);
-  auto affine = [&](__m512 v, int64_t j, __mmask16 m) {
-    if (C) v = _mm512_sub_ps(v, mu);
-    v = _mm512_mul_ps(v, rs);
-    const __m512 gv = loadf(g + j, m);
+  auto affine = [&](__m256 v, int64_t j, __mmask8 m) {
+    if (C) v = _mm256_sub_ps(v, mu);
+    v = _mm256_mul_ps(v, rs);
+    const __m256 gv = loadf(g + j, m);
     if (BG) {
-      v = V::rt(_mm512_mul_ps(V::rt(v), gv));
-      return B ? _mm512_add_ps(v, loadf(b + j, m)) : v;
+      v = V::rt(_mm256_mul_ps(V::rt(v), gv));
+      return B ? _mm256_add_ps(v, loadf(b + j, m)) : v;
     }
-    return B ? _mm512_fmadd_ps(v, gv, loadf(b + j, m)) : _mm512_mul_ps(v, gv);
+    return B ? _mm256_fmadd_ps(v, gv, loadf(b + j, m)) : _mm256_mul_ps(v, gv);
   };
   constexpr int64_t kLine = 64 / sizeof(typename V::raw);  // elements per 64-byte line
   int64_t j = 0;
-  for (; j + 32 <= n; j += 32) {  // 32 elements: one line of bf16 / fp16, two of fp32
-    if (nx) {  // the next row streams in from memory while this one is written from cache
-      for (int64_t o = 0; o < 32; o += kLine) {
-        _mm_prefetch(reinterpret_cast<const char*>(nx + j + o), _MM_HINT_T0);
-        if (nr) _mm_prefetch(reinterpret_cast<const char*>(nr + j + o), _MM_HINT_T0);
-      }
+  for (; j + 16 <= n; j += 16) {  // 16 elements: one line of fp32, half a line of bf16 / fp16
+    if (nx && j % kLine == 0) {  // the next row streams in from memory while this one is written from cache
+      _mm_prefetch(reinterpret_cast<const char*>(nx + j), _MM_HINT_T0);
+      if (nr) _mm_prefetch(reinterpret_cast<const char*>(nr + j), _MM_HINT_T0);
     }
-    __m512 lo, hi;
+    __m256 lo, hi;
     V::ld2(src + j, lo, hi);
-    if (nt) V::st2_nt(y + j, affine(lo, j, 0xffff), affine(hi, j + 16, 0xffff));
-    else V::st2(y + j, affine(lo, j, 0xffff), affine(hi, j + 16, 0xffff));
+    if (nt) V::st2_nt(y + j, affine(lo, j, 0xff), affine(hi, j + 8, 0xff));
+    else V::st2(y + j, affine(lo, j, 0xff), affine(hi, j + 8, 0xff));
   }
-  each16(n - j, [&](int64_t k, __mmask16 m) { store<V>(y + j + k, affine(load<V>(src + j + k, m), j + k, m), m); });
+  each8(n - j, [&](int64_t k, __mmask8 m) { store<V>(y + j + k, affine(load<V>(src + j + k, m), j + k, m), m); });
 }
 
 template <class V>
@@ -301,48 +313,48 @@ inline void bwd_row(const typename V::raw* x, const typename V::raw* dy, const t
                     typename V::raw* dx, const float* g, float* pg, float* pb, int64_t n, float mean, float r,
                     float drdms, float div, const typename V::raw* nx, const typename V::raw* ndy,
                     const typename V::raw* ndr, bool nt) {
-  const __m512 mu = _mm512_set1_ps(mean), rs = _mm512_set1_ps(r);
+  const __m256 mu = _mm256_set1_ps(mean), rs = _mm256_set1_ps(r);
   nt = nt && line_aligned(dx);
-  // two sets of accumulators (even and odd 16-element steps), so consecutive adds do not wait on each other
-  __m512 s[2][3];
-  for (auto& set : s) set[0] = set[1] = set[2] = _mm512_setzero_ps();
-  auto first = [&](int64_t j, __mmask16 m, __m512* acc) {
-    const __m512 d = load<V>(dy + j, m);
-    __m512 xc = load<V>(x + j, m);
-    if (C) xc = _mm512_maskz_sub_ps(m, xc, mu);  // masked lanes stay 0 so they add nothing
-    const __m512 dxh = _mm512_mul_ps(d, loadf(g + j, m));
-    acc[0] = _mm512_add_ps(acc[0], dxh);
-    acc[1] = _mm512_fmadd_ps(dxh, xc, acc[1]);
-    if (C) acc[2] = _mm512_add_ps(acc[2], xc);
-    if (G) _mm512_mask_storeu_ps(pg + j, m, _mm512_fmadd_ps(d, _mm512_mul_ps(xc, rs), loadf(pg + j, m)));
-    if (Bs) _mm512_mask_storeu_ps(pb + j, m, _mm512_add_ps(d, loadf(pb + j, m)));
+  // two sets of accumulators (even and odd 8-element steps), so consecutive adds do not wait on each other
+  __m256 s[2][3];
+  for (auto& set : s) set[0] = set[1] = set[2] = _mm256_setzero_ps();
+  auto first = [&](int64_t j, __mmask8 m, __m256* acc) {
+    const __m256 d = load<V>(dy + j, m);
+    __m256 xc = load<V>(x + j, m);
+    if (C) xc = _mm256_maskz_sub_ps(m, xc, mu);  // masked lanes stay 0 so they add nothing
+    const __m256 dxh = _mm256_mul_ps(d, loadf(g + j, m));
+    acc[0] = _mm256_add_ps(acc[0], dxh);
+    acc[1] = _mm256_fmadd_ps(dxh, xc, acc[1]);
+    if (C) acc[2] = _mm256_add_ps(acc[2], xc);
+    if (G) _mm256_mask_storeu_ps(pg + j, m, _mm256_fmadd_ps(d, _mm256_mul_ps(xc, rs), loadf(pg + j, m)));
+    if (Bs) _mm256_mask_storeu_ps(pb + j, m, _mm256_add_ps(d, loadf(pb + j, m)));
   };
   int64_t j = 0;
-  for (; j + 32 <= n; j += 32) {
-    first(j, 0xffff, s[0]);
-    first(j + 16, 0xffff, s[1]);
+  for (; j + 16 <= n; j += 16) {
+    first(j, 0xff, s[0]);
+    first(j + 8, 0xff, s[1]);
   }
-  for (; j < n; j += 16) first(j, j + 16 <= n ? static_cast<__mmask16>(0xffff) : tail_mask(n - j), s[0]);
-  const float s_dxh = _mm512_reduce_add_ps(_mm512_add_ps(s[0][0], s[1][0]));
-  const float s_dxh_xc = _mm512_reduce_add_ps(_mm512_add_ps(s[0][1], s[1][1]));
-  const float s_xc = C ? _mm512_reduce_add_ps(_mm512_add_ps(s[0][2], s[1][2])) : 0.f;
+  for (; j < n; j += 8) first(j, j + 8 <= n ? static_cast<__mmask8>(0xff) : tail_mask(n - j), s[0]);
+  const float s_dxh = hsum(_mm256_add_ps(s[0][0], s[1][0]));
+  const float s_dxh_xc = hsum(_mm256_add_ps(s[0][1], s[1][1]));
+  const float s_xc = C ? hsum(_mm256_add_ps(s[0][2], s[1][2])) : 0.f;
   const float k = drdms * 2.f / div * s_dxh_xc;
   const float off = C ? (r * s_dxh + k * s_xc) / static_cast<float>(n) : 0.f;
-  const __m512 kv = _mm512_set1_ps(k), offv = _mm512_set1_ps(off);
+  const __m256 kv = _mm256_set1_ps(k), offv = _mm256_set1_ps(off);
   constexpr int64_t kLine = 64 / sizeof(typename V::raw);
-  each16(n, [&](int64_t j, __mmask16 m) {
+  each8(n, [&](int64_t j, __mmask8 m) {
     if (nx && j % kLine == 0) {
       _mm_prefetch(reinterpret_cast<const char*>(nx + j), _MM_HINT_T0);
       _mm_prefetch(reinterpret_cast<const char*>(ndy + j), _MM_HINT_T0);
       if (DR) _mm_prefetch(reinterpret_cast<const char*>(ndr + j), _MM_HINT_T0);
     }
-    __m512 xc = load<V>(x + j, m);
-    if (C) xc = _mm512_sub_ps(xc, mu);
-    __m512 v = _mm512_mul_ps(_mm512_mul_ps(rs, load<V>(dy + j, m)), loadf(g + j, m));
-    v = _mm512_fmadd_ps(kv, xc, v);
-    if (C) v = _mm512_sub_ps(v, offv);
-    if (DR) v = _mm512_add_ps(v, load<V>(dr + j, m));
-    if (nt && m == 0xffff) V::st_nt(dx + j, v);
+    __m256 xc = load<V>(x + j, m);
+    if (C) xc = _mm256_sub_ps(xc, mu);
+    __m256 v = _mm256_mul_ps(_mm256_mul_ps(rs, load<V>(dy + j, m)), loadf(g + j, m));
+    v = _mm256_fmadd_ps(kv, xc, v);
+    if (C) v = _mm256_sub_ps(v, offv);
+    if (DR) v = _mm256_add_ps(v, load<V>(dr + j, m));
+    if (nt && m == 0xff) V::st_nt(dx + j, v);
     else store<V>(dx + j, v, m);
   });
 }
@@ -352,14 +364,14 @@ inline void bwd_row(const typename V::raw* x, const typename V::raw* dy, const t
 template <class V>
 inline void bwd_gain_before_cast(const typename V::raw* x, const typename V::raw* dy, float* pg, float* pb, int64_t n,
                                  float mean, float r, bool center) {
-  const __m512 mu = _mm512_set1_ps(center ? mean : 0.f), rs = _mm512_set1_ps(r);
-  each16(n, [&](int64_t j, __mmask16 m) {
-    const __m512 d = load<V>(dy + j, m);
+  const __m256 mu = _mm256_set1_ps(center ? mean : 0.f), rs = _mm256_set1_ps(r);
+  each8(n, [&](int64_t j, __mmask8 m) {
+    const __m256 d = load<V>(dy + j, m);
     if (pg) {
-      const __m512 xh = V::rt(_mm512_mul_ps(_mm512_sub_ps(load<V>(x + j, m), mu), rs));
-      _mm512_mask_storeu_ps(pg + j, m, _mm512_fmadd_ps(d, xh, loadf(pg + j, m)));
+      const __m256 xh = V::rt(_mm256_mul_ps(_mm256_sub_ps(load<V>(x + j, m), mu), rs));
+      _mm256_mask_storeu_ps(pg + j, m, _mm256_fmadd_ps(d, xh, loadf(pg + j, m)));
     }
-    if (pb) _mm512_mask_storeu_ps(pb + j, m, _mm512_add_ps(d, loadf(pb + j, m)));
+    if (pb) _mm256_mask_storeu_ps(pb + j, m, _mm256_add_ps(d, loadf(pb + j, m)));
   });
 }
 
