@@ -32,7 +32,8 @@ def _configure(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--provider",
         action="append",
-        help="ours, torch, hf, compile, compile_pair (add_rms), liger (default: all that run)",
+        help="ours, torch, hf, compile, compile_pair (add_rms), liger (CUDA), floor (CPU fwd: the output pass alone)"
+        " (default: all that run)",
     )
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile providers (saves ~20 s each)")
     p.add_argument("--repeats", type=int, default=15, help="interleaved rounds; the median is reported")
@@ -57,7 +58,7 @@ def bench(args: argparse.Namespace) -> int:
     dtypes = [getattr(torch, d) for d in (args.dtype or ["float32", "bfloat16"])]
     providers = args.provider
     if args.no_compile:
-        providers = [p for p in (providers or ["ours", "torch", "hf", "liger"]) if not p.startswith("compile")]
+        providers = [p for p in (providers or ["ours", "torch", "hf", "liger", "floor"]) if not p.startswith("compile")]
     info = build_info() if args.device == "cpu" else {}
     print(f"# kernels: {info}  threads={torch.get_num_threads()}", file=sys.stderr)
     rows = run_bench(
