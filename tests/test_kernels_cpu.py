@@ -26,6 +26,7 @@ from normatlas.kernels import (
     qk_rms_norm,
     unsupported,
 )
+from normatlas.kernels.api import _qk_pair
 
 TOL = {
     torch.float64: {"atol": 1e-10, "rtol": 1e-10},
@@ -189,13 +190,45 @@ def test_torch_functional_signatures_match_peers() -> None:
     torch.testing.assert_close(h, x + r)
 
 
-def test_qk_norm_many_short_rows() -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("cast_order", [CastOrder.AFTER_GAIN, CastOrder.BEFORE_GAIN])
+def test_qk_norm_many_short_rows(dtype: torch.dtype, cast_order: CastOrder) -> None:
+    """QK-norm over many short rows: the one-launch inference path equals two fused calls bit for bit, and
+    matches the core; with autograd (two calls) the gradients reach q, k and both gains."""
     gen = torch.Generator().manual_seed(5)
-    q, k = torch.randn(2, 33, 8, 64, generator=gen), torch.randn(2, 33, 2, 64, generator=gen)  # GQA: 8 q, 2 kv heads
-    wq, wk = torch.randn(64, generator=gen), torch.randn(64, generator=gen)
-    qo, ko = qk_rms_norm(q, k, wq, wk, 1e-6)
-    torch.testing.assert_close(qo, F.rms_norm(q, (64,), wq, 1e-6), **TOL[torch.float32])
-    torch.testing.assert_close(ko, F.rms_norm(k, (64,), wk, 1e-6), **TOL[torch.float32])
+    q = torch.randn(2, 33, 8, 64, generator=gen).to(dtype)  # GQA: 8 q heads, 2 kv heads, 33 positions
+    k = torch.randn(2, 33, 2, 64, generator=gen).to(dtype)
+    wq, wk = (torch.randn(64, generator=gen).to(dtype) for _ in range(2))
+    with torch.no_grad():
+        qo, ko = qk_rms_norm(q, k, wq, wk, 1e-6, cast_order=cast_order)
+        assert cpu.extension() is None or _qk_pair(q, k, wq, wk, 1e-6, cast_order) is not None  # one launch
+    two = (
+        fused_rms_norm(q, 64, wq, 1e-6, cast_order=cast_order),
+        fused_rms_norm(k, 64, wk, 1e-6, cast_order=cast_order),
+    )
+    assert torch.equal(qo, two[0]) and torch.equal(ko, two[1])
+    spec = RMS.with_(cast_order=cast_order)
+    torch.testing.assert_close(qo, normalize(q, spec, wq), **TOL[dtype])
+    torch.testing.assert_close(ko, normalize(k, spec, wk), **TOL[dtype])
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, wq, wk)]
+    qg, kg = qk_rms_norm(*leaves, 1e-6, cast_order=cast_order)
+    torch.testing.assert_close(qg, qo, atol=0, rtol=0)
+    grads = torch.autograd.grad((qg.float().sum() + kg.float().pow(2).sum()), leaves)
+    assert all(g is not None and g.shape == t.shape for g, t in zip(grads, leaves, strict=True))
+
+
+def test_qk_norm_one_launch_edge_cases() -> None:
+    """No gains, a single decode token, and mismatched head dims (which fall back to two calls)."""
+    gen = torch.Generator().manual_seed(8)
+    q, k = torch.randn(1, 32, 1, 128, generator=gen), torch.randn(1, 8, 1, 128, generator=gen)
+    with torch.no_grad():
+        qo, ko = qk_rms_norm(q, k, None, None, None)
+    torch.testing.assert_close(qo, F.rms_norm(q, (128,)), **TOL[torch.float32])
+    torch.testing.assert_close(ko, F.rms_norm(k, (128,)), **TOL[torch.float32])
+    k2 = torch.randn(1, 8, 1, 64, generator=gen)
+    with torch.no_grad():
+        _, ko2 = qk_rms_norm(q, k2, torch.ones(128), torch.ones(64), 1e-6)
+    torch.testing.assert_close(ko2, F.rms_norm(k2, (64,), torch.ones(64), 1e-6), **TOL[torch.float32])
 
 
 def test_modules_drop_in_and_fall_back() -> None:

