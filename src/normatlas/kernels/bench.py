@@ -10,8 +10,8 @@ only: torch's ``x + r``, then the compiled HF-style RMSNorm: the strongest *unfu
 only: the output pass alone, ``y = x * s * w`` row by row with our vector code and threading, no
 statistics: no norm forward can beat it on this machine), and ``copy`` (``x.clone()`` of the
 same tensor, the bandwidth limit). First-call seconds (compile time) are reported. Calls are
-interleaved round-robin and the median of ``repeats`` rounds is reported (``min_ms`` too),
-so machine noise hits every provider alike.
+interleaved, in a fresh seeded random order every round, and the median of ``repeats`` rounds
+is reported (``min_ms`` too), so machine noise and neighbours' cache state hit every provider alike.
 
 Reported per row: median ms, GB/s (bytes that must move: one read per input, one write per
 output, three for a backward), and ``vs_copy``: the time over the time the copy would need to
@@ -21,6 +21,7 @@ bytes). ``vs_ours``: the provider's time over ours.
 
 from __future__ import annotations
 
+import random
 import statistics
 import time
 from collections.abc import Callable
@@ -194,12 +195,13 @@ def run_bench(
                 times: dict[str, list[float]] = {k: [] for k in calls}
                 t_start, rounds = time.perf_counter(), 0
                 order = list(calls.items())
+                shuffle = random.Random(0).shuffle
                 while rounds < repeats or (time.perf_counter() - t_start < min_time and rounds < 10 * repeats):
-                    # each round starts one provider later, so none always runs right after the same neighbour
-                    # (which allocator and cache state a call inherits would otherwise bias a fixed order)
-                    k = rounds % len(order)
+                    # a fresh (seeded) order every round, so no provider keeps inheriting the cache and allocator
+                    # state of one neighbour (a rotated fixed order would: each keeps the same predecessor)
+                    shuffle(order)
                     rounds += 1
-                    for name, call in order[k:] + order[:k]:
+                    for name, call in order:
                         _sync(device)
                         t0 = time.perf_counter()
                         call()

@@ -168,6 +168,14 @@ inline void blocked(int64_t n, const R* p1, const R* p2, F&& body) {
   }
 }
 
+// Runs f(begin, end) over [0, rows) on the intra-op thread pool, or in the calling thread when `parallel` is false
+// (a caller that is already inside its own parallel region over a larger problem).
+template <typename F>
+inline void over_rows(bool parallel, int64_t rows, int64_t grain, const F& f) {
+  if (parallel) at::parallel_for(0, rows, grain, f);
+  else f(0, rows);
+}
+
 enum EpsMode : int64_t { INSIDE = 0, OUTSIDE = 1, CLAMP = 2 };
 
 // rstd r(ms) and dr/dms for the three eps placements.
@@ -198,7 +206,7 @@ template <> struct Vec<c10::Half> { using type = avx512::F16; };
 template <class V>
 void fwd_impl_v(const typename V::raw* xp, const typename V::raw* rp, typename V::raw* hp, typename V::raw* yp,
                 const float* gp, const float* bp, float* sp, int64_t rows, int64_t n, double eps_d, bool center,
-                int64_t eps_mode, bool before_gain, bool l2) {
+                int64_t eps_mode, bool before_gain, bool l2, bool parallel) {
   using R = typename V::raw;
   const float eps = static_cast<float>(eps_d);
   const float div = l2 ? 1.f : static_cast<float>(n);
@@ -206,7 +214,7 @@ void fwd_impl_v(const typename V::raw* xp, const typename V::raw* rp, typename V
   const bool stream = streams_from_memory(rows * n * static_cast<int64_t>(sizeof(R)) * (rp ? 2 : 1));
   const bool nt = stream && pages_mapped(yp, rows * n * static_cast<int64_t>(sizeof(R)));
   const auto write = avx512::pick_writer<V>(center, before_gain, bp != nullptr);
-  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+  over_rows(parallel, rows, grain, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const R* xr = xp + i * n;
       const R* rr = rp ? rp + i * n : nullptr;
@@ -255,7 +263,7 @@ template <typename T>
 void fwd_impl(const typename IO<T>::raw* xp, const typename IO<T>::raw* rp, typename IO<T>::raw* hp,
               typename IO<T>::raw* yp, const typename IO<T>::acc* gp, const typename IO<T>::acc* bp,
               typename IO<T>::acc* sp, int64_t rows, int64_t n, double eps_d, bool center, int64_t eps_mode,
-              bool before_gain, bool l2) {
+              bool before_gain, bool l2, bool parallel = true) {
   using R = typename IO<T>::raw;
   using A = typename IO<T>::acc;
 #if NORMATLAS_AVX512
@@ -263,7 +271,7 @@ void fwd_impl(const typename IO<T>::raw* xp, const typename IO<T>::raw* rp, type
     using V = typename Vec<T>::type;
     using VR = typename V::raw;
     fwd_impl_v<V>(reinterpret_cast<const VR*>(xp), reinterpret_cast<const VR*>(rp), reinterpret_cast<VR*>(hp),
-                  reinterpret_cast<VR*>(yp), gp, bp, sp, rows, n, eps_d, center, eps_mode, before_gain, l2);
+                  reinterpret_cast<VR*>(yp), gp, bp, sp, rows, n, eps_d, center, eps_mode, before_gain, l2, parallel);
     return;
   }
 #endif
@@ -273,7 +281,7 @@ void fwd_impl(const typename IO<T>::raw* xp, const typename IO<T>::raw* rp, type
   // Prefetch the next row only when the input comes from memory: for a cache-resident input the hardware
   // prefetcher suffices and the extra instructions cost more than they save (measured: 256 x 4096 fp32).
   const bool stream = streams_from_memory(rows * n * static_cast<int64_t>(sizeof(R)) * (rp ? 2 : 1));
-  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+  over_rows(parallel, rows, grain, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const R* xr = xp + i * n;
       const R* src = xr;
@@ -720,8 +728,8 @@ at::Tensor affine_floor(const at::Tensor& x_in, const at::Tensor& weight, double
 }
 
 // QK-norm in one launch (inference): normalise the rows of q and of k (both with trailing size n) in one parallel
-// region split over their rows together, instead of two launches with two thread-pool wake-ups. Nested inside the
-// region, each fwd_impl call runs serially on its share of the rows. No autograd (the caller checks).
+// region split over their rows together, instead of two launches with two thread-pool wake-ups. Inside the region
+// each fwd_impl call runs in its thread on its share of the rows. No autograd (the caller checks).
 std::vector<at::Tensor> norm_pair(const at::Tensor& q_in, const at::Tensor& k_in, const c10::optional<at::Tensor>& wq,
                                   const c10::optional<at::Tensor>& wk, double eps, bool center, int64_t eps_mode,
                                   bool before_gain, bool one_plus_w, bool l2, int64_t n) {
@@ -745,12 +753,12 @@ std::vector<at::Tensor> norm_pair(const at::Tensor& q_in, const at::Tensor& k_in
       if (b < rq) {
         const int64_t e1 = std::min(e, rq);
         fwd_impl<scalar_t>(qp + b * n, nullptr, nullptr, yqp + b * n, gq.data(), nullptr, sp + 3 * b, e1 - b, n, eps,
-                           center, eps_mode, before_gain, l2);
+                           center, eps_mode, before_gain, l2, false);
       }
       if (e > rq) {
         const int64_t b1 = std::max(b, rq) - rq;
         fwd_impl<scalar_t>(kp + b1 * n, nullptr, nullptr, ykp + b1 * n, gk.data(), nullptr, sp + 3 * (rq + b1),
-                           e - rq - b1, n, eps, center, eps_mode, before_gain, l2);
+                           e - rq - b1, n, eps, center, eps_mode, before_gain, l2, false);
       }
     });
   });
