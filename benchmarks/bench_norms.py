@@ -27,10 +27,10 @@ summary also gives each ratio from the best calls (``min_ms``).
 ``--alloc reuse`` (glibc only) raises malloc's mmap and trim thresholds with ``mallopt`` so a
 freed output is handed back to the next call without new page faults, the steady state of a
 loop that reuses its buffers; ``--alloc default`` leaves glibc alone, so outputs of >= 32 MiB
-(glibc's largest heap block) arrive as freshly faulted pages on every call. ``perf`` on this VM
-puts 60-75% of a 32 MiB fp32 forward in the kernel's page-fault path (``exc_page_fault``,
-``clear_page_erms``) in the default regime, for every provider, which compresses every ratio
-toward 1; the header names the regime of the run.
+(glibc's largest heap block) arrive as freshly faulted pages on every call. On this VM kernel
+time (page faults: ``exc_page_fault``, ``clear_page_erms`` in ``perf``) is 75-85% of a 32 MiB
+fp32 forward in the default regime, for every provider (``getrusage``, one thread), which
+compresses every ratio toward 1; the header names the regime of the run.
 
 Writes ``results/bench_norms_cpu.csv`` (``results/`` is gitignored) and prints a summary of the
 issue's targets, each with the two figures it compares, measured in this run.

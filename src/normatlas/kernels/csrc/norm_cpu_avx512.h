@@ -142,42 +142,39 @@ inline void store(typename V::raw* p, __m256 v, __mmask8 m) {
 }
 inline __m256 loadf(const float* p, __mmask8 m) { return m == 0xff ? _mm256_loadu_ps(p) : _mm256_maskz_loadu_ps(m, p); }
 
+// The statistics pass's input at j: x, or with a residual h = x + r rounded to the storage dtype, written out to h
+// (the updated residual stream) and returned as rounded.
+template <class V>
+inline __m256 input_at(const typename V::raw* x, const typename V::raw* r, typename V::raw* h, int64_t j, __mmask8 m) {
+  if (!r) return load<V>(x + j, m);
+  const __m256 v = V::rt(_mm256_add_ps(load<V>(x + j, m), load<V>(r + j, m)));
+  store<V>(h + j, v, m);
+  return v;
+}
+
 // Sum of squares of a row with four independent accumulators (so the FMAs pipeline). With a residual,
 // h = x + r rounded to the storage dtype is written out and its rounded value is what is summed.
 template <class V>
 inline float sumsq(const typename V::raw* x, const typename V::raw* r, typename V::raw* h, int64_t n) {
   __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+  auto val = [&](int64_t j, __mmask8 m) { return input_at<V>(x, r, h, j, m); };
+  int64_t j = 0;
 #if defined(__AVX512BF16__)
   if (std::is_same_v<V, BF16> && !r) {
     // bf16 pairs straight into fp32 sums: VDPBF16PS forms each square exactly and adds it in fp32
-    // (denormal bf16 inputs, below 1e-38, count as zero), 16 elements per instruction
-    int64_t j = 0;
-    for (; j + 64 <= n; j += 64) {  // four independent sums: the dot-product latency is hidden
-      const auto* p = x + j;
-      const __m256bh v0 = (__m256bh)_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-      const __m256bh v1 = (__m256bh)_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16));
-      const __m256bh v2 = (__m256bh)_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32));
-      const __m256bh v3 = (__m256bh)_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 48));
+    // (denormal bf16 inputs, below 1e-38, count as zero), 16 elements per instruction, four independent sums
+    for (; j + 64 <= n; j += 64) {
+      const __m256bh v0 = (__m256bh)_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + j));
+      const __m256bh v1 = (__m256bh)_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + j + 16));
+      const __m256bh v2 = (__m256bh)_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + j + 32));
+      const __m256bh v3 = (__m256bh)_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + j + 48));
       a0 = _mm256_dpbf16_ps(a0, v0, v0);
       a1 = _mm256_dpbf16_ps(a1, v1, v1);
       a2 = _mm256_dpbf16_ps(a2, v2, v2);
       a3 = _mm256_dpbf16_ps(a3, v3, v3);
     }
-    for (; j < n; j += 8) {
-      const __mmask8 m = j + 8 <= n ? static_cast<__mmask8>(0xff) : tail_mask(n - j);
-      const __m256 v = load<V>(x + j, m);
-      a0 = _mm256_fmadd_ps(v, v, a0);
-    }
-    return hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
   }
 #endif
-  auto val = [&](int64_t j, __mmask8 m) {
-    if (!r) return load<V>(x + j, m);
-    const __m256 v = V::rt(_mm256_add_ps(load<V>(x + j, m), load<V>(r + j, m)));
-    store<V>(h + j, v, m);
-    return v;
-  };
-  int64_t j = 0;
   for (; j + 32 <= n; j += 32) {
     const __m256 v0 = val(j, 0xff), v1 = val(j + 8, 0xff), v2 = val(j + 16, 0xff), v3 = val(j + 24, 0xff);
     a0 = _mm256_fmadd_ps(v0, v0, a0);
@@ -202,12 +199,7 @@ inline void moments(const typename V::raw* x, const typename V::raw* r, typename
                     float& m2) {
   const typename V::raw* src = r ? h : x;
   __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-  auto val = [&](int64_t j, __mmask8 m) {
-    if (!r) return load<V>(x + j, m);
-    const __m256 v = V::rt(_mm256_add_ps(load<V>(x + j, m), load<V>(r + j, m)));
-    store<V>(h + j, v, m);
-    return v;
-  };
+  auto val = [&](int64_t j, __mmask8 m) { return input_at<V>(x, r, h, j, m); };
   int64_t j = 0;
   if (r) {
     for (; j + 32 <= n; j += 32) {
