@@ -5,7 +5,7 @@ step time of a small transformer LM on CPU.
 
 Method: one model and optimizer; each round runs three arms of ``every`` steps: plain
 (no hooks), monitored (hooks attached; exactly one step measured) and plain again, in an
-order rotated every round. The overhead is ``median(t_monitored / t_plain) - 1`` over the
+order shuffled (seeded) every round. The overhead is ``median(t_monitored / t_plain) - 1`` over the
 rounds after one warm-up round, so machine-load drift hits all arms alike; the same
 statistic for plain-again vs plain is printed as the noise floor of the run. Times are this process's CPU time
 (``time.process_time``) on one torch thread, so other jobs on a shared machine do not
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import random
 import statistics
 import time
 from pathlib import Path
@@ -73,9 +74,11 @@ def measure_overhead(
     arms = {"plain": lambda: steps(None), "monitored": monitored, "plain_again": lambda: steps(None)}
     times: dict[str, list[float]] = {k: [] for k in arms}
     order = list(arms)
+    shuffle = random.Random(0).shuffle
     for r in range(rounds + 1):
         took = {}
-        for name in order[r % 3 :] + order[: r % 3]:  # rotate the order so drift and warm caches favour no arm
+        shuffle(order)  # a fresh order every round, so drift and warm caches favour no arm (nor a fixed predecessor)
+        for name in order:
             took[name] = arms[name]()
         if r:  # round 0 warms up (the first measured step traces the dataflow once)
             for k, v in took.items():

@@ -11,7 +11,7 @@ Variants (each verified against the baseline before it is timed; max_rel is repo
   gpt2 ln->rms (stock LN)  the same weights in stock LayerNorms (control: LN on a centred stream)
   llama baseline / fold / fold+defer   the same for an RMSNorm model
 
-Timing: forward passes under torch.inference_mode, variants interleaved round-robin so machine
+Timing: forward passes under torch.inference_mode, variants interleaved in a fresh seeded order every round so machine
 load affects all alike; the median of ``--repeats`` rounds is reported.
 
     .venv/bin/python benchmarks/surgery_speed.py [--layers 6 --width 512 --batch 4 --seq 128 --repeats 15]
@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import copy
 import csv
+import random
 import statistics
 import sys
 import time
@@ -110,8 +111,11 @@ def main(argv: list[str] | None = None) -> int:
     with torch.inference_mode():
         for _, model in variants.values():  # warm-up
             model(**inputs)
+        order = list(variants.items())
+        shuffle = random.Random(0).shuffle
         for _ in range(args.repeats):
-            for name, (_, model) in variants.items():
+            shuffle(order)  # a fresh order every round: no variant keeps the same predecessor
+            for name, (_, model) in order:
                 t0 = time.perf_counter()
                 model(**inputs)
                 times[name].append(time.perf_counter() - t0)
