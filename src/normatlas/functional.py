@@ -24,7 +24,7 @@ from torch import Tensor
 
 from .spec import Axis, CastOrder, EpsPlacement, Gain, GainConvention, NormSpec, Scale
 
-__all__ = ["Plan", "compute_dtype", "feature_shape", "normalize", "resolve"]
+__all__ = ["Plan", "compute_dtype", "feature_shape", "moments", "normalize", "resolve"]
 
 _HALF = (torch.float16, torch.bfloat16)
 
@@ -257,7 +257,7 @@ def _generic(
         ms = running_var.to(cdtype).reshape(plan.param_view)
         xc = xf - running_mean.to(cdtype).reshape(plan.param_view) if spec.center and running_mean is not None else xf
     else:
-        mean, xc, ms, count = _statistics(xf, spec, plan.reduce_dims, mask)
+        mean, xc, ms, count = moments(xf, spec, plan.reduce_dims, mask)
         if running_var is not None:
             _update_running(spec, plan, mean, ms, count, running_mean, running_var, momentum)
 
@@ -274,10 +274,17 @@ def _generic(
     return _affine(y, spec, plan, weight, bias, in_dtype, cdtype)
 
 
-def _statistics(
+def moments(
     xf: Tensor, spec: NormSpec, dims: tuple[int, ...], mask: Tensor | None
 ) -> tuple[Tensor | None, Tensor, Tensor, Tensor | int]:
-    """Mean, centred values, and the mean (or sum, for L2) of squares over ``dims``."""
+    """The core's statistics of ``xf`` over ``dims``: ``(mean, centred values, mean square, count)``.
+
+    Only ``spec.center`` and ``spec.scale`` are read: the mean is None without centring, and the
+    mean square becomes the sum of squares for ``Scale.L2``. With ``mask`` (of ``xf``'s full shape:
+    expand a broadcastable mask first, or the count is wrong) only the True positions count, and
+    ``count`` is a tensor (clamped to 1 as a divisor); without it, an int. Computed in ``xf``'s
+    dtype (callers pass fp32 or fp64).
+    """
     if mask is None:
         count: Tensor | int = 1
         for d in dims:

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..functional import _statistics, compute_dtype, normalize, resolve
+from ..functional import compute_dtype, moments, normalize, resolve
 from ..modules import Norm
 from ..spec import Axis, CastOrder, Gain, Layout, NormSpec
 
@@ -65,7 +65,7 @@ _MOMENTS_SPEC = batch_norm_spec()  # centred, mean of squares: what batch_moment
 def batch_moments(x: Tensor, dims: tuple[int, ...], mask: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """(count, mean, biased variance) over ``dims`` (kept), counting only ``mask``'s True positions.
 
-    A thin adapter over the core's statistics (``normatlas.functional._statistics``, which the
+    A thin adapter over the core's statistics (``normatlas.functional.moments``, which the
     core's generic path uses) for the BatchNorm spec, with the count as a tensor. ``x`` should
     already be in the compute dtype. An empty or all-masked slice has count 0, mean 0, var 0.
     """
@@ -74,7 +74,7 @@ def batch_moments(x: Tensor, dims: tuple[int, ...], mask: Tensor | None = None) 
     elif math.prod(x.shape[d] for d in dims) == 0:  # the core's mean of nothing is NaN; ours is 0
         zero = torch.zeros_like(x.sum(dims, keepdim=True))
         return torch.zeros([1] * x.dim(), dtype=x.dtype, device=x.device), zero, torch.zeros_like(zero)
-    mean, _, var, count = _statistics(x, _MOMENTS_SPEC, dims, mask)
+    mean, _, var, count = moments(x, _MOMENTS_SPEC, dims, mask)
     assert mean is not None  # the BatchNorm spec centres
     if not isinstance(count, Tensor):
         count = torch.full([1] * x.dim(), float(count), dtype=x.dtype, device=x.device)
