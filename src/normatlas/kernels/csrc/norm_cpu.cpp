@@ -227,7 +227,7 @@ void fwd_impl_v(const typename V::raw* xp, const typename V::raw* rp, typename V
       sp[3 * i] = mean;
       sp[3 * i + 1] = r;
       sp[3 * i + 2] = drdms;
-            const bool more = stream && i + 1 < end;
+      const bool more = stream && i + 1 < end;
       write(rp ? hr : xr, yp + i * n, gp, bp, mean, r, n, more ? xr + n : nullptr, more && rp ? rr + n : nullptr,
             nt);
     }
@@ -460,7 +460,9 @@ void bwd_impl(const typename IO<T>::raw* dyp, const typename IO<T>::raw* xp, con
               more ? reinterpret_cast<const VR*>(xp + (i + 1) * n) : nullptr,
               more ? reinterpret_cast<const VR*>(dyp + (i + 1) * n) : nullptr,
               more && drp ? reinterpret_cast<const VR*>(drp + (i + 1) * n) : nullptr, nt);
-          if (before_gain && (pgc || pbc)) avx512::bwd_gain_before_cast<V>(xi, dyi, pgc, pbc, n, sp[3 * i], sp[3 * i + 1], center);
+          if (before_gain && (pgc || pbc)) {
+            avx512::bwd_gain_before_cast<V>(xi, dyi, pgc, pbc, n, sp[3 * i], sp[3 * i + 1], center);
+          }
         }
         if (nt) _mm_sfence();
         continue;
@@ -659,7 +661,8 @@ std::vector<at::Tensor> norm_fwd(const at::Tensor& x, const c10::optional<at::Te
                                  const c10::optional<at::Tensor>& weight, const c10::optional<at::Tensor>& bias,
                                  double eps, bool center, int64_t eps_mode, bool before_gain, bool one_plus_w, bool l2,
                                  int64_t n) {
-  return fwd_core(x, opt(residual), opt(weight), opt(bias), Flags{eps, center, eps_mode, before_gain, one_plus_w, l2, n});
+  const Flags f{eps, center, eps_mode, before_gain, one_plus_w, l2, n};
+  return fwd_core(x, opt(residual), opt(weight), opt(bias), f);
 }
 
 std::vector<at::Tensor> norm_bwd(const at::Tensor& dy, const at::Tensor& x, const c10::optional<at::Tensor>& weight,

@@ -95,13 +95,17 @@ struct BF16 {
 #endif
   }
   static inline void st_nt(raw* p, __m256 v) { _mm_stream_si128(reinterpret_cast<__m128i*>(p), down(v)); }
-  static inline void st2_nt(raw* p, __m256 lo, __m256 hi) { _mm256_stream_si256(reinterpret_cast<__m256i*>(p), pack2(lo, hi)); }
+  static inline void st2_nt(raw* p, __m256 lo, __m256 hi) {
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(p), pack2(lo, hi));
+  }
 };
 
 struct F16 {
   using raw = uint16_t;
   static constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
-  static inline __m256 ld(const raw* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+  static inline __m256 ld(const raw* p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
   static inline __m256 ldm(const raw* p, __mmask8 m) { return _mm256_cvtph_ps(_mm_maskz_loadu_epi16(m, p)); }
   static inline void st(raw* p, __m256 v) {
     _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(v, kRound));
@@ -116,11 +120,15 @@ struct F16 {
   static inline __m256i pack2(__m256 lo, __m256 hi) {
     return _mm256_inserti128_si256(_mm256_castsi128_si256(_mm256_cvtps_ph(lo, kRound)), _mm256_cvtps_ph(hi, kRound), 1);
   }
-  static inline void st2(raw* p, __m256 lo, __m256 hi) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), pack2(lo, hi)); }
+  static inline void st2(raw* p, __m256 lo, __m256 hi) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), pack2(lo, hi));
+  }
   static inline void st_nt(raw* p, __m256 v) {
     _mm_stream_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(v, kRound));
   }
-  static inline void st2_nt(raw* p, __m256 lo, __m256 hi) { _mm256_stream_si256(reinterpret_cast<__m256i*>(p), pack2(lo, hi)); }
+  static inline void st2_nt(raw* p, __m256 lo, __m256 hi) {
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(p), pack2(lo, hi));
+  }
 };
 
 // Calls body(j, mask) over the row in 8-lane steps, the last one masked (mask 0xff elsewhere).
