@@ -4,6 +4,7 @@
 (:mod:`.trace`), finds every normalization by its arithmetic (:mod:`.norms`),
 places each relative to the residual adds and attention (:mod:`.analyze`), and
 cross-checks module-wrapped norms with a perturbation probe (:mod:`.probe`).
+``inspect_vision(model, pixel_values)`` does the same for a vision tower (:mod:`.vision`).
 Nothing is inferred from parameter or class names.
 """
 
@@ -26,6 +27,7 @@ from .report import (
     RopeOrder,
     SublayerInfo,
 )
+from .vision import VisionReport, inspect_vision
 
 __all__ = [
     "AttentionInfo",
@@ -37,9 +39,11 @@ __all__ = [
     "RopeOrder",
     "SublayerInfo",
     "UntraceableModel",
+    "VisionReport",
     "inspect",
     "inspect_model",
     "inspect_target",
+    "inspect_vision",
 ]
 
 
