@@ -1,9 +1,10 @@
 // AVX-512 row kernels for fp32, bf16 and fp16 (included by norm_cpu.cpp when the compiler targets AVX-512).
 //
 // Written with 256-bit vectors (8 fp32 lanes) and the AVX-512VL forms of the masked loads / stores and of the bf16
-// conversions: a memory-bound kernel moves the same bytes per cycle at either width, and live 512-bit register
-// state made every page fault on a fresh output ~20% dearer on the VM we measured (sys time 17.9 vs 14.7 ms per
-// 2048 x 4096 fp32 forward, same fault count), which is most of such a call's time.
+// conversions: a memory-bound kernel moves the same bytes per cycle at either width, and 256 bits runs at full
+// rate on cores that split or down-clock 512-bit work. Measured against the same code at 512 bits (interleaved
+// in one process, 2048 x 4096 fp32 forward): level on reused output pages (1.79 vs 1.85 ms with 2 threads, 3.21
+// vs 2.91 with 1), 4-6% faster on freshly mapped ones (14.3 vs 14.8 ms, 22.1 vs 23.5).
 //
 // The same arithmetic as the generic templates in norm_cpu.cpp, written with explicit vectors:
 // compilers vectorise the generic bf16 loops poorly (a scalar round-to-nearest-even with a NaN test per
