@@ -138,3 +138,19 @@ def test_several_targets_compare_in_one_table(capsys: pytest.CaptureFixture[str]
     rows = json.loads(out)
     assert code == 1 and [r["model"] for r in rows] == ["tests.test_inspect_cli:toy", "no_such_arch_xyz"]
     assert rows[0]["placement"] == "post" and rows[1]["operator"].startswith("error: unknown model type")
+
+
+def test_vision_towers_from_the_cli(capsys: pytest.CaptureFixture[str]) -> None:
+    """`--vision`: tiny towers built offline and read from the dataflow, one row each; a text model is refused."""
+    code, out, _ = run(capsys, "inspect", "--vision", "clip_vision_model", "siglip_vision_model", "dinov2")
+    assert code == 0
+    rows = {line.split()[0]: line.split() for line in out.splitlines()[3:] if line.strip()}
+    header = out.splitlines()[1].split()
+    models = ("clip_vision_model", "siglip_vision_model", "dinov2")
+    clip, siglip, dinov2 = (dict(zip(header, rows[m], strict=True)) for m in models)
+    assert clip["placement"] == "pre" and clip["embedding_norm"] == "layernorm" and clip["pooled_norm"] == "layernorm"
+    assert clip["final_norm"] == "none" and clip["tokens"] == "17"  # CLS prepended; post LN on the CLS row only
+    assert siglip["final_norm"] == "layernorm" and siglip["head_norm"] == "layernorm" and siglip["tokens"] == "16"
+    assert dinov2["branch_scale"] == "per-channel" and dinov2["final_norm"] == "layernorm"
+    code, _, err = run(capsys, "inspect", "--vision", "llama")
+    assert code == 2 and "image_size" in err and len(err.strip().splitlines()) == 1

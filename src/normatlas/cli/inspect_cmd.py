@@ -18,6 +18,12 @@ def _configure(p: argparse.ArgumentParser) -> None:
         "(config.json + *.safetensors), or module.path:factory",
     )
     p.add_argument("--json", action="store_true", help="print the full report as JSON")
+    p.add_argument(
+        "--vision",
+        action="store_true",
+        help="TARGET is a vision tower model type (clip_vision_model, siglip_vision_model, vit, dinov2, ...): "
+        "built tiny and run on a seeded image",
+    )
     p.add_argument("--norms", action="store_true", help="also list every normalization site")
     p.add_argument(
         "--all-transformers",
@@ -34,7 +40,7 @@ def inspect_cmd(args: argparse.Namespace) -> int:
     import warnings
 
     warnings.filterwarnings("ignore")
-    from ..inspect import UntraceableModel, inspect_target
+    from ..inspect import UntraceableModel, inspect_target, inspect_vision_target
 
     if args.all_transformers:
         return _sweep(args)
@@ -43,7 +49,7 @@ def inspect_cmd(args: argparse.Namespace) -> int:
     if len(args.target) > 1:
         return _compare(args)
     try:
-        rep = inspect_target(args.target[0])
+        rep = (inspect_vision_target if args.vision else inspect_target)(args.target[0])
     except (UntraceableModel, ValueError, TypeError, FileNotFoundError, OSError) as exc:
         raise CliError(str(exc).splitlines()[0] if str(exc) else type(exc).__name__) from exc
     except Exception as exc:  # building a model can fail in many ways; one line, never a traceback
@@ -131,16 +137,33 @@ _COMPARE = (
 )
 
 
+_COMPARE_VISION = (
+    "model",
+    "operator",
+    "eps",
+    "bias",
+    "placement",
+    "branch_scale",
+    "tokens",
+    "embedding_norm",
+    "final_norm",
+    "pooled_norm",
+    "merger_norm",
+    "head_norm",
+)
+
+
 def _compare(args: argparse.Namespace) -> int:
     """Several targets: one summary row each (errors as rows, exit 1 if any failed)."""
-    from ..inspect import inspect_target
+    from ..inspect import inspect_target, inspect_vision_target
 
+    inspect_one, columns = (inspect_vision_target, _COMPARE_VISION) if args.vision else (inspect_target, _COMPARE)
     rows, failed = [], 0
     for target in args.target:
         try:
-            summ = inspect_target(target).summary_row()
+            summ = inspect_one(target).summary_row()
             summ["model"] = target
-            rows.append({k: "-" if summ.get(k) in (None, "") else summ.get(k) for k in _COMPARE})
+            rows.append({k: "-" if summ.get(k) in (None, "") else summ.get(k) for k in columns})
         except Exception as exc:  # one failing target must not hide the others
             failed += 1
             rows.append({"model": target, "operator": f"error: {(str(exc).splitlines() or [''])[0][:80]}"})
@@ -149,7 +172,7 @@ def _compare(args: argparse.Namespace) -> int:
     else:
         print(
             format_table(
-                [{k: r.get(k, "") for k in _COMPARE} for r in rows],
+                [{k: r.get(k, "") for k in columns} for r in rows],
                 title="normalization designs (from the traced dataflow)",
             )
         )

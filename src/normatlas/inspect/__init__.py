@@ -44,6 +44,7 @@ __all__ = [
     "inspect_model",
     "inspect_target",
     "inspect_vision",
+    "inspect_vision_target",
 ]
 
 
@@ -102,6 +103,13 @@ def inspect_target(target: str, *, seed: int = 0, probe: bool = True) -> Inspect
 
     model, inputs, label = build_target(target, seed=seed)
     return inspect_model(model, inputs, name=label, probe=probe)
+
+
+def inspect_vision_target(target: str, *, seed: int = 0, probe: bool = True) -> VisionReport:
+    """Build a tiny vision tower of a transformers model type and inspect it on a seeded image."""
+    from .build import build_vision
+
+    return inspect_vision(build_vision(target, seed=seed), name=target, probe=probe)
 
 
 class _CallableModule(types.ModuleType):

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["TINY", "build_target", "example_inputs", "tiny_config"]
+__all__ = ["TINY", "build_target", "build_vision", "example_inputs", "tiny_config"]
 
 # Shrunk sizes (litgpt-style: keep the architecture, shrink the widths). Originals are
 # thousands wide and tens of layers deep; each key is set only where the config has it.
@@ -178,6 +178,21 @@ def build_target(target: str, seed: int = 0) -> tuple[nn.Module, Any, str]:
         raise FileNotFoundError(f"{target}: not a folder (need a checkpoint folder with config.json)")
     cfg = tiny_config(target)
     return _model_from_config(cfg), None, target
+
+
+def build_vision(model_type: str, seed: int = 0, image_size: int = 32, patch_size: int = 8) -> nn.Module:
+    """A tiny random-initialised vision tower of a transformers ``model_type`` (``clip_vision_model``,
+    ``siglip_vision_model``, ``vit``, ``dinov2``, ...): the type's config shrunk like :func:`tiny_config`,
+    with a small image (``image_size`` / ``patch_size``) where the config has those fields."""
+    from transformers import AutoModel
+
+    torch.manual_seed(seed)
+    cfg = tiny_config(model_type)
+    for key, val in (("image_size", image_size), ("patch_size", patch_size)):
+        if key in cfg.to_dict():
+            with contextlib.suppress(Exception):
+                setattr(cfg, key, val)
+    return AutoModel.from_config(cfg, attn_implementation="eager").eval()
 
 
 def load_config_json(path: Path) -> dict[str, Any]:
