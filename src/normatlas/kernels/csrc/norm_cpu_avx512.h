@@ -1,4 +1,4 @@
-// AVX-512 row kernels for fp32, bf16 and fp16 (included by norm_cpu.cpp when the compiler targets AVX-512).
+// AVX-512 row kernels for fp32, bf16 and fp16 (included by norm_kernels.cpp when the compiler targets AVX-512).
 //
 // Written with 256-bit vectors (8 fp32 lanes) and the AVX-512VL forms of the masked loads / stores and of the bf16
 // conversions: a memory-bound kernel moves the same bytes per cycle at either width, and 256 bits runs at full
@@ -6,7 +6,7 @@
 // in one process, 2048 x 4096 fp32 forward): level on reused output pages (1.79 vs 1.85 ms with 2 threads, 3.21
 // vs 2.91 with 1), 4-6% faster on freshly mapped ones (14.3 vs 14.8 ms, 22.1 vs 23.5).
 //
-// The same arithmetic as the generic templates in norm_cpu.cpp, written with explicit vectors:
+// The same arithmetic as the generic templates in norm_kernels.cpp, written with explicit vectors:
 // compilers vectorise the generic bf16 loops poorly (a scalar round-to-nearest-even with a NaN test per
 // element, an array of lane sums), which left the bf16 forward at 6x a copy on a cache-resident input.
 // Conversions: bf16 -> fp32 is a 16-bit shift; fp32 -> bf16 rounds to nearest even (one VCVTNEPS2BF16 with

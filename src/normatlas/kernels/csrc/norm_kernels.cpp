@@ -1,4 +1,4 @@
-// Fused row-wise normalization (RMSNorm / LayerNorm / L2, optional residual add) for CPU.
+// Fused row-wise normalization (RMSNorm / LayerNorm / L2, optional residual add) for CPU: the row kernels.
 //
 // One kernel serves every channels-last spec the core can hand it: statistics in fp32 (fp64 for
 // double inputs), eps inside or outside the sqrt or as a clamp, the gain applied after or before
@@ -6,8 +6,12 @@
 // Each row is read from memory once (it stays in L1/L2 for the later passes) and written once, so
 // the forward runs at the speed of a copy. The backward reads x and dy once, writes dx once, and
 // accumulates the gain / bias gradients in one partial sum per thread chunk.
-#include <torch/extension.h>
+//
+// This file sees no tensors (norm_bind.cpp does): only ATen's thread pool and the c10 scalar types, so it compiles
+// in a few seconds next to the binding (norm_kernels.h is the interface).
 #include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 #if defined(__linux__)
 #include <sys/mman.h>
 #include <unistd.h>
@@ -18,6 +22,8 @@
 #include <cstring>
 #include <type_traits>
 #include <vector>
+
+#include "norm_kernels.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && !defined(NORMATLAS_NO_AVX512)
 #define NORMATLAS_AVX512 1
@@ -176,7 +182,9 @@ inline void over_rows(bool parallel, int64_t rows, int64_t grain, const F& f) {
   else f(0, rows);
 }
 
-enum EpsMode : int64_t { INSIDE = 0, OUTSIDE = 1, CLAMP = 2 };
+using normatlas::CLAMP;
+using normatlas::INSIDE;
+using normatlas::OUTSIDE;
 
 // rstd r(ms) and dr/dms for the three eps placements.
 template <typename A>
@@ -488,205 +496,6 @@ void bwd_impl(const typename IO<T>::raw* dyp, const typename IO<T>::raw* xp, con
   }
 }
 
-
-at::ScalarType acc_type(at::ScalarType t) { return t == at::kDouble ? at::kDouble : at::kFloat; }
-
-// The per-feature multiplier in the accumulation dtype A: w, 1 + w, or ones without a weight. With
-// `round` (cast_order BEFORE_GAIN) 1 + w is rounded in the weight's own dtype first, as torch's `1 + w`.
-template <typename A>
-std::vector<A> load_vec(const at::Tensor& t, int64_t n, A fill, bool plus_one, bool round) {
-  std::vector<A> out(static_cast<size_t>(n), fill);
-  if (!t.defined()) return out;
-  TORCH_CHECK(t.numel() == n, "weight / bias must have ", n, " elements, got ", t.numel());
-  const at::Tensor c = t.contiguous();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, c.scalar_type(), "load_vec", [&] {
-    using W = IO<scalar_t>;
-    const auto* p = reinterpret_cast<const typename W::raw*>(c.data_ptr());
-    for (int64_t j = 0; j < n; ++j) {
-      A v = static_cast<A>(W::ld(p[j]));
-      if (plus_one) v = round ? static_cast<A>(W::ld(W::st(W::ld(p[j]) + 1))) : v + A(1);
-      out[j] = v;
-    }
-  });
-  return out;
-}
-
-struct Flags {
-  double eps;
-  bool center;
-  int64_t eps_mode;
-  bool before_gain;
-  bool one_plus_w;
-  bool l2;
-  int64_t n;
-};
-
-int64_t rows_of(const at::Tensor& x, int64_t n) {
-  TORCH_CHECK(n > 0 && x.numel() % n == 0, "the feature size ", n, " does not divide numel ", x.numel());
-  return x.numel() / n;
-}
-
-// y and h shaped like x (h empty without a residual) and stats (rows, 3): mean, rstd, d rstd / d ms.
-std::vector<at::Tensor> fwd_core(const at::Tensor& x_in, const at::Tensor& res_in, const at::Tensor& weight,
-                                 const at::Tensor& bias, const Flags& f) {
-  const at::Tensor x = x_in.contiguous();
-  const int64_t n = f.n, rows = rows_of(x, n);
-  at::Tensor res;
-  if (res_in.defined()) {
-    TORCH_CHECK(res_in.sizes() == x.sizes() && res_in.scalar_type() == x.scalar_type(),
-                "residual must be shaped and typed like x");
-    res = res_in.contiguous();
-  }
-  const auto acc = acc_type(x.scalar_type());
-  auto y = at::empty(x.sizes(), x.options());
-  auto h = res.defined() ? at::empty(x.sizes(), x.options()) : at::empty({0}, x.options());
-  auto stats = at::empty({rows, 3}, x.options().dtype(acc));
-  if (rows == 0) return {y, h, stats};
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "norm_fwd", [&] {
-    using R = typename IO<scalar_t>::raw;
-    using A = typename IO<scalar_t>::acc;
-    const auto g = load_vec<A>(weight, n, A(1), f.one_plus_w, f.before_gain);
-    const auto b = bias.defined() ? load_vec<A>(bias, n, A(0), false, false) : std::vector<A>();
-    fwd_impl<scalar_t>(reinterpret_cast<const R*>(x.data_ptr()),
-                       res.defined() ? reinterpret_cast<const R*>(res.data_ptr()) : nullptr,
-                       res.defined() ? reinterpret_cast<R*>(h.data_ptr()) : nullptr, reinterpret_cast<R*>(y.data_ptr()),
-                       g.data(), bias.defined() ? b.data() : nullptr, stats.data_ptr<A>(), rows, n, f.eps, f.center,
-                       f.eps_mode, f.before_gain, f.l2);
-  });
-  return {y, h, stats};
-}
-
-// dx shaped like x (plus d_residual_out when given) and dgain / dbias of shape (n,) in the accumulation dtype
-// (empty when not needed).
-std::vector<at::Tensor> bwd_core(const at::Tensor& dy_in, const at::Tensor& x_in, const at::Tensor& weight,
-                                 const at::Tensor& stats_in, const at::Tensor& dres_in, const Flags& f, bool need_dg,
-                                 bool need_db) {
-  const at::Tensor x = x_in.contiguous(), dy = dy_in.contiguous(), stats = stats_in.contiguous();
-  const int64_t n = f.n, rows = rows_of(x, n);
-  TORCH_CHECK(dy.sizes() == x.sizes() && dy.scalar_type() == x.scalar_type(), "dy must be shaped and typed like x");
-  at::Tensor dres;
-  if (dres_in.defined()) {
-    TORCH_CHECK(dres_in.numel() == x.numel(), "d_residual must be shaped like x");
-    dres = dres_in.to(x.scalar_type()).contiguous();
-  }
-  const auto acc = acc_type(x.scalar_type());
-  TORCH_CHECK(stats.scalar_type() == acc && stats.numel() == 3 * rows, "stats must be (rows, 3) in ", acc);
-  auto dx = at::empty(x.sizes(), x.options());
-  auto opts = x.options().dtype(acc);
-  auto dg = need_dg ? at::zeros({n}, opts) : at::empty({0}, opts);
-  auto db = need_db ? at::zeros({n}, opts) : at::empty({0}, opts);
-  if (rows == 0) return {dx, dg, db};
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "norm_bwd", [&] {
-    using R = typename IO<scalar_t>::raw;
-    using A = typename IO<scalar_t>::acc;
-    const auto g = load_vec<A>(weight, n, A(1), f.one_plus_w, f.before_gain);
-    bwd_impl<scalar_t>(reinterpret_cast<const R*>(dy.data_ptr()), reinterpret_cast<const R*>(x.data_ptr()),
-                       dres.defined() ? reinterpret_cast<const R*>(dres.data_ptr()) : nullptr,
-                       reinterpret_cast<R*>(dx.data_ptr()), g.data(), stats.data_ptr<A>(),
-                       need_dg ? dg.data_ptr<A>() : nullptr, need_db ? db.data_ptr<A>() : nullptr, rows, n, f.center,
-                       f.before_gain, f.l2);
-  });
-  return {dx, dg, db};
-}
-
-at::Tensor opt(const c10::optional<at::Tensor>& t) { return t.has_value() ? *t : at::Tensor(); }
-
-using torch::autograd::AutogradContext;
-using torch::autograd::variable_list;
-
-// Eager autograd without a Python frame: forward and backward both run here, so a training step pays
-// one pybind11 call for the norm instead of the Python autograd.Function machinery.
-struct NormFn : public torch::autograd::Function<NormFn> {
-  // absent tensors are passed as empty optionals, so they take no autograd edge
-  static variable_list forward(AutogradContext* ctx, const at::Tensor& x, const c10::optional<at::Tensor>& res_o,
-                               const c10::optional<at::Tensor>& weight_o, const c10::optional<at::Tensor>& bias_o,
-                               double eps, bool center, int64_t eps_mode, bool before_gain, bool one_plus_w, bool l2,
-                               int64_t n) {
-    const at::Tensor res = opt(res_o), weight = opt(weight_o), bias = opt(bias_o);
-    const Flags f{eps, center, eps_mode, before_gain, one_plus_w, l2, n};
-    auto out = fwd_core(x, res, weight, bias, f);
-    ctx->save_for_backward({res.defined() ? out[1] : x, weight, out[2]});
-    ctx->saved_data["center"] = center;
-    ctx->saved_data["before_gain"] = before_gain;
-    ctx->saved_data["one_plus_w"] = one_plus_w;
-    ctx->saved_data["l2"] = l2;
-    ctx->saved_data["n"] = n;
-    ctx->saved_data["has_res"] = res.defined();
-    ctx->saved_data["has_bias"] = bias.defined();
-    if (bias.defined()) {
-      ctx->saved_data["bias_dtype"] = bias.scalar_type();
-      ctx->saved_data["bias_shape"] = bias.sizes().vec();
-    }
-    ctx->set_materialize_grads(false);
-    return {out[0], out[1]};
-  }
-
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    TORCH_CHECK(!torch::autograd::GradMode::is_enabled(),
-                "normatlas fused norm: double backward (create_graph=True) is not supported on the eager path");
-    auto saved = ctx->get_saved_variables();
-    const at::Tensor& src = saved[0];
-    const at::Tensor& weight = saved[1];
-    const bool has_res = ctx->saved_data["has_res"].toBool();
-    const bool has_bias = ctx->saved_data["has_bias"].toBool();
-    const Flags f{0.0, ctx->saved_data["center"].toBool(), 0, ctx->saved_data["before_gain"].toBool(),
-                  ctx->saved_data["one_plus_w"].toBool(), ctx->saved_data["l2"].toBool(),
-                  ctx->saved_data["n"].toInt()};
-    at::Tensor dy = grads[0];
-    at::Tensor dh = has_res ? grads[1] : at::Tensor();
-    variable_list out(11);
-    if (!dy.defined() && !dh.defined()) return out;
-    if (!dy.defined()) dy = at::zeros_like(src);
-    // edge indices count only the tensors that were passed: x, then residual, weight, bias if present
-    const size_t e_w = has_res ? 2 : 1, e_b = e_w + (weight.defined() ? 1 : 0);
-    const bool need_dg = weight.defined() && ctx->needs_input_grad(e_w);
-    const bool need_db = has_bias && ctx->needs_input_grad(e_b);
-    auto g = bwd_core(dy, src, weight, saved[2], dh, f, need_dg, need_db);
-    if (ctx->needs_input_grad(0)) out[0] = g[0];
-    if (has_res && ctx->needs_input_grad(1)) out[1] = g[0];
-    if (need_dg) out[2] = g[1].to(weight.scalar_type()).view(weight.sizes());
-    if (need_db) {
-      const auto bt = static_cast<at::ScalarType>(ctx->saved_data["bias_dtype"].toScalarType());
-      out[3] = g[2].to(bt).view(ctx->saved_data["bias_shape"].toIntVector());
-    }
-    return out;
-  }
-};
-
-}  // namespace
-
-// The custom op's implementations (used under torch.compile and by the eager fallback's tests): x of any
-// shape whose trailing features hold n elements; weight / bias as given (any float dtype, numel n).
-std::vector<at::Tensor> norm_fwd(const at::Tensor& x, const c10::optional<at::Tensor>& residual,
-                                 const c10::optional<at::Tensor>& weight, const c10::optional<at::Tensor>& bias,
-                                 double eps, bool center, int64_t eps_mode, bool before_gain, bool one_plus_w, bool l2,
-                                 int64_t n) {
-  const Flags f{eps, center, eps_mode, before_gain, one_plus_w, l2, n};
-  return fwd_core(x, opt(residual), opt(weight), opt(bias), f);
-}
-
-std::vector<at::Tensor> norm_bwd(const at::Tensor& dy, const at::Tensor& x, const c10::optional<at::Tensor>& weight,
-                                 const at::Tensor& stats, const c10::optional<at::Tensor>& dres, bool center,
-                                 bool before_gain, bool one_plus_w, bool l2, bool need_dg, bool need_db, int64_t n) {
-  return bwd_core(dy, x, opt(weight), stats, opt(dres), Flags{0.0, center, 0, before_gain, one_plus_w, l2, n}, need_dg,
-                  need_db);
-}
-
-// The eager entry point: (y, h) with autograd handled in C++ when any input requires grad.
-std::vector<at::Tensor> norm(const at::Tensor& x, const c10::optional<at::Tensor>& residual,
-                             const c10::optional<at::Tensor>& weight, const c10::optional<at::Tensor>& bias, double eps,
-                             bool center, int64_t eps_mode, bool before_gain, bool one_plus_w, bool l2, int64_t n) {
-  const at::Tensor r = opt(residual), w = opt(weight), b = opt(bias);
-  const bool grad = torch::autograd::GradMode::is_enabled() &&
-                    (x.requires_grad() || (r.defined() && r.requires_grad()) || (w.defined() && w.requires_grad()) ||
-                     (b.defined() && b.requires_grad()));
-  if (!grad) {
-    auto out = fwd_core(x, r, w, b, Flags{eps, center, eps_mode, before_gain, one_plus_w, l2, n});
-    return {out[0], out[1]};
-  }
-  return NormFn::apply(x, residual, weight, bias, eps, center, eps_mode, before_gain, one_plus_w, l2, n);
-}
-
 // The output pass alone, y = x * s * weight row by row (no statistics): the floor under any norm forward on this
 // machine, timed by the benchmark suite next to a copy. Same threading, allocation and vector code as the forward.
 template <typename T>
@@ -716,54 +525,82 @@ void affine_floor_impl(const typename IO<T>::raw* xp, typename IO<T>::raw* yp, c
   });
 }
 
-at::Tensor affine_floor(const at::Tensor& x_in, const at::Tensor& weight, double s) {
-  const at::Tensor x = x_in.contiguous();
-  const int64_t n = weight.numel(), rows = rows_of(x, n);
-  TORCH_CHECK(x.scalar_type() != at::kDouble, "affine_floor serves float32 / bfloat16 / float16");
-  auto y = at::empty(x.sizes(), x.options());
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "affine_floor", [&] {
-    using R = typename IO<scalar_t>::raw;
-    const auto g = load_vec<float>(weight, n, 1.f, false, false);
-    affine_floor_impl<scalar_t>(reinterpret_cast<const R*>(x.data_ptr()), reinterpret_cast<R*>(y.data_ptr()), g.data(),
-                                static_cast<float>(s), rows, n);
-  });
-  return y;
+// The storage type of each Dtype, called as body(T{}).
+template <typename F>
+void on_dtype(normatlas::Dtype t, F&& body) {
+  switch (t) {
+    case normatlas::Dtype::F32: return body(float{});
+    case normatlas::Dtype::F64: return body(double{});
+    case normatlas::Dtype::BF16: return body(c10::BFloat16{});
+    case normatlas::Dtype::F16: return body(c10::Half{});
+  }
 }
 
-// QK-norm in one launch (inference): normalise the rows of q and of k (both with trailing size n) in one parallel
-// region split over their rows together, instead of two launches with two thread-pool wake-ups. Inside the region
-// each fwd_impl call runs in its thread on its share of the rows. No autograd (the caller checks).
-std::vector<at::Tensor> norm_pair(const at::Tensor& q_in, const at::Tensor& k_in, const c10::optional<at::Tensor>& wq,
-                                  const c10::optional<at::Tensor>& wk, double eps, bool center, int64_t eps_mode,
-                                  bool before_gain, bool one_plus_w, bool l2, int64_t n) {
-  const at::Tensor q = q_in.contiguous(), k = k_in.contiguous();
-  TORCH_CHECK(q.scalar_type() == k.scalar_type(), "q and k must share a dtype");
-  const int64_t rq = rows_of(q, n), rk = rows_of(k, n);
-  auto yq = at::empty(q.sizes(), q.options()), yk = at::empty(k.sizes(), k.options());
-  if (rq + rk == 0) return {yq, yk};
-  auto stats = at::empty({rq + rk, 3}, q.options().dtype(acc_type(q.scalar_type())));
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "norm_pair", [&] {
-    using R = typename IO<scalar_t>::raw;
-    using A = typename IO<scalar_t>::acc;
-    const auto gq = load_vec<A>(opt(wq), n, A(1), one_plus_w, before_gain);
-    const auto gk = load_vec<A>(opt(wk), n, A(1), one_plus_w, before_gain);
-    const R* qp = reinterpret_cast<const R*>(q.data_ptr());
-    const R* kp = reinterpret_cast<const R*>(k.data_ptr());
-    R* yqp = reinterpret_cast<R*>(yq.data_ptr());
-    R* ykp = reinterpret_cast<R*>(yk.data_ptr());
-    A* sp = stats.data_ptr<A>();
+}  // namespace
+
+namespace normatlas {
+
+void forward(Dtype t, const void* x, const void* res, void* h, void* y, const void* gain, const void* bias,
+             void* stats, int64_t rows, int64_t n, const RowFlags& f, bool parallel) {
+  on_dtype(t, [&](auto tag) {
+    using T = decltype(tag);
+    using R = typename IO<T>::raw;
+    using A = typename IO<T>::acc;
+    fwd_impl<T>(static_cast<const R*>(x), static_cast<const R*>(res), static_cast<R*>(h), static_cast<R*>(y),
+                static_cast<const A*>(gain), static_cast<const A*>(bias), static_cast<A*>(stats), rows, n, f.eps,
+                f.center, f.eps_mode, f.before_gain, f.l2, parallel);
+  });
+}
+
+void backward(Dtype t, const void* dy, const void* x, const void* dres, void* dx, const void* gain,
+              const void* stats, void* dgain, void* dbias, int64_t rows, int64_t n, const RowFlags& f) {
+  on_dtype(t, [&](auto tag) {
+    using T = decltype(tag);
+    using R = typename IO<T>::raw;
+    using A = typename IO<T>::acc;
+    bwd_impl<T>(static_cast<const R*>(dy), static_cast<const R*>(x), static_cast<const R*>(dres), static_cast<R*>(dx),
+                static_cast<const A*>(gain), static_cast<const A*>(stats), static_cast<A*>(dgain),
+                static_cast<A*>(dbias), rows, n, f.center, f.before_gain, f.l2);
+  });
+}
+
+// Inside the region each fwd_impl call runs in its thread on its share of the rows of q, then of k.
+void forward_pair(Dtype t, const void* q, const void* k, void* yq, void* yk, const void* gq, const void* gk,
+                  void* stats, int64_t rq, int64_t rk, int64_t n, const RowFlags& f) {
+  on_dtype(t, [&](auto tag) {
+    using T = decltype(tag);
+    using R = typename IO<T>::raw;
+    using A = typename IO<T>::acc;
+    const R* qp = static_cast<const R*>(q);
+    const R* kp = static_cast<const R*>(k);
+    R* yqp = static_cast<R*>(yq);
+    R* ykp = static_cast<R*>(yk);
+    A* sp = static_cast<A*>(stats);
     at::parallel_for(0, rq + rk, std::max<int64_t>(1, 16384 / n), [&](int64_t b, int64_t e) {
       if (b < rq) {
         const int64_t e1 = std::min(e, rq);
-        fwd_impl<scalar_t>(qp + b * n, nullptr, nullptr, yqp + b * n, gq.data(), nullptr, sp + 3 * b, e1 - b, n, eps,
-                           center, eps_mode, before_gain, l2, false);
+        fwd_impl<T>(qp + b * n, nullptr, nullptr, yqp + b * n, static_cast<const A*>(gq), nullptr, sp + 3 * b, e1 - b,
+                    n, f.eps, f.center, f.eps_mode, f.before_gain, f.l2, false);
       }
       if (e > rq) {
         const int64_t b1 = std::max(b, rq) - rq;
-        fwd_impl<scalar_t>(kp + b1 * n, nullptr, nullptr, ykp + b1 * n, gk.data(), nullptr, sp + 3 * (rq + b1),
-                           e - rq - b1, n, eps, center, eps_mode, before_gain, l2, false);
+        fwd_impl<T>(kp + b1 * n, nullptr, nullptr, ykp + b1 * n, static_cast<const A*>(gk), nullptr,
+                    sp + 3 * (rq + b1), e - rq - b1, n, f.eps, f.center, f.eps_mode, f.before_gain, f.l2, false);
       }
     });
   });
-  return {yq, yk};
 }
+
+void affine_floor_rows(Dtype t, const void* x, void* y, const float* g, float s, int64_t rows, int64_t n) {
+  on_dtype(t, [&](auto tag) {
+    using T = decltype(tag);
+    if constexpr (!std::is_same_v<T, double>) {
+      using R = typename IO<T>::raw;
+      affine_floor_impl<T>(static_cast<const R*>(x), static_cast<R*>(y), g, s, rows, n);
+    }
+  });
+}
+
+bool vector_kernels() { return NORMATLAS_AVX512 != 0; }
+
+}  // namespace normatlas

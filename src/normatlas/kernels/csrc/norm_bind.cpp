@@ -1,0 +1,15 @@
+// The Python module of the CPU kernels: norm_ops.h's functions, bound with torch's pybind11 casters for tensors.
+#include <torch/csrc/utils/pybind.h>
+
+#include "norm_kernels.h"
+#include "norm_ops.h"
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "normatlas fused normalization CPU kernels";
+  m.def("norm_fwd", &normatlas::norm_fwd, "forward of the custom op: (y, h, stats)");
+  m.def("norm_bwd", &normatlas::norm_bwd, "backward of the custom op: (dx, dgain, dbias)");
+  m.def("norm", &normatlas::norm, "eager forward with the backward in C++: (y, h)");
+  m.def("norm_pair", &normatlas::norm_pair, "two forwards in one parallel region (QK-norm, no autograd): (yq, yk)");
+  m.def("affine_floor", &normatlas::affine_floor, "the output pass alone, y = x * s * weight (benchmark floor)");
+  m.def("vector_kernels", &normatlas::vector_kernels, "whether the explicit AVX-512 row kernels are compiled in");
+}

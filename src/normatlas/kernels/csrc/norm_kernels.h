@@ -1,0 +1,48 @@
+// The row kernels' interface: plain pointers and flags, no torch headers.
+//
+// norm_kernels.cpp implements it (the arithmetic, compiled -O3 -march=native with only ATen/Parallel.h and the c10
+// scalar types); norm_bind.cpp turns tensors into these calls and binds them to Python. Two translation units built
+// in parallel: the torch headers the binding needs take most of a one-file build's time, and the kernels no longer
+// wait for them.
+#pragma once
+
+#include <cstdint>
+
+namespace normatlas {
+
+// The storage dtype of x, y, h, dy, dx. Gains, biases, statistics and gain gradients are in the accumulation
+// dtype: double for F64, float otherwise.
+enum class Dtype : int { F32 = 0, F64 = 1, BF16 = 2, F16 = 3 };
+
+enum EpsMode : int64_t { INSIDE = 0, OUTSIDE = 1, CLAMP = 2 };
+
+// The scalar flags of one normalization.
+struct RowFlags {
+  double eps;
+  bool center;       // subtract the mean (LayerNorm)
+  int64_t eps_mode;  // EpsMode
+  bool before_gain;  // cast x_hat to the storage dtype before the gain (HF Llama order)
+  bool l2;           // divide by the L2 norm instead of the RMS
+};
+
+// y = affine(norm(src)) for `rows` rows of n, src = x, or h = x + res (written out) when res is set. stats: per
+// row (mean, rstd, d rstd / d ms). `parallel`: split rows over the intra-op pool (false inside a caller's region).
+void forward(Dtype t, const void* x, const void* res, void* h, void* y, const void* gain, const void* bias,
+             void* stats, int64_t rows, int64_t n, const RowFlags& f, bool parallel);
+
+// dx (+ dres when set) from dy, the forward's input x (or h) and stats; dgain / dbias (zeroed, may be null) get
+// the gain / bias gradients.
+void backward(Dtype t, const void* dy, const void* x, const void* dres, void* dx, const void* gain,
+              const void* stats, void* dgain, void* dbias, int64_t rows, int64_t n, const RowFlags& f);
+
+// Two normalizations in one parallel region split over their rows together (QK-norm for inference).
+void forward_pair(Dtype t, const void* q, const void* k, void* yq, void* yk, const void* gq, const void* gk,
+                  void* stats, int64_t rows_q, int64_t rows_k, int64_t n, const RowFlags& f);
+
+// The output pass alone, y = x * s * g (no statistics): the floor under any norm forward, for the benchmarks.
+void affine_floor_rows(Dtype t, const void* x, void* y, const float* g, float s, int64_t rows, int64_t n);
+
+// Whether the explicit AVX-512 row kernels were compiled in.
+bool vector_kernels();
+
+}  // namespace normatlas
