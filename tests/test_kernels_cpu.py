@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -438,3 +440,40 @@ def test_streaming_path_matches_reference(dtype: torch.dtype, n: int) -> None:
         (gref,) = torch.autograd.grad(normalize(href, spec, w.float(), None if bias is None else bias.float()), [href],
                                       gy.float())  # fmt: skip
         torch.testing.assert_close(gx.float(), gref, **TOL[dtype])
+
+
+def _thp_mode() -> str | None:
+    try:
+        text = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    except OSError:
+        return None
+    return text[text.index("[") + 1 : text.index("]")]
+
+
+def _anon_huge_kib(address: int) -> int:
+    """AnonHugePages (KiB) of the mapping of this process that holds ``address`` (/proc/self/smaps)."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and all(c in "0123456789abcdef-" for c in head):
+            lo, hi = (int(v, 16) for v in head.split("-"))
+            inside = lo <= address < hi
+        elif inside and line.startswith("AnonHugePages:"):
+            return int(line.split()[1])
+    return 0
+
+
+@pytest.mark.skipif(_thp_mode() not in ("madvise", "always"), reason="needs transparent huge pages (madvise/always)")
+def test_fresh_large_outputs_get_huge_pages() -> None:
+    """A fresh output of >= 8 MiB asks for transparent huge pages before the first write; a small one does not."""
+    if cpu.extension() is None:
+        pytest.skip("no C++ toolchain")
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(4096, 4096, generator=gen)  # 64 MiB: over glibc's mmap threshold, so each output is a new mapping
+    w = torch.rand(4096, generator=gen) + 0.5
+    y = fused_rms_norm(x, 4096, w, 1e-6)
+    torch.testing.assert_close(y, F.rms_norm(x, (4096,), w, 1e-6), **TOL[torch.float32])
+    interior = (y.data_ptr() + (2 << 20) - 1) & ~((2 << 20) - 1)
+    assert _anon_huge_kib(interior) >= 2048, "the fresh 64 MiB output was not backed by any huge page"
+    small = fused_rms_norm(x[:256], 4096, w, 1e-6)  # 4 MiB: left alone
+    assert _anon_huge_kib(small.data_ptr()) == 0 or _thp_mode() == "always"

@@ -19,6 +19,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <type_traits>
 #include <vector>
@@ -602,5 +603,28 @@ void affine_floor_rows(Dtype t, const void* x, void* y, const float* g, float s,
 }
 
 bool vector_kernels() { return NORMATLAS_AVX512 != 0; }
+
+// A fresh output of 8 MiB or more (its pages not yet mapped: a new mmap from the allocator, as glibc gives for
+// blocks over its 32 MiB heap limit) asks for transparent huge pages on its 2 MiB-aligned interior before the first
+// write. Each 4 KiB page of a fresh mapping otherwise costs a fault and a zeroing as the kernel writes it, which took
+// most of a 32 MiB forward's time here; huge pages take one fault per 2 MiB. Advice only (THP in "madvise" or
+// "always" mode; elsewhere nothing changes), on memory this output owns; NORMATLAS_HUGEPAGES=0 turns it off.
+void advise_output(void* p, int64_t bytes) {
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  static const bool enabled = [] {
+    const char* e = std::getenv("NORMATLAS_HUGEPAGES");
+    return !(e && e[0] == '0' && e[1] == '\0');
+  }();
+  constexpr uintptr_t kHuge = uintptr_t(2) << 20;
+  if (!enabled || bytes < int64_t(4 * kHuge)) return;
+  const uintptr_t a = (reinterpret_cast<uintptr_t>(p) + kHuge - 1) & ~(kHuge - 1);
+  const uintptr_t e = (reinterpret_cast<uintptr_t>(p) + static_cast<uintptr_t>(bytes)) & ~(kHuge - 1);
+  if (e <= a || pages_mapped(reinterpret_cast<void*>(a), static_cast<int64_t>(e - a))) return;
+  (void)madvise(reinterpret_cast<void*>(a), e - a, MADV_HUGEPAGE);  // on failure the pages stay 4 KiB
+#else
+  (void)p;
+  (void)bytes;
+#endif
+}
 
 }  // namespace normatlas

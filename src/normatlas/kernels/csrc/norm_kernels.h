@@ -42,6 +42,9 @@ void forward_pair(Dtype t, const void* q, const void* k, void* yq, void* yk, con
 // The output pass alone, y = x * s * g (no statistics): the floor under any norm forward, for the benchmarks.
 void affine_floor_rows(Dtype t, const void* x, void* y, const float* g, float s, int64_t rows, int64_t n);
 
+// Before the first write into a newly allocated output: transparent huge pages for a fresh mapping (see the .cpp).
+void advise_output(void* p, int64_t bytes);
+
 // Whether the explicit AVX-512 row kernels were compiled in.
 bool vector_kernels();
 

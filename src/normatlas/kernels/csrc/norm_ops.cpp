@@ -72,6 +72,13 @@ int64_t rows_of(const at::Tensor& x, int64_t n) {
 
 const void* ptr_or_null(const at::Tensor& t) { return t.defined() ? t.data_ptr() : nullptr; }
 
+// A new output shaped and typed like `like`, its pages advised before the kernel's first write.
+at::Tensor new_output(const at::Tensor& like) {
+  at::Tensor t = at::empty(like.sizes(), like.options());
+  normatlas::advise_output(t.data_ptr(), static_cast<int64_t>(t.nbytes()));
+  return t;
+}
+
 // y and h shaped like x (h empty without a residual) and stats (rows, 3): mean, rstd, d rstd / d ms.
 std::vector<at::Tensor> fwd_core(const at::Tensor& x_in, const at::Tensor& res_in, const at::Tensor& weight,
                                  const at::Tensor& bias, const Flags& f) {
@@ -85,8 +92,8 @@ std::vector<at::Tensor> fwd_core(const at::Tensor& x_in, const at::Tensor& res_i
     res = res_in.contiguous();
   }
   const auto acc = acc_type(x.scalar_type());
-  auto y = at::empty(x.sizes(), x.options());
-  auto h = res.defined() ? at::empty(x.sizes(), x.options()) : at::empty({0}, x.options());
+  auto y = new_output(x);
+  auto h = res.defined() ? new_output(x) : at::empty({0}, x.options());
   auto stats = at::empty({rows, 3}, x.options().dtype(acc));
   if (rows == 0) return {y, h, stats};
   with_vec(x.scalar_type(), weight, n, 1.0, f.one_plus_w, f.row.before_gain, [&](const auto& g) {
@@ -114,7 +121,7 @@ std::vector<at::Tensor> bwd_core(const at::Tensor& dy_in, const at::Tensor& x_in
   }
   const auto acc = acc_type(x.scalar_type());
   TORCH_CHECK(stats.scalar_type() == acc && stats.numel() == 3 * rows, "stats must be (rows, 3) in ", acc);
-  auto dx = at::empty(x.sizes(), x.options());
+  auto dx = new_output(x);
   auto opts = x.options().dtype(acc);
   auto dg = need_dg ? at::zeros({n}, opts) : at::empty({0}, opts);
   auto db = need_db ? at::zeros({n}, opts) : at::empty({0}, opts);
@@ -238,7 +245,7 @@ at::Tensor affine_floor(const at::Tensor& x_in, const at::Tensor& weight, double
   const int64_t n = weight.numel(), rows = rows_of(x, n);
   TORCH_CHECK(x.scalar_type() != at::kDouble, "affine_floor serves float32 / bfloat16 / float16");
   const Dtype dt = dtype_of(x.scalar_type());
-  auto y = at::empty(x.sizes(), x.options());
+  auto y = new_output(x);
   const std::vector<float> g = load_vec<float>(weight, n, 1.f, false, false);
   normatlas::affine_floor_rows(dt, x.data_ptr(), y.data_ptr(), g.data(), static_cast<float>(s), rows, n);
   return y;
