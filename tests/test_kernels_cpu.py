@@ -450,22 +450,26 @@ def _thp_mode() -> str | None:
     return text[text.index("[") + 1 : text.index("]")]
 
 
-def _anon_huge_kib(address: int) -> int:
-    """AnonHugePages (KiB) of the mapping of this process that holds ``address`` (/proc/self/smaps)."""
+def _vm_flags(address: int) -> list[str]:
+    """VmFlags of the mapping of this process that holds ``address`` (/proc/self/smaps); "hg": huge pages advised."""
     inside = False
     for line in Path("/proc/self/smaps").read_text().splitlines():
         head = line.split()[0]
         if "-" in head and all(c in "0123456789abcdef-" for c in head):
             lo, hi = (int(v, 16) for v in head.split("-"))
             inside = lo <= address < hi
-        elif inside and line.startswith("AnonHugePages:"):
-            return int(line.split()[1])
-    return 0
+        elif inside and line.startswith("VmFlags:"):
+            return line.split()[1:]
+    return []
 
 
 @pytest.mark.skipif(_thp_mode() not in ("madvise", "always"), reason="needs transparent huge pages (madvise/always)")
 def test_fresh_large_outputs_get_huge_pages() -> None:
-    """A fresh output of >= 8 MiB asks for transparent huge pages before the first write; a small one does not."""
+    """A fresh output of >= 8 MiB asks for transparent huge pages before the first write; a small one does not.
+
+    Checked by the advice on the mapping (VmFlags "hg"), not by the pages the kernel then found: a fragmented
+    machine may fall back to 4 KiB pages, and that is the kernel's call.
+    """
     if cpu.extension() is None:
         pytest.skip("no C++ toolchain")
     gen = torch.Generator().manual_seed(0)
@@ -474,6 +478,6 @@ def test_fresh_large_outputs_get_huge_pages() -> None:
     y = fused_rms_norm(x, 4096, w, 1e-6)
     torch.testing.assert_close(y, F.rms_norm(x, (4096,), w, 1e-6), **TOL[torch.float32])
     interior = (y.data_ptr() + (2 << 20) - 1) & ~((2 << 20) - 1)
-    assert _anon_huge_kib(interior) >= 2048, "the fresh 64 MiB output was not backed by any huge page"
+    assert "hg" in _vm_flags(interior), "the fresh 64 MiB output was not advised for huge pages"
     small = fused_rms_norm(x[:256], 4096, w, 1e-6)  # 4 MiB: left alone
-    assert _anon_huge_kib(small.data_ptr()) == 0 or _thp_mode() == "always"
+    assert "hg" not in _vm_flags(small.data_ptr())

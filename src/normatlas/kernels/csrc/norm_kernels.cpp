@@ -82,6 +82,11 @@ constexpr int64_t L = 64;
 
 template <typename A, typename F>
 inline A lane_sum(int64_t n, F f) {
+  if (n < L) {  // a short row: zeroing and folding the lane arrays would cost more than the row
+    A s = 0;
+    for (int64_t j = 0; j < n; ++j) s += f(j);
+    return s;
+  }
   A acc[L] = {};
   int64_t j = 0;
   for (; j + L <= n; j += L) {
@@ -94,47 +99,53 @@ inline A lane_sum(int64_t n, F f) {
   return s;
 }
 
-// Mean and sum of squared deviations of a row in one pass (LayerNorm): Welford's update in each of L
-// lanes, then the lanes merged exactly (equal counts: M2 = sum q_k + c * sum (m_k - mean)^2, Chan et al.
-// 1979), then any tail element by element. As accurate as the two-pass formula, with one read of the row.
+// Two row sums at once, each in L lanes (the deviation pass of the moments below).
 template <typename A, typename F>
-inline void lane_moments(int64_t n, F f, A& mean, A& m2) {
-  A m[L] = {}, q[L] = {};
-  int64_t c = 0, j = 0;
+inline void lane_sum2(int64_t n, F f, A& s1, A& s2) {
+  if (n < L) {
+    s1 = 0;
+    s2 = 0;
+    for (int64_t j = 0; j < n; ++j) {
+      const A e = f(j);
+      s1 += e;
+      s2 += e * e;
+    }
+    return;
+  }
+  A a1[L] = {}, a2[L] = {};
+  int64_t j = 0;
   for (; j + L <= n; j += L) {
-    ++c;
-    const A inv = A(1) / static_cast<A>(c);
 #pragma omp simd
     for (int64_t k = 0; k < L; ++k) {
-      const A v = f(j + k);
-      const A d = v - m[k];
-      m[k] += d * inv;
-      q[k] += d * (v - m[k]);
+      const A e = f(j + k);
+      a1[k] += e;
+      a2[k] += e * e;
     }
   }
-  A mu = 0, M2 = 0;
-  int64_t cnt = 0;
-  if (c > 0) {
-    A s = 0;
-    for (int64_t k = 0; k < L; ++k) s += m[k];
-    mu = s / static_cast<A>(L);
-    A qs = 0, ds = 0;
-    for (int64_t k = 0; k < L; ++k) {
-      qs += q[k];
-      ds += (m[k] - mu) * (m[k] - mu);
-    }
-    M2 = qs + static_cast<A>(c) * ds;
-    cnt = c * L;
-  }
+  s1 = 0;
+  s2 = 0;
   for (; j < n; ++j) {
-    ++cnt;
-    const A v = f(j);
-    const A d = v - mu;
-    mu += d / static_cast<A>(cnt);
-    M2 += d * (v - mu);
+    const A e = f(j);
+    s1 += e;
+    s2 += e * e;
   }
-  mean = mu;
-  m2 = M2;
+  for (int64_t k = 0; k < L; ++k) {
+    s1 += a1[k];
+    s2 += a2[k];
+  }
+}
+
+// Mean and sum of squared deviations of a row (LayerNorm) by the corrected two-pass algorithm (Chan, Golub &
+// LeVeque 1983), as the vector kernels compute them: a sum for the mean (`first(j)`, which may also write h), then
+// sum (v - mean) and sum (v - mean)^2 over the now cached row (`again(j)`), the first correcting the rounding of
+// the mean. As accurate as Welford's update without its division per element (which made short rows slow).
+template <typename A, typename F1, typename F2>
+inline void row_moments(int64_t n, F1 first, F2 again, A& mean, A& m2) {
+  const A mu = lane_sum<A>(n, first) / static_cast<A>(n);
+  A sd, sq;
+  lane_sum2<A>(n, [&](int64_t j) { return again(j) - mu; }, sd, sq);
+  mean = mu + sd / static_cast<A>(n);
+  m2 = std::max(A(0), sq - sd * sd / static_cast<A>(n));
 }
 
 // Whether an input of this many bytes streams from memory rather than from the last-level cache: a fixed
@@ -305,12 +316,13 @@ void fwd_impl(const typename IO<T>::raw* xp, const typename IO<T>::raw* rp, type
           return IO<T>::ld(hv);
         };
         if (center) {
-          lane_moments<A>(n, h_at, mean, ss);
+          row_moments<A>(n, h_at, [&](int64_t j) { return IO<T>::ld(hr[j]); }, mean, ss);
         } else {
           ss = lane_sum<A>(n, [&](int64_t j) { const A v = h_at(j); return v * v; });
         }
       } else if (center) {
-        lane_moments<A>(n, [&](int64_t j) { return IO<T>::ld(src[j]); }, mean, ss);
+        const auto at = [&](int64_t j) { return static_cast<A>(IO<T>::ld(src[j])); };
+        row_moments<A>(n, at, at, mean, ss);
       } else {
         ss = lane_sum<A>(n, [&](int64_t j) {
           const A v = IO<T>::ld(src[j]);
@@ -603,6 +615,45 @@ void affine_floor_rows(Dtype t, const void* x, void* y, const float* g, float s,
 }
 
 bool vector_kernels() { return NORMATLAS_AVX512 != 0; }
+
+void load_gain(Dtype wt, const void* w, int64_t n, bool plus_one, bool round, bool acc_double, void* out) {
+  on_dtype(wt, [&](auto tag) {
+    using W = decltype(tag);
+    using C = typename IO<W>::acc;  // torch's compute type for W: double for float64, float otherwise
+    const auto* p = static_cast<const typename IO<W>::raw*>(w);
+    auto fill = [&](auto* o) {
+      using A = std::remove_pointer_t<decltype(o)>;
+      if (!plus_one) {
+#pragma omp simd
+        for (int64_t j = 0; j < n; ++j) o[j] = static_cast<A>(IO<W>::ld(p[j]));
+      } else if (round) {  // 1 + w rounded in the weight's dtype, as torch's `1 + w`
+#pragma omp simd
+        for (int64_t j = 0; j < n; ++j) o[j] = static_cast<A>(IO<W>::ld(IO<W>::st(IO<W>::ld(p[j]) + C(1))));
+      } else {
+#pragma omp simd
+        for (int64_t j = 0; j < n; ++j) o[j] = static_cast<A>(IO<W>::ld(p[j])) + A(1);
+      }
+    };
+#if NORMATLAS_AVX512
+    if constexpr (!std::is_void_v<typename Vec<W>::type>) {
+      if (!acc_double) {  // the vector conversions (a shift for bf16, VCVTPH2PS for fp16), 8 at a time
+        using V = typename Vec<W>::type;
+        const auto* pv = static_cast<const typename V::raw*>(w);
+        float* o = static_cast<float*>(out);
+        const __m256 one = _mm256_set1_ps(1.f);
+        avx512::each8(n, [&](int64_t j, __mmask8 m) {
+          __m256 v = avx512::load<V>(pv + j, m);
+          if (plus_one) v = round ? V::rt(_mm256_add_ps(v, one)) : _mm256_add_ps(v, one);
+          _mm256_mask_storeu_ps(o + j, m, v);
+        });
+        return;
+      }
+    }
+#endif
+    if (acc_double) fill(static_cast<double*>(out));
+    else fill(static_cast<float*>(out));
+  });
+}
 
 // A fresh output of 8 MiB or more (its pages not yet mapped: a new mmap from the allocator, as glibc gives for
 // blocks over its 32 MiB heap limit) asks for transparent huge pages on its 2 MiB-aligned interior before the first

@@ -45,6 +45,10 @@ void affine_floor_rows(Dtype t, const void* x, void* y, const float* g, float s,
 // Before the first write into a newly allocated output: transparent huge pages for a fresh mapping (see the .cpp).
 void advise_output(void* p, int64_t bytes);
 
+// The per-feature multiplier from a weight of dtype wt: w, or 1 + w (with `round`, rounded in wt first, as torch's
+// `1 + w` before a cast-before-gain product), into `out` (n of double when acc_double, else float).
+void load_gain(Dtype wt, const void* w, int64_t n, bool plus_one, bool round, bool acc_double, void* out);
+
 // Whether the explicit AVX-512 row kernels were compiled in.
 bool vector_kernels();
 

@@ -6,6 +6,7 @@
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/custom_function.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <optional>
 #include <type_traits>
@@ -30,32 +31,44 @@ Dtype dtype_of(at::ScalarType t) {
 
 at::ScalarType acc_type(at::ScalarType t) { return t == at::kDouble ? at::kDouble : at::kFloat; }
 
-// The per-feature multiplier in the accumulation dtype A: w, 1 + w, or `fill` without a weight. With `round`
-// (cast_order BEFORE_GAIN) 1 + w is rounded in the weight's own dtype first, as torch's `1 + w`. A plain loop, not
-// tensor ops: a decode-size call costs a few microseconds, and each dispatched op would add one.
+// Where a converted gain or bias lives during a call: one buffer per slot (0 the weight, 1 the bias or the second
+// weight) and thread, reused from call to call. A fresh vector per call cost more than the row itself for wide
+// rows: 45 us for a 65536-wide bf16 gain, nearly all of it the allocation's page faults and zeroing.
 template <typename A>
-std::vector<A> load_vec(const at::Tensor& t, int64_t n, A fill, bool plus_one, bool round) {
-  std::vector<A> out(static_cast<size_t>(n), fill);
-  if (!t.defined()) return out;
-  TORCH_CHECK(t.numel() == n, "weight / bias must have ", n, " elements, got ", t.numel());
-  const at::Tensor c = t.contiguous();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, c.scalar_type(), "load_vec", [&] {
-    using C = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;  // torch's compute type
-    const scalar_t* p = c.data_ptr<scalar_t>();
-    for (int64_t j = 0; j < n; ++j) {
-      const C v = static_cast<C>(p[j]);
-      if (!plus_one) out[j] = static_cast<A>(v);
-      else out[j] = round ? static_cast<A>(static_cast<C>(static_cast<scalar_t>(v + C(1)))) : static_cast<A>(v) + A(1);
-    }
-  });
-  return out;
+A* gain_buffer(int slot, int64_t n) {
+  thread_local std::vector<A> buf[2];
+  std::vector<A>& b = buf[slot];
+  if (static_cast<int64_t>(b.size()) < n) b.resize(static_cast<size_t>(n));
+  return b.data();
 }
 
-// load_vec in the accumulation dtype of inputs of type x (double for float64, float otherwise), called as body(vec).
+// The per-feature multiplier (or bias) in the accumulation dtype A, as a pointer valid during body(ptr): the tensor's
+// own data when it already is n contiguous values of A and no 1 + w is asked for, else a converted copy in `slot`'s
+// buffer (w, 1 + w, or `fill` without a tensor). With `round` (cast_order BEFORE_GAIN) 1 + w is rounded in the
+// weight's own dtype first, as torch's `1 + w`. The conversion is the kernels' vectorised loop, not tensor ops: a
+// decode-size call costs a few microseconds, and each dispatched op would add one.
+template <typename A, typename F>
+void with_gain(const at::Tensor& t, int64_t n, A fill, bool plus_one, bool round, int slot, F&& body) {
+  constexpr bool dbl = std::is_same_v<A, double>;
+  if (!t.defined()) {
+    A* ones = gain_buffer<A>(slot, n);
+    std::fill(ones, ones + n, fill);
+    return body(static_cast<const A*>(ones));
+  }
+  TORCH_CHECK(t.numel() == n, "weight / bias must have ", n, " elements, got ", t.numel());
+  const at::Tensor c = t.contiguous();
+  if (!plus_one && c.scalar_type() == (dbl ? at::kDouble : at::kFloat)) return body(c.data_ptr<A>());
+  A* out = gain_buffer<A>(slot, n);
+  normatlas::load_gain(dtype_of(c.scalar_type()), c.data_ptr(), n, plus_one, round, dbl, out);
+  return body(static_cast<const A*>(out));
+}
+
+// with_gain in the accumulation dtype of inputs of type x (double for float64, float otherwise).
 template <typename F>
-void with_vec(at::ScalarType x, const at::Tensor& t, int64_t n, double fill, bool plus_one, bool round, F&& body) {
-  if (x == at::kDouble) body(load_vec<double>(t, n, fill, plus_one, round));
-  else body(load_vec<float>(t, n, static_cast<float>(fill), plus_one, round));
+void with_vec(at::ScalarType x, const at::Tensor& t, int64_t n, double fill, bool plus_one, bool round, int slot,
+              F&& body) {
+  if (x == at::kDouble) with_gain<double>(t, n, fill, plus_one, round, slot, body);
+  else with_gain<float>(t, n, static_cast<float>(fill), plus_one, round, slot, body);
 }
 
 // One normalization's flags as the op passes them: the row flags, the gain convention and the feature size.
@@ -96,11 +109,14 @@ std::vector<at::Tensor> fwd_core(const at::Tensor& x_in, const at::Tensor& res_i
   auto h = res.defined() ? new_output(x) : at::empty({0}, x.options());
   auto stats = at::empty({rows, 3}, x.options().dtype(acc));
   if (rows == 0) return {y, h, stats};
-  with_vec(x.scalar_type(), weight, n, 1.0, f.one_plus_w, f.row.before_gain, [&](const auto& g) {
-    using A = typename std::decay_t<decltype(g)>::value_type;
-    const std::vector<A> b = bias.defined() ? load_vec<A>(bias, n, A(0), false, false) : std::vector<A>();
-    normatlas::forward(dt, x.data_ptr(), ptr_or_null(res), res.defined() ? h.data_ptr() : nullptr, y.data_ptr(),
-                       g.data(), bias.defined() ? b.data() : nullptr, stats.data_ptr(), rows, n, f.row, true);
+  with_vec(x.scalar_type(), weight, n, 1.0, f.one_plus_w, f.row.before_gain, 0, [&](const auto* g) {
+    using A = std::remove_cv_t<std::remove_pointer_t<decltype(g)>>;
+    auto run = [&](const A* b) {
+      normatlas::forward(dt, x.data_ptr(), ptr_or_null(res), res.defined() ? h.data_ptr() : nullptr, y.data_ptr(), g,
+                         b, stats.data_ptr(), rows, n, f.row, true);
+    };
+    if (bias.defined()) with_gain<A>(bias, n, A(0), false, false, 1, run);
+    else run(nullptr);
   });
   return {y, h, stats};
 }
@@ -126,8 +142,8 @@ std::vector<at::Tensor> bwd_core(const at::Tensor& dy_in, const at::Tensor& x_in
   auto dg = need_dg ? at::zeros({n}, opts) : at::empty({0}, opts);
   auto db = need_db ? at::zeros({n}, opts) : at::empty({0}, opts);
   if (rows == 0) return {dx, dg, db};
-  with_vec(x.scalar_type(), weight, n, 1.0, f.one_plus_w, f.row.before_gain, [&](const auto& g) {
-    normatlas::backward(dt, dy.data_ptr(), x.data_ptr(), ptr_or_null(dres), dx.data_ptr(), g.data(),
+  with_vec(x.scalar_type(), weight, n, 1.0, f.one_plus_w, f.row.before_gain, 0, [&](const auto* g) {
+    normatlas::backward(dt, dy.data_ptr(), x.data_ptr(), ptr_or_null(dres), dx.data_ptr(), g,
                         stats.data_ptr(), need_dg ? dg.data_ptr() : nullptr, need_db ? db.data_ptr() : nullptr, rows,
                         n, f.row);
   });
@@ -246,8 +262,9 @@ at::Tensor affine_floor(const at::Tensor& x_in, const at::Tensor& weight, double
   TORCH_CHECK(x.scalar_type() != at::kDouble, "affine_floor serves float32 / bfloat16 / float16");
   const Dtype dt = dtype_of(x.scalar_type());
   auto y = new_output(x);
-  const std::vector<float> g = load_vec<float>(weight, n, 1.f, false, false);
-  normatlas::affine_floor_rows(dt, x.data_ptr(), y.data_ptr(), g.data(), static_cast<float>(s), rows, n);
+  with_gain<float>(weight, n, 1.f, false, false, 0, [&](const float* g) {
+    normatlas::affine_floor_rows(dt, x.data_ptr(), y.data_ptr(), g, static_cast<float>(s), rows, n);
+  });
   return y;
 }
 
@@ -266,9 +283,9 @@ std::vector<at::Tensor> norm_pair(const at::Tensor& q_in, const at::Tensor& k_in
   const auto acc = acc_type(q.scalar_type());
   auto stats = at::empty({rq + rk, 3}, q.options().dtype(acc));
   const normatlas::RowFlags f{eps, center, eps_mode, before_gain, l2};
-  with_vec(q.scalar_type(), opt(wq), n, 1.0, one_plus_w, before_gain, [&](const auto& gq) {
-    with_vec(q.scalar_type(), opt(wk), n, 1.0, one_plus_w, before_gain, [&](const auto& gk) {
-      normatlas::forward_pair(dt, q.data_ptr(), k.data_ptr(), yq.data_ptr(), yk.data_ptr(), gq.data(), gk.data(),
+  with_vec(q.scalar_type(), opt(wq), n, 1.0, one_plus_w, before_gain, 0, [&](const auto* gq) {
+    with_vec(q.scalar_type(), opt(wk), n, 1.0, one_plus_w, before_gain, 1, [&](const auto* gk) {
+      normatlas::forward_pair(dt, q.data_ptr(), k.data_ptr(), yq.data_ptr(), yk.data_ptr(), gq, gk,
                               stats.data_ptr(), rq, rk, n, f);
     });
   });
