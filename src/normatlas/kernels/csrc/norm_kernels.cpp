@@ -76,47 +76,39 @@ template <> struct IO<c10::Half> {
   static inline c10::Half st(float v) { return c10::Half(v); }
 };
 
-// Row reductions keep L partial sums (four AVX-512 vectors of fp32) so consecutive adds do not wait
-// on each other; a single accumulator would make every row latency-bound instead of bandwidth-bound.
+// Row reductions keep K partial sums so consecutive adds do not wait on each other (a single accumulator would
+// make every row latency-bound): K = 64 (four AVX-512 vectors of fp32) for rows of 256 or more, K = 8 for shorter
+// ones, where zeroing and folding 64 lanes three times a row cost more than the row (64-wide rows ran at 0.4x
+// torch's LayerNorm in the generic build).
 constexpr int64_t L = 64;
 
-template <typename A, typename F>
-inline A lane_sum(int64_t n, F f) {
-  if (n < L) {  // a short row: zeroing and folding the lane arrays would cost more than the row
-    A s = 0;
-    for (int64_t j = 0; j < n; ++j) s += f(j);
-    return s;
-  }
-  A acc[L] = {};
+template <int64_t K, typename A, typename F>
+inline A lane_sum_k(int64_t n, F f) {
+  A acc[K] = {};
   int64_t j = 0;
-  for (; j + L <= n; j += L) {
+  for (; j + K <= n; j += K) {
 #pragma omp simd
-    for (int64_t k = 0; k < L; ++k) acc[k] += f(j + k);
+    for (int64_t k = 0; k < K; ++k) acc[k] += f(j + k);
   }
   A s = 0;
   for (; j < n; ++j) s += f(j);
-  for (int64_t k = 0; k < L; ++k) s += acc[k];
+  for (int64_t k = 0; k < K; ++k) s += acc[k];
   return s;
 }
 
-// Two row sums at once, each in L lanes (the deviation pass of the moments below).
 template <typename A, typename F>
-inline void lane_sum2(int64_t n, F f, A& s1, A& s2) {
-  if (n < L) {
-    s1 = 0;
-    s2 = 0;
-    for (int64_t j = 0; j < n; ++j) {
-      const A e = f(j);
-      s1 += e;
-      s2 += e * e;
-    }
-    return;
-  }
-  A a1[L] = {}, a2[L] = {};
+inline A lane_sum(int64_t n, F f) {
+  return n >= 4 * L ? lane_sum_k<L, A>(n, f) : lane_sum_k<8, A>(n, f);
+}
+
+// Two row sums at once, of e and of e^2 for e = f(j) (the deviation pass of the moments below).
+template <int64_t K, typename A, typename F>
+inline void lane_sum2_k(int64_t n, F f, A& s1, A& s2) {
+  A a1[K] = {}, a2[K] = {};
   int64_t j = 0;
-  for (; j + L <= n; j += L) {
+  for (; j + K <= n; j += K) {
 #pragma omp simd
-    for (int64_t k = 0; k < L; ++k) {
+    for (int64_t k = 0; k < K; ++k) {
       const A e = f(j + k);
       a1[k] += e;
       a2[k] += e * e;
@@ -129,10 +121,16 @@ inline void lane_sum2(int64_t n, F f, A& s1, A& s2) {
     s1 += e;
     s2 += e * e;
   }
-  for (int64_t k = 0; k < L; ++k) {
+  for (int64_t k = 0; k < K; ++k) {
     s1 += a1[k];
     s2 += a2[k];
   }
+}
+
+template <typename A, typename F>
+inline void lane_sum2(int64_t n, F f, A& s1, A& s2) {
+  if (n >= 4 * L) lane_sum2_k<L, A>(n, f, s1, s2);
+  else lane_sum2_k<8, A>(n, f, s1, s2);
 }
 
 // Mean and sum of squared deviations of a row (LayerNorm) by the corrected two-pass algorithm (Chan, Golub &
@@ -380,13 +378,14 @@ inline void bwd_row(const R* __restrict xr, const R* __restrict dyr, const R* __
   // First pass (x and dy come from memory here): the row sums, and in the training case (gain after the
   // cast) the gain / bias partial sums too, so the second pass only reads the now cached row and writes dx.
   A s_dxh = 0, s_dxh_xc = 0, s_xc = 0;
-  auto first_pass = [&](auto acc_g, auto acc_b) {
+  auto first_pass = [&](auto acc_g, auto acc_b, auto lanes) {
     constexpr bool G = decltype(acc_g)::value, B = decltype(acc_b)::value;
-    A a1[L] = {}, a2[L] = {}, a3[L] = {};  // L independent partial sums each, so the adds pipeline
+    constexpr int64_t K = decltype(lanes)::value;
+    A a1[K] = {}, a2[K] = {}, a3[K] = {};  // K independent partial sums each, so the adds pipeline
     int64_t j0 = 0;
-    for (; j0 + L <= n; j0 += L) {
+    for (; j0 + K <= n; j0 += K) {
 #pragma omp simd
-      for (int64_t k = 0; k < L; ++k) {
+      for (int64_t k = 0; k < K; ++k) {
         const A dy = IO<T>::ld(dyr[j0 + k]);
         const A xc = IO<T>::ld(xr[j0 + k]) - mean;
         const A dxh = dy * gp[j0 + k];
@@ -407,7 +406,7 @@ inline void bwd_row(const R* __restrict xr, const R* __restrict dyr, const R* __
       if constexpr (G) pgc[j] += dy * (xc * r);
       if constexpr (B) pbc[j] += dy;
     }
-    for (int64_t k = 0; k < L; ++k) {
+    for (int64_t k = 0; k < K; ++k) {
       s_dxh += a1[k];
       s_dxh_xc += a2[k];
       s_xc += a3[k];
@@ -415,10 +414,14 @@ inline void bwd_row(const R* __restrict xr, const R* __restrict dyr, const R* __
   };
   using yes = std::true_type;
   using no = std::false_type;
+  auto with_lanes = [&](auto g, auto b) {  // as lane_sum: 64 lanes for rows of 256 or more, 8 below
+    if (n >= 4 * L) first_pass(g, b, std::integral_constant<int64_t, L>{});
+    else first_pass(g, b, std::integral_constant<int64_t, 8>{});
+  };
   const bool fused = pgc && !before_gain;
-  if (fused && pbc) first_pass(yes{}, yes{});
-  else if (fused) first_pass(yes{}, no{});
-  else first_pass(no{}, no{});
+  if (fused && pbc) with_lanes(yes{}, yes{});
+  else if (fused) with_lanes(yes{}, no{});
+  else with_lanes(no{}, no{});
   const A k = drdms * A(2) / div * s_dxh_xc;
   const A off = center ? (r * s_dxh + k * s_xc) / static_cast<A>(n) : A(0);
   if (!fused) {
