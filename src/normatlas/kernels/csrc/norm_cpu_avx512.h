@@ -4,8 +4,8 @@
 // conversions: a memory-bound kernel moves the same bytes per cycle at either width, and 256 bits runs at full
 // rate on cores that split or down-clock 512-bit work. Measured against the same code at 512 bits (interleaved
 // in one process, 2048 x 4096 fp32 forward): level on reused output pages (1.79 vs 1.85 ms with 2 threads, 3.21
-// vs 2.91 with 1), 4-6% faster on freshly mapped ones (14.3 vs 14.8 ms, 22.1 vs 23.5). The exception is the bf16
-// output pass with AVX512_BF16 (write_row_bf16_512): bound by its conversions, not by memory, it runs at 512 bits.
+// vs 2.91 with 1), 4-6% faster on freshly mapped ones (14.3 vs 14.8 ms, 22.1 vs 23.5). The exception is the
+// half-precision output pass (write_row_512): bound by its conversions, not by memory, it runs at 512 bits.
 //
 // The same arithmetic as the generic templates in norm_kernels.cpp, written with explicit vectors:
 // compilers vectorise the generic bf16 loops poorly (a scalar round-to-nearest-even with a NaN test per
@@ -39,6 +39,7 @@ inline float hsum(__m256 v) {
 
 struct F32 {
   using raw = float;
+  static constexpr bool kWide = false;  // memory-bound at either width: stays at 256 bits
   static inline __m256 ld(const raw* p) { return _mm256_loadu_ps(p); }
   static inline __m256 ldm(const raw* p, __mmask8 m) { return _mm256_maskz_loadu_ps(m, p); }
   static inline void st(raw* p, __m256 v) { _mm256_storeu_ps(p, v); }
@@ -100,6 +101,17 @@ struct BF16 {
   static inline void st2_nt(raw* p, __m256 lo, __m256 hi) {
     _mm256_stream_si256(reinterpret_cast<__m256i*>(p), pack2(lo, hi));
   }
+#if defined(__AVX512BF16__)
+  // 512-bit forms for write_row_512: 16 elements up to fp32, 2 x 16 packed back, a round trip
+  static constexpr bool kWide = true;
+  static inline __m512 up16(__m256i h) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
+  static inline __m512i pack16x2(__m512 lo, __m512 hi) { return (__m512i)_mm512_cvtne2ps_pbh(hi, lo); }
+  static inline __m512 rt16(__m512 v) { return up16((__m256i)_mm512_cvtneps_pbh(v)); }
+#else
+  static constexpr bool kWide = false;
+#endif
 };
 
 struct F16 {
@@ -131,6 +143,12 @@ struct F16 {
   static inline void st2_nt(raw* p, __m256 lo, __m256 hi) {
     _mm256_stream_si256(reinterpret_cast<__m256i*>(p), pack2(lo, hi));
   }
+  static constexpr bool kWide = true;  // VCVTPH2PS / VCVTPS2PH at 512 bits are AVX512F
+  static inline __m512 up16(__m256i h) { return _mm512_cvtph_ps(h); }
+  static inline __m512i pack16x2(__m512 lo, __m512 hi) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtps_ph(lo, kRound)), _mm512_cvtps_ph(hi, kRound), 1);
+  }
+  static inline __m512 rt16(__m512 v) { return _mm512_cvtph_ps(_mm512_cvtps_ph(v, kRound)); }
 };
 
 // Calls body(j, mask) over the row in 8-lane steps, the last one masked (mask 0xff elsewhere).
@@ -254,24 +272,22 @@ inline void moments(const typename V::raw* x, const typename V::raw* r, typename
   m2 = std::max(0.f, sq - sd * sd / static_cast<float>(n));
 }
 
-#if defined(__AVX512BF16__)
-// write_row's bf16 body in 512-bit registers, 32 elements (one 64-byte line) a step; returns where it stopped (the
-// caller's 256-bit loops finish the row). The bf16 output pass is bound by its conversions rather than by memory,
-// and 512-bit forms do twice the elements per instruction: measured in a C++ harness (256 x 4096, 2 threads,
-// interleaved) 47.0 vs 50.0 us best call and 53.3 vs 65.8 us median for the whole RMSNorm forward. The same
-// arithmetic and roundings as the 256-bit loop, so the outputs are bit-identical.
-template <bool C, bool BG, bool B>
-inline int64_t write_row_bf16_512(const uint16_t* src, uint16_t* y, const float* g, const float* b, float mean,
-                                  float rstd, int64_t n, const uint16_t* nx, const uint16_t* nr, bool nt) {
+// write_row's half-precision body in 512-bit registers (V::kWide: fp16, and bf16 with AVX512_BF16), 32 elements
+// (one 64-byte line) a step; returns where it stopped (the caller's 256-bit loops finish the row). The half-precision
+// output pass is bound by its conversions rather than by memory, and 512-bit forms do twice the elements per
+// instruction: old and new builds interleaved in one process (three runs for bf16, one for fp16), the forward took
+// 0.80-0.92x (RMSNorm) and 0.79-0.94x (LayerNorm) the time in bf16 at 256 x 4096, 0.92-0.98x / 0.77-0.90x at
+// 2048 x 4096, and 0.84-0.88x in fp16. Same arithmetic and roundings as the 256-bit loop: bit-identical outputs.
+template <class V, bool C, bool BG, bool B>
+inline int64_t write_row_512(const uint16_t* src, uint16_t* y, const float* g, const float* b, float mean, float rstd,
+                             int64_t n, const uint16_t* nx, const uint16_t* nr, bool nt) {
   const __m512 mu = _mm512_set1_ps(mean), rs = _mm512_set1_ps(rstd);
-  const auto up = [](__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); };
-  const auto rt = [&](__m512 v) { return up((__m256i)_mm512_cvtneps_pbh(v)); };
   const auto affine = [&](__m512 v, int64_t j) {
     if (C) v = _mm512_sub_ps(v, mu);
     v = _mm512_mul_ps(v, rs);
     const __m512 gv = _mm512_loadu_ps(g + j);
     if (BG) {
-      v = rt(_mm512_mul_ps(rt(v), gv));
+      v = V::rt16(_mm512_mul_ps(V::rt16(v), gv));
       return B ? _mm512_add_ps(v, _mm512_loadu_ps(b + j)) : v;
     }
     return B ? _mm512_fmadd_ps(v, gv, _mm512_loadu_ps(b + j)) : _mm512_mul_ps(v, gv);
@@ -283,14 +299,14 @@ inline int64_t write_row_bf16_512(const uint16_t* src, uint16_t* y, const float*
       if (nr) _mm_prefetch(reinterpret_cast<const char*>(nr + j), _MM_HINT_T0);
     }
     const __m512i v = _mm512_loadu_si512(src + j);
-    const __m512 lo = affine(up(_mm512_castsi512_si256(v)), j), hi = affine(up(_mm512_extracti64x4_epi64(v, 1)), j + 16);
-    const __m512i out = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+    const __m512 lo = affine(V::up16(_mm512_castsi512_si256(v)), j);
+    const __m512 hi = affine(V::up16(_mm512_extracti64x4_epi64(v, 1)), j + 16);
+    const __m512i out = V::pack16x2(lo, hi);
     if (nt) _mm512_stream_si512(reinterpret_cast<__m512i*>(y + j), out);  // y line-aligned, j whole lines
     else _mm512_storeu_si512(y + j, out);
   }
   return j;
 }
-#endif
 
 // y = affine(normalised row), reading the row (x, or h with a residual) from cache. C: subtract the mean;
 // BG: cast before the gain (HF Llama order: gain * x_hat.to(dtype), each product rounded); B: add a bias.
@@ -312,9 +328,7 @@ inline void write_row(const typename V::raw* src, typename V::raw* y, const floa
   };
   constexpr int64_t kLine = 64 / sizeof(typename V::raw);  // elements per 64-byte line
   int64_t j = 0;
-#if defined(__AVX512BF16__)
-  if constexpr (std::is_same_v<V, BF16>) j = write_row_bf16_512<C, BG, B>(src, y, g, b, mean, rstd, n, nx, nr, nt);
-#endif
+  if constexpr (V::kWide) j = write_row_512<V, C, BG, B>(src, y, g, b, mean, rstd, n, nx, nr, nt);
   for (; j + 16 <= n; j += 16) {  // 16 elements: one line of fp32, half a line of bf16 / fp16
     if (nx && j % kLine == 0) {  // the next row streams in from memory while this one is written from cache
       _mm_prefetch(reinterpret_cast<const char*>(nx + j), _MM_HINT_T0);
