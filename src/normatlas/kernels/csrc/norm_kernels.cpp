@@ -7,7 +7,7 @@
 // the forward runs at the speed of a copy. The backward reads x and dy once, writes dx once, and
 // accumulates the gain / bias gradients in one partial sum per thread chunk.
 //
-// This file sees no tensors (norm_bind.cpp does): only ATen's thread pool and the c10 scalar types, so it compiles
+// This file sees no tensors (norm_ops.cpp does): only ATen's thread pool and the c10 scalar types, so it compiles
 // in a few seconds next to the binding (norm_kernels.h is the interface).
 #include <ATen/Parallel.h>
 #if defined(__linux__)
