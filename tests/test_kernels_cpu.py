@@ -454,7 +454,7 @@ def _thp_mode() -> str | None:
 
 
 _HUGE_PROBE = """
-import sys, torch
+import torch
 from pathlib import Path
 from normatlas.kernels import cpu, fused_rms_norm
 

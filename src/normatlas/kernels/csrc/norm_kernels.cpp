@@ -3,9 +3,9 @@
 // One kernel serves every channels-last spec the core can hand it: statistics in fp32 (fp64 for
 // double inputs), eps inside or outside the sqrt or as a clamp, the gain applied after or before
 // the cast back, an optional bias, and an optional residual add whose sum is written out too.
-// Each row is read from memory once (it stays in L1/L2 for the later passes) and written once, so
-// the forward runs at the speed of a copy. The backward reads x and dy once, writes dx once, and
-// accumulates the gain / bias gradients in one partial sum per thread chunk.
+// Each row is read from memory once (it stays in L1/L2 for the later passes) and written once; the
+// backward reads x and dy from memory once, writes dx once, and accumulates the gain / bias gradients
+// in one partial sum per thread chunk.
 //
 // This file sees no tensors (norm_ops.cpp does): only ATen's thread pool and the c10 scalar types, so it compiles
 // in a few seconds next to the binding (norm_kernels.h is the interface).
@@ -235,14 +235,12 @@ inline void bwd_row(const R* __restrict xr, const R* __restrict dyr, const R* __
   };
   using yes = std::true_type;
   using no = std::false_type;
-  auto with_lanes = [&](auto g, auto b) {  // as lane_sum: 64 lanes for rows of 256 or more, 8 below
-    if (n >= 4 * L) first_pass(g, b, std::integral_constant<int64_t, L>{});
-    else first_pass(g, b, std::integral_constant<int64_t, 8>{});
-  };
   const bool fused = pgc && !before_gain;
-  if (fused && pbc) with_lanes(yes{}, yes{});
-  else if (fused) with_lanes(yes{}, no{});
-  else with_lanes(no{}, no{});
+  with_lanes(n, [&](auto lanes) {  // as lane_sum: 64 lanes for rows of 256 or more, 8 below
+    if (fused && pbc) first_pass(yes{}, yes{}, lanes);
+    else if (fused) first_pass(yes{}, no{}, lanes);
+    else first_pass(no{}, no{}, lanes);
+  });
   const A k = drdms * A(2) / div * s_dxh_xc;
   const A off = center ? (r * s_dxh + k * s_xc) / static_cast<A>(n) : A(0);
   if (!fused) {

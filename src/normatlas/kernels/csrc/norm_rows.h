@@ -16,6 +16,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "norm_kernels.h"
 
@@ -83,9 +84,16 @@ inline A lane_sum_k(int64_t n, F f) {
   return s;
 }
 
+// Calls body(std::integral_constant<int64_t, K>{}) with the lane count for a row of n.
+template <typename F>
+inline decltype(auto) with_lanes(int64_t n, F&& body) {
+  if (n >= 4 * L) return body(std::integral_constant<int64_t, L>{});
+  return body(std::integral_constant<int64_t, 8>{});
+}
+
 template <typename A, typename F>
 inline A lane_sum(int64_t n, F f) {
-  return n >= 4 * L ? lane_sum_k<L, A>(n, f) : lane_sum_k<8, A>(n, f);
+  return with_lanes(n, [&](auto k) { return lane_sum_k<decltype(k)::value, A>(n, f); });
 }
 
 // Two row sums at once, of e and of e^2 for e = f(j) (the deviation pass of the moments below).
@@ -116,8 +124,7 @@ inline void lane_sum2_k(int64_t n, F f, A& s1, A& s2) {
 
 template <typename A, typename F>
 inline void lane_sum2(int64_t n, F f, A& s1, A& s2) {
-  if (n >= 4 * L) lane_sum2_k<L, A>(n, f, s1, s2);
-  else lane_sum2_k<8, A>(n, f, s1, s2);
+  with_lanes(n, [&](auto k) { lane_sum2_k<decltype(k)::value, A>(n, f, s1, s2); });
 }
 
 // Mean and sum of squared deviations of a row (LayerNorm) by the corrected two-pass algorithm (Chan, Golub &
