@@ -42,6 +42,16 @@ def test_integer_tensors_are_rejected(dtype):
         na.LayerNorm(4)(torch.ones(2, 4, dtype=dtype))
 
 
+@pytest.mark.parametrize("dtype", [torch.int32, torch.bool, torch.complex64])
+@pytest.mark.parametrize("name", ["weight", "bias"])
+def test_non_float_parameters_are_rejected(name, dtype):
+    x = torch.randn(2, 4)
+    params = {"weight": torch.ones(4), "bias": torch.zeros(4)}
+    params[name] = torch.ones(4, dtype=dtype)
+    with pytest.raises(TypeError, match=rf"{name} has dtype {dtype}; it must be a floating-point tensor"):
+        na.normalize(x, NormSpec(), params["weight"], params["bias"])
+
+
 def test_unknown_layout_and_axis():
     with pytest.raises(ValueError, match=r"layout='NCWH' is not a valid Layout; allowed: 'NC\.\.\.'"):
         na.spec.parse_enum(Layout, "NCWH", name="layout")

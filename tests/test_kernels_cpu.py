@@ -295,6 +295,23 @@ def test_bad_inputs_name_the_parameter() -> None:
     assert reason is not None and "weight" in reason
 
 
+@pytest.mark.parametrize("dtype", [torch.int32, torch.complex64])
+def test_non_float_weights_raise_type_error_naming_them(dtype: torch.dtype) -> None:
+    """The C++ fast path, the checked path (under torch.compile) and the QK pair all name the parameter."""
+    x, ones, bad = torch.randn(3, 8), torch.ones(8), torch.ones(8, dtype=dtype)
+    calls = {
+        "weight": lambda: fused_rms_norm(x, 8, bad),
+        "bias": lambda: fused_layer_norm(x, 8, ones, bad),
+        "k_weight": lambda: qk_rms_norm(x, x, ones, bad),
+    }
+    for name, call in calls.items():
+        with pytest.raises(TypeError, match=rf"{name} has dtype"):
+            call()
+    compiled = torch.compile(lambda t, w: fused_rms_norm(t, 8, w), backend="eager", fullgraph=True)
+    with pytest.raises(Exception, match=r"TypeError.*weight has dtype .*floating-point"):  # dynamo wraps it
+        compiled(x, bad)
+
+
 @given(a=st.floats(0.01, 100.0), c=st.floats(-10.0, 10.0), seed=st.integers(0, 2**16))
 def test_invariances(a: float, c: float, seed: int) -> None:
     """Essay: Norm(a x) == Norm(x); LN(x + c) == LN(x) while RMSNorm is not re-centring invariant."""

@@ -170,6 +170,8 @@ def _checked(
 def _check_params(input: Tensor, spec: NormSpec, weight: Tensor | None, bias: Tensor | None) -> None:
     fshape = tuple(input.shape[input.dim() - spec.feature_ndim :])
     for name, t in (("weight", weight), ("bias", bias)):
+        if t is not None and not t.is_floating_point():
+            raise TypeError(f"{name} has dtype {t.dtype}; it must be a floating-point tensor")
         if t is not None and tuple(t.shape) != fshape:
             raise ValueError(
                 f"{name} has shape {tuple(t.shape)}; an input of shape {tuple(input.shape)} needs {fshape}"
@@ -310,6 +312,9 @@ def qk_rms_norm(
     pair = _qk_pair(q, k, q_weight, k_weight, eps, cast_order)
     if pair is not None:
         return pair
+    for name, w in (("q_weight", q_weight), ("k_weight", k_weight)):  # the C++ pair names them; so do two calls
+        if w is not None and not w.is_floating_point():
+            raise TypeError(f"{name} has dtype {w.dtype}; it must be a floating-point tensor")
     return (
         fused_rms_norm(q, d, q_weight, eps, cast_order=cast_order),
         fused_rms_norm(k, k.shape[-1], k_weight, eps, cast_order=cast_order),

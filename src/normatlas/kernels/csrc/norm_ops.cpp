@@ -19,13 +19,16 @@ namespace {
 
 using normatlas::Dtype;
 
-Dtype dtype_of(at::ScalarType t) {
+// The kernels' storage dtype of the tensor called `what`; a TypeError (Python) naming it for any other dtype.
+Dtype dtype_of(at::ScalarType t, const char* what) {
   switch (t) {
     case at::kFloat: return Dtype::F32;
     case at::kDouble: return Dtype::F64;
     case at::kBFloat16: return Dtype::BF16;
     case at::kHalf: return Dtype::F16;
-    default: TORCH_CHECK(false, "normatlas CPU kernels take float32 / float64 / bfloat16 / float16, got ", t);
+    default:
+      TORCH_CHECK_TYPE(false, what, " has dtype ", t, "; the normatlas CPU kernels take float32, float64, bfloat16 ",
+                       "or float16");
   }
 }
 
@@ -48,27 +51,29 @@ A* gain_buffer(int slot, int64_t n) {
 // weight's own dtype first, as torch's `1 + w`. The conversion is the kernels' vectorised loop, not tensor ops: a
 // decode-size call costs a few microseconds, and each dispatched op would add one.
 template <typename A, typename F>
-void with_gain(const at::Tensor& t, int64_t n, A fill, bool plus_one, bool round, int slot, F&& body) {
+void with_gain(const at::Tensor& t, const char* what, int64_t n, A fill, bool plus_one, bool round, int slot,
+               F&& body) {
   constexpr bool dbl = std::is_same_v<A, double>;
   if (!t.defined()) {
     A* ones = gain_buffer<A>(slot, n);
     std::fill(ones, ones + n, fill);
     return body(static_cast<const A*>(ones));
   }
-  TORCH_CHECK(t.numel() == n, "weight / bias must have ", n, " elements, got ", t.numel());
+  TORCH_CHECK(t.numel() == n, what, " must have ", n, " elements, got ", t.numel());
+  const Dtype wt = dtype_of(t.scalar_type(), what);
   const at::Tensor c = t.contiguous();
   if (!plus_one && c.scalar_type() == (dbl ? at::kDouble : at::kFloat)) return body(c.data_ptr<A>());
   A* out = gain_buffer<A>(slot, n);
-  normatlas::load_gain(dtype_of(c.scalar_type()), c.data_ptr(), n, plus_one, round, dbl, out);
+  normatlas::load_gain(wt, c.data_ptr(), n, plus_one, round, dbl, out);
   return body(static_cast<const A*>(out));
 }
 
 // with_gain in the accumulation dtype of inputs of type x (double for float64, float otherwise).
 template <typename F>
-void with_vec(at::ScalarType x, const at::Tensor& t, int64_t n, double fill, bool plus_one, bool round, int slot,
-              F&& body) {
-  if (x == at::kDouble) with_gain<double>(t, n, fill, plus_one, round, slot, body);
-  else with_gain<float>(t, n, static_cast<float>(fill), plus_one, round, slot, body);
+void with_vec(at::ScalarType x, const at::Tensor& t, const char* what, int64_t n, double fill, bool plus_one,
+              bool round, int slot, F&& body) {
+  if (x == at::kDouble) with_gain<double>(t, what, n, fill, plus_one, round, slot, body);
+  else with_gain<float>(t, what, n, static_cast<float>(fill), plus_one, round, slot, body);
 }
 
 // One normalization's flags as the op passes them: the row flags, the gain convention and the feature size.
@@ -97,7 +102,7 @@ std::vector<at::Tensor> fwd_core(const at::Tensor& x_in, const at::Tensor& res_i
                                  const at::Tensor& bias, const Flags& f) {
   const at::Tensor x = x_in.contiguous();
   const int64_t n = f.n, rows = rows_of(x, n);
-  const Dtype dt = dtype_of(x.scalar_type());
+  const Dtype dt = dtype_of(x.scalar_type(), "input");
   at::Tensor res;
   if (res_in.defined()) {
     TORCH_CHECK(res_in.sizes() == x.sizes() && res_in.scalar_type() == x.scalar_type(),
@@ -109,13 +114,13 @@ std::vector<at::Tensor> fwd_core(const at::Tensor& x_in, const at::Tensor& res_i
   auto h = res.defined() ? new_output(x) : at::empty({0}, x.options());
   auto stats = at::empty({rows, 3}, x.options().dtype(acc));
   if (rows == 0) return {y, h, stats};
-  with_vec(x.scalar_type(), weight, n, 1.0, f.one_plus_w, f.row.before_gain, 0, [&](const auto* g) {
+  with_vec(x.scalar_type(), weight, "weight", n, 1.0, f.one_plus_w, f.row.before_gain, 0, [&](const auto* g) {
     using A = std::remove_cv_t<std::remove_pointer_t<decltype(g)>>;
     auto run = [&](const A* b) {
       normatlas::forward(dt, x.data_ptr(), ptr_or_null(res), res.defined() ? h.data_ptr() : nullptr, y.data_ptr(), g,
                          b, stats.data_ptr(), rows, n, f.row, true);
     };
-    if (bias.defined()) with_gain<A>(bias, n, A(0), false, false, 1, run);
+    if (bias.defined()) with_gain<A>(bias, "bias", n, A(0), false, false, 1, run);
     else run(nullptr);
   });
   return {y, h, stats};
@@ -128,7 +133,7 @@ std::vector<at::Tensor> bwd_core(const at::Tensor& dy_in, const at::Tensor& x_in
                                  bool need_db) {
   const at::Tensor x = x_in.contiguous(), dy = dy_in.contiguous(), stats = stats_in.contiguous();
   const int64_t n = f.n, rows = rows_of(x, n);
-  const Dtype dt = dtype_of(x.scalar_type());
+  const Dtype dt = dtype_of(x.scalar_type(), "input");
   TORCH_CHECK(dy.sizes() == x.sizes() && dy.scalar_type() == x.scalar_type(), "dy must be shaped and typed like x");
   at::Tensor dres;
   if (dres_in.defined()) {
@@ -142,7 +147,7 @@ std::vector<at::Tensor> bwd_core(const at::Tensor& dy_in, const at::Tensor& x_in
   auto dg = need_dg ? at::zeros({n}, opts) : at::empty({0}, opts);
   auto db = need_db ? at::zeros({n}, opts) : at::empty({0}, opts);
   if (rows == 0) return {dx, dg, db};
-  with_vec(x.scalar_type(), weight, n, 1.0, f.one_plus_w, f.row.before_gain, 0, [&](const auto* g) {
+  with_vec(x.scalar_type(), weight, "weight", n, 1.0, f.one_plus_w, f.row.before_gain, 0, [&](const auto* g) {
     normatlas::backward(dt, dy.data_ptr(), x.data_ptr(), ptr_or_null(dres), dx.data_ptr(), g,
                         stats.data_ptr(), need_dg ? dg.data_ptr() : nullptr, need_db ? db.data_ptr() : nullptr, rows,
                         n, f.row);
@@ -260,9 +265,9 @@ at::Tensor affine_floor(const at::Tensor& x_in, const at::Tensor& weight, double
   const at::Tensor x = x_in.contiguous();
   const int64_t n = weight.numel(), rows = rows_of(x, n);
   TORCH_CHECK(x.scalar_type() != at::kDouble, "affine_floor serves float32 / bfloat16 / float16");
-  const Dtype dt = dtype_of(x.scalar_type());
+  const Dtype dt = dtype_of(x.scalar_type(), "input");
   auto y = new_output(x);
-  with_gain<float>(weight, n, 1.f, false, false, 0, [&](const float* g) {
+  with_gain<float>(weight, "weight", n, 1.f, false, false, 0, [&](const float* g) {
     normatlas::affine_floor_rows(dt, x.data_ptr(), y.data_ptr(), g, static_cast<float>(s), rows, n);
   });
   return y;
@@ -276,15 +281,15 @@ std::vector<at::Tensor> norm_pair(const at::Tensor& q_in, const at::Tensor& k_in
                                   bool before_gain, bool one_plus_w, bool l2, int64_t n) {
   const at::Tensor q = q_in.contiguous(), k = k_in.contiguous();
   TORCH_CHECK(q.scalar_type() == k.scalar_type(), "q and k must share a dtype");
-  const Dtype dt = dtype_of(q.scalar_type());
+  const Dtype dt = dtype_of(q.scalar_type(), "q");
   const int64_t rq = rows_of(q, n), rk = rows_of(k, n);
   auto yq = at::empty(q.sizes(), q.options()), yk = at::empty(k.sizes(), k.options());
   if (rq + rk == 0) return {yq, yk};
   const auto acc = acc_type(q.scalar_type());
   auto stats = at::empty({rq + rk, 3}, q.options().dtype(acc));
   const normatlas::RowFlags f{eps, center, eps_mode, before_gain, l2};
-  with_vec(q.scalar_type(), opt(wq), n, 1.0, one_plus_w, before_gain, 0, [&](const auto* gq) {
-    with_vec(q.scalar_type(), opt(wk), n, 1.0, one_plus_w, before_gain, 1, [&](const auto* gk) {
+  with_vec(q.scalar_type(), opt(wq), "q_weight", n, 1.0, one_plus_w, before_gain, 0, [&](const auto* gq) {
+    with_vec(q.scalar_type(), opt(wk), "k_weight", n, 1.0, one_plus_w, before_gain, 1, [&](const auto* gk) {
       normatlas::forward_pair(dt, q.data_ptr(), k.data_ptr(), yq.data_ptr(), yk.data_ptr(), gq, gk,
                               stats.data_ptr(), rq, rk, n, f);
     });
