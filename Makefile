@@ -45,8 +45,8 @@ demo: setup-test
 	HF_HUB_OFFLINE=1 $(BIN)/normatlas convert ln-rms --dry-run $(MINILM)
 
 lint: setup-test
-	$(BIN)/ruff check src tests
-	$(BIN)/ruff format --check src tests
+	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/ruff format --check src tests benchmarks
 
 typecheck: setup-test
 	$(BIN)/mypy
