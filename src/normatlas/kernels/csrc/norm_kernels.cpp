@@ -41,19 +41,90 @@ template <typename T> struct Vec { using type = void; };
 template <> struct Vec<float> { using type = avx512::F32; };
 template <> struct Vec<c10::BFloat16> { using type = avx512::BF16; };
 template <> struct Vec<c10::Half> { using type = avx512::F16; };
+#endif
 
+// The storage type of each Dtype, called as body(T{}).
+template <typename F>
+void on_dtype(normatlas::Dtype t, F&& body) {
+  switch (t) {
+    case normatlas::Dtype::F32: return body(float{});
+    case normatlas::Dtype::F64: return body(double{});
+    case normatlas::Dtype::BF16: return body(c10::BFloat16{});
+    case normatlas::Dtype::F16: return body(c10::Half{});
+  }
+}
+
+// out[j] = the multiplier (or bias) from p's n values in the accumulation dtype A: w, or 1 + w (with p.round, rounded
+// in p's dtype first, as torch's `1 + w` before a cast-before-gain product).
+template <typename A>
+void convert_param(const normatlas::Param& p, int64_t n, A* out) {
+  on_dtype(p.dtype, [&](auto tag) {
+    using W = decltype(tag);
+    using C = typename IO<W>::acc;  // torch's compute type for W: double for float64, float otherwise
+    const auto* w = static_cast<const typename IO<W>::raw*>(p.data);
+#if NORMATLAS_AVX512
+    if constexpr (std::is_same_v<A, float> && !std::is_void_v<typename Vec<W>::type>) {
+      using V = typename Vec<W>::type;  // the vector conversions (a shift for bf16, VCVTPH2PS for fp16), 8 at a time
+      const auto* pv = reinterpret_cast<const typename V::raw*>(w);
+      const __m256 one = _mm256_set1_ps(1.f);
+      avx512::each8(n, [&](int64_t j, __mmask8 m) {
+        __m256 v = avx512::load<V>(pv + j, m);
+        if (p.plus_one) v = p.round ? V::rt(_mm256_add_ps(v, one)) : _mm256_add_ps(v, one);
+        _mm256_mask_storeu_ps(out + j, m, v);
+      });
+      return;
+    }
+#endif
+    if (!p.plus_one) {
+#pragma omp simd
+      for (int64_t j = 0; j < n; ++j) out[j] = static_cast<A>(IO<W>::ld(w[j]));
+    } else if (p.round) {
+#pragma omp simd
+      for (int64_t j = 0; j < n; ++j) out[j] = static_cast<A>(IO<W>::ld(IO<W>::st(IO<W>::ld(w[j]) + C(1))));
+    } else {
+#pragma omp simd
+      for (int64_t j = 0; j < n; ++j) out[j] = static_cast<A>(IO<W>::ld(w[j])) + A(1);
+    }
+  });
+}
+
+// The gain (slot 0) or bias (slot 1) of `p` in the accumulation dtype A for the calling thread: p's own data when it already is A and no 1 + w is asked for, else a copy converted into this thread's
+// buffer for the slot, reused from call to call. Each worker converts its own copy: one converted by the caller's
+// thread and read by the other workers crossed cores on every call (a 65,536-wide bf16 LayerNorm over 2 rows took
+// 87 us on 2 threads against 32 us with fp32 parameters read in place). Without data: ones (a gain of 1), kept
+// from call to call in a buffer of their own, or null for a bias.
+template <typename A>
+const A* resolve(const normatlas::Param& p, int slot, int64_t n, bool bias = false) {
+  constexpr auto own = std::is_same_v<A, double> ? normatlas::Dtype::F64 : normatlas::Dtype::F32;
+  if (!p.data) {
+    if (bias) return nullptr;
+    thread_local std::vector<A> ones;
+    if (static_cast<int64_t>(ones.size()) < n) ones.resize(static_cast<size_t>(n), A(1));
+    return ones.data();
+  }
+  if (p.dtype == own && !p.plus_one) return static_cast<const A*>(p.data);
+  thread_local std::vector<A> buf[2];
+  std::vector<A>& b = buf[slot];
+  if (static_cast<int64_t>(b.size()) < n) b.resize(static_cast<size_t>(n));
+  convert_param<A>(p, n, b.data());
+  return b.data();
+}
+
+#if NORMATLAS_AVX512
 template <class V>
 void fwd_impl_v(const typename V::raw* xp, const typename V::raw* rp, typename V::raw* hp, typename V::raw* yp,
-                const float* gp, const float* bp, float* sp, int64_t rows, int64_t n, double eps_d, bool center,
-                int64_t eps_mode, bool before_gain, bool l2, bool parallel) {
+                const normatlas::Param& gain, const normatlas::Param& bias, float* sp, int64_t rows, int64_t n,
+                double eps_d, bool center, int64_t eps_mode, bool before_gain, bool l2, bool parallel) {
   using R = typename V::raw;
   const float eps = static_cast<float>(eps_d);
   const float div = l2 ? 1.f : static_cast<float>(n);
   const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(n, 1));
   const bool stream = streams_from_memory(rows * n * static_cast<int64_t>(sizeof(R)) * (rp ? 2 : 1));
   const bool nt = stream && pages_mapped(yp, rows * n * static_cast<int64_t>(sizeof(R)));
-  const auto write = avx512::pick_writer<V>(center, before_gain, bp != nullptr);
+  const auto write = avx512::pick_writer<V>(center, before_gain, bias.data != nullptr);
   over_rows(parallel, rows, grain, [&](int64_t begin, int64_t end) {
+    const float* gp = resolve<float>(gain, 0, n);
+    const float* bp = resolve<float>(bias, 1, n, true);
     for (int64_t i = begin; i < end; ++i) {
       const R* xr = xp + i * n;
       const R* rr = rp ? rp + i * n : nullptr;
@@ -100,7 +171,7 @@ BwdRowFn<V> pick_bwd_row(bool center, bool g, bool b, bool dr) {
 
 template <typename T>
 void fwd_impl(const typename IO<T>::raw* xp, const typename IO<T>::raw* rp, typename IO<T>::raw* hp,
-              typename IO<T>::raw* yp, const typename IO<T>::acc* gp, const typename IO<T>::acc* bp,
+              typename IO<T>::raw* yp, const normatlas::Param& gain, const normatlas::Param& bias,
               typename IO<T>::acc* sp, int64_t rows, int64_t n, double eps_d, bool center, int64_t eps_mode,
               bool before_gain, bool l2, bool parallel = true) {
   using R = typename IO<T>::raw;
@@ -110,7 +181,8 @@ void fwd_impl(const typename IO<T>::raw* xp, const typename IO<T>::raw* rp, type
     using V = typename Vec<T>::type;
     using VR = typename V::raw;
     fwd_impl_v<V>(reinterpret_cast<const VR*>(xp), reinterpret_cast<const VR*>(rp), reinterpret_cast<VR*>(hp),
-                  reinterpret_cast<VR*>(yp), gp, bp, sp, rows, n, eps_d, center, eps_mode, before_gain, l2, parallel);
+                  reinterpret_cast<VR*>(yp), gain, bias, sp, rows, n, eps_d, center, eps_mode, before_gain, l2,
+                  parallel);
     return;
   }
 #endif
@@ -121,6 +193,8 @@ void fwd_impl(const typename IO<T>::raw* xp, const typename IO<T>::raw* rp, type
   // prefetcher suffices and the extra instructions cost more than they save (measured: 256 x 4096 fp32).
   const bool stream = streams_from_memory(rows * n * static_cast<int64_t>(sizeof(R)) * (rp ? 2 : 1));
   over_rows(parallel, rows, grain, [&](int64_t begin, int64_t end) {
+    const A* gp = resolve<A>(gain, 0, n);
+    const A* bp = resolve<A>(bias, 1, n, true);
     for (int64_t i = begin; i < end; ++i) {
       const R* xr = xp + i * n;
       const R* src = xr;
@@ -267,7 +341,7 @@ inline void bwd_row(const R* __restrict xr, const R* __restrict dyr, const R* __
 
 template <typename T>
 void bwd_impl(const typename IO<T>::raw* dyp, const typename IO<T>::raw* xp, const typename IO<T>::raw* drp,
-              typename IO<T>::raw* dxp, const typename IO<T>::acc* gp, const typename IO<T>::acc* sp,
+              typename IO<T>::raw* dxp, const normatlas::Param& gain, const typename IO<T>::acc* sp,
               typename IO<T>::acc* dgp, typename IO<T>::acc* dbp, int64_t rows, int64_t n, bool center,
               bool before_gain, bool l2) {
   using R = typename IO<T>::raw;
@@ -284,6 +358,7 @@ void bwd_impl(const typename IO<T>::raw* dyp, const typename IO<T>::raw* xp, con
   A* pgp = need_dg ? (chunks > 1 ? pg.data() : dgp) : nullptr;
   A* pbp = need_db ? (chunks > 1 ? pb.data() : dbp) : nullptr;
   at::parallel_for(0, chunks, 1, [&](int64_t cb, int64_t ce) {
+    const A* gp = resolve<A>(gain, 0, n);
     for (int64_t c = cb; c < ce; ++c) {
       const int64_t r0 = rows * c / chunks, r1 = rows * (c + 1) / chunks;
       A* pgc = pgp ? pgp + c * n : nullptr;
@@ -334,12 +409,13 @@ void bwd_impl(const typename IO<T>::raw* dyp, const typename IO<T>::raw* xp, con
 // The output pass alone, y = x * s * weight row by row (no statistics): the floor under any norm forward on this
 // machine, timed by the benchmark suite next to a copy. Same threading, allocation and vector code as the forward.
 template <typename T>
-void affine_floor_impl(const typename IO<T>::raw* xp, typename IO<T>::raw* yp, const float* g, float sc, int64_t rows,
-                       int64_t n) {
+void affine_floor_impl(const typename IO<T>::raw* xp, typename IO<T>::raw* yp, const normatlas::Param& gain, float sc,
+                       int64_t rows, int64_t n) {
   // the forward's store policy: streaming stores for an input from memory into already mapped pages
   const int64_t bytes = rows * n * static_cast<int64_t>(sizeof(typename IO<T>::raw));
   const bool stream = streams_from_memory(bytes) && pages_mapped(yp, bytes);
   at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / n), [&](int64_t begin, int64_t end) {
+    const float* g = resolve<float>(gain, 0, n);
     for (int64_t i = begin; i < end; ++i) {
 #if NORMATLAS_AVX512
       if constexpr (!std::is_void_v<typename Vec<T>::type>) {
@@ -360,47 +436,37 @@ void affine_floor_impl(const typename IO<T>::raw* xp, typename IO<T>::raw* yp, c
   });
 }
 
-// The storage type of each Dtype, called as body(T{}).
-template <typename F>
-void on_dtype(normatlas::Dtype t, F&& body) {
-  switch (t) {
-    case normatlas::Dtype::F32: return body(float{});
-    case normatlas::Dtype::F64: return body(double{});
-    case normatlas::Dtype::BF16: return body(c10::BFloat16{});
-    case normatlas::Dtype::F16: return body(c10::Half{});
-  }
-}
-
 }  // namespace
 
 namespace normatlas {
 
-void forward(Dtype t, const void* x, const void* res, void* h, void* y, const void* gain, const void* bias,
+void forward(Dtype t, const void* x, const void* res, void* h, void* y, const Param& gain, const Param& bias,
              void* stats, int64_t rows, int64_t n, const RowFlags& f, bool parallel) {
   on_dtype(t, [&](auto tag) {
     using T = decltype(tag);
     using R = typename IO<T>::raw;
     using A = typename IO<T>::acc;
     fwd_impl<T>(static_cast<const R*>(x), static_cast<const R*>(res), static_cast<R*>(h), static_cast<R*>(y),
-                static_cast<const A*>(gain), static_cast<const A*>(bias), static_cast<A*>(stats), rows, n, f.eps,
+                gain, bias, static_cast<A*>(stats), rows, n, f.eps,
                 f.center, f.eps_mode, f.before_gain, f.l2, parallel);
   });
 }
 
-void backward(Dtype t, const void* dy, const void* x, const void* dres, void* dx, const void* gain,
+void backward(Dtype t, const void* dy, const void* x, const void* dres, void* dx, const Param& gain,
               const void* stats, void* dgain, void* dbias, int64_t rows, int64_t n, const RowFlags& f) {
   on_dtype(t, [&](auto tag) {
     using T = decltype(tag);
     using R = typename IO<T>::raw;
     using A = typename IO<T>::acc;
     bwd_impl<T>(static_cast<const R*>(dy), static_cast<const R*>(x), static_cast<const R*>(dres), static_cast<R*>(dx),
-                static_cast<const A*>(gain), static_cast<const A*>(stats), static_cast<A*>(dgain),
+                gain, static_cast<const A*>(stats), static_cast<A*>(dgain),
                 static_cast<A*>(dbias), rows, n, f.center, f.before_gain, f.l2);
   });
 }
 
-// Inside the region each fwd_impl call runs in its thread on its share of the rows of q, then of k.
-void forward_pair(Dtype t, const void* q, const void* k, void* yq, void* yk, const void* gq, const void* gk,
+// Inside the region each fwd_impl call runs in its thread on its share of the rows of q, then of k (so the two gains
+// may share a thread's conversion buffer: q's rows are done when k's gain is converted).
+void forward_pair(Dtype t, const void* q, const void* k, void* yq, void* yk, const Param& gq, const Param& gk,
                   void* stats, int64_t rq, int64_t rk, int64_t n, const RowFlags& f) {
   on_dtype(t, [&](auto tag) {
     using T = decltype(tag);
@@ -411,22 +477,23 @@ void forward_pair(Dtype t, const void* q, const void* k, void* yq, void* yk, con
     R* yqp = static_cast<R*>(yq);
     R* ykp = static_cast<R*>(yk);
     A* sp = static_cast<A*>(stats);
+    const Param no_bias{nullptr, t, false, false};
     at::parallel_for(0, rq + rk, std::max<int64_t>(1, 16384 / n), [&](int64_t b, int64_t e) {
       if (b < rq) {
         const int64_t e1 = std::min(e, rq);
-        fwd_impl<T>(qp + b * n, nullptr, nullptr, yqp + b * n, static_cast<const A*>(gq), nullptr, sp + 3 * b, e1 - b,
-                    n, f.eps, f.center, f.eps_mode, f.before_gain, f.l2, false);
+        fwd_impl<T>(qp + b * n, nullptr, nullptr, yqp + b * n, gq, no_bias, sp + 3 * b, e1 - b, n, f.eps, f.center,
+                    f.eps_mode, f.before_gain, f.l2, false);
       }
       if (e > rq) {
         const int64_t b1 = std::max(b, rq) - rq;
-        fwd_impl<T>(kp + b1 * n, nullptr, nullptr, ykp + b1 * n, static_cast<const A*>(gk), nullptr,
-                    sp + 3 * (rq + b1), e - rq - b1, n, f.eps, f.center, f.eps_mode, f.before_gain, f.l2, false);
+        fwd_impl<T>(kp + b1 * n, nullptr, nullptr, ykp + b1 * n, gk, no_bias, sp + 3 * (rq + b1), e - rq - b1, n,
+                    f.eps, f.center, f.eps_mode, f.before_gain, f.l2, false);
       }
     });
   });
 }
 
-void affine_floor_rows(Dtype t, const void* x, void* y, const float* g, float s, int64_t rows, int64_t n) {
+void affine_floor_rows(Dtype t, const void* x, void* y, const Param& g, float s, int64_t rows, int64_t n) {
   on_dtype(t, [&](auto tag) {
     using T = decltype(tag);
     if constexpr (!std::is_same_v<T, double>) {
@@ -437,45 +504,6 @@ void affine_floor_rows(Dtype t, const void* x, void* y, const float* g, float s,
 }
 
 bool vector_kernels() { return NORMATLAS_AVX512 != 0; }
-
-void load_gain(Dtype wt, const void* w, int64_t n, bool plus_one, bool round, bool acc_double, void* out) {
-  on_dtype(wt, [&](auto tag) {
-    using W = decltype(tag);
-    using C = typename IO<W>::acc;  // torch's compute type for W: double for float64, float otherwise
-    const auto* p = static_cast<const typename IO<W>::raw*>(w);
-    auto fill = [&](auto* o) {
-      using A = std::remove_pointer_t<decltype(o)>;
-      if (!plus_one) {
-#pragma omp simd
-        for (int64_t j = 0; j < n; ++j) o[j] = static_cast<A>(IO<W>::ld(p[j]));
-      } else if (round) {  // 1 + w rounded in the weight's dtype, as torch's `1 + w`
-#pragma omp simd
-        for (int64_t j = 0; j < n; ++j) o[j] = static_cast<A>(IO<W>::ld(IO<W>::st(IO<W>::ld(p[j]) + C(1))));
-      } else {
-#pragma omp simd
-        for (int64_t j = 0; j < n; ++j) o[j] = static_cast<A>(IO<W>::ld(p[j])) + A(1);
-      }
-    };
-#if NORMATLAS_AVX512
-    if constexpr (!std::is_void_v<typename Vec<W>::type>) {
-      if (!acc_double) {  // the vector conversions (a shift for bf16, VCVTPH2PS for fp16), 8 at a time
-        using V = typename Vec<W>::type;
-        const auto* pv = static_cast<const typename V::raw*>(w);
-        float* o = static_cast<float*>(out);
-        const __m256 one = _mm256_set1_ps(1.f);
-        avx512::each8(n, [&](int64_t j, __mmask8 m) {
-          __m256 v = avx512::load<V>(pv + j, m);
-          if (plus_one) v = round ? V::rt(_mm256_add_ps(v, one)) : _mm256_add_ps(v, one);
-          _mm256_mask_storeu_ps(o + j, m, v);
-        });
-        return;
-      }
-    }
-#endif
-    if (acc_double) fill(static_cast<double*>(out));
-    else fill(static_cast<float*>(out));
-  });
-}
 
 // A fresh output of 8 MiB or more (its pages not yet mapped: a new mmap from the allocator, as glibc gives for
 // blocks over its 32 MiB heap limit) asks for transparent huge pages on its 2 MiB-aligned interior before the first

@@ -10,8 +10,8 @@
 
 namespace normatlas {
 
-// The storage dtype of x, y, h, dy, dx. Gains, biases, statistics and gain gradients are in the accumulation
-// dtype: double for F64, float otherwise.
+// A storage dtype: of x, y, h, dy, dx, and of a gain or bias as given (Param). The kernels compute gains, biases,
+// statistics and gain gradients in the accumulation dtype: double for F64, float otherwise.
 enum class Dtype : int { F32 = 0, F64 = 1, BF16 = 2, F16 = 3 };
 
 enum EpsMode : int64_t { INSIDE = 0, OUTSIDE = 1, CLAMP = 2 };
@@ -25,29 +25,36 @@ struct RowFlags {
   bool l2;           // divide by the L2 norm instead of the RMS
 };
 
+// A per-feature vector, a gain or a bias, as the caller holds it: n contiguous values of `dtype` at `data`, or none
+// (data null: a gain of 1, no bias). Each worker thread turns it into the accumulation dtype itself: in place when it
+// already is that dtype and no 1 + w is asked for, else into a buffer of its own, so that a converted copy is
+// written and read by the same core.
+struct Param {
+  const void* data;
+  Dtype dtype;
+  bool plus_one;  // the multiplier is 1 + w (Gemma's convention)
+  bool round;     // with plus_one: 1 + w rounded in `dtype` first, as torch's `1 + w` before a cast-before-gain product
+};
+
 // y = affine(norm(src)) for `rows` rows of n, src = x, or h = x + res (written out) when res is set. stats: per
 // row (mean, rstd, d rstd / d ms). `parallel`: split rows over the intra-op pool (false inside a caller's region).
-void forward(Dtype t, const void* x, const void* res, void* h, void* y, const void* gain, const void* bias,
+void forward(Dtype t, const void* x, const void* res, void* h, void* y, const Param& gain, const Param& bias,
              void* stats, int64_t rows, int64_t n, const RowFlags& f, bool parallel);
 
 // dx (+ dres when set) from dy, the forward's input x (or h) and stats; dgain / dbias (zeroed, may be null) get
 // the gain / bias gradients.
-void backward(Dtype t, const void* dy, const void* x, const void* dres, void* dx, const void* gain,
+void backward(Dtype t, const void* dy, const void* x, const void* dres, void* dx, const Param& gain,
               const void* stats, void* dgain, void* dbias, int64_t rows, int64_t n, const RowFlags& f);
 
 // Two normalizations in one parallel region split over their rows together (QK-norm for inference).
-void forward_pair(Dtype t, const void* q, const void* k, void* yq, void* yk, const void* gq, const void* gk,
+void forward_pair(Dtype t, const void* q, const void* k, void* yq, void* yk, const Param& gq, const Param& gk,
                   void* stats, int64_t rows_q, int64_t rows_k, int64_t n, const RowFlags& f);
 
 // The output pass alone, y = x * s * g (no statistics): the floor under any norm forward, for the benchmarks.
-void affine_floor_rows(Dtype t, const void* x, void* y, const float* g, float s, int64_t rows, int64_t n);
+void affine_floor_rows(Dtype t, const void* x, void* y, const Param& g, float s, int64_t rows, int64_t n);
 
 // Before the first write into a newly allocated output: transparent huge pages for a fresh mapping (see the .cpp).
 void advise_output(void* p, int64_t bytes);
-
-// The per-feature multiplier from a weight of dtype wt: w, or 1 + w (with `round`, rounded in wt first, as torch's
-// `1 + w` before a cast-before-gain product), into `out` (n of double when acc_double, else float).
-void load_gain(Dtype wt, const void* w, int64_t n, bool plus_one, bool round, bool acc_double, void* out);
 
 // Whether the explicit AVX-512 row kernels were compiled in.
 bool vector_kernels();

@@ -6,10 +6,8 @@
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/custom_function.h>
 
-#include <algorithm>
 #include <cstdint>
 #include <optional>
-#include <type_traits>
 #include <vector>
 
 #include "norm_kernels.h"
@@ -34,46 +32,19 @@ Dtype dtype_of(at::ScalarType t, const char* what) {
 
 at::ScalarType acc_type(at::ScalarType t) { return t == at::kDouble ? at::kDouble : at::kFloat; }
 
-// Where a converted gain or bias lives during a call: one buffer per slot (0 the weight, 1 the bias or the second
-// weight) and thread, reused from call to call. A fresh vector per call cost more than the row itself for wide
-// rows: 45 us for a 65536-wide bf16 gain, nearly all of it the allocation's page faults and zeroing.
-template <typename A>
-A* gain_buffer(int slot, int64_t n) {
-  thread_local std::vector<A> buf[2];
-  std::vector<A>& b = buf[slot];
-  if (static_cast<int64_t>(b.size()) < n) b.resize(static_cast<size_t>(n));
-  return b.data();
-}
+// A weight or bias as the kernels take it (norm_kernels.h's Param: its data in its own dtype, each worker converts
+// it), with the contiguous tensor that data points into kept alive for the call. Absent: a Param without data.
+struct Held {
+  at::Tensor t;
+  normatlas::Param p;
+};
 
-// The per-feature multiplier (or bias) in the accumulation dtype A, as a pointer valid during body(ptr): the tensor's
-// own data when it already is n contiguous values of A and no 1 + w is asked for, else a converted copy in `slot`'s
-// buffer (w, 1 + w, or `fill` without a tensor). With `round` (cast_order BEFORE_GAIN) 1 + w is rounded in the
-// weight's own dtype first, as torch's `1 + w`. The conversion is the kernels' vectorised loop, not tensor ops: a
-// decode-size call costs a few microseconds, and each dispatched op would add one.
-template <typename A, typename F>
-void with_gain(const at::Tensor& t, const char* what, int64_t n, A fill, bool plus_one, bool round, int slot,
-               F&& body) {
-  constexpr bool dbl = std::is_same_v<A, double>;
-  if (!t.defined()) {
-    A* ones = gain_buffer<A>(slot, n);
-    std::fill(ones, ones + n, fill);
-    return body(static_cast<const A*>(ones));
-  }
+Held param_of(const at::Tensor& t, const char* what, int64_t n, bool plus_one = false, bool round = false) {
+  if (!t.defined()) return {t, {nullptr, Dtype::F32, false, false}};
   TORCH_CHECK(t.numel() == n, what, " must have ", n, " elements, got ", t.numel());
-  const Dtype wt = dtype_of(t.scalar_type(), what);
-  const at::Tensor c = t.contiguous();
-  if (!plus_one && c.scalar_type() == (dbl ? at::kDouble : at::kFloat)) return body(c.data_ptr<A>());
-  A* out = gain_buffer<A>(slot, n);
-  normatlas::load_gain(wt, c.data_ptr(), n, plus_one, round, dbl, out);
-  return body(static_cast<const A*>(out));
-}
-
-// with_gain in the accumulation dtype of inputs of type x (double for float64, float otherwise).
-template <typename F>
-void with_vec(at::ScalarType x, const at::Tensor& t, const char* what, int64_t n, double fill, bool plus_one,
-              bool round, int slot, F&& body) {
-  if (x == at::kDouble) with_gain<double>(t, what, n, fill, plus_one, round, slot, body);
-  else with_gain<float>(t, what, n, static_cast<float>(fill), plus_one, round, slot, body);
+  const Dtype dt = dtype_of(t.scalar_type(), what);
+  at::Tensor c = t.contiguous();
+  return {c, {c.data_ptr(), dt, plus_one, round}};
 }
 
 // One normalization's flags as the op passes them: the row flags, the gain convention and the feature size.
@@ -114,15 +85,9 @@ std::vector<at::Tensor> fwd_core(const at::Tensor& x_in, const at::Tensor& res_i
   auto h = res.defined() ? new_output(x) : at::empty({0}, x.options());
   auto stats = at::empty({rows, 3}, x.options().dtype(acc));
   if (rows == 0) return {y, h, stats};
-  with_vec(x.scalar_type(), weight, "weight", n, 1.0, f.one_plus_w, f.row.before_gain, 0, [&](const auto* g) {
-    using A = std::remove_cv_t<std::remove_pointer_t<decltype(g)>>;
-    auto run = [&](const A* b) {
-      normatlas::forward(dt, x.data_ptr(), ptr_or_null(res), res.defined() ? h.data_ptr() : nullptr, y.data_ptr(), g,
-                         b, stats.data_ptr(), rows, n, f.row, true);
-    };
-    if (bias.defined()) with_gain<A>(bias, "bias", n, A(0), false, false, 1, run);
-    else run(nullptr);
-  });
+  const Held g = param_of(weight, "weight", n, f.one_plus_w, f.row.before_gain), b = param_of(bias, "bias", n);
+  normatlas::forward(dt, x.data_ptr(), ptr_or_null(res), res.defined() ? h.data_ptr() : nullptr, y.data_ptr(), g.p, b.p,
+                     stats.data_ptr(), rows, n, f.row, true);
   return {y, h, stats};
 }
 
@@ -147,11 +112,9 @@ std::vector<at::Tensor> bwd_core(const at::Tensor& dy_in, const at::Tensor& x_in
   auto dg = need_dg ? at::zeros({n}, opts) : at::empty({0}, opts);
   auto db = need_db ? at::zeros({n}, opts) : at::empty({0}, opts);
   if (rows == 0) return {dx, dg, db};
-  with_vec(x.scalar_type(), weight, "weight", n, 1.0, f.one_plus_w, f.row.before_gain, 0, [&](const auto* g) {
-    normatlas::backward(dt, dy.data_ptr(), x.data_ptr(), ptr_or_null(dres), dx.data_ptr(), g,
-                        stats.data_ptr(), need_dg ? dg.data_ptr() : nullptr, need_db ? db.data_ptr() : nullptr, rows,
-                        n, f.row);
-  });
+  const Held g = param_of(weight, "weight", n, f.one_plus_w, f.row.before_gain);
+  normatlas::backward(dt, dy.data_ptr(), x.data_ptr(), ptr_or_null(dres), dx.data_ptr(), g.p, stats.data_ptr(),
+                      need_dg ? dg.data_ptr() : nullptr, need_db ? db.data_ptr() : nullptr, rows, n, f.row);
   return {dx, dg, db};
 }
 
@@ -267,9 +230,8 @@ at::Tensor affine_floor(const at::Tensor& x_in, const at::Tensor& weight, double
   TORCH_CHECK(x.scalar_type() != at::kDouble, "affine_floor serves float32 / bfloat16 / float16");
   const Dtype dt = dtype_of(x.scalar_type(), "input");
   auto y = new_output(x);
-  with_gain<float>(weight, "weight", n, 1.f, false, false, 0, [&](const float* g) {
-    normatlas::affine_floor_rows(dt, x.data_ptr(), y.data_ptr(), g, static_cast<float>(s), rows, n);
-  });
+  normatlas::affine_floor_rows(dt, x.data_ptr(), y.data_ptr(), param_of(weight, "weight", n).p, static_cast<float>(s),
+                               rows, n);
   return y;
 }
 
@@ -288,12 +250,10 @@ std::vector<at::Tensor> norm_pair(const at::Tensor& q_in, const at::Tensor& k_in
   const auto acc = acc_type(q.scalar_type());
   auto stats = at::empty({rq + rk, 3}, q.options().dtype(acc));
   const normatlas::RowFlags f{eps, center, eps_mode, before_gain, l2};
-  with_vec(q.scalar_type(), opt(wq), "q_weight", n, 1.0, one_plus_w, before_gain, 0, [&](const auto* gq) {
-    with_vec(q.scalar_type(), opt(wk), "k_weight", n, 1.0, one_plus_w, before_gain, 1, [&](const auto* gk) {
-      normatlas::forward_pair(dt, q.data_ptr(), k.data_ptr(), yq.data_ptr(), yk.data_ptr(), gq, gk,
-                              stats.data_ptr(), rq, rk, n, f);
-    });
-  });
+  const Held gq = param_of(opt(wq), "q_weight", n, one_plus_w, before_gain);
+  const Held gk = param_of(opt(wk), "k_weight", n, one_plus_w, before_gain);
+  normatlas::forward_pair(dt, q.data_ptr(), k.data_ptr(), yq.data_ptr(), yk.data_ptr(), gq.p, gk.p, stats.data_ptr(), rq,
+                          rk, n, f);
   return {yq, yk};
 }
 
