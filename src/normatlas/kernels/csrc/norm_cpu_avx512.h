@@ -54,6 +54,7 @@ struct F32 {
     _mm256_storeu_ps(p, lo);
     _mm256_storeu_ps(p + 8, hi);
   }
+  static inline __m512 ld16(const raw* p) { return _mm512_loadu_ps(p); }  // 16 elements as one 512-bit vector
   // non-temporal (streaming) stores, p 64-byte aligned: the line goes to memory without being read first
   static inline void st_nt(raw* p, __m256 v) { _mm256_stream_ps(p, v); }
   static inline void st2_nt(raw* p, __m256 lo, __m256 hi) {
@@ -82,6 +83,10 @@ struct BF16 {
   static inline void st(raw* p, __m256 v) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), down(v)); }
   static inline void stm(raw* p, __m256 v, __mmask8 m) { _mm_mask_storeu_epi16(p, m, down(v)); }
   static inline __m256 rt(__m256 v) { return up(down(v)); }
+  static inline __m512 ld16(const raw* p) {
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
   static inline void ld2(const raw* p, __m256& lo, __m256& hi) {
     const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
     lo = up(_mm256_castsi256_si128(v));
@@ -104,9 +109,7 @@ struct BF16 {
 #if defined(__AVX512BF16__)
   // 512-bit forms for write_row_512: 16 elements up to fp32, 2 x 16 packed back, a round trip
   static constexpr bool kWide = true;
-  static inline __m512 up16(__m256i h) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-  }
+  static inline __m512 up16(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
   static inline __m512i pack16x2(__m512 lo, __m512 hi) { return (__m512i)_mm512_cvtne2ps_pbh(hi, lo); }
   static inline __m512 rt16(__m512 v) { return up16((__m256i)_mm512_cvtneps_pbh(v)); }
 #else
@@ -126,6 +129,9 @@ struct F16 {
   }
   static inline void stm(raw* p, __m256 v, __mmask8 m) { _mm_mask_storeu_epi16(p, m, _mm256_cvtps_ph(v, kRound)); }
   static inline __m256 rt(__m256 v) { return _mm256_cvtph_ps(_mm256_cvtps_ph(v, kRound)); }
+  static inline __m512 ld16(const raw* p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
   static inline void ld2(const raw* p, __m256& lo, __m256& hi) {
     const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
     lo = _mm256_cvtph_ps(_mm256_castsi256_si128(v));
@@ -278,19 +284,19 @@ inline void moments(const typename V::raw* x, const typename V::raw* r, typename
 // instruction: old and new builds interleaved in one process (three runs for bf16, one for fp16), the forward took
 // 0.80-0.92x (RMSNorm) and 0.79-0.94x (LayerNorm) the time in bf16 at 256 x 4096, 0.92-0.98x / 0.77-0.90x at
 // 2048 x 4096, and 0.84-0.88x in fp16. Same arithmetic and roundings as the 256-bit loop: bit-identical outputs.
-template <class V, bool C, bool BG, bool B>
-inline int64_t write_row_512(const uint16_t* src, uint16_t* y, const float* g, const float* b, float mean, float rstd,
-                             int64_t n, const uint16_t* nx, const uint16_t* nr, bool nt) {
+template <class V, class P, bool C, bool BG, bool B>
+inline int64_t write_row_512(const uint16_t* src, uint16_t* y, const typename P::raw* g, const typename P::raw* b,
+                             float mean, float rstd, int64_t n, const uint16_t* nx, const uint16_t* nr, bool nt) {
   const __m512 mu = _mm512_set1_ps(mean), rs = _mm512_set1_ps(rstd);
   const auto affine = [&](__m512 v, int64_t j) {
     if (C) v = _mm512_sub_ps(v, mu);
     v = _mm512_mul_ps(v, rs);
-    const __m512 gv = _mm512_loadu_ps(g + j);
+    const __m512 gv = P::ld16(g + j);
     if (BG) {
       v = V::rt16(_mm512_mul_ps(V::rt16(v), gv));
-      return B ? _mm512_add_ps(v, _mm512_loadu_ps(b + j)) : v;
+      return B ? _mm512_add_ps(v, P::ld16(b + j)) : v;
     }
-    return B ? _mm512_fmadd_ps(v, gv, _mm512_loadu_ps(b + j)) : _mm512_mul_ps(v, gv);
+    return B ? _mm512_fmadd_ps(v, gv, P::ld16(b + j)) : _mm512_mul_ps(v, gv);
   };
   int64_t j = 0;
   for (; j + 32 <= n; j += 32) {
@@ -308,27 +314,29 @@ inline int64_t write_row_512(const uint16_t* src, uint16_t* y, const float* g, c
   return j;
 }
 
-// y = affine(normalised row), reading the row (x, or h with a residual) from cache. C: subtract the mean;
+// y = affine(normalised row), reading the row (x, or h with a residual) from cache. P: the dtype gain and bias are
+// read in (F32, or V itself: a bf16 model's own gain, no converted copy, half the bytes); C: subtract the mean;
 // BG: cast before the gain (HF Llama order: gain * x_hat.to(dtype), each product rounded); B: add a bias.
 // With `nx` / `nr` set (inputs streaming from memory) the next row is prefetched while this one is written.
-template <class V, bool C, bool BG, bool B>
-inline void write_row(const typename V::raw* src, typename V::raw* y, const float* g, const float* b, float mean,
-                      float rstd, int64_t n, const typename V::raw* nx, const typename V::raw* nr, bool nt) {
+template <class V, class P, bool C, bool BG, bool B>
+inline void write_row(const typename V::raw* src, typename V::raw* y, const typename P::raw* g,
+                      const typename P::raw* b, float mean, float rstd, int64_t n, const typename V::raw* nx,
+                      const typename V::raw* nr, bool nt) {
   const __m256 mu = _mm256_set1_ps(mean), rs = _mm256_set1_ps(rstd);
   nt = nt && line_aligned(y);
   auto affine = [&](__m256 v, int64_t j, __mmask8 m) {
     if (C) v = _mm256_sub_ps(v, mu);
     v = _mm256_mul_ps(v, rs);
-    const __m256 gv = loadf(g + j, m);
+    const __m256 gv = load<P>(g + j, m);
     if (BG) {
       v = V::rt(_mm256_mul_ps(V::rt(v), gv));
-      return B ? _mm256_add_ps(v, loadf(b + j, m)) : v;
+      return B ? _mm256_add_ps(v, load<P>(b + j, m)) : v;
     }
-    return B ? _mm256_fmadd_ps(v, gv, loadf(b + j, m)) : _mm256_mul_ps(v, gv);
+    return B ? _mm256_fmadd_ps(v, gv, load<P>(b + j, m)) : _mm256_mul_ps(v, gv);
   };
   constexpr int64_t kLine = 64 / sizeof(typename V::raw);  // elements per 64-byte line
   int64_t j = 0;
-  if constexpr (V::kWide) j = write_row_512<V, C, BG, B>(src, y, g, b, mean, rstd, n, nx, nr, nt);
+  if constexpr (V::kWide) j = write_row_512<V, P, C, BG, B>(src, y, g, b, mean, rstd, n, nx, nr, nt);
   for (; j + 16 <= n; j += 16) {  // 16 elements: one line of fp32, half a line of bf16 / fp16
     if (nx && j % kLine == 0) {  // the next row streams in from memory while this one is written from cache
       _mm_prefetch(reinterpret_cast<const char*>(nx + j), _MM_HINT_T0);
@@ -342,32 +350,32 @@ inline void write_row(const typename V::raw* src, typename V::raw* y, const floa
   each8(n - j, [&](int64_t k, __mmask8 m) { store<V>(y + j + k, affine(load<V>(src + j + k, m), j + k, m), m); });
 }
 
-template <class V>
-using WriteFn = void (*)(const typename V::raw*, typename V::raw*, const float*, const float*, float, float, int64_t,
-                         const typename V::raw*, const typename V::raw*, bool);
+template <class V, class P>
+using WriteFn = void (*)(const typename V::raw*, typename V::raw*, const typename P::raw*, const typename P::raw*,
+                         float, float, int64_t, const typename V::raw*, const typename V::raw*, bool);
 
-template <class V>
-inline WriteFn<V> pick_writer(bool center, bool before_gain, bool bias) {
+template <class V, class P>
+inline WriteFn<V, P> pick_writer(bool center, bool before_gain, bool bias) {
   const int k = (center ? 4 : 0) | (before_gain ? 2 : 0) | (bias ? 1 : 0);
   switch (k) {
-    case 0: return write_row<V, false, false, false>;
-    case 1: return write_row<V, false, false, true>;
-    case 2: return write_row<V, false, true, false>;
-    case 3: return write_row<V, false, true, true>;
-    case 4: return write_row<V, true, false, false>;
-    case 5: return write_row<V, true, false, true>;
-    case 6: return write_row<V, true, true, false>;
-    default: return write_row<V, true, true, true>;
+    case 0: return write_row<V, P, false, false, false>;
+    case 1: return write_row<V, P, false, false, true>;
+    case 2: return write_row<V, P, false, true, false>;
+    case 3: return write_row<V, P, false, true, true>;
+    case 4: return write_row<V, P, true, false, false>;
+    case 5: return write_row<V, P, true, false, true>;
+    case 6: return write_row<V, P, true, true, false>;
+    default: return write_row<V, P, true, true, true>;
   }
 }
 
-// One row of the backward (the same algebra as the generic bwd_row): a first pass over x and dy for the row
-// sums and, when the gain follows the cast, the gain / bias partial sums; a second pass over the now cached row
-// that writes dx. With `nx` set (inputs streaming from memory) the second pass prefetches the next row's x, dy
+// One row of the backward (the same algebra as the generic bwd_row), the gain read in P (as write_row): a first pass
+// over x and dy for the row sums and, when the gain follows the cast, the gain / bias partial sums; a second pass
+// over the now cached row that writes dx. With `nx` set (inputs streaming from memory) the second pass prefetches the next row's x, dy
 // and d_residual (`nx`, `ndy`, `ndr`) so that the next first pass finds them in cache.
-template <class V, bool C, bool G, bool Bs, bool DR>
+template <class V, class P, bool C, bool G, bool Bs, bool DR>
 inline void bwd_row(const typename V::raw* x, const typename V::raw* dy, const typename V::raw* dr,
-                    typename V::raw* dx, const float* g, float* pg, float* pb, int64_t n, float mean, float r,
+                    typename V::raw* dx, const typename P::raw* g, float* pg, float* pb, int64_t n, float mean, float r,
                     float drdms, float div, const typename V::raw* nx, const typename V::raw* ndy,
                     const typename V::raw* ndr, bool nt) {
   const __m256 mu = _mm256_set1_ps(mean), rs = _mm256_set1_ps(r);
@@ -379,7 +387,7 @@ inline void bwd_row(const typename V::raw* x, const typename V::raw* dy, const t
     const __m256 d = load<V>(dy + j, m);
     __m256 xc = load<V>(x + j, m);
     if (C) xc = _mm256_maskz_sub_ps(m, xc, mu);  // masked lanes stay 0 so they add nothing
-    const __m256 dxh = _mm256_mul_ps(d, loadf(g + j, m));
+    const __m256 dxh = _mm256_mul_ps(d, load<P>(g + j, m));
     acc[0] = _mm256_add_ps(acc[0], dxh);
     acc[1] = _mm256_fmadd_ps(dxh, xc, acc[1]);
     if (C) acc[2] = _mm256_add_ps(acc[2], xc);
@@ -407,7 +415,7 @@ inline void bwd_row(const typename V::raw* x, const typename V::raw* dy, const t
     }
     __m256 xc = load<V>(x + j, m);
     if (C) xc = _mm256_sub_ps(xc, mu);
-    __m256 v = _mm256_mul_ps(_mm256_mul_ps(rs, load<V>(dy + j, m)), loadf(g + j, m));
+    __m256 v = _mm256_mul_ps(_mm256_mul_ps(rs, load<V>(dy + j, m)), load<P>(g + j, m));
     v = _mm256_fmadd_ps(kv, xc, v);
     if (C) v = _mm256_sub_ps(v, offv);
     if (DR) v = _mm256_add_ps(v, load<V>(dr + j, m));

@@ -112,7 +112,32 @@ const A* resolve(const normatlas::Param& p, int slot, int64_t n, bool bias = fal
 
 #if NORMATLAS_AVX512
 template <class V>
-void fwd_impl_v(const typename V::raw* xp, const typename V::raw* rp, typename V::raw* hp, typename V::raw* yp,
+constexpr normatlas::Dtype dtype_of_vec() {
+  if constexpr (std::is_same_v<V, avx512::BF16>) return normatlas::Dtype::BF16;
+  else if constexpr (std::is_same_v<V, avx512::F16>) return normatlas::Dtype::F16;
+  else return normatlas::Dtype::F32;
+}
+
+// Whether the vector kernels for half-precision V read the gain (and the bias, when present) as given: both in V's
+// own dtype (a bf16 model's parameters), no 1 + w. They then need no converted copy and read half the bytes: a
+// decode step (1 x 4096 bf16 RMSNorm) spent ~6% of its time converting its gain, and a 262,144-wide bf16
+// LayerNorm more than its row. fp32 parameters are read in place anyway.
+template <class V>
+bool params_native(const normatlas::Param& gain, const normatlas::Param* bias) {
+  constexpr auto t = dtype_of_vec<V>();
+  return t != normatlas::Dtype::F32 && gain.data && gain.dtype == t && !gain.plus_one &&
+         (!bias || !bias->data || bias->dtype == t);
+}
+
+// The gain (slot 0) or bias (slot 1) as the P-typed row the vector kernels read: V's own data, or fp32 (resolve).
+template <class P>
+const typename P::raw* param_row(const normatlas::Param& p, int slot, int64_t n, bool bias = false) {
+  if constexpr (std::is_same_v<P, avx512::F32>) return resolve<float>(p, slot, n, bias);
+  else return static_cast<const typename P::raw*>(p.data);
+}
+
+template <class V, class P>
+void fwd_rows_v(const typename V::raw* xp, const typename V::raw* rp, typename V::raw* hp, typename V::raw* yp,
                 const normatlas::Param& gain, const normatlas::Param& bias, float* sp, int64_t rows, int64_t n,
                 double eps_d, bool center, int64_t eps_mode, bool before_gain, bool l2, bool parallel) {
   using R = typename V::raw;
@@ -121,10 +146,10 @@ void fwd_impl_v(const typename V::raw* xp, const typename V::raw* rp, typename V
   const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(n, 1));
   const bool stream = streams_from_memory(rows * n * static_cast<int64_t>(sizeof(R)) * (rp ? 2 : 1));
   const bool nt = stream && pages_mapped(yp, rows * n * static_cast<int64_t>(sizeof(R)));
-  const auto write = avx512::pick_writer<V>(center, before_gain, bias.data != nullptr);
+  const auto write = avx512::pick_writer<V, P>(center, before_gain, bias.data != nullptr);
   over_rows(parallel, rows, grain, [&](int64_t begin, int64_t end) {
-    const float* gp = resolve<float>(gain, 0, n);
-    const float* bp = resolve<float>(bias, 1, n, true);
+    const auto* gp = param_row<P>(gain, 0, n);
+    const auto* bp = param_row<P>(bias, 1, n, true);
     for (int64_t i = begin; i < end; ++i) {
       const R* xr = xp + i * n;
       const R* rr = rp ? rp + i * n : nullptr;
@@ -146,16 +171,30 @@ void fwd_impl_v(const typename V::raw* xp, const typename V::raw* rp, typename V
 }
 
 template <class V>
+void fwd_impl_v(const typename V::raw* xp, const typename V::raw* rp, typename V::raw* hp, typename V::raw* yp,
+                const normatlas::Param& gain, const normatlas::Param& bias, float* sp, int64_t rows, int64_t n,
+                double eps_d, bool center, int64_t eps_mode, bool before_gain, bool l2, bool parallel) {
+  if constexpr (!std::is_same_v<V, avx512::F32>) {
+    if (params_native<V>(gain, &bias)) {
+      return fwd_rows_v<V, V>(xp, rp, hp, yp, gain, bias, sp, rows, n, eps_d, center, eps_mode, before_gain, l2,
+                              parallel);
+    }
+  }
+  fwd_rows_v<V, avx512::F32>(xp, rp, hp, yp, gain, bias, sp, rows, n, eps_d, center, eps_mode, before_gain, l2,
+                             parallel);
+}
+
+template <class V, class P>
 using BwdRowFn = void (*)(const typename V::raw*, const typename V::raw*, const typename V::raw*, typename V::raw*,
-                          const float*, float*, float*, int64_t, float, float, float, float,
+                          const typename P::raw*, float*, float*, int64_t, float, float, float, float,
                           const typename V::raw*, const typename V::raw*, const typename V::raw*, bool);
 
-template <class V>
-BwdRowFn<V> pick_bwd_row(bool center, bool g, bool b, bool dr) {
+template <class V, class P>
+BwdRowFn<V, P> pick_bwd_row(bool center, bool g, bool b, bool dr) {
   switch ((center ? 8 : 0) | (g ? 4 : 0) | (b ? 2 : 0) | (dr ? 1 : 0)) {
 #define NA_CASE(k, C, G, B, D) \
   case k:                      \
-    return avx512::bwd_row<V, C, G, B, D>;
+    return avx512::bwd_row<V, P, C, G, B, D>;
     NA_CASE(0, false, false, false, false) NA_CASE(1, false, false, false, true)
     NA_CASE(2, false, false, true, false) NA_CASE(3, false, false, true, true)
     NA_CASE(4, false, true, false, false) NA_CASE(5, false, true, false, true)
@@ -163,7 +202,7 @@ BwdRowFn<V> pick_bwd_row(bool center, bool g, bool b, bool dr) {
     NA_CASE(8, true, false, false, false) NA_CASE(9, true, false, false, true)
     NA_CASE(10, true, false, true, false) NA_CASE(11, true, false, true, true)
     NA_CASE(12, true, true, false, false) NA_CASE(13, true, true, false, true)
-    NA_CASE(14, true, true, true, false) default: return avx512::bwd_row<V, true, true, true, true>;
+    NA_CASE(14, true, true, true, false) default: return avx512::bwd_row<V, P, true, true, true, true>;
 #undef NA_CASE
   }
 }
@@ -358,34 +397,45 @@ void bwd_impl(const typename IO<T>::raw* dyp, const typename IO<T>::raw* xp, con
   A* pgp = need_dg ? (chunks > 1 ? pg.data() : dgp) : nullptr;
   A* pbp = need_db ? (chunks > 1 ? pb.data() : dbp) : nullptr;
   at::parallel_for(0, chunks, 1, [&](int64_t cb, int64_t ce) {
+#if NORMATLAS_AVX512
+    if constexpr (!std::is_void_v<typename Vec<T>::type>) {
+      using V = typename Vec<T>::type;
+      using VR = typename V::raw;
+      auto chunks_v = [&](auto p_tag) {  // the gain read in P: V's own dtype when params_native, else fp32
+        using P = decltype(p_tag);
+        const auto* gp = param_row<P>(gain, 0, n);
+        for (int64_t c = cb; c < ce; ++c) {
+          const int64_t r0 = rows * c / chunks, r1 = rows * (c + 1) / chunks;
+          A* pgc = pgp ? pgp + c * n : nullptr;
+          A* pbc = pbp ? pbp + c * n : nullptr;
+          const bool g_now = pgc && !before_gain, b_now = pbc && !before_gain;
+          const auto row = pick_bwd_row<V, P>(center, g_now, b_now, drp != nullptr);
+          for (int64_t i = r0; i < r1; ++i) {
+            const bool more = stream && i + 1 < r1;
+            const VR* xi = reinterpret_cast<const VR*>(xp + i * n);
+            const VR* dyi = reinterpret_cast<const VR*>(dyp + i * n);
+            row(xi, dyi, drp ? reinterpret_cast<const VR*>(drp + i * n) : nullptr, reinterpret_cast<VR*>(dxp + i * n),
+                gp, pgc, pbc, n, sp[3 * i], sp[3 * i + 1], sp[3 * i + 2], div,
+                more ? reinterpret_cast<const VR*>(xp + (i + 1) * n) : nullptr,
+                more ? reinterpret_cast<const VR*>(dyp + (i + 1) * n) : nullptr,
+                more && drp ? reinterpret_cast<const VR*>(drp + (i + 1) * n) : nullptr, nt);
+            if (before_gain && (pgc || pbc)) {
+              avx512::bwd_gain_before_cast<V>(xi, dyi, pgc, pbc, n, sp[3 * i], sp[3 * i + 1], center);
+            }
+          }
+        }
+        if (nt) _mm_sfence();
+      };
+      if (params_native<V>(gain, nullptr)) chunks_v(V{});
+      else chunks_v(avx512::F32{});
+      return;
+    }
+#endif
     const A* gp = resolve<A>(gain, 0, n);
     for (int64_t c = cb; c < ce; ++c) {
       const int64_t r0 = rows * c / chunks, r1 = rows * (c + 1) / chunks;
       A* pgc = pgp ? pgp + c * n : nullptr;
       A* pbc = pbp ? pbp + c * n : nullptr;
-#if NORMATLAS_AVX512
-      if constexpr (!std::is_void_v<typename Vec<T>::type>) {
-        using V = typename Vec<T>::type;
-        using VR = typename V::raw;
-        const bool g_now = pgc && !before_gain, b_now = pbc && !before_gain;
-        const auto row = pick_bwd_row<V>(center, g_now, b_now, drp != nullptr);
-        for (int64_t i = r0; i < r1; ++i) {
-          const bool more = stream && i + 1 < r1;
-          const VR* xi = reinterpret_cast<const VR*>(xp + i * n);
-          const VR* dyi = reinterpret_cast<const VR*>(dyp + i * n);
-          row(xi, dyi, drp ? reinterpret_cast<const VR*>(drp + i * n) : nullptr, reinterpret_cast<VR*>(dxp + i * n), gp,
-              pgc, pbc, n, sp[3 * i], sp[3 * i + 1], sp[3 * i + 2], div,
-              more ? reinterpret_cast<const VR*>(xp + (i + 1) * n) : nullptr,
-              more ? reinterpret_cast<const VR*>(dyp + (i + 1) * n) : nullptr,
-              more && drp ? reinterpret_cast<const VR*>(drp + (i + 1) * n) : nullptr, nt);
-          if (before_gain && (pgc || pbc)) {
-            avx512::bwd_gain_before_cast<V>(xi, dyi, pgc, pbc, n, sp[3 * i], sp[3 * i + 1], center);
-          }
-        }
-        if (nt) _mm_sfence();
-        continue;
-      }
-#endif
       for (int64_t i = r0; i < r1; ++i) {
         bwd_row<T, R, A>(xp + i * n, dyp + i * n, drp ? drp + i * n : nullptr, dxp + i * n, gp, pgc, pbc, n,
                          sp[3 * i], sp[3 * i + 1], sp[3 * i + 2], div, center, before_gain);
@@ -415,19 +465,27 @@ void affine_floor_impl(const typename IO<T>::raw* xp, typename IO<T>::raw* yp, c
   const int64_t bytes = rows * n * static_cast<int64_t>(sizeof(typename IO<T>::raw));
   const bool stream = streams_from_memory(bytes) && pages_mapped(yp, bytes);
   at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / n), [&](int64_t begin, int64_t end) {
+#if NORMATLAS_AVX512
+    if constexpr (!std::is_void_v<typename Vec<T>::type>) {
+      using V = typename Vec<T>::type;
+      using VR = typename V::raw;
+      auto rows_v = [&](auto p_tag) {  // the gain read as the forward reads it
+        using P = decltype(p_tag);
+        const auto* g = param_row<P>(gain, 0, n);
+        for (int64_t i = begin; i < end; ++i) {
+          avx512::write_row<V, P, false, false, false>(reinterpret_cast<const VR*>(xp + i * n),
+                                                       reinterpret_cast<VR*>(yp + i * n), g, nullptr, 0.f, sc, n,
+                                                       nullptr, nullptr, stream);
+        }
+        if (stream) _mm_sfence();
+      };
+      if (params_native<V>(gain, nullptr)) rows_v(V{});
+      else rows_v(avx512::F32{});
+      return;
+    }
+#endif
     const float* g = resolve<float>(gain, 0, n);
     for (int64_t i = begin; i < end; ++i) {
-#if NORMATLAS_AVX512
-      if constexpr (!std::is_void_v<typename Vec<T>::type>) {
-        using V = typename Vec<T>::type;
-        using VR = typename V::raw;
-        avx512::write_row<V, false, false, false>(reinterpret_cast<const VR*>(xp + i * n),
-                                                  reinterpret_cast<VR*>(yp + i * n), g, nullptr, 0.f, sc, n, nullptr,
-                                                  nullptr, stream);
-        if (stream && i + 1 == end) _mm_sfence();
-        continue;
-      }
-#endif
       const auto* xr = xp + i * n;
       auto* yr = yp + i * n;
 #pragma omp simd
