@@ -129,10 +129,12 @@ bool params_native(const normatlas::Param& gain, const normatlas::Param* bias) {
          (!bias || !bias->data || bias->dtype == t);
 }
 
-// The gain (slot 0) or bias (slot 1) as the P-typed row the vector kernels read: V's own data, or fp32 (resolve).
+// The gain (slot 0) or bias (slot 1) as the P-typed row the vector kernels read: V's own data, fp32 (resolve), or
+// none (NoGain).
 template <class P>
 const typename P::raw* param_row(const normatlas::Param& p, int slot, int64_t n, bool bias = false) {
   if constexpr (std::is_same_v<P, avx512::F32>) return resolve<float>(p, slot, n, bias);
+  else if constexpr (std::is_same_v<P, avx512::NoGain>) return nullptr;
   else return static_cast<const typename P::raw*>(p.data);
 }
 
@@ -174,6 +176,10 @@ template <class V>
 void fwd_impl_v(const typename V::raw* xp, const typename V::raw* rp, typename V::raw* hp, typename V::raw* yp,
                 const normatlas::Param& gain, const normatlas::Param& bias, float* sp, int64_t rows, int64_t n,
                 double eps_d, bool center, int64_t eps_mode, bool before_gain, bool l2, bool parallel) {
+  if (!gain.data && !bias.data) {
+    return fwd_rows_v<V, avx512::NoGain>(xp, rp, hp, yp, gain, bias, sp, rows, n, eps_d, center, eps_mode,
+                                         before_gain, l2, parallel);
+  }
   if constexpr (!std::is_same_v<V, avx512::F32>) {
     if (params_native<V>(gain, &bias)) {
       return fwd_rows_v<V, V>(xp, rp, hp, yp, gain, bias, sp, rows, n, eps_d, center, eps_mode, before_gain, l2,
@@ -191,6 +197,11 @@ using BwdRowFn = void (*)(const typename V::raw*, const typename V::raw*, const 
 
 template <class V, class P>
 BwdRowFn<V, P> pick_bwd_row(bool center, bool g, bool b, bool dr) {
+  if constexpr (std::is_same_v<P, avx512::NoGain>) {  // no gain or bias gradients to accumulate
+    using namespace avx512;  // NOLINT
+    if (center) return dr ? bwd_row<V, P, true, false, false, true> : bwd_row<V, P, true, false, false, false>;
+    return dr ? bwd_row<V, P, false, false, false, true> : bwd_row<V, P, false, false, false, false>;
+  }
   switch ((center ? 8 : 0) | (g ? 4 : 0) | (b ? 2 : 0) | (dr ? 1 : 0)) {
 #define NA_CASE(k, C, G, B, D) \
   case k:                      \
@@ -426,7 +437,8 @@ void bwd_impl(const typename IO<T>::raw* dyp, const typename IO<T>::raw* xp, con
         }
         if (nt) _mm_sfence();
       };
-      if (params_native<V>(gain, nullptr)) chunks_v(V{});
+      if (!gain.data && !dbp) chunks_v(avx512::NoGain{});
+      else if (params_native<V>(gain, nullptr)) chunks_v(V{});
       else chunks_v(avx512::F32{});
       return;
     }
