@@ -118,17 +118,6 @@ constexpr normatlas::Dtype dtype_of_vec() {
   else return normatlas::Dtype::F32;
 }
 
-// Whether the vector kernels for half-precision V read the gain (and the bias, when present) as given: both in V's
-// own dtype (a bf16 model's parameters), no 1 + w. They then need no converted copy and read half the bytes: a
-// decode step (1 x 4096 bf16 RMSNorm) spent ~6% of its time converting its gain, and a 262,144-wide bf16
-// LayerNorm more than its row. fp32 parameters are read in place anyway.
-template <class V>
-bool params_native(const normatlas::Param& gain, const normatlas::Param* bias) {
-  constexpr auto t = dtype_of_vec<V>();
-  return t != normatlas::Dtype::F32 && gain.data && gain.dtype == t && !gain.plus_one &&
-         (!bias || !bias->data || bias->dtype == t);
-}
-
 // The gain (slot 0) or bias (slot 1) as the P-typed row the vector kernels read: V's own data, fp32 (resolve), or
 // none (NoGain).
 template <class P>
@@ -138,8 +127,30 @@ const typename P::raw* param_row(const normatlas::Param& p, int slot, int64_t n,
   else return static_cast<const typename P::raw*>(p.data);
 }
 
-template <class V, class P>
-void fwd_rows_v(const typename V::raw* xp, const typename V::raw* rp, typename V::raw* hp, typename V::raw* yp,
+// Up to this many rows a thread reads a half-precision model's own gain and bias in their dtype (no converted copy);
+// over more, it converts them to fp32 once. The half-precision output pass is bound by its conversions, so each
+// row pays for converting the gain again: bf16 RMSNorm with the gain read in bf16 took 1.01-1.05x the time of an
+// fp32 gain read in place over 1-4 rows of 4096 and 1.12-1.14x over 16-64 (1 thread, ad-hoc medians), while one
+// conversion of a 4096-wide gain costs ~0.3 us (a decode step's 1 x 4096 RMSNorm: 4.84 us converting, 4.54 us
+// reading bf16). Many rows at once (prefill, training) therefore convert; decode and a few very wide rows do not.
+constexpr int64_t kNativeRows = 4;
+
+// Calls body(P{}) with the type this thread's `rows` rows read the parameters in: NoGain with neither a gain nor a
+// bias; V itself (half precision V) for a gain in V's dtype without 1 + w, a bias absent or in V's dtype too
+// (`bias_native`), over at most kNativeRows rows; else F32 (read in place or converted by this thread).
+template <class V, typename F>
+void with_param_type(const normatlas::Param& gain, bool bias, bool bias_native, int64_t rows, F&& body) {
+  if (!gain.data && !bias) return body(avx512::NoGain{});
+  if constexpr (!std::is_same_v<V, avx512::F32>) {
+    if (rows <= kNativeRows && gain.data && gain.dtype == dtype_of_vec<V>() && !gain.plus_one && bias_native) {
+      return body(V{});
+    }
+  }
+  body(avx512::F32{});
+}
+
+template <class V>
+void fwd_impl_v(const typename V::raw* xp, const typename V::raw* rp, typename V::raw* hp, typename V::raw* yp,
                 const normatlas::Param& gain, const normatlas::Param& bias, float* sp, int64_t rows, int64_t n,
                 double eps_d, bool center, int64_t eps_mode, bool before_gain, bool l2, bool parallel) {
   using R = typename V::raw;
@@ -148,46 +159,32 @@ void fwd_rows_v(const typename V::raw* xp, const typename V::raw* rp, typename V
   const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(n, 1));
   const bool stream = streams_from_memory(rows * n * static_cast<int64_t>(sizeof(R)) * (rp ? 2 : 1));
   const bool nt = stream && pages_mapped(yp, rows * n * static_cast<int64_t>(sizeof(R)));
-  const auto write = avx512::pick_writer<V, P>(center, before_gain, bias.data != nullptr);
+  const bool has_bias = bias.data != nullptr, bias_native = !has_bias || bias.dtype == gain.dtype;
   over_rows(parallel, rows, grain, [&](int64_t begin, int64_t end) {
-    const auto* gp = param_row<P>(gain, 0, n);
-    const auto* bp = param_row<P>(bias, 1, n, true);
-    for (int64_t i = begin; i < end; ++i) {
-      const R* xr = xp + i * n;
-      const R* rr = rp ? rp + i * n : nullptr;
-      R* hr = rp ? hp + i * n : nullptr;
-      float mean = 0.f, ss = 0.f;
-      if (center) avx512::moments<V>(xr, rr, hr, n, mean, ss);
-      else ss = avx512::sumsq<V>(xr, rr, hr, n);
-      float r, drdms;
-      scale_of<float>(ss / div, eps, eps_mode, r, drdms);
-      sp[3 * i] = mean;
-      sp[3 * i + 1] = r;
-      sp[3 * i + 2] = drdms;
-      const bool more = stream && i + 1 < end;
-      write(rp ? hr : xr, yp + i * n, gp, bp, mean, r, n, more ? xr + n : nullptr, more && rp ? rr + n : nullptr,
-            nt);
-    }
+    with_param_type<V>(gain, has_bias, bias_native, end - begin, [&](auto p_tag) {
+      using P = decltype(p_tag);
+      const auto write = avx512::pick_writer<V, P>(center, before_gain, has_bias);
+      const auto* gp = param_row<P>(gain, 0, n);
+      const auto* bp = param_row<P>(bias, 1, n, true);
+      for (int64_t i = begin; i < end; ++i) {
+        const R* xr = xp + i * n;
+        const R* rr = rp ? rp + i * n : nullptr;
+        R* hr = rp ? hp + i * n : nullptr;
+        float mean = 0.f, ss = 0.f;
+        if (center) avx512::moments<V>(xr, rr, hr, n, mean, ss);
+        else ss = avx512::sumsq<V>(xr, rr, hr, n);
+        float r, drdms;
+        scale_of<float>(ss / div, eps, eps_mode, r, drdms);
+        sp[3 * i] = mean;
+        sp[3 * i + 1] = r;
+        sp[3 * i + 2] = drdms;
+        const bool more = stream && i + 1 < end;
+        write(rp ? hr : xr, yp + i * n, gp, bp, mean, r, n, more ? xr + n : nullptr, more && rp ? rr + n : nullptr,
+              nt);
+      }
+    });
     if (nt) _mm_sfence();  // order this thread's streaming stores before the result is handed back
   });
-}
-
-template <class V>
-void fwd_impl_v(const typename V::raw* xp, const typename V::raw* rp, typename V::raw* hp, typename V::raw* yp,
-                const normatlas::Param& gain, const normatlas::Param& bias, float* sp, int64_t rows, int64_t n,
-                double eps_d, bool center, int64_t eps_mode, bool before_gain, bool l2, bool parallel) {
-  if (!gain.data && !bias.data) {
-    return fwd_rows_v<V, avx512::NoGain>(xp, rp, hp, yp, gain, bias, sp, rows, n, eps_d, center, eps_mode,
-                                         before_gain, l2, parallel);
-  }
-  if constexpr (!std::is_same_v<V, avx512::F32>) {
-    if (params_native<V>(gain, &bias)) {
-      return fwd_rows_v<V, V>(xp, rp, hp, yp, gain, bias, sp, rows, n, eps_d, center, eps_mode, before_gain, l2,
-                              parallel);
-    }
-  }
-  fwd_rows_v<V, avx512::F32>(xp, rp, hp, yp, gain, bias, sp, rows, n, eps_d, center, eps_mode, before_gain, l2,
-                             parallel);
 }
 
 template <class V, class P>
@@ -412,7 +409,7 @@ void bwd_impl(const typename IO<T>::raw* dyp, const typename IO<T>::raw* xp, con
     if constexpr (!std::is_void_v<typename Vec<T>::type>) {
       using V = typename Vec<T>::type;
       using VR = typename V::raw;
-      auto chunks_v = [&](auto p_tag) {  // the gain read in P: V's own dtype when params_native, else fp32
+      auto chunks_v = [&](auto p_tag) {  // the gain read in P (with_param_type)
         using P = decltype(p_tag);
         const auto* gp = param_row<P>(gain, 0, n);
         for (int64_t c = cb; c < ce; ++c) {
@@ -437,9 +434,7 @@ void bwd_impl(const typename IO<T>::raw* dyp, const typename IO<T>::raw* xp, con
         }
         if (nt) _mm_sfence();
       };
-      if (!gain.data && !dbp) chunks_v(avx512::NoGain{});
-      else if (params_native<V>(gain, nullptr)) chunks_v(V{});
-      else chunks_v(avx512::F32{});
+      with_param_type<V>(gain, dbp != nullptr, true, rows * ce / chunks - rows * cb / chunks, chunks_v);
       return;
     }
 #endif
@@ -491,8 +486,7 @@ void affine_floor_impl(const typename IO<T>::raw* xp, typename IO<T>::raw* yp, c
         }
         if (stream) _mm_sfence();
       };
-      if (params_native<V>(gain, nullptr)) rows_v(V{});
-      else rows_v(avx512::F32{});
+      with_param_type<V>(gain, false, true, end - begin, rows_v);
       return;
     }
 #endif
