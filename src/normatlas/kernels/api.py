@@ -304,7 +304,7 @@ def qk_rms_norm(
 
     Without autograd (inference, decoding) on CPU, for up to 2M elements in all, the rows of q and k are
     normalised in one launch (``norm_pair``: one parallel region split over both tensors' rows; a decode step
-    of 32 q and 8 kv heads of 128 in bf16 takes 9.4 us against 11.8 us for two calls, median of
+    of 32 q and 8 kv heads of 128 in bf16 takes 8.5-8.8 us against 11.0-11.2 us for two calls, median of
     ``python benchmarks/bench_qk.py``); otherwise, or when q and k differ in head dim or dtype, two fused
     calls. Both paths compute the same values, bit for bit.
     """

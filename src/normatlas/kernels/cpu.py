@@ -3,7 +3,7 @@
 Method: ``torch.utils.cpp_extension.load`` compiles three translation units with
 ``-O3 -march=native -fopenmp`` (vectorised loops, fp32 accumulation, bf16/fp16 in and out),
 in parallel under ninja: ``norm_kernels.cpp`` (the row kernels: only ATen's thread pool and
-the c10 scalar types, a few seconds), ``norm_ops.cpp`` (tensors and the C++ autograd
+the c10 scalar types, ~13 s), ``norm_ops.cpp`` (tensors and the C++ autograd
 Function: the longest) and ``norm_bind.cpp`` (the pybind11 module). The shared object
 goes into a per-user cache directory keyed by a hash of the sources, the flags, the torch
 version and the CPU's instruction-set flags. Later processes load the cached shared
