@@ -109,13 +109,15 @@ def _build() -> ModuleType | None:
         log.warning("normatlas: C++ CPU kernels unavailable (%s); using the eager fallback", type(exc).__name__)
         return None
     seconds = time.perf_counter() - start
-    _state["info"] = {"backend": "cpp", "cached": cached, "seconds": round(seconds, 3), "path": str(build_dir)}
+    _state["info"] = {"backend": "cpp", "cached": cached, "seconds": round(seconds, 3), "path": str(build_dir),
+                      "vector_isa": module.vector_kernels() or "none"}  # fmt: skip
     if not cached:
         log.warning("normatlas: compiled the C++ CPU kernels in %.1f s (cached in %s)", seconds, build_dir)
     return module
 
 
 def build_info() -> dict[str, Any]:
-    """How the CPU kernels were obtained: backend, whether from cache, first-call seconds, path."""
+    """How the CPU kernels were obtained: backend, whether from cache, first-call seconds, path, and the
+    instruction set of their vector row kernels (``avx512``, ``avx2``, or ``none``: the generic templates)."""
     extension()
     return dict(_state["info"])

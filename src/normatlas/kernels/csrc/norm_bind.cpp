@@ -11,5 +11,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("norm", &normatlas::norm, "eager forward with the backward in C++: (y, h)");
   m.def("norm_pair", &normatlas::norm_pair, "two forwards in one parallel region (QK-norm, no autograd): (yq, yk)");
   m.def("affine_floor", &normatlas::affine_floor, "the output pass alone, y = x * s * weight (benchmark floor)");
-  m.def("vector_kernels", &normatlas::vector_kernels, "whether the explicit AVX-512 row kernels are compiled in");
+  m.def("vector_kernels", &normatlas::vector_kernels,
+        "the instruction set of the explicit-vector row kernels: 'avx512', 'avx2', or '' (generic templates)");
 }

@@ -25,23 +25,27 @@
 #include "norm_kernels.h"
 #include "norm_rows.h"
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && !defined(NORMATLAS_NO_AVX512)
-#define NORMATLAS_AVX512 1
-#include "norm_cpu_avx512.h"
+// The explicit-vector kernels (norm_cpu_vec.h) on AVX-512 (F, BW, VL) or AVX2 + FMA + F16C; the generic templates
+// below elsewhere (other ISAs, or NORMATLAS_NO_VEC defined).
+#if ((defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)) || \
+     (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))) &&              \
+    !defined(NORMATLAS_NO_VEC)
+#define NORMATLAS_VEC 1
+#include "norm_cpu_vec.h"
 #else
-#define NORMATLAS_AVX512 0
+#define NORMATLAS_VEC 0
 #endif
 
 namespace {
 
 using namespace normatlas::rows;  // NOLINT: the shared row machinery (norm_rows.h)
 
-#if NORMATLAS_AVX512
+#if NORMATLAS_VEC
 // The explicit-vector row kernels serve fp32, bf16 and fp16 (fp64 keeps the generic path).
 template <typename T> struct Vec { using type = void; };
-template <> struct Vec<float> { using type = avx512::F32; };
-template <> struct Vec<c10::BFloat16> { using type = avx512::BF16; };
-template <> struct Vec<c10::Half> { using type = avx512::F16; };
+template <> struct Vec<float> { using type = vec::F32; };
+template <> struct Vec<c10::BFloat16> { using type = vec::BF16; };
+template <> struct Vec<c10::Half> { using type = vec::F16; };
 #endif
 
 // The storage type of each Dtype, called as body(T{}).
@@ -63,15 +67,15 @@ void convert_param(const normatlas::Param& p, int64_t n, A* out) {
     using W = decltype(tag);
     using C = typename IO<W>::acc;  // torch's compute type for W: double for float64, float otherwise
     const auto* w = static_cast<const typename IO<W>::raw*>(p.data);
-#if NORMATLAS_AVX512
+#if NORMATLAS_VEC
     if constexpr (std::is_same_v<A, float> && !std::is_void_v<typename Vec<W>::type>) {
       using V = typename Vec<W>::type;  // the vector conversions (a shift for bf16, VCVTPH2PS for fp16), 8 at a time
       const auto* pv = reinterpret_cast<const typename V::raw*>(w);
       const __m256 one = _mm256_set1_ps(1.f);
-      avx512::each8(n, [&](int64_t j, __mmask8 m) {
-        __m256 v = avx512::load<V>(pv + j, m);
+      vec::each8(n, [&](int64_t j, vec::mask8 m) {
+        __m256 v = vec::load<V>(pv + j, m);
         if (p.plus_one) v = p.round ? V::rt(_mm256_add_ps(v, one)) : _mm256_add_ps(v, one);
-        _mm256_mask_storeu_ps(out + j, m, v);
+        vec::mask_store_ps(out + j, m, v);
       });
       return;
     }
@@ -111,11 +115,11 @@ const A* resolve(const normatlas::Param& p, int slot, int64_t n, bool bias = fal
   return b.data();
 }
 
-#if NORMATLAS_AVX512
+#if NORMATLAS_VEC
 template <class V>
 constexpr normatlas::Dtype dtype_of_vec() {
-  if constexpr (std::is_same_v<V, avx512::BF16>) return normatlas::Dtype::BF16;
-  else if constexpr (std::is_same_v<V, avx512::F16>) return normatlas::Dtype::F16;
+  if constexpr (std::is_same_v<V, vec::BF16>) return normatlas::Dtype::BF16;
+  else if constexpr (std::is_same_v<V, vec::F16>) return normatlas::Dtype::F16;
   else return normatlas::Dtype::F32;
 }
 
@@ -123,8 +127,8 @@ constexpr normatlas::Dtype dtype_of_vec() {
 // none (NoGain).
 template <class P>
 const typename P::raw* param_row(const normatlas::Param& p, int slot, int64_t n, bool bias = false) {
-  if constexpr (std::is_same_v<P, avx512::F32>) return resolve<float>(p, slot, n, bias);
-  else if constexpr (std::is_same_v<P, avx512::NoGain>) return nullptr;
+  if constexpr (std::is_same_v<P, vec::F32>) return resolve<float>(p, slot, n, bias);
+  else if constexpr (std::is_same_v<P, vec::NoGain>) return nullptr;
   else return static_cast<const typename P::raw*>(p.data);
 }
 
@@ -141,13 +145,13 @@ constexpr int64_t kNativeRows = 4;
 // (`bias_native`), over at most kNativeRows rows; else F32 (read in place or converted by this thread).
 template <class V, typename F>
 void with_param_type(const normatlas::Param& gain, bool bias, bool bias_native, int64_t rows, F&& body) {
-  if (!gain.data && !bias) return body(avx512::NoGain{});
-  if constexpr (!std::is_same_v<V, avx512::F32>) {
+  if (!gain.data && !bias) return body(vec::NoGain{});
+  if constexpr (!std::is_same_v<V, vec::F32>) {
     if (rows <= kNativeRows && gain.data && gain.dtype == dtype_of_vec<V>() && !gain.plus_one && bias_native) {
       return body(V{});
     }
   }
-  body(avx512::F32{});
+  body(vec::F32{});
 }
 
 template <class V>
@@ -164,7 +168,7 @@ void fwd_impl_v(const typename V::raw* xp, const typename V::raw* rp, typename V
   over_rows(parallel, rows, grain, [&](int64_t begin, int64_t end) {
     with_param_type<V>(gain, has_bias, bias_native, end - begin, [&](auto p_tag) {
       using P = decltype(p_tag);
-      const auto write = avx512::pick_writer<V, P>(center, before_gain, has_bias);
+      const auto write = vec::pick_writer<V, P>(center, before_gain, has_bias);
       const auto* gp = param_row<P>(gain, 0, n);
       const auto* bp = param_row<P>(bias, 1, n, true);
       for (int64_t i = begin; i < end; ++i) {
@@ -172,8 +176,8 @@ void fwd_impl_v(const typename V::raw* xp, const typename V::raw* rp, typename V
         const R* rr = rp ? rp + i * n : nullptr;
         R* hr = rp ? hp + i * n : nullptr;
         float mean = 0.f, ss = 0.f;
-        if (center) avx512::moments<V>(xr, rr, hr, n, mean, ss);
-        else ss = avx512::sumsq<V>(xr, rr, hr, n);
+        if (center) vec::moments<V>(xr, rr, hr, n, mean, ss);
+        else ss = vec::sumsq<V>(xr, rr, hr, n);
         float r, drdms;
         scale_of<float>(ss / div, eps, eps_mode, r, drdms);
         sp[3 * i] = mean;
@@ -195,15 +199,15 @@ using BwdRowFn = void (*)(const typename V::raw*, const typename V::raw*, const 
 
 template <class V, class P>
 BwdRowFn<V, P> pick_bwd_row(bool center, bool g, bool b, bool dr) {
-  if constexpr (std::is_same_v<P, avx512::NoGain>) {  // no gain or bias gradients to accumulate
-    using namespace avx512;  // NOLINT
+  if constexpr (std::is_same_v<P, vec::NoGain>) {  // no gain or bias gradients to accumulate
+    using namespace vec;  // NOLINT
     if (center) return dr ? bwd_row<V, P, true, false, false, true> : bwd_row<V, P, true, false, false, false>;
     return dr ? bwd_row<V, P, false, false, false, true> : bwd_row<V, P, false, false, false, false>;
   }
   switch ((center ? 8 : 0) | (g ? 4 : 0) | (b ? 2 : 0) | (dr ? 1 : 0)) {
 #define NA_CASE(k, C, G, B, D) \
   case k:                      \
-    return avx512::bwd_row<V, P, C, G, B, D>;
+    return vec::bwd_row<V, P, C, G, B, D>;
     NA_CASE(0, false, false, false, false) NA_CASE(1, false, false, false, true)
     NA_CASE(2, false, false, true, false) NA_CASE(3, false, false, true, true)
     NA_CASE(4, false, true, false, false) NA_CASE(5, false, true, false, true)
@@ -211,7 +215,7 @@ BwdRowFn<V, P> pick_bwd_row(bool center, bool g, bool b, bool dr) {
     NA_CASE(8, true, false, false, false) NA_CASE(9, true, false, false, true)
     NA_CASE(10, true, false, true, false) NA_CASE(11, true, false, true, true)
     NA_CASE(12, true, true, false, false) NA_CASE(13, true, true, false, true)
-    NA_CASE(14, true, true, true, false) default: return avx512::bwd_row<V, P, true, true, true, true>;
+    NA_CASE(14, true, true, true, false) default: return vec::bwd_row<V, P, true, true, true, true>;
 #undef NA_CASE
   }
 }
@@ -224,7 +228,7 @@ void fwd_impl(const typename IO<T>::raw* xp, const typename IO<T>::raw* rp, type
               bool before_gain, bool l2, bool parallel = true) {
   using R = typename IO<T>::raw;
   using A = typename IO<T>::acc;
-#if NORMATLAS_AVX512
+#if NORMATLAS_VEC
   if constexpr (!std::is_void_v<typename Vec<T>::type>) {
     using V = typename Vec<T>::type;
     using VR = typename V::raw;
@@ -406,7 +410,7 @@ void bwd_impl(const typename IO<T>::raw* dyp, const typename IO<T>::raw* xp, con
   A* pgp = need_dg ? (chunks > 1 ? pg.data() : dgp) : nullptr;
   A* pbp = need_db ? (chunks > 1 ? pb.data() : dbp) : nullptr;
   at::parallel_for(0, chunks, 1, [&](int64_t cb, int64_t ce) {
-#if NORMATLAS_AVX512
+#if NORMATLAS_VEC
     if constexpr (!std::is_void_v<typename Vec<T>::type>) {
       using V = typename Vec<T>::type;
       using VR = typename V::raw;
@@ -429,7 +433,7 @@ void bwd_impl(const typename IO<T>::raw* dyp, const typename IO<T>::raw* xp, con
                 more ? reinterpret_cast<const VR*>(dyp + (i + 1) * n) : nullptr,
                 more && drp ? reinterpret_cast<const VR*>(drp + (i + 1) * n) : nullptr, nt);
             if (before_gain && (pgc || pbc)) {
-              avx512::bwd_gain_before_cast<V>(xi, dyi, pgc, pbc, n, sp[3 * i], sp[3 * i + 1], center);
+              vec::bwd_gain_before_cast<V>(xi, dyi, pgc, pbc, n, sp[3 * i], sp[3 * i + 1], center);
             }
           }
         }
@@ -473,7 +477,7 @@ void affine_floor_impl(const typename IO<T>::raw* xp, typename IO<T>::raw* yp, c
   const int64_t bytes = rows * n * static_cast<int64_t>(sizeof(typename IO<T>::raw));
   const bool stream = streams_from_memory(bytes) && pages_mapped(yp, bytes);
   at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / n), [&](int64_t begin, int64_t end) {
-#if NORMATLAS_AVX512
+#if NORMATLAS_VEC
     if constexpr (!std::is_void_v<typename Vec<T>::type>) {
       using V = typename Vec<T>::type;
       using VR = typename V::raw;
@@ -481,7 +485,7 @@ void affine_floor_impl(const typename IO<T>::raw* xp, typename IO<T>::raw* yp, c
         using P = decltype(p_tag);
         const auto* g = param_row<P>(gain, 0, n);
         for (int64_t i = begin; i < end; ++i) {
-          avx512::write_row<V, P, false, false, false>(reinterpret_cast<const VR*>(xp + i * n),
+          vec::write_row<V, P, false, false, false>(reinterpret_cast<const VR*>(xp + i * n),
                                                        reinterpret_cast<VR*>(yp + i * n), g, nullptr, 0.f, sc, n,
                                                        nullptr, nullptr, stream);
         }
@@ -568,7 +572,15 @@ void affine_floor_rows(Dtype t, const void* x, void* y, const Param& g, float s,
   });
 }
 
-bool vector_kernels() { return NORMATLAS_AVX512 != 0; }
+const char* vector_kernels() {
+#if NORMATLAS_VEC && NORMATLAS_VEC512
+  return "avx512";
+#elif NORMATLAS_VEC
+  return "avx2";
+#else
+  return "";
+#endif
+}
 
 // A fresh output of 8 MiB or more (its pages not yet mapped: a new mmap from the allocator, as glibc gives for
 // blocks over its 32 MiB heap limit) asks for transparent huge pages on its 2 MiB-aligned interior before the first

@@ -56,7 +56,7 @@ void affine_floor_rows(Dtype t, const void* x, void* y, const Param& g, float s,
 // Before the first write into a newly allocated output: transparent huge pages for a fresh mapping (see the .cpp).
 void advise_output(void* p, int64_t bytes);
 
-// Whether the explicit AVX-512 row kernels were compiled in.
-bool vector_kernels();
+// The instruction set of the explicit-vector row kernels compiled in: "avx512", "avx2", or "" (generic templates).
+const char* vector_kernels();
 
 }  // namespace normatlas

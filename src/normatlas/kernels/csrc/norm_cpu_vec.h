@@ -1,17 +1,22 @@
-// AVX-512 row kernels for fp32, bf16 and fp16 (included by norm_kernels.cpp when the compiler targets AVX-512).
+// Explicit-vector row kernels for fp32, bf16 and fp16 (included by norm_kernels.cpp when the compiler targets
+// AVX-512 (F, BW, VL) or AVX2 with FMA and F16C).
 //
-// Written with 256-bit vectors (8 fp32 lanes) and the AVX-512VL forms of the masked loads / stores and of the bf16
-// conversions: a memory-bound kernel moves the same bytes per cycle at either width, and 256 bits runs at full
-// rate on cores that split or down-clock 512-bit work. Measured against the same code at 512 bits (interleaved
-// in one process, 2048 x 4096 fp32 forward): level on reused output pages (1.79 vs 1.85 ms with 2 threads, 3.21
-// vs 2.91 with 1), 4-6% faster on freshly mapped ones (14.3 vs 14.8 ms, 22.1 vs 23.5). The exception is the
-// half-precision output pass (write_row_512): bound by its conversions, not by memory, it runs at 512 bits.
+// Written with 256-bit vectors (8 fp32 lanes). With AVX-512VL the row tails use its masked loads / stores and the
+// bf16 stores its VCVTNEPS2BF16 (AVX512_BF16); with AVX2 the same code runs with AVX2's masked fp32 loads / stores
+// and a small buffer for 16-bit tails (the mask helpers below), so CPUs without AVX-512 get the same arithmetic,
+// bit for bit, rather than the compiler-vectorised templates (whose fp16 conversions do not vectorise: fp16
+// LayerNorm ran at 0.23-0.42x torch's there). A memory-bound kernel moves the same bytes per cycle at 256 or 512
+// bits, and 256 bits runs at full rate on cores that split or down-clock 512-bit work. Measured against the same
+// code at 512 bits (interleaved in one process, 2048 x 4096 fp32 forward): level on reused output pages (1.79 vs
+// 1.85 ms with 2 threads, 3.21 vs 2.91 with 1), 4-6% faster on freshly mapped ones (14.3 vs 14.8 ms, 22.1 vs 23.5).
+// The exception is the half-precision output pass (write_row_512, AVX-512 only): bound by its conversions, not by
+// memory, it runs at 512 bits.
 //
 // The same arithmetic as the generic templates in norm_kernels.cpp, written with explicit vectors:
 // compilers vectorise the generic bf16 loops poorly (a scalar round-to-nearest-even with a NaN test per
 // element, an array of lane sums), which left the bf16 forward at 6x a copy on a cache-resident input.
 // Conversions: bf16 -> fp32 is a 16-bit shift; fp32 -> bf16 rounds to nearest even (one VCVTNEPS2BF16 with
-// AVX512_BF16, else the same integer rounding as the scalar path, NaN kept quiet); fp16 uses F16C-style
+// AVX512_BF16, else the same integer rounding as the scalar path, NaN kept quiet); fp16 uses F16C
 // VCVTPH2PS / VCVTPS2PH with round to nearest even. Statistics are fp32. Tails are masked, so any row
 // length runs on the vector path.
 #pragma once
@@ -21,11 +26,49 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 
-namespace avx512 {
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define NORMATLAS_VEC512 1
+#else
+#define NORMATLAS_VEC512 0
+#endif
 
-inline __mmask8 tail_mask(int64_t left) { return static_cast<__mmask8>((1u << left) - 1u); }
+namespace vec {
+
+// A row tail's lanes: always a prefix (the low `left` bits), 0xff for a whole vector.
+using mask8 = uint8_t;
+inline mask8 tail_mask(int64_t left) { return static_cast<mask8>((1u << left) - 1u); }
+
+#if NORMATLAS_VEC512
+inline __m256 maskz_load_ps(mask8 m, const float* p) { return _mm256_maskz_loadu_ps(m, p); }
+inline void mask_store_ps(float* p, mask8 m, __m256 v) { _mm256_mask_storeu_ps(p, m, v); }
+inline __m128i maskz_load_epi16(mask8 m, const uint16_t* p) { return _mm_maskz_loadu_epi16(m, p); }
+inline void mask_store_epi16(uint16_t* p, mask8 m, __m128i v) { _mm_mask_storeu_epi16(p, m, v); }
+inline __m256 maskz_sub_ps(mask8 m, __m256 a, __m256 b) { return _mm256_maskz_sub_ps(m, a, b); }
+#else
+// AVX2: the fp32 lanes below the tail's length as an all-ones vector mask (VMASKMOVPS, masked lanes never touched);
+// 16-bit tails go through an 8-element buffer.
+inline __m256i lanes(mask8 m) {
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(__builtin_popcount(m)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+inline __m256 maskz_load_ps(mask8 m, const float* p) { return _mm256_maskload_ps(p, lanes(m)); }
+inline void mask_store_ps(float* p, mask8 m, __m256 v) { _mm256_maskstore_ps(p, lanes(m), v); }
+inline __m128i maskz_load_epi16(mask8 m, const uint16_t* p) {
+  alignas(16) uint16_t buf[8] = {};
+  std::memcpy(buf, p, sizeof(uint16_t) * __builtin_popcount(m));
+  return _mm_load_si128(reinterpret_cast<const __m128i*>(buf));
+}
+inline void mask_store_epi16(uint16_t* p, mask8 m, __m128i v) {
+  alignas(16) uint16_t buf[8];
+  _mm_store_si128(reinterpret_cast<__m128i*>(buf), v);
+  std::memcpy(p, buf, sizeof(uint16_t) * __builtin_popcount(m));
+}
+inline __m256 maskz_sub_ps(mask8 m, __m256 a, __m256 b) {
+  return _mm256_and_ps(_mm256_sub_ps(a, b), _mm256_castsi256_ps(lanes(m)));
+}
+#endif
 
 // Whether streaming (non-temporal) stores may write a row starting at p: it must start on a 64-byte line.
 inline bool line_aligned(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 63u) == 0; }
@@ -41,9 +84,9 @@ struct F32 {
   using raw = float;
   static constexpr bool kWide = false;  // memory-bound at either width: stays at 256 bits
   static inline __m256 ld(const raw* p) { return _mm256_loadu_ps(p); }
-  static inline __m256 ldm(const raw* p, __mmask8 m) { return _mm256_maskz_loadu_ps(m, p); }
+  static inline __m256 ldm(const raw* p, mask8 m) { return maskz_load_ps(m, p); }
   static inline void st(raw* p, __m256 v) { _mm256_storeu_ps(p, v); }
-  static inline void stm(raw* p, __m256 v, __mmask8 m) { _mm256_mask_storeu_ps(p, m, v); }
+  static inline void stm(raw* p, __m256 v, mask8 m) { mask_store_ps(p, m, v); }
   static inline __m256 rt(__m256 v) { return v; }  // round trip through the storage dtype
   // 16 elements at once (two vectors): lo = elements 0-7, hi = 8-15
   static inline void ld2(const raw* p, __m256& lo, __m256& hi) {
@@ -54,7 +97,9 @@ struct F32 {
     _mm256_storeu_ps(p, lo);
     _mm256_storeu_ps(p + 8, hi);
   }
+#if NORMATLAS_VEC512
   static inline __m512 ld16(const raw* p) { return _mm512_loadu_ps(p); }  // 16 elements as one 512-bit vector
+#endif
   // non-temporal (streaming) stores, p 64-byte aligned: the line goes to memory without being read first
   static inline void st_nt(raw* p, __m256 v) { _mm256_stream_ps(p, v); }
   static inline void st2_nt(raw* p, __m256 lo, __m256 hi) {
@@ -73,20 +118,29 @@ struct BF16 {
     const __m256i u = _mm256_castps_si256(v);
     const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
     __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb), 16);
+#if NORMATLAS_VEC512
     const __mmask8 nan = _mm256_cmp_ps_mask(v, v, _CMP_UNORD_Q);
     r = _mm256_mask_or_epi32(r, nan, _mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
     return _mm256_cvtepi32_epi16(r);
+#else
+    const __m256i quiet = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
+    r = _mm256_blendv_epi8(r, quiet, _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+    // eight 32-bit lanes (each < 2^16) to eight 16-bit ones, in order: pack per 128-bit lane, then gather
+    return _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08));
+#endif
 #endif
   }
   static inline __m256 ld(const raw* p) { return up(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
-  static inline __m256 ldm(const raw* p, __mmask8 m) { return up(_mm_maskz_loadu_epi16(m, p)); }
+  static inline __m256 ldm(const raw* p, mask8 m) { return up(maskz_load_epi16(m, p)); }
   static inline void st(raw* p, __m256 v) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), down(v)); }
-  static inline void stm(raw* p, __m256 v, __mmask8 m) { _mm_mask_storeu_epi16(p, m, down(v)); }
+  static inline void stm(raw* p, __m256 v, mask8 m) { mask_store_epi16(p, m, down(v)); }
   static inline __m256 rt(__m256 v) { return up(down(v)); }
+#if NORMATLAS_VEC512
   static inline __m512 ld16(const raw* p) {
     const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
   }
+#endif
   static inline void ld2(const raw* p, __m256& lo, __m256& hi) {
     const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
     lo = up(_mm256_castsi256_si128(v));
@@ -106,7 +160,7 @@ struct BF16 {
   static inline void st2_nt(raw* p, __m256 lo, __m256 hi) {
     _mm256_stream_si256(reinterpret_cast<__m256i*>(p), pack2(lo, hi));
   }
-#if defined(__AVX512BF16__)
+#if defined(__AVX512BF16__) && NORMATLAS_VEC512
   // 512-bit forms for write_row_512: 16 elements up to fp32, 2 x 16 packed back, a round trip
   static constexpr bool kWide = true;
   static inline __m512 up16(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
@@ -123,15 +177,12 @@ struct F16 {
   static inline __m256 ld(const raw* p) {
     return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   }
-  static inline __m256 ldm(const raw* p, __mmask8 m) { return _mm256_cvtph_ps(_mm_maskz_loadu_epi16(m, p)); }
+  static inline __m256 ldm(const raw* p, mask8 m) { return _mm256_cvtph_ps(maskz_load_epi16(m, p)); }
   static inline void st(raw* p, __m256 v) {
     _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(v, kRound));
   }
-  static inline void stm(raw* p, __m256 v, __mmask8 m) { _mm_mask_storeu_epi16(p, m, _mm256_cvtps_ph(v, kRound)); }
+  static inline void stm(raw* p, __m256 v, mask8 m) { mask_store_epi16(p, m, _mm256_cvtps_ph(v, kRound)); }
   static inline __m256 rt(__m256 v) { return _mm256_cvtph_ps(_mm256_cvtps_ph(v, kRound)); }
-  static inline __m512 ld16(const raw* p) {
-    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  }
   static inline void ld2(const raw* p, __m256& lo, __m256& hi) {
     const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
     lo = _mm256_cvtph_ps(_mm256_castsi256_si128(v));
@@ -149,12 +200,19 @@ struct F16 {
   static inline void st2_nt(raw* p, __m256 lo, __m256 hi) {
     _mm256_stream_si256(reinterpret_cast<__m256i*>(p), pack2(lo, hi));
   }
+#if NORMATLAS_VEC512
   static constexpr bool kWide = true;  // VCVTPH2PS / VCVTPS2PH at 512 bits are AVX512F
+  static inline __m512 ld16(const raw* p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
   static inline __m512 up16(__m256i h) { return _mm512_cvtph_ps(h); }
   static inline __m512i pack16x2(__m512 lo, __m512 hi) {
     return _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtps_ph(lo, kRound)), _mm512_cvtps_ph(hi, kRound), 1);
   }
   static inline __m512 rt16(__m512 v) { return _mm512_cvtph_ps(_mm512_cvtps_ph(v, kRound)); }
+#else
+  static constexpr bool kWide = false;
+#endif
 };
 
 // The parameter type of a normalization without gain or bias (LayerNorm / RMSNorm with no affine, as DiT's adaLN
@@ -164,33 +222,35 @@ struct F16 {
 struct NoGain {
   using raw = float;
   static inline __m256 ld(const raw*) { return _mm256_set1_ps(1.f); }
-  static inline __m256 ldm(const raw*, __mmask8) { return _mm256_set1_ps(1.f); }
+  static inline __m256 ldm(const raw*, mask8) { return _mm256_set1_ps(1.f); }
+#if NORMATLAS_VEC512
   static inline __m512 ld16(const raw*) { return _mm512_set1_ps(1.f); }
+#endif
 };
 
 // Calls body(j, mask) over the row in 8-lane steps, the last one masked (mask 0xff elsewhere).
 template <typename F>
 inline void each8(int64_t n, F&& body) {
   int64_t j = 0;
-  for (; j + 8 <= n; j += 8) body(j, static_cast<__mmask8>(0xff));
+  for (; j + 8 <= n; j += 8) body(j, static_cast<mask8>(0xff));
   if (j < n) body(j, tail_mask(n - j));
 }
 
 template <class V>
-inline __m256 load(const typename V::raw* p, __mmask8 m) {
+inline __m256 load(const typename V::raw* p, mask8 m) {
   return m == 0xff ? V::ld(p) : V::ldm(p, m);
 }
 template <class V>
-inline void store(typename V::raw* p, __m256 v, __mmask8 m) {
+inline void store(typename V::raw* p, __m256 v, mask8 m) {
   if (m == 0xff) V::st(p, v);
   else V::stm(p, v, m);
 }
-inline __m256 loadf(const float* p, __mmask8 m) { return m == 0xff ? _mm256_loadu_ps(p) : _mm256_maskz_loadu_ps(m, p); }
+inline __m256 loadf(const float* p, mask8 m) { return m == 0xff ? _mm256_loadu_ps(p) : maskz_load_ps(m, p); }
 
 // The statistics pass's input at j: x, or with a residual h = x + r rounded to the storage dtype, written out to h
 // (the updated residual stream) and returned as rounded.
 template <class V>
-inline __m256 input_at(const typename V::raw* x, const typename V::raw* r, typename V::raw* h, int64_t j, __mmask8 m) {
+inline __m256 input_at(const typename V::raw* x, const typename V::raw* r, typename V::raw* h, int64_t j, mask8 m) {
   if (!r) return load<V>(x + j, m);
   const __m256 v = V::rt(_mm256_add_ps(load<V>(x + j, m), load<V>(r + j, m)));
   store<V>(h + j, v, m);
@@ -202,7 +262,7 @@ inline __m256 input_at(const typename V::raw* x, const typename V::raw* r, typen
 template <class V>
 inline float sumsq(const typename V::raw* x, const typename V::raw* r, typename V::raw* h, int64_t n) {
   __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-  auto val = [&](int64_t j, __mmask8 m) { return input_at<V>(x, r, h, j, m); };
+  auto val = [&](int64_t j, mask8 m) { return input_at<V>(x, r, h, j, m); };
   int64_t j = 0;
 #if defined(__AVX512BF16__)
   if (std::is_same_v<V, BF16> && !r) {
@@ -228,7 +288,7 @@ inline float sumsq(const typename V::raw* x, const typename V::raw* r, typename 
     a3 = _mm256_fmadd_ps(v3, v3, a3);
   }
   for (; j < n; j += 8) {
-    const __mmask8 m = j + 8 <= n ? static_cast<__mmask8>(0xff) : tail_mask(n - j);
+    const mask8 m = j + 8 <= n ? static_cast<mask8>(0xff) : tail_mask(n - j);
     const __m256 v = val(j, m);
     a0 = _mm256_fmadd_ps(v, v, a0);
   }
@@ -244,7 +304,7 @@ inline void moments(const typename V::raw* x, const typename V::raw* r, typename
                     float& m2) {
   const typename V::raw* src = r ? h : x;
   __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-  auto val = [&](int64_t j, __mmask8 m) { return input_at<V>(x, r, h, j, m); };
+  auto val = [&](int64_t j, mask8 m) { return input_at<V>(x, r, h, j, m); };
   int64_t j = 0;
   if (r) {
     for (; j + 32 <= n; j += 32) {
@@ -261,7 +321,7 @@ inline void moments(const typename V::raw* x, const typename V::raw* r, typename
       a3 = _mm256_add_ps(a3, V::ld(x + j + 24));
     }
   }
-  for (; j < n; j += 8) a0 = _mm256_add_ps(a0, val(j, j + 8 <= n ? static_cast<__mmask8>(0xff) : tail_mask(n - j)));
+  for (; j < n; j += 8) a0 = _mm256_add_ps(a0, val(j, j + 8 <= n ? static_cast<mask8>(0xff) : tail_mask(n - j)));
   const float mu0 = hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3))) / static_cast<float>(n);
   const __m256 mu = _mm256_set1_ps(mu0);
   // four independent chains each for the squares and the deviations, so the FMA latency stays hidden
@@ -276,8 +336,8 @@ inline void moments(const typename V::raw* x, const typename V::raw* r, typename
     }
   }
   for (; j < n; j += 8) {
-    const __mmask8 m = j + 8 <= n ? static_cast<__mmask8>(0xff) : tail_mask(n - j);
-    const __m256 e = _mm256_maskz_sub_ps(m, load<V>(src + j, m), mu);  // masked lanes stay 0
+    const mask8 m = j + 8 <= n ? static_cast<mask8>(0xff) : tail_mask(n - j);
+    const __m256 e = maskz_sub_ps(m, load<V>(src + j, m), mu);  // masked lanes stay 0
     q[0] = _mm256_fmadd_ps(e, e, q[0]);
     d[0] = _mm256_add_ps(d[0], e);
   }
@@ -289,6 +349,7 @@ inline void moments(const typename V::raw* x, const typename V::raw* r, typename
   m2 = std::max(0.f, sq - sd * sd / static_cast<float>(n));
 }
 
+#if NORMATLAS_VEC512
 // write_row's half-precision body in 512-bit registers (V::kWide: fp16, and bf16 with AVX512_BF16), 32 elements
 // (one 64-byte line) a step; returns where it stopped (the caller's 256-bit loops finish the row). The half-precision
 // output pass is bound by its conversions rather than by memory, and 512-bit forms do twice the elements per
@@ -325,6 +386,8 @@ inline int64_t write_row_512(const uint16_t* src, uint16_t* y, const typename P:
   return j;
 }
 
+#endif
+
 // y = affine(normalised row), reading the row (x, or h with a residual) from cache. P: the dtype gain and bias are
 // read in (F32, or V itself: a bf16 model's own gain, no converted copy, half the bytes); C: subtract the mean;
 // BG: cast before the gain (HF Llama order: gain * x_hat.to(dtype), each product rounded); B: add a bias.
@@ -335,7 +398,7 @@ inline void write_row(const typename V::raw* src, typename V::raw* y, const type
                       const typename V::raw* nr, bool nt) {
   const __m256 mu = _mm256_set1_ps(mean), rs = _mm256_set1_ps(rstd);
   nt = nt && line_aligned(y);
-  auto affine = [&](__m256 v, int64_t j, __mmask8 m) {
+  auto affine = [&](__m256 v, int64_t j, mask8 m) {
     if (C) v = _mm256_sub_ps(v, mu);
     v = _mm256_mul_ps(v, rs);
     const __m256 gv = load<P>(g + j, m);
@@ -347,7 +410,9 @@ inline void write_row(const typename V::raw* src, typename V::raw* y, const type
   };
   constexpr int64_t kLine = 64 / sizeof(typename V::raw);  // elements per 64-byte line
   int64_t j = 0;
+#if NORMATLAS_VEC512
   if constexpr (V::kWide) j = write_row_512<V, P, C, BG, B>(src, y, g, b, mean, rstd, n, nx, nr, nt);
+#endif
   for (; j + 16 <= n; j += 16) {  // 16 elements: one line of fp32, half a line of bf16 / fp16
     if (nx && j % kLine == 0) {  // the next row streams in from memory while this one is written from cache
       _mm_prefetch(reinterpret_cast<const char*>(nx + j), _MM_HINT_T0);
@@ -358,7 +423,7 @@ inline void write_row(const typename V::raw* src, typename V::raw* y, const type
     if (nt) V::st2_nt(y + j, affine(lo, j, 0xff), affine(hi, j + 8, 0xff));
     else V::st2(y + j, affine(lo, j, 0xff), affine(hi, j + 8, 0xff));
   }
-  each8(n - j, [&](int64_t k, __mmask8 m) { store<V>(y + j + k, affine(load<V>(src + j + k, m), j + k, m), m); });
+  each8(n - j, [&](int64_t k, mask8 m) { store<V>(y + j + k, affine(load<V>(src + j + k, m), j + k, m), m); });
 }
 
 template <class V, class P>
@@ -397,23 +462,23 @@ inline void bwd_row(const typename V::raw* x, const typename V::raw* dy, const t
   // two sets of accumulators (even and odd 8-element steps), so consecutive adds do not wait on each other
   __m256 s[2][3];
   for (auto& set : s) set[0] = set[1] = set[2] = _mm256_setzero_ps();
-  auto first = [&](int64_t j, __mmask8 m, __m256* acc) {
+  auto first = [&](int64_t j, mask8 m, __m256* acc) {
     const __m256 d = load<V>(dy + j, m);
     __m256 xc = load<V>(x + j, m);
-    if (C) xc = _mm256_maskz_sub_ps(m, xc, mu);  // masked lanes stay 0 so they add nothing
+    if (C) xc = maskz_sub_ps(m, xc, mu);  // masked lanes stay 0 so they add nothing
     const __m256 dxh = _mm256_mul_ps(d, load<P>(g + j, m));
     acc[0] = _mm256_add_ps(acc[0], dxh);
     acc[1] = _mm256_fmadd_ps(dxh, xc, acc[1]);
     if (C) acc[2] = _mm256_add_ps(acc[2], xc);
-    if (G) _mm256_mask_storeu_ps(pg + j, m, _mm256_fmadd_ps(d, _mm256_mul_ps(xc, rs), loadf(pg + j, m)));
-    if (Bs) _mm256_mask_storeu_ps(pb + j, m, _mm256_add_ps(d, loadf(pb + j, m)));
+    if (G) mask_store_ps(pg + j, m, _mm256_fmadd_ps(d, _mm256_mul_ps(xc, rs), loadf(pg + j, m)));
+    if (Bs) mask_store_ps(pb + j, m, _mm256_add_ps(d, loadf(pb + j, m)));
   };
   int64_t j = 0;
   for (; j + 16 <= n; j += 16) {
     first(j, 0xff, s[0]);
     first(j + 8, 0xff, s[1]);
   }
-  for (; j < n; j += 8) first(j, j + 8 <= n ? static_cast<__mmask8>(0xff) : tail_mask(n - j), s[0]);
+  for (; j < n; j += 8) first(j, j + 8 <= n ? static_cast<mask8>(0xff) : tail_mask(n - j), s[0]);
   const float s_dxh = hsum(_mm256_add_ps(s[0][0], s[1][0]));
   const float s_dxh_xc = hsum(_mm256_add_ps(s[0][1], s[1][1]));
   const float s_xc = C ? hsum(_mm256_add_ps(s[0][2], s[1][2])) : 0.f;
@@ -421,7 +486,7 @@ inline void bwd_row(const typename V::raw* x, const typename V::raw* dy, const t
   const float off = C ? (r * s_dxh + k * s_xc) / static_cast<float>(n) : 0.f;
   const __m256 kv = _mm256_set1_ps(k), offv = _mm256_set1_ps(off);
   constexpr int64_t kLine = 64 / sizeof(typename V::raw);
-  each8(n, [&](int64_t j, __mmask8 m) {
+  each8(n, [&](int64_t j, mask8 m) {
     if (nx && j % kLine == 0) {
       _mm_prefetch(reinterpret_cast<const char*>(nx + j), _MM_HINT_T0);
       _mm_prefetch(reinterpret_cast<const char*>(ndy + j), _MM_HINT_T0);
@@ -444,14 +509,14 @@ template <class V>
 inline void bwd_gain_before_cast(const typename V::raw* x, const typename V::raw* dy, float* pg, float* pb, int64_t n,
                                  float mean, float r, bool center) {
   const __m256 mu = _mm256_set1_ps(center ? mean : 0.f), rs = _mm256_set1_ps(r);
-  each8(n, [&](int64_t j, __mmask8 m) {
+  each8(n, [&](int64_t j, mask8 m) {
     const __m256 d = load<V>(dy + j, m);
     if (pg) {
       const __m256 xh = V::rt(_mm256_mul_ps(_mm256_sub_ps(load<V>(x + j, m), mu), rs));
-      _mm256_mask_storeu_ps(pg + j, m, _mm256_fmadd_ps(d, xh, loadf(pg + j, m)));
+      mask_store_ps(pg + j, m, _mm256_fmadd_ps(d, xh, loadf(pg + j, m)));
     }
-    if (pb) _mm256_mask_storeu_ps(pb + j, m, _mm256_add_ps(d, loadf(pb + j, m)));
+    if (pb) mask_store_ps(pb + j, m, _mm256_add_ps(d, loadf(pb + j, m)));
   });
 }
 
-}  // namespace avx512
+}  // namespace vec
