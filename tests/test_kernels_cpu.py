@@ -58,7 +58,7 @@ SPECS = {
     "ln_eps_outside": LN.with_(eps_placement=EpsPlacement.OUTSIDE_SQRT),
     "ln_2d_features": LN.with_(feature_ndim=2),
 }
-SHAPES = [(5, 123, 123), (1, 1, 1023), (0, 7, 64), (9, 7), (2, 4100)]
+SHAPES = [(5, 123, 123), (1, 1, 1023), (0, 7, 64), (9, 7), (2, 4100), (37, 2051)]  # the last: backward tiles with tails
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -448,17 +448,13 @@ inline WriteFn<V, P> pick_writer(bool center, bool before_gain, bool bias) {
   }
 }
 
-// One row of the backward (the same algebra as the generic bwd_row), the gain read in P (as write_row): a first pass
-// over x and dy for the row sums and, when the gain follows the cast, the gain / bias partial sums; a second pass
-// over the now cached row that writes dx. With `nx` set (inputs streaming from memory) the second pass prefetches the next row's x, dy
-// and d_residual (`nx`, `ndy`, `ndr`) so that the next first pass finds them in cache.
-template <class V, class P, bool C, bool G, bool Bs, bool DR>
-inline void bwd_row(const typename V::raw* x, const typename V::raw* dy, const typename V::raw* dr,
-                    typename V::raw* dx, const typename P::raw* g, float* pg, float* pb, int64_t n, float mean, float r,
-                    float drdms, float div, const typename V::raw* nx, const typename V::raw* ndy,
-                    const typename V::raw* ndr, bool nt) {
+// The backward's first pass over a row (the same algebra as the generic bwd_row), the gain read in P (as
+// write_row): the row sums of dxh = dy * g, dxh * xc and xc, turned into the row's dx coefficients k and off; with G
+// / Bs also the gain / bias partial sums (so that a row-by-row second pass only reads the now cached row).
+template <class V, class P, bool C, bool G, bool Bs>
+inline void bwd_sums(const typename V::raw* x, const typename V::raw* dy, const typename P::raw* g, float* pg,
+                     float* pb, int64_t n, float mean, float r, float drdms, float div, float& k, float& off) {
   const __m256 mu = _mm256_set1_ps(mean), rs = _mm256_set1_ps(r);
-  nt = nt && line_aligned(dx);
   // two sets of accumulators (even and odd 8-element steps), so consecutive adds do not wait on each other
   __m256 s[2][3];
   for (auto& set : s) set[0] = set[1] = set[2] = _mm256_setzero_ps();
@@ -482,11 +478,25 @@ inline void bwd_row(const typename V::raw* x, const typename V::raw* dy, const t
   const float s_dxh = hsum(_mm256_add_ps(s[0][0], s[1][0]));
   const float s_dxh_xc = hsum(_mm256_add_ps(s[0][1], s[1][1]));
   const float s_xc = C ? hsum(_mm256_add_ps(s[0][2], s[1][2])) : 0.f;
-  const float k = drdms * 2.f / div * s_dxh_xc;
-  const float off = C ? (r * s_dxh + k * s_xc) / static_cast<float>(n) : 0.f;
+  k = drdms * 2.f / div * s_dxh_xc;
+  off = C ? (r * s_dxh + k * s_xc) / static_cast<float>(n) : 0.f;
+}
+
+// The backward's second pass over columns [j0, j1) of a row (k, off from bwd_sums): dx = r dy g + k xc - off (+ the
+// residual's gradient); with G / Bs the gain / bias partial sums here instead (the tiled order: bwd_impl). With `nx`
+// set (inputs streaming from memory) it prefetches the next row's x, dy and d_residual (`nx`, `ndy`, `ndr`) so that
+// the next first pass finds them in cache.
+template <class V, class P, bool C, bool G, bool Bs, bool DR>
+inline void bwd_cols(const typename V::raw* x, const typename V::raw* dy, const typename V::raw* dr,
+                     typename V::raw* dx, const typename P::raw* g, float* pg, float* pb, int64_t j0, int64_t j1,
+                     float mean, float r, float k, float off, const typename V::raw* nx, const typename V::raw* ndy,
+                     const typename V::raw* ndr, bool nt) {
+  const __m256 mu = _mm256_set1_ps(mean), rs = _mm256_set1_ps(r);
   const __m256 kv = _mm256_set1_ps(k), offv = _mm256_set1_ps(off);
+  nt = nt && line_aligned(dx);
   constexpr int64_t kLine = 64 / sizeof(typename V::raw);
-  each8(n, [&](int64_t j, mask8 m) {
+  each8(j1 - j0, [&](int64_t jj, mask8 m) {
+    const int64_t j = j0 + jj;
     if (nx && j % kLine == 0) {
       _mm_prefetch(reinterpret_cast<const char*>(nx + j), _MM_HINT_T0);
       _mm_prefetch(reinterpret_cast<const char*>(ndy + j), _MM_HINT_T0);
@@ -494,13 +504,27 @@ inline void bwd_row(const typename V::raw* x, const typename V::raw* dy, const t
     }
     __m256 xc = load<V>(x + j, m);
     if (C) xc = _mm256_sub_ps(xc, mu);
-    __m256 v = _mm256_mul_ps(_mm256_mul_ps(rs, load<V>(dy + j, m)), load<P>(g + j, m));
+    const __m256 d = load<V>(dy + j, m);
+    __m256 v = _mm256_mul_ps(_mm256_mul_ps(rs, d), load<P>(g + j, m));
     v = _mm256_fmadd_ps(kv, xc, v);
     if (C) v = _mm256_sub_ps(v, offv);
     if (DR) v = _mm256_add_ps(v, load<V>(dr + j, m));
     if (nt && m == 0xff) V::st_nt(dx + j, v);
     else store<V>(dx + j, v, m);
+    if (G) mask_store_ps(pg + j, m, _mm256_fmadd_ps(d, _mm256_mul_ps(xc, rs), loadf(pg + j, m)));
+    if (Bs) mask_store_ps(pb + j, m, _mm256_add_ps(d, loadf(pb + j, m)));
   });
+}
+
+// One row of the backward, row by row: bwd_sums (with the gain / bias partial sums), then bwd_cols over the row.
+template <class V, class P, bool C, bool G, bool Bs, bool DR>
+inline void bwd_row(const typename V::raw* x, const typename V::raw* dy, const typename V::raw* dr,
+                    typename V::raw* dx, const typename P::raw* g, float* pg, float* pb, int64_t n, float mean, float r,
+                    float drdms, float div, const typename V::raw* nx, const typename V::raw* ndy,
+                    const typename V::raw* ndr, bool nt) {
+  float k, off;
+  bwd_sums<V, P, C, G, Bs>(x, dy, g, pg, pb, n, mean, r, drdms, div, k, off);
+  bwd_cols<V, P, C, false, false, DR>(x, dy, dr, dx, g, nullptr, nullptr, 0, n, mean, r, k, off, nx, ndy, ndr, nt);
 }
 
 // The gain / bias partial sums when the gain follows the cast back (cast BEFORE_GAIN): dg += dy * x_hat
