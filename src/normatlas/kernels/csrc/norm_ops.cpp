@@ -252,8 +252,8 @@ std::vector<at::Tensor> norm_pair(const at::Tensor& q_in, const at::Tensor& k_in
   const normatlas::RowFlags f{eps, center, eps_mode, before_gain, l2};
   const Held gq = param_of(opt(wq), "q_weight", n, one_plus_w, before_gain);
   const Held gk = param_of(opt(wk), "k_weight", n, one_plus_w, before_gain);
-  normatlas::forward_pair(dt, q.data_ptr(), k.data_ptr(), yq.data_ptr(), yk.data_ptr(), gq.p, gk.p, stats.data_ptr(), rq,
-                          rk, n, f);
+  normatlas::forward_pair(dt, q.data_ptr(), k.data_ptr(), yq.data_ptr(), yk.data_ptr(), gq.p, gk.p, stats.data_ptr(),
+                          rq, rk, n, f);
   return {yq, yk};
 }
 
