@@ -217,7 +217,7 @@ void bwd_rows_v(const typename V::raw* xp, const typename V::raw* dyp, const typ
       vec::bwd_row<V, P, C, G, Bs, DR>(xp + i * n, dyp + i * n, DR ? drp + i * n : nullptr, dxp + i * n, g, pg, pb,
                                        n, sp[3 * i], sp[3 * i + 1], sp[3 * i + 2], div,
                                        more ? xp + (i + 1) * n : nullptr, more ? dyp + (i + 1) * n : nullptr,
-                                       more && DR ? drp + (i + 1) * n : nullptr, nt);  // fmt: skip
+                                       more && DR ? drp + (i + 1) * n : nullptr, nt);
     }
     return;
   }
@@ -234,7 +234,7 @@ void bwd_rows_v(const typename V::raw* xp, const typename V::raw* dyp, const typ
         const R* x = xp + i * n;
         vec::bwd_cols<V, P, C, G, Bs, DR>(x, dyp + i * n, DR ? drp + i * n : nullptr, dxp + i * n, g, pg, pb, j0, j1,
                                           sp[3 * i], sp[3 * i + 1], k[i - b0], off[i - b0], nullptr, nullptr, nullptr,
-                                          false);  // fmt: skip
+                                          false);
       }
     }
   }
