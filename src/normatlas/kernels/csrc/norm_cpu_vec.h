@@ -35,6 +35,12 @@
 #define NORMATLAS_VEC512 0
 #endif
 
+// The row functions inline everything they call (the loads, stores, conversions, masks and the lambdas built on them):
+// left to GCC's unit-wide inlining budget, the choice changed with the size of the translation unit, and when the
+// backward's tiles were added it stopped inlining `input_at` and spilled `moments`' accumulators, which made the
+// bf16 LayerNorm forward 1.25-1.31x slower (old and new builds interleaved in one process) with no change to its code.
+#define NORMATLAS_ROW __attribute__((flatten))
+
 namespace vec {
 
 // A row tail's lanes: always a prefix (the low `left` bits), 0xff for a whole vector.
@@ -259,7 +265,7 @@ inline __m256 input_at(const typename V::raw* x, const typename V::raw* r, typen
 
 // Sum of squares of a row with four independent accumulators (so the FMAs pipeline). With a residual,
 // h = x + r rounded to the storage dtype is written out and its rounded value is what is summed.
-template <class V>
+template <class V> NORMATLAS_ROW
 inline float sumsq(const typename V::raw* x, const typename V::raw* r, typename V::raw* h, int64_t n) {
   __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
   auto val = [&](int64_t j, mask8 m) { return input_at<V>(x, r, h, j, m); };
@@ -299,7 +305,7 @@ inline float sumsq(const typename V::raw* x, const typename V::raw* r, typename 
 // for the mean, then sum (v - mean)^2 and sum (v - mean) over the now cached row, the second sum correcting the
 // rounding of the first mean. As accurate as Welford's update and cheaper (no division chain): the second pass
 // reads L1, and a massive activation in one channel does not cancel digits as a one-pass sum of squares does.
-template <class V>
+template <class V> NORMATLAS_ROW
 inline void moments(const typename V::raw* x, const typename V::raw* r, typename V::raw* h, int64_t n, float& mean,
                     float& m2) {
   const typename V::raw* src = r ? h : x;
@@ -356,7 +362,7 @@ inline void moments(const typename V::raw* x, const typename V::raw* r, typename
 // instruction: old and new builds interleaved in one process (three runs for bf16, one for fp16), the forward took
 // 0.80-0.92x (RMSNorm) and 0.79-0.94x (LayerNorm) the time in bf16 at 256 x 4096, 0.92-0.98x / 0.77-0.90x at
 // 2048 x 4096, and 0.84-0.88x in fp16. Same arithmetic and roundings as the 256-bit loop: bit-identical outputs.
-template <class V, class P, bool C, bool BG, bool B>
+template <class V, class P, bool C, bool BG, bool B> NORMATLAS_ROW
 inline int64_t write_row_512(const uint16_t* src, uint16_t* y, const typename P::raw* g, const typename P::raw* b,
                              float mean, float rstd, int64_t n, const uint16_t* nx, const uint16_t* nr, bool nt) {
   const __m512 mu = _mm512_set1_ps(mean), rs = _mm512_set1_ps(rstd);
@@ -392,7 +398,7 @@ inline int64_t write_row_512(const uint16_t* src, uint16_t* y, const typename P:
 // read in (F32, or V itself: a bf16 model's own gain, no converted copy, half the bytes); C: subtract the mean;
 // BG: cast before the gain (HF Llama order: gain * x_hat.to(dtype), each product rounded); B: add a bias.
 // With `nx` / `nr` set (inputs streaming from memory) the next row is prefetched while this one is written.
-template <class V, class P, bool C, bool BG, bool B>
+template <class V, class P, bool C, bool BG, bool B> NORMATLAS_ROW
 inline void write_row(const typename V::raw* src, typename V::raw* y, const typename P::raw* g,
                       const typename P::raw* b, float mean, float rstd, int64_t n, const typename V::raw* nx,
                       const typename V::raw* nr, bool nt) {
@@ -451,7 +457,7 @@ inline WriteFn<V, P> pick_writer(bool center, bool before_gain, bool bias) {
 // The backward's first pass over a row (the same algebra as the generic bwd_row), the gain read in P (as
 // write_row): the row sums of dxh = dy * g, dxh * xc and xc, turned into the row's dx coefficients k and off; with G
 // / Bs also the gain / bias partial sums (so that a row-by-row second pass only reads the now cached row).
-template <class V, class P, bool C, bool G, bool Bs>
+template <class V, class P, bool C, bool G, bool Bs> NORMATLAS_ROW
 inline void bwd_sums(const typename V::raw* x, const typename V::raw* dy, const typename P::raw* g, float* pg,
                      float* pb, int64_t n, float mean, float r, float drdms, float div, float& k, float& off) {
   const __m256 mu = _mm256_set1_ps(mean), rs = _mm256_set1_ps(r);
@@ -486,7 +492,7 @@ inline void bwd_sums(const typename V::raw* x, const typename V::raw* dy, const 
 // residual's gradient); with G / Bs the gain / bias partial sums here instead (the tiled order: bwd_impl). With `nx`
 // set (inputs streaming from memory) it prefetches the next row's x, dy and d_residual (`nx`, `ndy`, `ndr`) so that
 // the next first pass finds them in cache.
-template <class V, class P, bool C, bool G, bool Bs, bool DR>
+template <class V, class P, bool C, bool G, bool Bs, bool DR> NORMATLAS_ROW
 inline void bwd_cols(const typename V::raw* x, const typename V::raw* dy, const typename V::raw* dr,
                      typename V::raw* dx, const typename P::raw* g, float* pg, float* pb, int64_t j0, int64_t j1,
                      float mean, float r, float k, float off, const typename V::raw* nx, const typename V::raw* ndy,
@@ -529,7 +535,7 @@ inline void bwd_row(const typename V::raw* x, const typename V::raw* dy, const t
 
 // The gain / bias partial sums when the gain follows the cast back (cast BEFORE_GAIN): dg += dy * x_hat
 // rounded to the storage dtype, db += dy.
-template <class V>
+template <class V> NORMATLAS_ROW
 inline void bwd_gain_before_cast(const typename V::raw* x, const typename V::raw* dy, float* pg, float* pb, int64_t n,
                                  float mean, float r, bool center) {
   const __m256 mu = _mm256_set1_ps(center ? mean : 0.f), rs = _mm256_set1_ps(r);
