@@ -135,6 +135,14 @@ def normalize(
     return _generic(input, spec, plan, weight, bias, mask, running_mean, running_var, training, momentum)
 
 
+def check_float_params(*named: tuple[str, Tensor | None]) -> None:
+    """Raise a TypeError naming the first given (name, tensor) that is not a floating-point tensor (None passes)."""
+    for name, t in named:
+        if t is not None and not (isinstance(t, Tensor) and t.is_floating_point()):
+            got = f"dtype {t.dtype}" if isinstance(t, Tensor) else f"type {type(t).__name__}"
+            raise TypeError(f"{name} has {got}; it must be a floating-point tensor")
+
+
 def _check(
     input: Tensor,
     spec: NormSpec,
@@ -150,10 +158,7 @@ def _check(
         raise TypeError(f"input has dtype {input.dtype}; normalization needs a floating-point tensor")
     if not isinstance(spec, NormSpec):
         raise TypeError(f"spec must be a NormSpec, got {type(spec).__name__}")
-    for name, t in (("weight", weight), ("bias", bias), ("running_mean", running_mean), ("running_var", running_var)):
-        if t is not None and not (isinstance(t, Tensor) and t.is_floating_point()):
-            got = f"dtype {t.dtype}" if isinstance(t, Tensor) else f"type {type(t).__name__}"
-            raise TypeError(f"{name} has {got}; it must be a floating-point tensor")
+    check_float_params(("weight", weight), ("bias", bias), ("running_mean", running_mean), ("running_var", running_var))
     if weight is None and spec.gain_convention is GainConvention.ONE_PLUS_W and spec.gain is not Gain.NONE:
         raise ValueError("gain_convention=ONE_PLUS_W needs the weight tensor; got weight=None")
     if mask is not None and mask.dtype is not torch.bool:

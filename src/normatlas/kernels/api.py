@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..functional import normalize
+from ..functional import check_float_params, normalize
 from ..spec import CastOrder, EpsPlacement, Gain, GainConvention, NormSpec, Scale
 from . import cpu
 from .dispatch import kernel_args, spec_unsupported, unsupported
@@ -169,9 +169,8 @@ def _checked(
 
 def _check_params(input: Tensor, spec: NormSpec, weight: Tensor | None, bias: Tensor | None) -> None:
     fshape = tuple(input.shape[input.dim() - spec.feature_ndim :])
+    check_float_params(("weight", weight), ("bias", bias))
     for name, t in (("weight", weight), ("bias", bias)):
-        if t is not None and not t.is_floating_point():
-            raise TypeError(f"{name} has dtype {t.dtype}; it must be a floating-point tensor")
         if t is not None and tuple(t.shape) != fshape:
             raise ValueError(
                 f"{name} has shape {tuple(t.shape)}; an input of shape {tuple(input.shape)} needs {fshape}"
@@ -304,7 +303,7 @@ def qk_rms_norm(
 
     Without autograd (inference, decoding) on CPU, for up to 2M elements in all, the rows of q and k are
     normalised in one launch (``norm_pair``: one parallel region split over both tensors' rows; a decode step
-    of 32 q and 8 kv heads of 128 in bf16 takes 8.5-8.8 us against 11.0-11.2 us for two calls, median of
+    of 32 q and 8 kv heads of 128 in bf16 takes 8.5-8.8 us against 11.0-11.3 us for two calls, median of
     ``python benchmarks/bench_qk.py``); otherwise, or when q and k differ in head dim or dtype, two fused
     calls. Both paths compute the same values, bit for bit.
     """
@@ -312,9 +311,7 @@ def qk_rms_norm(
     pair = _qk_pair(q, k, q_weight, k_weight, eps, cast_order)
     if pair is not None:
         return pair
-    for name, w in (("q_weight", q_weight), ("k_weight", k_weight)):  # the C++ pair names them; so do two calls
-        if w is not None and not w.is_floating_point():
-            raise TypeError(f"{name} has dtype {w.dtype}; it must be a floating-point tensor")
+    check_float_params(("q_weight", q_weight), ("k_weight", k_weight))  # the C++ pair names them; so do two calls
     return (
         fused_rms_norm(q, d, q_weight, eps, cast_order=cast_order),
         fused_rms_norm(k, k.shape[-1], k_weight, eps, cast_order=cast_order),

@@ -26,9 +26,9 @@ struct RowFlags {
 };
 
 // A per-feature vector, a gain or a bias, as the caller holds it: n contiguous values of `dtype` at `data`, or none
-// (data null: a gain of 1, no bias). Each worker thread turns it into the accumulation dtype itself: in place when it
-// already is that dtype and no 1 + w is asked for, else into a buffer of its own, so that a converted copy is
-// written and read by the same core.
+// (data null: a gain of 1, no bias). Each worker thread reads it as it needs it: in place when it already is the
+// accumulation dtype and no 1 + w is asked for, in its own half-precision dtype over a few rows (the vector kernels),
+// else converted into a buffer of the thread's own, so that a converted copy is written and read by the same core.
 struct Param {
   const void* data;
   Dtype dtype;
