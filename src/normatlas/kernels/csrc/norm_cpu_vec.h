@@ -528,6 +528,51 @@ inline void bwd_cols(const typename V::raw* x, const typename V::raw* dy, const 
   });
 }
 
+// The tiled backward's second pass over one chunk of kChunk columns starting at j0, for `rows` rows `stride` apart
+// (their row statistics `st`, dx coefficients `k` and `off` from bwd_sums): the chunk's gain / bias partial sums stay
+// in registers across the rows, loaded and stored once per chunk rather than once per row. Same arithmetic in the
+// same order as bwd_cols row after row.
+#if NORMATLAS_VEC512
+constexpr int kChunkVecs = 8;  // 32 vector registers: 8 gain + 8 bias sums beside the row's constants
+#else
+constexpr int kChunkVecs = 4;  // 16 with AVX2
+#endif
+constexpr int64_t kChunk = 8 * kChunkVecs;
+
+template <class V, class P, bool C, bool G, bool Bs, bool DR> NORMATLAS_ROW
+inline void bwd_chunk(const typename V::raw* x, const typename V::raw* dy, const typename V::raw* dr,
+                      typename V::raw* dx, int64_t stride, int64_t rows, const typename P::raw* g, float* pg,
+                      float* pb, int64_t j0, const float* st, const float* k, const float* off) {
+  __m256 ag[kChunkVecs], ab[kChunkVecs], gv[kChunkVecs];
+  for (int u = 0; u < kChunkVecs; ++u) {
+    gv[u] = load<P>(g + j0 + 8 * u, 0xff);
+    ag[u] = G ? _mm256_loadu_ps(pg + j0 + 8 * u) : _mm256_setzero_ps();
+    ab[u] = Bs ? _mm256_loadu_ps(pb + j0 + 8 * u) : _mm256_setzero_ps();
+  }
+  for (int64_t i = 0; i < rows; ++i) {
+    const int64_t o = i * stride + j0;
+    const __m256 mu = _mm256_set1_ps(st[3 * i]), rs = _mm256_set1_ps(st[3 * i + 1]);
+    const __m256 kv = _mm256_set1_ps(k[i]), offv = _mm256_set1_ps(off[i]);
+    for (int u = 0; u < kChunkVecs; ++u) {
+      const int64_t j = o + 8 * u;
+      __m256 xc = V::ld(x + j);
+      if (C) xc = _mm256_sub_ps(xc, mu);
+      const __m256 d = V::ld(dy + j);
+      __m256 v = _mm256_mul_ps(_mm256_mul_ps(rs, d), gv[u]);
+      v = _mm256_fmadd_ps(kv, xc, v);
+      if (C) v = _mm256_sub_ps(v, offv);
+      if (DR) v = _mm256_add_ps(v, V::ld(dr + j));
+      V::st(dx + j, v);
+      if (G) ag[u] = _mm256_fmadd_ps(d, _mm256_mul_ps(xc, rs), ag[u]);
+      if (Bs) ab[u] = _mm256_add_ps(d, ab[u]);
+    }
+  }
+  for (int u = 0; u < kChunkVecs; ++u) {
+    if (G) _mm256_storeu_ps(pg + j0 + 8 * u, ag[u]);
+    if (Bs) _mm256_storeu_ps(pb + j0 + 8 * u, ab[u]);
+  }
+}
+
 // One row of the backward, row by row: bwd_sums (with the gain / bias partial sums), then bwd_cols over the row.
 template <class V, class P, bool C, bool G, bool Bs, bool DR>
 inline void bwd_row(const typename V::raw* x, const typename V::raw* dy, const typename V::raw* dr,
