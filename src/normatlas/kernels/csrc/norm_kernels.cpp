@@ -201,7 +201,7 @@ void fwd_impl_v(const typename V::raw* xp, const typename V::raw* rp, typename V
 // block's rows instead, the chunk's partial sums in registers (vec::bwd_chunk); against the strips (bit for bit the
 // same results, builds interleaved, backward alone, 2 threads, 256 x 4096, 512 x 2048, 128 x 8192, 1024 x 1024,
 // 4096 x 256, 16,384 x 64, fp32 / bf16): LayerNorm 0.53-1.04x the time, fp32 RMSNorm 0.79-1.08x, bf16 RMSNorm, bound
-// by its conversions, level (1.00-1.02x on one thread, 0.78-1.33x medians on two).
+// by its conversions, level (1.02x on one thread at 4096 x 256 and 1024 x 1024, 0.75-1.33x medians on two).
 constexpr int64_t kTileRows = 16, kTileCols = 1024;
 
 // Rows [r0, r1) of the backward with the vector kernels; pg / pb: this chunk's gain / bias partial sums (may be
