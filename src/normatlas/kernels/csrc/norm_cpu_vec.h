@@ -438,9 +438,9 @@ inline int64_t write_row_512(const uint16_t* src, uint16_t* y, const typename P:
     if (C) v = _mm512_sub_ps(v, mu);
     v = _mm512_mul_ps(v, rs);
     const __m512 gv = P::ld16(g + j);
-    if (BG) {
-      v = V::rt16(_mm512_mul_ps(V::rt16(v), gv));
-      return B ? _mm512_add_ps(v, P::ld16(b + j)) : v;
+    if (BG) {  // without a bias the store rounds the product (rounding it here too would change nothing)
+      v = _mm512_mul_ps(V::rt16(v), gv);
+      return B ? _mm512_add_ps(V::rt16(v), P::ld16(b + j)) : v;
     }
     return B ? _mm512_fmadd_ps(v, gv, P::ld16(b + j)) : _mm512_mul_ps(v, gv);
   };
@@ -476,9 +476,9 @@ inline void write_row(const typename V::raw* src, typename V::raw* y, const type
     if (C) v = _mm256_sub_ps(v, mu);
     v = _mm256_mul_ps(v, rs);
     const __m256 gv = load<P>(g + j, m);
-    if (BG) {
-      v = V::rt(_mm256_mul_ps(V::rt(v), gv));
-      return B ? _mm256_add_ps(v, load<P>(b + j, m)) : v;
+    if (BG) {  // without a bias the store rounds the product (rounding it here too would change nothing)
+      v = _mm256_mul_ps(V::rt(v), gv);
+      return B ? _mm256_add_ps(V::rt(v), load<P>(b + j, m)) : v;
     }
     return B ? _mm256_fmadd_ps(v, gv, load<P>(b + j, m)) : _mm256_mul_ps(v, gv);
   };
