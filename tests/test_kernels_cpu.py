@@ -475,6 +475,34 @@ def test_half_parameters_equal_their_fp32_upcasts(dtype: torch.dtype, spec_name:
                 assert torch.equal(a, e), (spec_name, rows, n, [p.dtype for p in params if p is not None])
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(37, 2051), (300, 256), (1030, 4100)], ids=["tiled", "short-rows", "streaming"])
+@pytest.mark.parametrize("center", [False, True], ids=["rms", "ln"])
+def test_llama_order_gain_gradient_uses_the_rounded_x_hat(dtype: torch.dtype, shape: tuple[int, int],
+                                                          center: bool) -> None:  # fmt: skip
+    """With the cast before the gain (y = g * x_hat.to(dtype)) dgain sums dy * x_hat rounded to the input dtype, on
+    the tiled (from cache) and the streaming (> 8 MiB) backward alike. Against float64 sums of the kernel's own
+    statistics, tight enough that the unrounded x_hat (off by up to half an ulp of bf16 per element) fails."""
+    ext = cpu.extension()
+    if ext is None:
+        pytest.skip("no C++ extension")
+    rows, n = shape
+    gen = torch.Generator().manual_seed(13)
+    x, gy = (torch.randn(rows, n, generator=gen).to(dtype) for _ in range(2))
+    w, b = (torch.rand(n, generator=gen) + 0.5).to(dtype), torch.randn(n, generator=gen).to(dtype)
+    bias = b if center else None
+    _, _, stats = ext.norm_fwd(x, None, w, bias, 1e-6, center, 0, True, False, False, n)
+    _, dg, db = ext.norm_bwd(gy, x, w, stats, None, center, True, False, False, True, center, n)
+    xhat = (x.float() - stats[:, :1]) * stats[:, 1:2]  # the kernel's fp32 x_hat
+    rounded = (gy.double() * xhat.to(dtype).double()).sum(0)
+    unrounded = (gy.double() * xhat.double()).sum(0)
+    tol = 4e-6 * (gy.double().abs() * xhat.abs().double()).sum(0).max().item()  # fp32 accumulation
+    assert (dg.double() - rounded).abs().max().item() < tol
+    assert (unrounded - rounded).abs().max().item() > 5 * tol  # the check can tell the two apart
+    if center:
+        torch.testing.assert_close(db.double(), gy.double().sum(0), atol=tol, rtol=0)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n", [1024, 1000])
 def test_streaming_path_matches_reference(dtype: torch.dtype, n: int) -> None:

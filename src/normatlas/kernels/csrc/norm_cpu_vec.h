@@ -522,10 +522,19 @@ inline WriteFn<V, P> pick_writer(bool center, bool before_gain, bool bias) {
   }
 }
 
+// What the gain gradient accumulates: G = kGain: dy * x_hat; G = kGainBeforeCast (the Llama cast order, gain * x_hat
+// rounded to the storage dtype): dy * x_hat rounded. 0: no gain gradient.
+constexpr int kGain = 1, kGainBeforeCast = 2;
+template <class V, int G>
+inline __m256 gain_factor(__m256 xc, __m256 rs) {
+  const __m256 xh = _mm256_mul_ps(xc, rs);
+  return G == kGainBeforeCast ? V::rt(xh) : xh;
+}
+
 // The backward's first pass over a row (the same algebra as the generic bwd_row), the gain read in P (as
 // write_row): the row sums of dxh = dy * g, dxh * xc and xc, turned into the row's dx coefficients k and off; with G
 // / Bs also the gain / bias partial sums (so that a row-by-row second pass only reads the now cached row).
-template <class V, class P, bool C, bool G, bool Bs> NORMATLAS_ROW
+template <class V, class P, bool C, int G, bool Bs> NORMATLAS_ROW
 inline void bwd_sums(const typename V::raw* x, const typename V::raw* dy, const typename P::raw* g, float* pg,
                      float* pb, int64_t n, float mean, float r, float drdms, float div, float& k, float& off) {
   const __m256 mu = _mm256_set1_ps(mean), rs = _mm256_set1_ps(r);
@@ -540,7 +549,7 @@ inline void bwd_sums(const typename V::raw* x, const typename V::raw* dy, const 
     acc[0] = _mm256_add_ps(acc[0], dxh);
     acc[1] = _mm256_fmadd_ps(dxh, xc, acc[1]);
     if (C) acc[2] = _mm256_add_ps(acc[2], xc);
-    if (G) mask_store_ps(pg + j, m, _mm256_fmadd_ps(d, _mm256_mul_ps(xc, rs), loadf(pg + j, m)));
+    if (G) mask_store_ps(pg + j, m, _mm256_fmadd_ps(d, gain_factor<V, G>(xc, rs), loadf(pg + j, m)));
     if (Bs) mask_store_ps(pb + j, m, _mm256_add_ps(d, loadf(pb + j, m)));
   };
   int64_t j = 0;
@@ -560,7 +569,7 @@ inline void bwd_sums(const typename V::raw* x, const typename V::raw* dy, const 
 // residual's gradient); with G / Bs the gain / bias partial sums here instead (the tiled order: bwd_impl). With `nx`
 // set (inputs streaming from memory) it prefetches the next row's x, dy and d_residual (`nx`, `ndy`, `ndr`) so that
 // the next first pass finds them in cache.
-template <class V, class P, bool C, bool G, bool Bs, bool DR> NORMATLAS_ROW
+template <class V, class P, bool C, int G, bool Bs, bool DR> NORMATLAS_ROW
 inline void bwd_cols(const typename V::raw* x, const typename V::raw* dy, const typename V::raw* dr,
                      typename V::raw* dx, const typename P::raw* g, float* pg, float* pb, int64_t j0, int64_t j1,
                      float mean, float r, float k, float off, const typename V::raw* nx, const typename V::raw* ndy,
@@ -585,7 +594,7 @@ inline void bwd_cols(const typename V::raw* x, const typename V::raw* dy, const 
     if (DR) v = _mm256_add_ps(v, load<V>(dr + j, m));
     if (nt && m == 0xff) V::st_nt(dx + j, v);
     else store<V>(dx + j, v, m);
-    if (G) mask_store_ps(pg + j, m, _mm256_fmadd_ps(d, _mm256_mul_ps(xc, rs), loadf(pg + j, m)));
+    if (G) mask_store_ps(pg + j, m, _mm256_fmadd_ps(d, gain_factor<V, G>(xc, rs), loadf(pg + j, m)));
     if (Bs) mask_store_ps(pb + j, m, _mm256_add_ps(d, loadf(pb + j, m)));
   });
 }
@@ -601,7 +610,7 @@ constexpr int kChunkVecs = 4;  // 16 with AVX2
 #endif
 constexpr int64_t kChunk = 8 * kChunkVecs;
 
-template <class V, class P, bool C, bool G, bool Bs, bool DR> NORMATLAS_ROW
+template <class V, class P, bool C, int G, bool Bs, bool DR> NORMATLAS_ROW
 inline void bwd_chunk(const typename V::raw* x, const typename V::raw* dy, const typename V::raw* dr,
                       typename V::raw* dx, int64_t stride, int64_t rows, const typename P::raw* g, float* pg,
                       float* pb, int64_t j0, const float* st, const float* k, const float* off) {
@@ -625,7 +634,7 @@ inline void bwd_chunk(const typename V::raw* x, const typename V::raw* dy, const
       if (C) v = _mm256_sub_ps(v, offv);
       if (DR) v = _mm256_add_ps(v, V::ld(dr + j));
       V::st(dx + j, v);
-      if (G) ag[u] = _mm256_fmadd_ps(d, _mm256_mul_ps(xc, rs), ag[u]);
+      if (G) ag[u] = _mm256_fmadd_ps(d, gain_factor<V, G>(xc, rs), ag[u]);
       if (Bs) ab[u] = _mm256_add_ps(d, ab[u]);
     }
   }
@@ -636,30 +645,14 @@ inline void bwd_chunk(const typename V::raw* x, const typename V::raw* dy, const
 }
 
 // One row of the backward, row by row: bwd_sums (with the gain / bias partial sums), then bwd_cols over the row.
-template <class V, class P, bool C, bool G, bool Bs, bool DR>
+template <class V, class P, bool C, int G, bool Bs, bool DR>
 inline void bwd_row(const typename V::raw* x, const typename V::raw* dy, const typename V::raw* dr,
                     typename V::raw* dx, const typename P::raw* g, float* pg, float* pb, int64_t n, float mean, float r,
                     float drdms, float div, const typename V::raw* nx, const typename V::raw* ndy,
                     const typename V::raw* ndr, bool nt) {
   float k, off;
   bwd_sums<V, P, C, G, Bs>(x, dy, g, pg, pb, n, mean, r, drdms, div, k, off);
-  bwd_cols<V, P, C, false, false, DR>(x, dy, dr, dx, g, nullptr, nullptr, 0, n, mean, r, k, off, nx, ndy, ndr, nt);
-}
-
-// The gain / bias partial sums when the gain follows the cast back (cast BEFORE_GAIN): dg += dy * x_hat
-// rounded to the storage dtype, db += dy.
-template <class V> NORMATLAS_ROW
-inline void bwd_gain_before_cast(const typename V::raw* x, const typename V::raw* dy, float* pg, float* pb, int64_t n,
-                                 float mean, float r, bool center) {
-  const __m256 mu = _mm256_set1_ps(center ? mean : 0.f), rs = _mm256_set1_ps(r);
-  each8(n, [&](int64_t j, mask8 m) {
-    const __m256 d = load<V>(dy + j, m);
-    if (pg) {
-      const __m256 xh = V::rt(_mm256_mul_ps(_mm256_sub_ps(load<V>(x + j, m), mu), rs));
-      mask_store_ps(pg + j, m, _mm256_fmadd_ps(d, xh, loadf(pg + j, m)));
-    }
-    if (pb) mask_store_ps(pb + j, m, _mm256_add_ps(d, loadf(pb + j, m)));
-  });
+  bwd_cols<V, P, C, 0, false, DR>(x, dy, dr, dx, g, nullptr, nullptr, 0, n, mean, r, k, off, nx, ndy, ndr, nt);
 }
 
 }  // namespace vec

@@ -210,7 +210,7 @@ constexpr int64_t kTileRows = 16, kTileCols = 1024;
 // they came back from L2 for every row (x, dy, the gain and two partial-sum rows: 80 KiB a row at 4096 fp32, against
 // a 32 KiB L1). Same arithmetic in the same order: bit for bit the row-by-row results. From memory: row by row,
 // each second pass prefetching the next row.
-template <class V, class P, bool C, bool G, bool Bs, bool DR>
+template <class V, class P, bool C, int G, bool Bs, bool DR>
 void bwd_rows_v(const typename V::raw* xp, const typename V::raw* dyp, const typename V::raw* drp,
                 typename V::raw* dxp, const typename P::raw* g, float* pg, float* pb, const float* sp, int64_t n,
                 float div, int64_t r0, int64_t r1, bool stream, bool nt) {
@@ -229,7 +229,7 @@ void bwd_rows_v(const typename V::raw* xp, const typename V::raw* dyp, const typ
   for (int64_t b0 = r0; b0 < r1; b0 += kTileRows) {
     const int64_t b1 = std::min(r1, b0 + kTileRows);
     for (int64_t i = b0; i < b1; ++i) {
-      vec::bwd_sums<V, P, C, false, false>(xp + i * n, dyp + i * n, g, nullptr, nullptr, n, sp[3 * i], sp[3 * i + 1],
+      vec::bwd_sums<V, P, C, 0, false>(xp + i * n, dyp + i * n, g, nullptr, nullptr, n, sp[3 * i], sp[3 * i + 1],
                                            sp[3 * i + 2], div, k[i - b0], off[i - b0]);
     }
     // with gain / bias sums to accumulate: chunks of vec::kChunk columns, the sums in registers over the block's rows
@@ -255,26 +255,30 @@ using BwdRowsFn = void (*)(const typename V::raw*, const typename V::raw*, const
                            const typename P::raw*, float*, float*, const float*, int64_t, float, int64_t, int64_t, bool,
                            bool);
 
+// The rows function for the flags; gain: 0 (no gain gradient), vec::kGain or vec::kGainBeforeCast.
+template <class V, class P, int G>
+BwdRowsFn<V, P> pick_bwd_rows_g(bool center, bool b, bool dr) {
+  switch ((center ? 4 : 0) | (b ? 2 : 0) | (dr ? 1 : 0)) {
+    case 0: return bwd_rows_v<V, P, false, G, false, false>;
+    case 1: return bwd_rows_v<V, P, false, G, false, true>;
+    case 2: return bwd_rows_v<V, P, false, G, true, false>;
+    case 3: return bwd_rows_v<V, P, false, G, true, true>;
+    case 4: return bwd_rows_v<V, P, true, G, false, false>;
+    case 5: return bwd_rows_v<V, P, true, G, false, true>;
+    case 6: return bwd_rows_v<V, P, true, G, true, false>;
+    default: return bwd_rows_v<V, P, true, G, true, true>;
+  }
+}
+
 template <class V, class P>
-BwdRowsFn<V, P> pick_bwd_rows(bool center, bool g, bool b, bool dr) {
+BwdRowsFn<V, P> pick_bwd_rows(bool center, int gain, bool b, bool dr) {
   if constexpr (std::is_same_v<P, vec::NoGain>) {  // no gain or bias gradients to accumulate
-    if (center) return dr ? bwd_rows_v<V, P, true, false, false, true> : bwd_rows_v<V, P, true, false, false, false>;
-    return dr ? bwd_rows_v<V, P, false, false, false, true> : bwd_rows_v<V, P, false, false, false, false>;
+    if (center) return dr ? bwd_rows_v<V, P, true, 0, false, true> : bwd_rows_v<V, P, true, 0, false, false>;
+    return dr ? bwd_rows_v<V, P, false, 0, false, true> : bwd_rows_v<V, P, false, 0, false, false>;
   }
-  switch ((center ? 8 : 0) | (g ? 4 : 0) | (b ? 2 : 0) | (dr ? 1 : 0)) {
-#define NA_CASE(k, C, G, B, D) \
-  case k:                      \
-    return bwd_rows_v<V, P, C, G, B, D>;
-    NA_CASE(0, false, false, false, false) NA_CASE(1, false, false, false, true)
-    NA_CASE(2, false, false, true, false) NA_CASE(3, false, false, true, true)
-    NA_CASE(4, false, true, false, false) NA_CASE(5, false, true, false, true)
-    NA_CASE(6, false, true, true, false) NA_CASE(7, false, true, true, true)
-    NA_CASE(8, true, false, false, false) NA_CASE(9, true, false, false, true)
-    NA_CASE(10, true, false, true, false) NA_CASE(11, true, false, true, true)
-    NA_CASE(12, true, true, false, false) NA_CASE(13, true, true, false, true)
-    NA_CASE(14, true, true, true, false) default: return bwd_rows_v<V, P, true, true, true, true>;
-#undef NA_CASE
-  }
+  if (gain == vec::kGainBeforeCast) return pick_bwd_rows_g<V, P, vec::kGainBeforeCast>(center, b, dr);
+  if (gain == vec::kGain) return pick_bwd_rows_g<V, P, vec::kGain>(center, b, dr);
+  return pick_bwd_rows_g<V, P, 0>(center, b, dr);
 }
 #endif
 
@@ -478,18 +482,10 @@ void bwd_impl(const typename IO<T>::raw* dyp, const typename IO<T>::raw* xp, con
           const int64_t r0 = rows * c / chunks, r1 = rows * (c + 1) / chunks;
           A* pgc = pgp ? pgp + c * n : nullptr;
           A* pbc = pbp ? pbp + c * n : nullptr;
-          const bool g_now = pgc && !before_gain, b_now = pbc && !before_gain;
-          const auto rows_fn = pick_bwd_rows<V, P>(center, g_now, b_now, drp != nullptr);
+          const int gain_grad = !pgc ? 0 : before_gain ? vec::kGainBeforeCast : vec::kGain;
+          const auto rows_fn = pick_bwd_rows<V, P>(center, gain_grad, pbc != nullptr, drp != nullptr);
           rows_fn(reinterpret_cast<const VR*>(xp), reinterpret_cast<const VR*>(dyp), reinterpret_cast<const VR*>(drp),
-                  reinterpret_cast<VR*>(dxp), gp, g_now ? pgc : nullptr, b_now ? pbc : nullptr, sp, n, div, r0, r1,
-                  stream, nt);
-          if (before_gain && (pgc || pbc)) {
-            for (int64_t i = r0; i < r1; ++i) {
-              vec::bwd_gain_before_cast<V>(reinterpret_cast<const VR*>(xp + i * n),
-                                           reinterpret_cast<const VR*>(dyp + i * n), pgc, pbc, n, sp[3 * i],
-                                           sp[3 * i + 1], center);
-            }
-          }
+                  reinterpret_cast<VR*>(dxp), gp, pgc, pbc, sp, n, div, r0, r1, stream, nt);
         }
         if (nt) _mm_sfence();
       };
