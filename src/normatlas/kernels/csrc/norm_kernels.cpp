@@ -142,12 +142,14 @@ const typename P::raw* param_row(const normatlas::Param& p, int slot, int64_t n,
 constexpr int64_t kNativeRows = 4;
 
 // Calls body(P{}) with the type this thread's `rows` rows read the parameters in: NoGain with neither a gain nor a
-// bias; V itself (half precision V) for a gain in V's dtype without 1 + w, a bias absent or in V's dtype too
-// (`bias_native`), over at most kNativeRows rows; else F32 (read in place or converted by this thread).
-template <class V, typename F>
+// bias; V itself (half precision V, when `Native`) for a gain in V's dtype without 1 + w, a bias absent or in V's
+// dtype too (`bias_native`), over at most kNativeRows rows; else F32 (read in place or converted by this thread).
+// The backward is never Native: a few rows of training are rare, and its kernels for a third parameter type took
+// ~5 s of the build.
+template <class V, bool Native = true, typename F>
 void with_param_type(const normatlas::Param& gain, bool bias, bool bias_native, int64_t rows, F&& body) {
   if (!gain.data && !bias) return body(vec::NoGain{});
-  if constexpr (!std::is_same_v<V, vec::F32>) {
+  if constexpr (Native && !std::is_same_v<V, vec::F32>) {
     if (rows <= kNativeRows && gain.data && gain.dtype == dtype_of_vec<V>() && !gain.plus_one && bias_native) {
       return body(V{});
     }
@@ -276,8 +278,10 @@ BwdRowsFn<V, P> pick_bwd_rows(bool center, int gain, bool b, bool dr) {
     if (center) return dr ? bwd_rows_v<V, P, true, 0, false, true> : bwd_rows_v<V, P, true, 0, false, false>;
     return dr ? bwd_rows_v<V, P, false, 0, false, true> : bwd_rows_v<V, P, false, 0, false, false>;
   }
-  if (gain == vec::kGainBeforeCast) return pick_bwd_rows_g<V, P, vec::kGainBeforeCast>(center, b, dr);
-  if (gain == vec::kGain) return pick_bwd_rows_g<V, P, vec::kGain>(center, b, dr);
+  if constexpr (!std::is_same_v<V, vec::F32>) {  // in fp32 the cast before the gain rounds nothing
+    if (gain == vec::kGainBeforeCast) return pick_bwd_rows_g<V, P, vec::kGainBeforeCast>(center, b, dr);
+  }
+  if (gain) return pick_bwd_rows_g<V, P, vec::kGain>(center, b, dr);
   return pick_bwd_rows_g<V, P, 0>(center, b, dr);
 }
 #endif
@@ -489,7 +493,7 @@ void bwd_impl(const typename IO<T>::raw* dyp, const typename IO<T>::raw* xp, con
         }
         if (nt) _mm_sfence();
       };
-      with_param_type<V>(gain, dbp != nullptr, true, rows * ce / chunks - rows * cb / chunks, chunks_v);
+      with_param_type<V, false>(gain, dbp != nullptr, true, rows * ce / chunks - rows * cb / chunks, chunks_v);
       return;
     }
 #endif
