@@ -232,7 +232,7 @@ void bwd_rows_v(const typename V::raw* xp, const typename V::raw* dyp, const typ
     const int64_t b1 = std::min(r1, b0 + kTileRows);
     for (int64_t i = b0; i < b1; ++i) {
       vec::bwd_sums<V, P, C, 0, false>(xp + i * n, dyp + i * n, g, nullptr, nullptr, n, sp[3 * i], sp[3 * i + 1],
-                                           sp[3 * i + 2], div, k[i - b0], off[i - b0]);
+                                       sp[3 * i + 2], div, k[i - b0], off[i - b0]);
     }
     // with gain / bias sums to accumulate: chunks of vec::kChunk columns, the sums in registers over the block's rows
     const int64_t chunked = (G || Bs) ? n / vec::kChunk * vec::kChunk : 0;
