@@ -53,6 +53,32 @@ def test_triton_matches_eager(case: tuple, rows: int, n: int, dtype: torch.dtype
                                    msg=what)  # fmt: skip
 
 
+@pytest.mark.parametrize("weight", ["none", "float32"])
+@pytest.mark.parametrize("rows,n", [(5, 256), (2, 8200)], ids=str)
+@pytest.mark.parametrize("case", triton_kernels.CASES, ids=str)
+def test_triton_reads_the_weight_in_its_own_dtype(case: tuple, rows: int, n: int, weight: str) -> None:
+    """The kernels read the weight and bias as they are (no conversion kernel per call): no weight at all, or an fp32
+    weight and bias beside an fp16 input, including ``1 + w`` rounded in the weight's dtype for Llama's order."""
+    center, eps_mode, before, one_plus_w, l2, has_res, has_bias = case
+    gen = torch.Generator().manual_seed(1)
+    mk = lambda *s, dtype=torch.float16: torch.randn(*s, generator=gen).to(dtype).to(DEVICE)
+    x, dy = mk(rows, n), mk(rows, n)
+    r = mk(rows, n) if has_res else None
+    w = None if weight == "none" else mk(n, dtype=torch.float32)
+    b = mk(n, dtype=torch.float32) if has_bias else None
+    args = (1e-3, center, eps_mode, before, one_plus_w, l2)
+    y, h, st = triton_kernels.norm_fwd(x, r, w, b, *args)
+    ye, _, _ = ops.eager_fwd(x, r, w, b, *args)
+    torch.testing.assert_close(y, ye, **TOL[torch.float16])
+    src = h if has_res else x
+    flags = (center, before, one_plus_w, l2, w is not None, has_bias)
+    got = triton_kernels.norm_bwd(dy, src, w, st, r, *flags)
+    want = ops.eager_bwd(dy, src, w, st, r, *flags)
+    for a, e, what in zip(got, want, ("dx", "dgain", "dbias"), strict=False):
+        scale = max(1.0, float(e.abs().max())) if e.numel() else 1.0
+        torch.testing.assert_close(a.float(), e.float(), atol=2e-3 * scale, rtol=2e-3, msg=what)
+
+
 def test_short_rows_pack_several_per_program() -> None:
     """QK-norm's head dim: a 64-wide row fills a quarter of a block, so programs take several rows."""
     block, rows_per_prog, single = triton_kernels._blocks(64, 1000)

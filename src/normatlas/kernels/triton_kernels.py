@@ -10,8 +10,10 @@ program accumulates its rows' gain / bias gradients in fp32 registers, written o
 partial row; wider rows take two kernels: one program per row computes the row's two backward
 scalars, then (column block x row group) tiles write dx and one partial gain / bias row per
 group, so the partial buffer stays a few MiB whatever the width. A final sum over the partial
-rows gives dgain and dbias; no atomics. The arithmetic is the eager reference's
-(:func:`normatlas.kernels.ops.eager_fwd` / ``eager_bwd``).
+rows gives dgain and dbias; no atomics. Weights and biases are read in their own dtype inside the
+kernels (``1 + w`` too), so a call launches no conversion kernel besides the norm, and the partial
+rows need no memset (every program writes its whole row). The arithmetic is the eager reference's
+(:func:`normatlas.kernels.ops.eager_fwd` / ``eager_bwd``). Not yet measured on a GPU.
 """
 
 from __future__ import annotations
@@ -84,24 +86,41 @@ if HAS_TRITON:
         return r, d
 
     @triton.jit
-    def _affine(xh, x, G, B, c, cmask, BEFORE: tl.constexpr, HAS_B: tl.constexpr):
+    def _gain_at(G, c, cmask, HAS_G: tl.constexpr, ONE_PLUS_W: tl.constexpr, BEFORE: tl.constexpr):
+        """The fp32 multiplier of columns ``c``, read in the weight's own dtype (no conversion kernel per call): 1
+        without a weight; ``1 + w`` with ONE_PLUS_W, rounded to the weight's dtype first in Llama's order (as the
+        eager reference's ``(1 + w).to(float32)``)."""
+        if HAS_G:
+            g = tl.load(G + c, mask=cmask, other=0.0).to(tl.float32)
+            if ONE_PLUS_W:
+                g = 1.0 + g
+                if BEFORE:
+                    g = g.to(G.dtype.element_ty).to(tl.float32)
+        else:
+            g = tl.zeros_like(c).to(tl.float32) + 1.0
+        return g
+
+    @triton.jit
+    def _affine(xh, x, G, B, c, cmask, BEFORE: tl.constexpr, HAS_B: tl.constexpr, HAS_G: tl.constexpr,
+                ONE_PLUS_W: tl.constexpr):  # fmt: skip
         """Gain and bias on the fp32 x_hat of columns ``c``; ``BEFORE``: Llama's order, x_hat rounded to x's dtype."""
-        g = tl.load(G + c, mask=cmask, other=0.0)
+        g = _gain_at(G, c, cmask, HAS_G, ONE_PLUS_W, BEFORE)
         if BEFORE:
             y = (xh.to(x.dtype).to(tl.float32) * g[None, :]).to(x.dtype)
             if HAS_B:
-                y = (y.to(tl.float32) + tl.load(B + c, mask=cmask, other=0.0)[None, :]).to(x.dtype)
+                b = tl.load(B + c, mask=cmask, other=0.0).to(tl.float32)
+                y = (y.to(tl.float32) + b[None, :]).to(x.dtype)
         else:
             y = xh * g[None, :]
             if HAS_B:
-                y = y + tl.load(B + c, mask=cmask, other=0.0)[None, :]
+                y = y + tl.load(B + c, mask=cmask, other=0.0).to(tl.float32)[None, :]
         return y
 
     @triton.jit
     def _fwd_kernel(X, RES, H, Y, G, B, STATS, rows, n, div, eps,
                     BLOCK: tl.constexpr, ROWS: tl.constexpr, SINGLE: tl.constexpr, CENTER: tl.constexpr,
                     EPS_MODE: tl.constexpr, BEFORE: tl.constexpr, HAS_RES: tl.constexpr,
-                    HAS_B: tl.constexpr):  # fmt: skip
+                    HAS_B: tl.constexpr, HAS_G: tl.constexpr, ONE_PLUS_W: tl.constexpr):  # fmt: skip
         pid = tl.program_id(0).to(tl.int64)
         row = pid * ROWS + tl.arange(0, ROWS).to(tl.int64)
         rmask = row < rows
@@ -119,7 +138,7 @@ if HAS_TRITON:
             mean = tl.sum(xf, axis=1) / n if CENTER else tl.zeros([ROWS], dtype=tl.float32)
             xc = tl.where(m, xf - mean[:, None], 0.0)
             r, d = _rstd(tl.sum(xc * xc, axis=1) / div, eps, EPS_MODE)
-            y = _affine(xc * r[:, None], x, G, B, cols, cmask, BEFORE, HAS_B)
+            y = _affine(xc * r[:, None], x, G, B, cols, cmask, BEFORE, HAS_B, HAS_G, ONE_PLUS_W)
             tl.store(Y + base + cols[None, :], y.to(Y.dtype.element_ty), mask=m)
         else:  # ROWS == 1: stream the row in chunks; two passes for RMS (stats, output), three for LayerNorm
             src = H if HAS_RES else X
@@ -156,7 +175,7 @@ if HAS_TRITON:
                 m = rmask[:, None] & cmask[None, :]
                 x = tl.load(src + base + c[None, :], mask=m, other=0.0)
                 xh = (x.to(tl.float32) - mean[:, None]) * r[:, None]
-                y = _affine(xh, x, G, B, c, cmask, BEFORE, HAS_B)
+                y = _affine(xh, x, G, B, c, cmask, BEFORE, HAS_B, HAS_G, ONE_PLUS_W)
                 tl.store(Y + base + c[None, :], y.to(Y.dtype.element_ty), mask=m)
         tl.store(STATS + row * 3, mean, mask=rmask)
         tl.store(STATS + row * 3 + 1, r, mask=rmask)
@@ -165,7 +184,8 @@ if HAS_TRITON:
     @triton.jit
     def _bwd_kernel(DY, X, DRES, DX, G, STATS, ROWK, PG, PB, rows, n, div, group,
                     BLOCK: tl.constexpr, WIDE: tl.constexpr, CENTER: tl.constexpr, BEFORE: tl.constexpr,
-                    HAS_DRES: tl.constexpr, NEED_DG: tl.constexpr, NEED_DB: tl.constexpr):  # fmt: skip
+                    HAS_DRES: tl.constexpr, NEED_DG: tl.constexpr, NEED_DB: tl.constexpr, HAS_G: tl.constexpr,
+                    ONE_PLUS_W: tl.constexpr):  # fmt: skip
         """dx for a group of ``group`` rows, and the group's partial row of dgain / dbias kept in fp32 registers.
 
         ``WIDE=False`` (rows that fit one block): a 1-D grid of row groups; each row's two backward
@@ -179,7 +199,7 @@ if HAS_TRITON:
             prog = tl.program_id(0).to(tl.int64)
             cols = tl.arange(0, BLOCK)
         cm = cols < n
-        g = tl.load(G + cols, mask=cm, other=0.0)
+        g = _gain_at(G, cols, cm, HAS_G, ONE_PLUS_W, BEFORE)
         pg = tl.zeros([BLOCK], dtype=tl.float32)
         pb = tl.zeros([BLOCK], dtype=tl.float32)
         start = prog * group
@@ -217,7 +237,8 @@ if HAS_TRITON:
             tl.store(PB + prog * n + cols, pb, mask=cm)
 
     @triton.jit
-    def _bwd_rowdot_kernel(DY, X, G, STATS, ROWK, n, div, BLOCK: tl.constexpr, CENTER: tl.constexpr):
+    def _bwd_rowdot_kernel(DY, X, G, STATS, ROWK, n, div, BLOCK: tl.constexpr, CENTER: tl.constexpr,
+                           BEFORE: tl.constexpr, HAS_G: tl.constexpr, ONE_PLUS_W: tl.constexpr):  # fmt: skip
         """Wide rows, step 1: one program per row streams x and dy once for the row's two backward scalars."""
         row = tl.program_id(0).to(tl.int64)
         base = row * n
@@ -232,7 +253,8 @@ if HAS_TRITON:
             c = o + cols
             cm = c < n
             xc = tl.where(cm, tl.load(X + base + c, mask=cm, other=0.0).to(tl.float32) - mean, 0.0)
-            dxh = tl.load(DY + base + c, mask=cm, other=0.0).to(tl.float32) * tl.load(G + c, mask=cm, other=0.0)
+            dxh = tl.load(DY + base + c, mask=cm, other=0.0).to(tl.float32) * _gain_at(G, c, cm, HAS_G, ONE_PLUS_W,
+                                                                                          BEFORE)  # fmt: skip
             s1 += dxh
             s2 += dxh * xc
             s3 += xc
@@ -242,10 +264,9 @@ if HAS_TRITON:
         tl.store(ROWK + row * 2 + 1, off)
 
 
-def _gain(weight: Tensor | None, n: int, x: Tensor, before_gain: bool, one_plus_w: bool) -> Tensor:
-    from .ops import _gain as gain
-
-    return gain(weight, n, x.dtype, before_gain, one_plus_w, x.device)
+def _param(t: Tensor | None, like: Tensor) -> Tensor:
+    """A weight or bias as the kernels read it: flat and contiguous in its own dtype (``like`` stands in for none)."""
+    return t.reshape(-1).contiguous() if t is not None else like
 
 
 def norm_fwd(
@@ -262,8 +283,7 @@ def norm_fwd(
     res = residual.reshape(-1, n).contiguous() if residual is not None else None
     h = torch.empty_like(x2) if res is not None else x.new_empty(0)
     stats = torch.empty((rows, 3), dtype=torch.float32, device=x.device)
-    g = _gain(weight, n, x, before_gain, one_plus_w)
-    b = bias.reshape(-1).float().contiguous() if bias is not None else g
+    g, b = _param(weight, x2), _param(bias, x2)
     if rows:
         block, rpp, single = _blocks(n, rows)
         grid = (triton.cdiv(rows, rpp),)
@@ -271,7 +291,7 @@ def norm_fwd(
             x2, res if res is not None else x2, h if res is not None else x2, y, g, b, stats, rows, n,
             1.0 if l2 else float(n), float(eps), BLOCK=block, ROWS=rpp, SINGLE=single, CENTER=center,
             EPS_MODE=eps_mode, BEFORE=before_gain, HAS_RES=res is not None, HAS_B=bias is not None,
-            num_warps=_warps(block * rpp),
+            HAS_G=weight is not None, ONE_PLUS_W=one_plus_w, num_warps=_warps(block * rpp),
         )  # fmt: skip
     return y.reshape(x.shape), (h.reshape(x.shape) if res is not None else h), stats
 
@@ -287,10 +307,11 @@ def norm_bwd(
     dr = dres.reshape(-1, n).contiguous() if dres is not None else None
     rows = x2.shape[0]
     dx = torch.empty_like(x2)
-    g = _gain(weight, n, x, before_gain, one_plus_w)
+    g = _param(weight, x2)
     block, _, single = _blocks(n, rows)
     div = 1.0 if l2 else float(n)
-    flags = {"BEFORE": before_gain, "HAS_DRES": dr is not None, "NEED_DG": need_dg, "NEED_DB": need_db}
+    gain = {"BEFORE": before_gain, "HAS_G": weight is not None, "ONE_PLUS_W": one_plus_w}
+    flags = {**gain, "HAS_DRES": dr is not None, "NEED_DG": need_dg, "NEED_DB": need_db}
     if single:  # one pass per row; a few programs per SM walk the rows
         programs = max(1, min(rows, _programs(x.device)))
         rows_per_prog = math.ceil(rows / programs) if rows else 0
@@ -299,8 +320,10 @@ def norm_bwd(
         col_blocks = triton.cdiv(n, tile)
         programs = max(1, min(rows, triton.cdiv(_programs(x.device), col_blocks)))  # row groups
         rows_per_prog = math.ceil(rows / programs) if rows else 0
-    pg = torch.zeros((programs, n) if need_dg else (1, 1), dtype=torch.float32, device=x.device)
-    pb = torch.zeros((programs, n) if need_db else (1, 1), dtype=torch.float32, device=x.device)
+    # every program writes its whole partial row (zeros when it has no rows), so no memset is needed but for no rows
+    alloc = torch.empty if rows else torch.zeros
+    pg = alloc((programs, n) if need_dg else (1, 1), dtype=torch.float32, device=x.device)
+    pb = alloc((programs, n) if need_db else (1, 1), dtype=torch.float32, device=x.device)
     if rows and single:
         _bwd_kernel[(programs,)](
             dy2, x2, dr if dr is not None else dy2, dx, g, stats, stats, pg, pb, rows, n, div, rows_per_prog,
@@ -308,7 +331,7 @@ def norm_bwd(
         )  # fmt: skip
     elif rows:
         rowk = torch.empty((rows, 2), dtype=torch.float32, device=x.device)
-        _bwd_rowdot_kernel[(rows,)](dy2, x2, g, stats, rowk, n, div, BLOCK=block, CENTER=center, num_warps=16)
+        _bwd_rowdot_kernel[(rows,)](dy2, x2, g, stats, rowk, n, div, BLOCK=block, CENTER=center, **gain, num_warps=16)
         _bwd_kernel[(col_blocks, programs)](
             dy2, x2, dr if dr is not None else dy2, dx, g, stats, rowk, pg, pb, rows, n, div, rows_per_prog,
             BLOCK=tile, WIDE=True, CENTER=center, **flags, num_warps=_warps(tile),
