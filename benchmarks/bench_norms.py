@@ -126,6 +126,16 @@ def targets(rows: list[dict], stat: str = "ms") -> list[dict]:
                 if pairs["compile_pair"] == pairs["compile_pair"]:
                     what = f"(context) add+rms {mode} {size} {dt}: best eager pair / ours"
                     add(what, eager, o, ">= 1.3", eager / o >= 1.3)
+    for size, shape in SIZES.items():  # ours in Llama's cast order against the HF-style formula it reproduces
+        for dt in ("float32", "bfloat16"):
+            for mode in ("fwd", "fwdbwd"):
+                h, o = (
+                    _ms(rows, stat, "rms", mode, shape, dt, "hf"),
+                    _ms(rows, stat, "rms", mode, shape, dt, "ours_llama"),
+                )
+                if h == h and o == o:
+                    out.append({"target": f"(context) rms {mode} {size} {dt}: HF-style eager / ours_llama",
+                                "ratio": f"{h / o:.2f}", "want": "-", "met": "-"})  # fmt: skip
     for size, shape in SIZES.items():  # torch.compile side by side (context, not a target)
         for dt in ("float32", "bfloat16"):
             for op in ("rms", "layer", "add_rms"):
@@ -176,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict] = []
     for op in ops:
         shapes = [(16384, 128)] if op == "qk" else list(SIZES.values())
-        providers = ["ours", "torch", "hf", "compile_pair", "floor"] if args.quick else None
+        providers = ["ours", "ours_llama", "torch", "hf", "compile_pair", "floor"] if args.quick else None
         rows += run_bench(op, shapes, [torch.float32, torch.bfloat16], ["fwd", "bwd", "fwdbwd"],
                           providers=providers, repeats=args.repeats, min_time=args.min_time,
                           progress=lambda s: print(f"# {s}", file=sys.stderr))  # fmt: skip

@@ -58,7 +58,11 @@ def bench(args: argparse.Namespace) -> int:
     dtypes = [getattr(torch, d) for d in (args.dtype or ["float32", "bfloat16"])]
     providers = args.provider
     if args.no_compile:
-        providers = [p for p in (providers or ["ours", "torch", "hf", "liger", "floor"]) if not p.startswith("compile")]
+        providers = [
+            p
+            for p in (providers or ["ours", "ours_llama", "torch", "hf", "liger", "floor"])
+            if not p.startswith("compile")
+        ]
     info = build_info() if args.device == "cpu" else {}
     print(f"# kernels: {info}  threads={torch.get_num_threads()}", file=sys.stderr)
     rows = run_bench(

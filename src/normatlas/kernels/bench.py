@@ -1,6 +1,7 @@
 """Side-by-side timing of the fused kernels against their peers, in one process.
 
-Providers: ``ours`` (normatlas.kernels), ``torch`` (the native op: ``F.rms_norm`` /
+Providers: ``ours`` (normatlas.kernels), ``ours_llama`` (rms and qk: ours in HF Llama's cast order,
+``weight * x_hat.to(dtype)``, the same function as ``hf``), ``torch`` (the native op: ``F.rms_norm`` /
 ``F.layer_norm``; for the add variants ``x + r`` then that op), ``hf`` (the HF-style eager
 reference: ``w * (x.float() * rsqrt(mean(x^2) + eps)).to(dtype)``, after ``x + r`` for the add
 variants), ``compile`` (``torch.compile(dynamic=True)`` of the HF-style code; for add+RMSNorm
@@ -53,6 +54,7 @@ def _hf_ln(x: Tensor, w: Tensor, b: Tensor, eps: float) -> Tensor:
 
 
 def _providers(op: str, device: str) -> dict[str, Fn]:
+    from ..spec import CastOrder
     from . import fused_add_layer_norm, fused_add_rms_norm, fused_layer_norm, fused_rms_norm
 
     eps = 1e-6
@@ -63,6 +65,7 @@ def _providers(op: str, device: str) -> dict[str, Fn]:
     if op in ("rms", "qk"):
         out: dict[str, Fn] = {
             "ours": lambda x, r, w, b: fused_rms_norm(x, x.shape[-1], w, eps),
+            "ours_llama": lambda x, r, w, b: fused_rms_norm(x, x.shape[-1], w, eps, cast_order=CastOrder.BEFORE_GAIN),
             "torch": lambda x, r, w, b: F.rms_norm(x, (x.shape[-1],), w, eps),
             "hf": lambda x, r, w, b: _hf_rms(x, w, eps),
         }
