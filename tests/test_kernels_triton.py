@@ -26,6 +26,20 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: {"atol": 1e-5, "rtol": 1e-5}, torch.float16: {"atol": 2e-3, "rtol": 2e-3}}
 
 
+def _backward_matches_eager(
+    dy: torch.Tensor, src: torch.Tensor, w: torch.Tensor | None, b: torch.Tensor | None, st: torch.Tensor,
+    dres: torch.Tensor | None, case: tuple, tol: dict,
+) -> None:  # fmt: skip
+    """The Triton backward's dx, dgain and dbias against the eager reference's, scaled to each output's size."""
+    center, _, before, one_plus_w, l2, _, _ = case
+    flags = (center, before, one_plus_w, l2, w is not None, b is not None)
+    got = triton_kernels.norm_bwd(dy, src, w, st, dres, *flags)
+    want = ops.eager_bwd(dy, src, w, st, dres, *flags)
+    for a, e, what in zip(got, want, ("dx", "dgain", "dbias"), strict=False):
+        scale = max(1.0, float(e.abs().max())) if e.numel() else 1.0
+        torch.testing.assert_close(a.float(), e.float(), atol=tol["atol"] * scale, rtol=tol["rtol"], msg=what)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("rows,n", [(7, 37), (5, 256), (2, 8200), (0, 16)], ids=str)
 @pytest.mark.parametrize("case", triton_kernels.CASES, ids=str)
@@ -43,14 +57,7 @@ def test_triton_matches_eager(case: tuple, rows: int, n: int, dtype: torch.dtype
     torch.testing.assert_close(st, ste, atol=1e-5, rtol=1e-5)
     if has_res:
         torch.testing.assert_close(h, he, atol=0, rtol=0)
-    src = h if has_res else x
-    flags = (center, before, one_plus_w, l2, True, has_bias)
-    got = triton_kernels.norm_bwd(dy, src, w, st, r, *flags)
-    want = ops.eager_bwd(dy, src, w, st, r, *flags)
-    for a, e, what in zip(got, want, ("dx", "dgain", "dbias"), strict=False):
-        scale = max(1.0, float(e.abs().max())) if e.numel() else 1.0
-        torch.testing.assert_close(a.float(), e.float(), atol=TOL[dtype]["atol"] * scale, rtol=TOL[dtype]["rtol"],
-                                   msg=what)  # fmt: skip
+    _backward_matches_eager(dy, h if has_res else x, w, b, st, r, case, TOL[dtype])
 
 
 @pytest.mark.parametrize("weight", ["none", "float32"])
@@ -70,13 +77,7 @@ def test_triton_reads_the_weight_in_its_own_dtype(case: tuple, rows: int, n: int
     y, h, st = triton_kernels.norm_fwd(x, r, w, b, *args)
     ye, _, _ = ops.eager_fwd(x, r, w, b, *args)
     torch.testing.assert_close(y, ye, **TOL[torch.float16])
-    src = h if has_res else x
-    flags = (center, before, one_plus_w, l2, w is not None, has_bias)
-    got = triton_kernels.norm_bwd(dy, src, w, st, r, *flags)
-    want = ops.eager_bwd(dy, src, w, st, r, *flags)
-    for a, e, what in zip(got, want, ("dx", "dgain", "dbias"), strict=False):
-        scale = max(1.0, float(e.abs().max())) if e.numel() else 1.0
-        torch.testing.assert_close(a.float(), e.float(), atol=2e-3 * scale, rtol=2e-3, msg=what)
+    _backward_matches_eager(dy, h if has_res else x, w, b, st, r, case, TOL[torch.float16])
 
 
 def test_short_rows_pack_several_per_program() -> None:
