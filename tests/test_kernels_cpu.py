@@ -402,6 +402,27 @@ def test_normalized_shape_must_match_the_input() -> None:
         FusedRMSNorm(16)(x)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n", [3, 16, 100, 512, 513, 2051])
+@pytest.mark.parametrize("name", ["rms", "rms_eps_outside", "rms_clamp", "ln", "ln_before_gain"])
+def test_rows_are_batch_invariant(name: str, n: int, dtype: torch.dtype) -> None:
+    """A row's output and statistics are the same bits computed alone or among any others (short rows take their
+    statistics 8 rows at a time, longer ones a row at a time), with and without the residual add; zero rows too."""
+    spec = SPECS[name]
+    gen = torch.Generator().manual_seed(5)
+    x = (torch.randn(29, n, generator=gen, dtype=torch.float64) * 3 + 0.5).to(dtype)
+    x[4] = 0
+    r = torch.randn(29, n, generator=gen, dtype=torch.float64).to(dtype)
+    w, b = _params(spec, (n,), dtype, gen)
+    y_all, h_all = fused_normalize(x, spec, w, b, residual=r)
+    y_plain = fused_normalize(x, spec, w, b)
+    for i in (0, 4, 7, 8, 13, 28):
+        y_i, h_i = fused_normalize(x[i : i + 1], spec, w, b, residual=r[i : i + 1])
+        assert torch.equal(y_all[i : i + 1], y_i) and torch.equal(h_all[i : i + 1], h_i), i
+        assert torch.equal(y_plain[i : i + 1], fused_normalize(x[i : i + 1], spec, w, b)), i
+        assert torch.equal(y_plain[i:], fused_normalize(x[i:], spec, w, b)), i  # groups starting at another row
+
+
 @pytest.mark.parametrize("case", ["offset_1e4", "massive_activation", "tiny_spread_1e3"])
 def test_layer_norm_statistics_as_accurate_as_torch(case: str) -> None:
     """The fp32 LayerNorm statistics (corrected two-pass) stay within 2x torch's own error against float64.

@@ -92,6 +92,25 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
+// hsum of eight vectors at once: lane r of the result is hsum(v[r]), added in the same order (bit for bit), for the
+// row groups of short rows (row_stats8). hsum adds t_k = v[k] + v[k + 4], then (t_0 + t_2) + (t_1 + t_3).
+inline __m256 hsum8(const __m256* v) {
+  __m256 t[4];  // t[i]: t_0..3 of v[2i] in the low half, of v[2i + 1] in the high half
+  for (int i = 0; i < 4; ++i) {
+    t[i] = _mm256_add_ps(_mm256_permute2f128_ps(v[2 * i], v[2 * i + 1], 0x20),
+                         _mm256_permute2f128_ps(v[2 * i], v[2 * i + 1], 0x31));
+  }
+  // p = t_0 + t_2 and q = t_1 + t_3: low half [p, q of v0; p, q of v2], high half the same of v1, v3 (and v4..v7)
+  const __m256 c = _mm256_add_ps(_mm256_shuffle_ps(t[0], t[1], _MM_SHUFFLE(1, 0, 1, 0)),
+                                 _mm256_shuffle_ps(t[0], t[1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m256 d = _mm256_add_ps(_mm256_shuffle_ps(t[2], t[3], _MM_SHUFFLE(1, 0, 1, 0)),
+                                 _mm256_shuffle_ps(t[2], t[3], _MM_SHUFFLE(3, 2, 3, 2)));
+  // p + q: lanes in the order v0, v2, v4, v6, v1, v3, v5, v7, put back in row order
+  const __m256 e = _mm256_add_ps(_mm256_shuffle_ps(c, d, _MM_SHUFFLE(2, 0, 2, 0)),
+                                 _mm256_shuffle_ps(c, d, _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm256_permutevar8x32_ps(e, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
 struct F32 {
   using raw = float;
   static constexpr bool kWide = false;  // memory-bound at either width: stays at 256 bits
@@ -305,8 +324,9 @@ inline void split16(const uint16_t* p, __m256& even, __m256& odd) {
 
 // Sum of squares of a row with four independent accumulators (so the FMAs pipeline). With a residual,
 // h = x + r rounded to the storage dtype is written out and its rounded value is what is summed.
+// sumsq_v: its lanes before the final hsum (row_stats8 adds eight rows' lanes at once).
 template <class V> NORMATLAS_ROW
-inline float sumsq(const typename V::raw* x, const typename V::raw* r, typename V::raw* h, int64_t n) {
+inline __m256 sumsq_v(const typename V::raw* x, const typename V::raw* r, typename V::raw* h, int64_t n) {
   __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
   auto val = [&](int64_t j, mask8 m) { return input_at<V>(x, r, h, j, m); };
   int64_t j = 0;
@@ -349,7 +369,12 @@ inline float sumsq(const typename V::raw* x, const typename V::raw* r, typename 
     const __m256 v = val(j, m);
     a0 = _mm256_fmadd_ps(v, v, a0);
   }
-  return hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+  return _mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3));
+}
+
+template <class V>
+inline float sumsq(const typename V::raw* x, const typename V::raw* r, typename V::raw* h, int64_t n) {
+  return hsum(sumsq_v<V>(x, r, h, n));
 }
 
 // Mean and sum of squared deviations by the corrected two-pass algorithm (Chan, Golub & LeVeque 1983): a sum
@@ -358,10 +383,10 @@ inline float sumsq(const typename V::raw* x, const typename V::raw* r, typename 
 // reads L1, and a massive activation in one channel does not cancel digits as a one-pass sum of squares does.
 // bf16 rows are summed de-interleaved (split16): the bf16 LayerNorm forward took 0.86-0.94x the time of widening
 // each element in order (256 x 4096, 2048 x 4096, 4096 x 256; builds interleaved in one process, 2 threads).
+// In two stages for row_stats8: moments_sum (the first pass's lanes, h written) and moments_dev (the deviation pass's
+// lanes about the first mean).
 template <class V> NORMATLAS_ROW
-inline void moments(const typename V::raw* x, const typename V::raw* r, typename V::raw* h, int64_t n, float& mean,
-                    float& m2) {
-  const typename V::raw* src = r ? h : x;
+inline __m256 moments_sum(const typename V::raw* x, const typename V::raw* r, typename V::raw* h, int64_t n) {
   __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
   auto val = [&](int64_t j, mask8 m) { return input_at<V>(x, r, h, j, m); };
   int64_t j = 0;
@@ -391,12 +416,16 @@ inline void moments(const typename V::raw* x, const typename V::raw* r, typename
     }
   }
   for (; j < n; j += 8) a0 = _mm256_add_ps(a0, val(j, j + 8 <= n ? static_cast<mask8>(0xff) : tail_mask(n - j)));
-  const float mu0 = hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3))) / static_cast<float>(n);
+  return _mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3));
+}
+
+template <class V> NORMATLAS_ROW
+inline void moments_dev(const typename V::raw* src, int64_t n, float mu0, __m256& sq_v, __m256& sd_v) {
   const __m256 mu = _mm256_set1_ps(mu0);
   // four independent chains each for the squares and the deviations, so the FMA latency stays hidden
   __m256 q[4], d[4];
   for (int k = 0; k < 4; ++k) q[k] = d[k] = _mm256_setzero_ps();
-  j = 0;
+  int64_t j = 0;
   if constexpr (std::is_same_v<V, BF16>) {
     for (; j + 32 <= n; j += 32) {
       __m256 v[4];
@@ -424,10 +453,73 @@ inline void moments(const typename V::raw* x, const typename V::raw* r, typename
   }
   const __m256 q0 = _mm256_add_ps(q[0], q[1]), q1 = _mm256_add_ps(q[2], q[3]);
   const __m256 d0 = _mm256_add_ps(d[0], d[1]), d1 = _mm256_add_ps(d[2], d[3]);
-  const float sd = hsum(_mm256_add_ps(d0, d1));
-  const float sq = hsum(_mm256_add_ps(q0, q1));
+  sd_v = _mm256_add_ps(d0, d1);
+  sq_v = _mm256_add_ps(q0, q1);
+}
+
+template <class V>
+inline void moments(const typename V::raw* x, const typename V::raw* r, typename V::raw* h, int64_t n, float& mean,
+                    float& m2) {
+  const float mu0 = hsum(moments_sum<V>(x, r, h, n)) / static_cast<float>(n);
+  __m256 sq_v, sd_v;
+  moments_dev<V>(r ? h : x, n, mu0, sq_v, sd_v);
+  const float sd = hsum(sd_v);
+  const float sq = hsum(sq_v);
   mean = mu0 + sd / static_cast<float>(n);
   m2 = std::max(0.f, sq - sd * sd / static_cast<float>(n));
+}
+
+// The statistics of `rows` (at most 8) consecutive short rows at once, written as (mean, rstd, d rstd / d ms) to
+// st[3 i ..]: each row's lanes as moments / sumsq leave them, the eight horizontal sums in one hsum8 and the scale in
+// vector arithmetic, the same operations in the same order as a row at a time (bit for bit), so that the adds of
+// one row no longer wait on the previous row's horizontal sums, square root and division.
+template <class V> NORMATLAS_ROW
+inline void row_stats8(const typename V::raw* x, const typename V::raw* r, typename V::raw* h, int64_t n,
+                       int64_t rows, bool center, float eps, float div, int64_t eps_mode, float* st) {
+  __m256 a[8], b[8];
+  for (int i = 0; i < 8; ++i) a[i] = b[i] = _mm256_setzero_ps();
+  const __m256 nf = _mm256_set1_ps(static_cast<float>(n));
+  __m256 mean = _mm256_setzero_ps(), ss;
+  if (center) {
+    for (int64_t i = 0; i < rows; ++i) a[i] = moments_sum<V>(x + i * n, r ? r + i * n : nullptr, r ? h + i * n : nullptr, n);
+    alignas(32) float mu0[8];
+    const __m256 mu = _mm256_div_ps(hsum8(a), nf);
+    _mm256_store_ps(mu0, mu);
+    for (int64_t i = 0; i < rows; ++i) moments_dev<V>((r ? h : x) + i * n, n, mu0[i], a[i], b[i]);
+    const __m256 sq = hsum8(a), sd = hsum8(b);
+    mean = _mm256_add_ps(mu, _mm256_div_ps(sd, nf));
+    ss = _mm256_max_ps(_mm256_sub_ps(sq, _mm256_div_ps(_mm256_mul_ps(sd, sd), nf)), _mm256_setzero_ps());
+  } else {
+    for (int64_t i = 0; i < rows; ++i) a[i] = sumsq_v<V>(x + i * n, r ? r + i * n : nullptr, r ? h + i * n : nullptr, n);
+    ss = hsum8(a);
+  }
+  const __m256 ms = _mm256_div_ps(ss, _mm256_set1_ps(div)), e = _mm256_set1_ps(eps), one = _mm256_set1_ps(1.f);
+  const __m256 half = _mm256_set1_ps(-0.5f), zero = _mm256_setzero_ps();
+  __m256 rs, dr;
+  if (eps_mode == normatlas::INSIDE) {
+    rs = _mm256_div_ps(one, _mm256_sqrt_ps(_mm256_add_ps(ms, e)));
+    dr = _mm256_mul_ps(_mm256_mul_ps(_mm256_mul_ps(half, rs), rs), rs);
+  } else {
+    const __m256 s = _mm256_sqrt_ps(ms);
+    const __m256 pos = _mm256_cmp_ps(s, zero, _CMP_GT_OQ);
+    if (eps_mode == normatlas::OUTSIDE) {
+      rs = _mm256_div_ps(one, _mm256_add_ps(s, e));
+      dr = _mm256_and_ps(pos, _mm256_div_ps(_mm256_mul_ps(_mm256_mul_ps(half, rs), rs), s));
+    } else {  // a clamp: 1 / (s > eps ? s : eps), which is what MAXPS computes (NaN s included)
+      rs = _mm256_div_ps(one, _mm256_max_ps(s, e));
+      const __m256 live = _mm256_and_ps(_mm256_cmp_ps(s, e, _CMP_GE_OQ), pos);
+      dr = _mm256_and_ps(live, _mm256_div_ps(half, _mm256_mul_ps(_mm256_mul_ps(s, s), s)));
+    }
+  }
+  alignas(32) float m8[8], r8[8], d8[8];
+  _mm256_store_ps(m8, mean);
+  _mm256_store_ps(r8, rs);
+  _mm256_store_ps(d8, dr);
+  for (int64_t i = 0; i < rows; ++i) {
+    st[3 * i] = m8[i];
+    st[3 * i + 1] = r8[i];
+    st[3 * i + 2] = d8[i];
+  }
 }
 
 #if NORMATLAS_VEC512
@@ -507,25 +599,50 @@ inline void write_row(const typename V::raw* src, typename V::raw* y, const type
   each8(n - j, [&](int64_t k, mask8 m) { store<V>(y + j + k, affine(load<V>(src + j + k, m), j + k, m), m); });
 }
 
-template <class V, class P>
-using WriteFn = void (*)(const typename V::raw*, typename V::raw*, const typename P::raw*, const typename P::raw*,
-                         float, float, int64_t, const typename V::raw*, const typename V::raw*, bool);
+// A group of at most 8 short rows, start to end: their statistics (row_stats8, into st) and then their outputs, in
+// one call (the per-row call of write_row, its setup and its argument passing cost as much as a 16-wide row).
+template <class V, class P, bool C, bool BG, bool B> NORMATLAS_ROW
+inline void write_group(const typename V::raw* x, const typename V::raw* r, typename V::raw* h, typename V::raw* y,
+                        const typename P::raw* g, const typename P::raw* b, float* st, int64_t rows, int64_t n,
+                        float eps, float div, int64_t eps_mode, bool nt) {
+  row_stats8<V>(x, r, h, n, rows, C, eps, div, eps_mode, st);
+  const typename V::raw* src = r ? h : x;
+  for (int64_t i = 0; i < rows; ++i) {
+    write_row<V, P, C, BG, B>(src + i * n, y + i * n, g, b, st[3 * i], st[3 * i + 1], n, nullptr, nullptr, nt);
+  }
+}
 
 template <class V, class P>
-inline WriteFn<V, P> pick_writer(bool center, bool before_gain, bool bias) {
+struct Writer {
+  void (*row)(const typename V::raw*, typename V::raw*, const typename P::raw*, const typename P::raw*, float, float,
+              int64_t, const typename V::raw*, const typename V::raw*, bool);
+  void (*group)(const typename V::raw*, const typename V::raw*, typename V::raw*, typename V::raw*,
+                const typename P::raw*, const typename P::raw*, float*, int64_t, int64_t, float, float, int64_t, bool);
+};
+
+// A half-precision model's own parameters are read as they are only by threads with a few rows (kNativeRows in
+// norm_kernels.cpp), which need no groups: no write_group for them.
+template <class V, class P, bool C, bool BG, bool B>
+constexpr Writer<V, P> writer() {
+  if constexpr (std::is_same_v<P, V> && !std::is_same_v<V, F32>) return {write_row<V, P, C, BG, B>, nullptr};
+  else return {write_row<V, P, C, BG, B>, write_group<V, P, C, BG, B>};
+}
+
+template <class V, class P>
+inline Writer<V, P> pick_writer(bool center, bool before_gain, bool bias) {
   if constexpr (std::is_same_v<P, NoGain>) {  // no bias either; a cast before a gain of 1 is the cast after it
-    return center ? write_row<V, P, true, false, false> : write_row<V, P, false, false, false>;
+    return center ? writer<V, P, true, false, false>() : writer<V, P, false, false, false>();
   }
   const int k = (center ? 4 : 0) | (before_gain ? 2 : 0) | (bias ? 1 : 0);
   switch (k) {
-    case 0: return write_row<V, P, false, false, false>;
-    case 1: return write_row<V, P, false, false, true>;
-    case 2: return write_row<V, P, false, true, false>;
-    case 3: return write_row<V, P, false, true, true>;
-    case 4: return write_row<V, P, true, false, false>;
-    case 5: return write_row<V, P, true, false, true>;
-    case 6: return write_row<V, P, true, true, false>;
-    default: return write_row<V, P, true, true, true>;
+    case 0: return writer<V, P, false, false, false>();
+    case 1: return writer<V, P, false, false, true>();
+    case 2: return writer<V, P, false, true, false>();
+    case 3: return writer<V, P, false, true, true>();
+    case 4: return writer<V, P, true, false, false>();
+    case 5: return writer<V, P, true, false, true>();
+    case 6: return writer<V, P, true, true, false>();
+    default: return writer<V, P, true, true, true>();
   }
 }
 

@@ -157,6 +157,9 @@ void with_param_type(const normatlas::Param& gain, bool bias, bool bias_native, 
   body(vec::F32{});
 }
 
+// Rows of at most this many bytes take their statistics 8 rows at a time (vec::row_stats8).
+constexpr int64_t kGroupRowBytes = 2048;
+
 template <class V>
 void fwd_impl_v(const typename V::raw* xp, const typename V::raw* rp, typename V::raw* hp, typename V::raw* yp,
                 const normatlas::Param& gain, const normatlas::Param& bias, float* sp, int64_t rows, int64_t n,
@@ -168,12 +171,20 @@ void fwd_impl_v(const typename V::raw* xp, const typename V::raw* rp, typename V
   const bool stream = streams_from_memory(rows * n * static_cast<int64_t>(sizeof(R)) * (rp ? 2 : 1));
   const bool nt = stream && pages_mapped(yp, rows * n * static_cast<int64_t>(sizeof(R)));
   const bool has_bias = bias.data != nullptr, bias_native = !has_bias || bias.dtype == gain.dtype;
+  const bool grouped = n * static_cast<int64_t>(sizeof(R)) <= kGroupRowBytes;
   over_rows(parallel, rows, grain, [&](int64_t begin, int64_t end) {
     with_param_type<V>(gain, has_bias, bias_native, end - begin, [&](auto p_tag) {
       using P = decltype(p_tag);
       const auto write = vec::pick_writer<V, P>(center, before_gain, has_bias);
       const auto* gp = param_row<P>(gain, 0, n);
       const auto* bp = param_row<P>(bias, 1, n, true);
+      if (grouped && write.group) {  // short rows: the statistics of 8 rows at a time, then their outputs
+        for (int64_t i = begin; i < end; i += 8) {
+          write.group(xp + i * n, rp ? rp + i * n : nullptr, rp ? hp + i * n : nullptr, yp + i * n, gp, bp, sp + 3 * i,
+                      std::min<int64_t>(8, end - i), n, eps, div, eps_mode, nt);
+        }
+        return;
+      }
       for (int64_t i = begin; i < end; ++i) {
         const R* xr = xp + i * n;
         const R* rr = rp ? rp + i * n : nullptr;
@@ -187,7 +198,7 @@ void fwd_impl_v(const typename V::raw* xp, const typename V::raw* rp, typename V
         sp[3 * i + 1] = r;
         sp[3 * i + 2] = drdms;
         const bool more = stream && i + 1 < end;
-        write(rp ? hr : xr, yp + i * n, gp, bp, mean, r, n, more ? xr + n : nullptr, more && rp ? rr + n : nullptr,
+        write.row(rp ? hr : xr, yp + i * n, gp, bp, mean, r, n, more ? xr + n : nullptr, more && rp ? rr + n : nullptr,
               nt);
       }
     });
