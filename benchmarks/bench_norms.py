@@ -47,7 +47,7 @@ import torch
 
 from normatlas.cli._format import format_rows
 from normatlas.kernels import build_info
-from normatlas.kernels.bench import run_bench
+from normatlas.kernels.bench import reuse_freed_memory, run_bench
 
 SIZES = {"cache": (256, 4096), "dram": (2048, 4096)}  # 4 MiB fp32 sits in L3; 32 MiB does not
 
@@ -141,20 +141,6 @@ def targets(rows: list[dict], stat: str = "ms") -> list[dict]:
     return out
 
 
-def _reuse_freed_memory() -> str:
-    """Keep freed blocks of any size in the heap (glibc ``mallopt``): no page faults on reused outputs."""
-    import ctypes
-    import ctypes.util
-
-    name = ctypes.util.find_library("c")
-    if not name:
-        return "default (no libc found)"
-    libc = ctypes.CDLL(name)
-    m_trim_threshold, m_mmap_threshold = -1, -3
-    ok = libc.mallopt(m_mmap_threshold, 1 << 30) == 1 and libc.mallopt(m_trim_threshold, 1 << 31) == 1
-    return "reuse (mallopt: mmap threshold 1 GiB, trim threshold 2 GiB)" if ok else "default (mallopt refused)"
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument(
@@ -168,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--alloc", choices=("default", "reuse"), default="default",
                    help="reuse: keep freed outputs in the heap (no page faults), see above")  # fmt: skip
     args = p.parse_args(argv)
-    alloc = _reuse_freed_memory() if args.alloc == "reuse" else "default (glibc)"
+    alloc = reuse_freed_memory() if args.alloc == "reuse" else "default (glibc)"
     if args.threads:
         torch.set_num_threads(args.threads)
     thp = os.environ.get("THP_MEM_ALLOC_ENABLE", "0")

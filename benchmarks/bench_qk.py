@@ -5,6 +5,7 @@ cost, and ``qk_rms_norm`` (one parallel region over the rows of both tensors) be
 ``F.rms_norm`` twice; at prefill sizes the three fused variants converge. Command::
 
     .venv/bin/python benchmarks/bench_qk.py              # ~20 s on 2 cores
+    .venv/bin/python benchmarks/bench_qk.py --alloc reuse  # freed outputs kept in the heap (no fresh pages)
 
 Providers are interleaved in a fresh seeded random order every round; medians of all rounds are
 reported in microseconds with the ratio to ``qk_rms_norm``. Writes ``results/bench_qk_cpu.csv``.
@@ -27,6 +28,7 @@ import torch.nn.functional as F
 
 from normatlas.cli._format import format_rows
 from normatlas.kernels import fused_rms_norm, qk_rms_norm
+from normatlas.kernels.bench import reuse_freed_memory
 
 # (batch, tokens) with 32 query heads and 8 key/value heads of 128 (Llama-3-8B / Qwen3-8B-like GQA)
 CASES = {"decode": (1, 1), "decode_batch8": (8, 1), "prefill_256": (1, 256)}
@@ -51,8 +53,12 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=2000, help="interleaved rounds (fewer for prefill, see below)")
     p.add_argument("--out", type=Path, default=Path("results/bench_qk_cpu.csv"))
+    p.add_argument("--alloc", choices=("default", "reuse"), default="default",
+                   help="reuse: keep freed blocks in the heap (as bench_norms.py --alloc reuse)")  # fmt: skip
     args = p.parse_args(argv)
-    print(f"# torch {torch.__version__}  threads={torch.get_num_threads()}  load: {os.getloadavg()}", file=sys.stderr)
+    alloc = reuse_freed_memory() if args.alloc == "reuse" else "default (glibc)"
+    print(f"# torch {torch.__version__}  threads={torch.get_num_threads()}  allocator: {alloc}  "
+          f"load: {os.getloadavg()}", file=sys.stderr)  # fmt: skip
     rows: list[dict[str, Any]] = []
     for case, (batch, tokens) in CASES.items():
         for dtype in (torch.bfloat16, torch.float32):

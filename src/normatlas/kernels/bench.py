@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["MODES", "OPS", "run_bench"]
+__all__ = ["MODES", "OPS", "reuse_freed_memory", "run_bench"]
 
 OPS = ("rms", "layer", "add_rms", "add_layer", "qk")
 MODES = ("fwd", "bwd", "fwdbwd")
@@ -153,6 +153,25 @@ def _bytes(op: str, mode: str, numel: int, itemsize: int) -> int:
     fwd = (4 if add else 2) * numel * itemsize  # read x (and r); write y (and h)
     bwd = (4 if add else 3) * numel * itemsize  # read x, dy (and dh); write dx
     return {"fwd": fwd, "bwd": bwd, "fwdbwd": fwd + bwd}[mode]
+
+
+def reuse_freed_memory() -> str:
+    """Keep freed blocks of any size in the heap (glibc ``mallopt``): no page faults on reused outputs.
+
+    The steady state of a loop that reuses its buffers; without it, glibc hands large freed blocks back to the
+    system and a later output arrives as freshly faulted pages. Returns a description of the regime for the
+    benchmark's header.
+    """
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    if not name:
+        return "default (no libc found)"
+    libc = ctypes.CDLL(name)
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    ok = libc.mallopt(m_mmap_threshold, 1 << 30) == 1 and libc.mallopt(m_trim_threshold, 1 << 31) == 1
+    return "reuse (mallopt: mmap threshold 1 GiB, trim threshold 2 GiB)" if ok else "default (mallopt refused)"
 
 
 def run_bench(

@@ -600,15 +600,18 @@ inline void write_row(const typename V::raw* src, typename V::raw* y, const type
 }
 
 // A group of at most 8 short rows, start to end: their statistics (row_stats8, into st) and then their outputs, in
-// one call (the per-row call of write_row, its setup and its argument passing cost as much as a 16-wide row).
+// one call (the per-row call of write_row, its setup and its argument passing cost as much as a 16-wide row). With
+// `ahead` rows after the group (inputs streaming from memory), writing row i prefetches row i + 8.
 template <class V, class P, bool C, bool BG, bool B> NORMATLAS_ROW
 inline void write_group(const typename V::raw* x, const typename V::raw* r, typename V::raw* h, typename V::raw* y,
                         const typename P::raw* g, const typename P::raw* b, float* st, int64_t rows, int64_t n,
-                        float eps, float div, int64_t eps_mode, bool nt) {
+                        float eps, float div, int64_t eps_mode, int64_t ahead, bool nt) {
   row_stats8<V>(x, r, h, n, rows, C, eps, div, eps_mode, st);
   const typename V::raw* src = r ? h : x;
   for (int64_t i = 0; i < rows; ++i) {
-    write_row<V, P, C, BG, B>(src + i * n, y + i * n, g, b, st[3 * i], st[3 * i + 1], n, nullptr, nullptr, nt);
+    const bool more = i < ahead;
+    write_row<V, P, C, BG, B>(src + i * n, y + i * n, g, b, st[3 * i], st[3 * i + 1], n,
+                              more ? x + (i + 8) * n : nullptr, more && r ? r + (i + 8) * n : nullptr, nt);
   }
 }
 
@@ -617,7 +620,8 @@ struct Writer {
   void (*row)(const typename V::raw*, typename V::raw*, const typename P::raw*, const typename P::raw*, float, float,
               int64_t, const typename V::raw*, const typename V::raw*, bool);
   void (*group)(const typename V::raw*, const typename V::raw*, typename V::raw*, typename V::raw*,
-                const typename P::raw*, const typename P::raw*, float*, int64_t, int64_t, float, float, int64_t, bool);
+                const typename P::raw*, const typename P::raw*, float*, int64_t, int64_t, float, float, int64_t, int64_t,
+                bool);
 };
 
 // A half-precision model's own parameters are read as they are only by threads with a few rows (kNativeRows in

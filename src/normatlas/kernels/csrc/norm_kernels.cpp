@@ -180,8 +180,9 @@ void fwd_impl_v(const typename V::raw* xp, const typename V::raw* rp, typename V
       const auto* bp = param_row<P>(bias, 1, n, true);
       if (grouped && write.group) {  // short rows: the statistics of 8 rows at a time, then their outputs
         for (int64_t i = begin; i < end; i += 8) {
+          const int64_t rows_g = std::min<int64_t>(8, end - i), ahead = stream ? std::min<int64_t>(8, end - i - rows_g) : 0;
           write.group(xp + i * n, rp ? rp + i * n : nullptr, rp ? hp + i * n : nullptr, yp + i * n, gp, bp, sp + 3 * i,
-                      std::min<int64_t>(8, end - i), n, eps, div, eps_mode, nt);
+                      rows_g, n, eps, div, eps_mode, ahead, nt);
         }
         return;
       }
