@@ -322,9 +322,9 @@ inline void split16(const uint16_t* p, __m256& even, __m256& odd) {
   odd = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
 }
 
-// Sum of squares of a row with four independent accumulators (so the FMAs pipeline). With a residual,
-// h = x + r rounded to the storage dtype is written out and its rounded value is what is summed.
-// sumsq_v: its lanes before the final hsum (row_stats8 adds eight rows' lanes at once).
+// Sum of squares of a row with four independent accumulators (so the FMAs pipeline), as the 8 lanes left for the
+// final horizontal sum (row_stats8). With a residual, h = x + r rounded to the storage dtype is written out and its
+// rounded value is what is summed.
 template <class V> NORMATLAS_ROW
 inline __m256 sumsq_v(const typename V::raw* x, const typename V::raw* r, typename V::raw* h, int64_t n) {
   __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
@@ -372,19 +372,14 @@ inline __m256 sumsq_v(const typename V::raw* x, const typename V::raw* r, typena
   return _mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3));
 }
 
-template <class V>
-inline float sumsq(const typename V::raw* x, const typename V::raw* r, typename V::raw* h, int64_t n) {
-  return hsum(sumsq_v<V>(x, r, h, n));
-}
-
 // Mean and sum of squared deviations by the corrected two-pass algorithm (Chan, Golub & LeVeque 1983): a sum
 // for the mean, then sum (v - mean)^2 and sum (v - mean) over the now cached row, the second sum correcting the
 // rounding of the first mean. As accurate as Welford's update and cheaper (no division chain): the second pass
 // reads L1, and a massive activation in one channel does not cancel digits as a one-pass sum of squares does.
 // bf16 rows are summed de-interleaved (split16): the bf16 LayerNorm forward took 0.86-0.94x the time of widening
 // each element in order (256 x 4096, 2048 x 4096, 4096 x 256; builds interleaved in one process, 2 threads).
-// In two stages for row_stats8: moments_sum (the first pass's lanes, h written) and moments_dev (the deviation pass's
-// lanes about the first mean).
+// In two stages, as lanes for row_stats8's horizontal sums: moments_sum (the first pass, h written) and moments_dev
+// (the deviation pass about the first mean).
 template <class V> NORMATLAS_ROW
 inline __m256 moments_sum(const typename V::raw* x, const typename V::raw* r, typename V::raw* h, int64_t n) {
   __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
@@ -457,22 +452,10 @@ inline void moments_dev(const typename V::raw* src, int64_t n, float mu0, __m256
   sq_v = _mm256_add_ps(q0, q1);
 }
 
-template <class V>
-inline void moments(const typename V::raw* x, const typename V::raw* r, typename V::raw* h, int64_t n, float& mean,
-                    float& m2) {
-  const float mu0 = hsum(moments_sum<V>(x, r, h, n)) / static_cast<float>(n);
-  __m256 sq_v, sd_v;
-  moments_dev<V>(r ? h : x, n, mu0, sq_v, sd_v);
-  const float sd = hsum(sd_v);
-  const float sq = hsum(sq_v);
-  mean = mu0 + sd / static_cast<float>(n);
-  m2 = std::max(0.f, sq - sd * sd / static_cast<float>(n));
-}
-
-// The statistics of `rows` (at most 8) consecutive short rows at once, written as (mean, rstd, d rstd / d ms) to
-// st[3 i ..]: each row's lanes as moments / sumsq leave them, the eight horizontal sums in one hsum8 and the scale in
-// vector arithmetic, the same operations in the same order as a row at a time (bit for bit), so that the adds of
-// one row no longer wait on the previous row's horizontal sums, square root and division.
+// The statistics of `rows` (1 to 8) consecutive rows, written as (mean, rstd, d rstd / d ms) to st[3 i ..]: each
+// row's lanes (moments_sum / moments_dev, sumsq_v), the horizontal sums of up to eight rows in one hsum8 and the
+// scale (rows::scale_of's arithmetic) in vector registers. Short rows come 8 at a time (write_group), so that the adds
+// of one row no longer wait on the previous row's horizontal sums, square root and division; long rows one at a time.
 template <class V> NORMATLAS_ROW
 inline void row_stats8(const typename V::raw* x, const typename V::raw* r, typename V::raw* h, int64_t n,
                        int64_t rows, bool center, float eps, float div, int64_t eps_mode, float* st) {
@@ -481,7 +464,9 @@ inline void row_stats8(const typename V::raw* x, const typename V::raw* r, typen
   const __m256 nf = _mm256_set1_ps(static_cast<float>(n));
   __m256 mean = _mm256_setzero_ps(), ss;
   if (center) {
-    for (int64_t i = 0; i < rows; ++i) a[i] = moments_sum<V>(x + i * n, r ? r + i * n : nullptr, r ? h + i * n : nullptr, n);
+    for (int64_t i = 0; i < rows; ++i) {
+      a[i] = moments_sum<V>(x + i * n, r ? r + i * n : nullptr, r ? h + i * n : nullptr, n);
+    }
     alignas(32) float mu0[8];
     const __m256 mu = _mm256_div_ps(hsum8(a), nf);
     _mm256_store_ps(mu0, mu);
@@ -490,7 +475,9 @@ inline void row_stats8(const typename V::raw* x, const typename V::raw* r, typen
     mean = _mm256_add_ps(mu, _mm256_div_ps(sd, nf));
     ss = _mm256_max_ps(_mm256_sub_ps(sq, _mm256_div_ps(_mm256_mul_ps(sd, sd), nf)), _mm256_setzero_ps());
   } else {
-    for (int64_t i = 0; i < rows; ++i) a[i] = sumsq_v<V>(x + i * n, r ? r + i * n : nullptr, r ? h + i * n : nullptr, n);
+    for (int64_t i = 0; i < rows; ++i) {
+      a[i] = sumsq_v<V>(x + i * n, r ? r + i * n : nullptr, r ? h + i * n : nullptr, n);
+    }
     ss = hsum8(a);
   }
   const __m256 ms = _mm256_div_ps(ss, _mm256_set1_ps(div)), e = _mm256_set1_ps(eps), one = _mm256_set1_ps(1.f);
@@ -620,8 +607,8 @@ struct Writer {
   void (*row)(const typename V::raw*, typename V::raw*, const typename P::raw*, const typename P::raw*, float, float,
               int64_t, const typename V::raw*, const typename V::raw*, bool);
   void (*group)(const typename V::raw*, const typename V::raw*, typename V::raw*, typename V::raw*,
-                const typename P::raw*, const typename P::raw*, float*, int64_t, int64_t, float, float, int64_t, int64_t,
-                bool);
+                const typename P::raw*, const typename P::raw*, float*, int64_t, int64_t, float, float, int64_t,
+                int64_t, bool);
 };
 
 // A half-precision model's own parameters are read as they are only by threads with a few rows (kNativeRows in

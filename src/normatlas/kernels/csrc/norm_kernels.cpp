@@ -180,7 +180,8 @@ void fwd_impl_v(const typename V::raw* xp, const typename V::raw* rp, typename V
       const auto* bp = param_row<P>(bias, 1, n, true);
       if (grouped && write.group) {  // short rows: the statistics of 8 rows at a time, then their outputs
         for (int64_t i = begin; i < end; i += 8) {
-          const int64_t rows_g = std::min<int64_t>(8, end - i), ahead = stream ? std::min<int64_t>(8, end - i - rows_g) : 0;
+          const int64_t rows_g = std::min<int64_t>(8, end - i);
+          const int64_t ahead = stream ? std::min<int64_t>(8, end - i - rows_g) : 0;
           write.group(xp + i * n, rp ? rp + i * n : nullptr, rp ? hp + i * n : nullptr, yp + i * n, gp, bp, sp + 3 * i,
                       rows_g, n, eps, div, eps_mode, ahead, nt);
         }
@@ -190,17 +191,10 @@ void fwd_impl_v(const typename V::raw* xp, const typename V::raw* rp, typename V
         const R* xr = xp + i * n;
         const R* rr = rp ? rp + i * n : nullptr;
         R* hr = rp ? hp + i * n : nullptr;
-        float mean = 0.f, ss = 0.f;
-        if (center) vec::moments<V>(xr, rr, hr, n, mean, ss);
-        else ss = vec::sumsq<V>(xr, rr, hr, n);
-        float r, drdms;
-        scale_of<float>(ss / div, eps, eps_mode, r, drdms);
-        sp[3 * i] = mean;
-        sp[3 * i + 1] = r;
-        sp[3 * i + 2] = drdms;
+        vec::row_stats8<V>(xr, rr, hr, n, 1, center, eps, div, eps_mode, sp + 3 * i);
         const bool more = stream && i + 1 < end;
-        write.row(rp ? hr : xr, yp + i * n, gp, bp, mean, r, n, more ? xr + n : nullptr, more && rp ? rr + n : nullptr,
-              nt);
+        write.row(rp ? hr : xr, yp + i * n, gp, bp, sp[3 * i], sp[3 * i + 1], n, more ? xr + n : nullptr,
+                  more && rp ? rr + n : nullptr, nt);
       }
     });
     if (nt) _mm_sfence();  // order this thread's streaming stores before the result is handed back

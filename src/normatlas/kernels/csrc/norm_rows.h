@@ -70,9 +70,9 @@ template <> struct IO<c10::Half> {
 // torch's LayerNorm in the generic build).
 constexpr int64_t L = 64;
 
-// s plus the sum of K lane sums. The 64 lanes of rows of 256 or more fold as a tree of halves, each level one vector add
-// (one lane after another, 64 adds waited on each other); the 8 of shorter rows one after another, which was faster
-// than a tree there.
+// s plus the sum of K lane sums. The 64 lanes of rows of 256 or more fold as a tree of halves, each level one vector
+// add (one lane after another, 64 adds waited on each other); the 8 of shorter rows one after another, which was
+// faster than a tree there.
 template <int64_t K, typename A>
 inline A fold_lanes(A s, A* acc) {
   if constexpr (K >= 64) {
