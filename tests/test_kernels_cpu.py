@@ -373,6 +373,41 @@ def test_fast_path_equals_checked_path_and_keeps_autograd() -> None:
                 torch.testing.assert_close(gf, gs, atol=1e-10, rtol=1e-10, msg=what)
 
 
+def test_fast_path_declines_what_the_checked_path_must_see() -> None:
+    """The C++ plan's checks: anything off the CPU or shaped / typed unlike what the plan serves returns None, so
+    the checked path raises its informative error or falls back; what it serves runs."""
+    from normatlas.kernels import api
+
+    if cpu.extension() is None:
+        pytest.skip("no compiled kernels")
+    x, r, w, b = torch.randn(3, 8), torch.randn(3, 8), torch.randn(8), torch.randn(8)
+    ln, rms = SPECS["ln"], SPECS["rms"]
+    served = [(ln, x, None, w, b, (8,)), (ln, x, r, w, b, None), (rms, x, r, w, None, (8,)),
+              (SPECS["ln_no_affine"], x, None, None, None, None),
+              (SPECS["rms_before_gain"], x.bfloat16(), None, w.bfloat16(), None, None),
+              (rms, x.bfloat16(), None, w, None, None)]  # fmt: skip
+    for spec, xi, ri, wi, bi, fs in served:
+        out = api._fast(spec, xi, ri, wi, bi, fs)
+        assert out is not None and out[0].shape == xi.shape
+    declined = {
+        "trailing dims unlike normalized_shape": (ln, x, None, w, b, (16,)),
+        "fewer dims than the features": (SPECS["ln_2d_features"], torch.randn(8), None, None, None, None),
+        "weight of another shape": (ln, x, None, torch.randn(7), b, None),
+        "weight the spec does not use": (SPECS["ln_no_affine"], x, None, w, None, None),
+        "1 + w without the weight": (SPECS["rms_1+w"], x, None, None, None, None),
+        "fp32 weight under the cast before the gain": (SPECS["rms_before_gain"], x.bfloat16(), None, w, None, None),
+        "bias of another shape": (ln, x, None, w, torch.randn(2, 4), None),
+        "residual of another shape": (ln, x, torch.randn(8), w, b, None),
+        "residual of another dtype": (ln, x, r.double(), w, b, None),
+        "no features": (ln, torch.randn(3, 0), None, torch.randn(0), torch.randn(0), None),
+        "input off the CPU": (ln, torch.empty(3, 8, device="meta"), None, w, b, None),
+        "weight off the CPU": (ln, x, None, torch.empty(8, device="meta"), b, None),
+        "residual off the CPU": (ln, x, torch.empty(3, 8, device="meta"), w, b, None),
+    }
+    for what, (spec, xi, ri, wi, bi, fs) in declined.items():
+        assert api._fast(spec, xi, ri, wi, bi, fs) is None, what
+
+
 def test_fast_path_gradients_only_where_needed() -> None:
     gen = torch.Generator().manual_seed(9)
     x = torch.randn(5, 16, generator=gen, requires_grad=True)

@@ -10,8 +10,7 @@ transformer's add & norm in one pass (Xiong et al., 2020 place the norm on the r
 from __future__ import annotations
 
 import functools
-import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -35,69 +34,26 @@ __all__ = [
 Shape = int | Sequence[int]
 
 
-class _Plan:
-    """The C++ op and its scalar arguments for one (spec, input dtype): the eager CPU hot path.
-
-    Built once per key and cached, so a call costs a dict lookup, a few shape / device
-    comparisons and one pybind11 call (autograd included, in C++). Anything unusual (a shape,
-    dtype or device mismatch, a tracer, a missing weight for ``1 + w``) returns None and the
-    caller takes the fully checked path, which raises the informative error or falls back.
-    """
-
-    __slots__ = ("args", "k", "needs_weight", "norm", "strict", "use_weight")
-
-    def __init__(self, spec: NormSpec, dtype: torch.dtype, norm: Callable[..., list[Tensor]]) -> None:
-        a = kernel_args(spec, dtype)
-        self.args = (a.eps, a.center, a.eps_mode, a.before_gain, a.one_plus_w, a.l2)
-        self.k = spec.feature_ndim
-        self.norm = norm
-        self.strict = spec.cast_order is CastOrder.BEFORE_GAIN
-        self.use_weight = spec.gain is not Gain.NONE
-        self.needs_weight = spec.gain_convention is GainConvention.ONE_PLUS_W
-
-    def __call__(
-        self, input: Tensor, residual: Tensor | None, weight: Tensor | None, bias: Tensor | None, fshape: Any
-    ) -> list[Tensor] | None:
-        shape = input.shape
-        k = self.k
-        if not input.is_cpu or len(shape) < k:
-            return None
-        feat = shape[-k:]
-        if fshape is not None and feat != fshape:
-            return None
-        if weight is None:
-            if self.needs_weight and self.use_weight:
-                return None
-        elif (
-            not self.use_weight  # a weight the spec does not use: the checked path decides
-            or weight.shape != feat
-            or not weight.is_cpu
-            or (self.strict and weight.dtype != input.dtype)
-        ):
-            return None
-        if bias is not None and (bias.shape != feat or not bias.is_cpu or (self.strict and bias.dtype != input.dtype)):
-            return None
-        if residual is not None and (
-            residual.shape != shape or residual.dtype != input.dtype or not residual.is_cpu
-        ):  # fmt: skip
-            return None
-        n = feat[0] if k == 1 else math.prod(feat)
-        if n == 0:
-            return None
-        return self.norm(input, residual, weight, bias, *self.args, n)
+# One C++ plan (csrc/norm_ops.h) per (spec, input dtype): the kernel's scalar arguments bound once, so an eager call
+# costs a dict lookup and one pybind11 call, whose checks (device, shapes, dtypes) return None for anything unusual; the
+# caller then takes the fully checked path, which raises the informative error or falls back.
+_PLANS: dict[Any, Any] = {}
 
 
-_PLANS: dict[Any, _Plan | None] = {}
-
-
-def _plan(spec: NormSpec, dtype: torch.dtype) -> _Plan | None:
+def _plan(spec: NormSpec, dtype: torch.dtype) -> Any:
     key = (spec, dtype)
     try:
         return _PLANS[key]
     except KeyError:
         pass
     ext = cpu.extension()
-    plan = None if ext is None or spec_unsupported(spec, dtype) is not None else _Plan(spec, dtype, ext.norm)
+    plan = None
+    if ext is not None and spec_unsupported(spec, dtype) is None:
+        a = kernel_args(spec, dtype)
+        plan = ext.Plan(
+            spec.feature_ndim, spec.gain is not Gain.NONE, spec.gain_convention is GainConvention.ONE_PLUS_W,
+            spec.cast_order is CastOrder.BEFORE_GAIN, a.eps, a.center, a.eps_mode, a.before_gain, a.one_plus_w, a.l2,
+        )  # fmt: skip
     if len(_PLANS) > 1024:
         _PLANS.clear()
     _PLANS[key] = plan
@@ -344,8 +300,7 @@ def _qk_pair(
             return None
     spec = _rms_spec(1, eps, cast_order, GainConvention.W, EpsPlacement.INSIDE_SQRT, q_weight is not None)
     plan = _plan(spec, q.dtype)
-    ext = cpu.extension()
-    if plan is None or ext is None:
+    if plan is None:
         return None
-    yq, yk = ext.norm_pair(q, k, q_weight, k_weight, *plan.args, d)
+    yq, yk = plan.pair(q, k, q_weight, k_weight, d)
     return yq, yk

@@ -222,6 +222,38 @@ std::vector<at::Tensor> norm(const at::Tensor& x, const std::optional<at::Tensor
   return NormFn::apply(x, residual, weight, bias, eps, center, eps_mode, before_gain, one_plus_w, l2, n);
 }
 
+Plan::Plan(int64_t k, bool use_weight, bool needs_weight, bool strict, double eps, bool center, int64_t eps_mode,
+           bool before_gain, bool one_plus_w, bool l2)
+    : k(k), use_weight(use_weight), needs_weight(needs_weight), strict(strict), eps(eps), center(center),
+      eps_mode(eps_mode), before_gain(before_gain), one_plus_w(one_plus_w), l2(l2) {}
+
+std::optional<std::vector<at::Tensor>> Plan::operator()(const at::Tensor& x, const std::optional<at::Tensor>& residual,
+                                                        const std::optional<at::Tensor>& weight,
+                                                        const std::optional<at::Tensor>& bias,
+                                                        const std::optional<std::vector<int64_t>>& fshape) const {
+  if (!x.is_cpu() || x.dim() < k) return std::nullopt;
+  const at::IntArrayRef feat = x.sizes().slice(static_cast<size_t>(x.dim() - k));
+  if (fshape && feat != at::IntArrayRef(*fshape)) return std::nullopt;
+  const auto serves = [&](const at::Tensor& p) {
+    return p.is_cpu() && p.sizes() == feat && (!strict || p.scalar_type() == x.scalar_type());
+  };
+  if (!weight ? needs_weight && use_weight : !use_weight || !serves(*weight)) return std::nullopt;
+  if (bias && !serves(*bias)) return std::nullopt;
+  if (residual && (!residual->is_cpu() || residual->sizes() != x.sizes() ||
+                   residual->scalar_type() != x.scalar_type())) {
+    return std::nullopt;
+  }
+  int64_t n = 1;
+  for (const int64_t d : feat) n *= d;
+  if (n == 0) return std::nullopt;
+  return norm(x, residual, weight, bias, eps, center, eps_mode, before_gain, one_plus_w, l2, n);
+}
+
+std::vector<at::Tensor> Plan::pair(const at::Tensor& q, const at::Tensor& k, const std::optional<at::Tensor>& wq,
+                                   const std::optional<at::Tensor>& wk, int64_t n) const {
+  return norm_pair(q, k, wq, wk, eps, center, eps_mode, before_gain, one_plus_w, l2, n);
+}
+
 // The output pass alone, y = x * s * weight row by row (no statistics): the floor under any norm forward on this
 // machine, timed by the benchmark suite next to a copy. Same threading, allocation and vector code as the forward.
 at::Tensor affine_floor(const at::Tensor& x_in, const at::Tensor& weight, double s) {
