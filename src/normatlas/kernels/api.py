@@ -258,8 +258,8 @@ def qk_rms_norm(
     """QK-norm (OLMo 2, Qwen3, Gemma 3): RMSNorm over the head dim of q and k, many short rows each.
 
     Without autograd (inference, decoding) on CPU, for up to 2M elements in all, the rows of q and k are
-    normalised in one launch (``norm_pair``: one parallel region split over both tensors' rows; a decode step
-    of 32 q and 8 kv heads of 128 in bf16 takes 8.5-8.8 us against 11.0-11.3 us for two calls, median of
+    normalised in one launch (``norm_pair``: one parallel region split over both tensors' rows; for a decode
+    step of 32 q and 8 kv heads of 128 in bf16 two calls take 1.23-1.30x its time, medians of
     ``python benchmarks/bench_qk.py``); otherwise, or when q and k differ in head dim or dtype, two fused
     calls. Both paths compute the same values, bit for bit.
     """
