@@ -9,8 +9,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("norm_fwd", &normatlas::norm_fwd, "forward of the custom op: (y, h, stats)");
   m.def("norm_bwd", &normatlas::norm_bwd, "backward of the custom op: (dx, dgain, dbias)");
   m.def("norm", &normatlas::norm, "eager forward with the backward in C++: (y, h)");
-  pybind11::class_<normatlas::Plan>(m, "Plan", "one (spec, dtype)'s eager hot path: call(x, residual, weight, bias, "
-                                                "fshape) -> (y, h), or None where the checked path must run")
+  // module_local: builds of the kernels for other instruction sets load beside this one (tests/test_kernels_isa.py),
+  // each with its own Plan type
+  pybind11::class_<normatlas::Plan>(m, "Plan", pybind11::module_local(),
+                                    "one (spec, dtype)'s eager hot path: call(x, residual, weight, bias, fshape) -> "
+                                    "(y, h), or None where the checked path must run")
       .def(pybind11::init<int64_t, bool, bool, bool, double, bool, int64_t, bool, bool, bool>())
       .def("__call__", &normatlas::Plan::operator())
       .def("pair", &normatlas::Plan::pair, "norm_pair with the plan's flags: (yq, yk)");
