@@ -119,3 +119,28 @@ def test_one_plus_w_starts_at_identity_scale(d):
     assert torch.equal(gemma.weight, torch.zeros(d)) and torch.equal(plain.weight, torch.ones(d))
     x = torch.randn(3, d)
     torch.testing.assert_close(gemma(x), plain(x))
+
+
+def test_spec_survives_pickling_into_another_process() -> None:
+    """A NormSpec pickled in one process (another hash seed) is equal to, and hashes like, the same spec built in
+    this one, so it finds the plan caches' and any dict's entries; a copy validates again (a frozen dataclass
+    pickled with its cached hash had kept the other process's)."""
+    import copy
+    import os
+    import pickle
+    import subprocess
+    import sys
+
+    from normatlas import CastOrder, EpsPlacement, GainConvention, NormSpec
+
+    spec = NormSpec(center=False, bias=False, eps=1e-6, cast_order=CastOrder.BEFORE_GAIN,
+                    gain_convention=GainConvention.ONE_PLUS_W, eps_placement=EpsPlacement.OUTSIDE_SQRT)  # fmt: skip
+    code = ("import pickle, sys; from normatlas import CastOrder, EpsPlacement, GainConvention, NormSpec; "
+            "sys.stdout.buffer.write(pickle.dumps(NormSpec(center=False, bias=False, eps=1e-6, "
+            "cast_order=CastOrder.BEFORE_GAIN, gain_convention=GainConvention.ONE_PLUS_W, "
+            "eps_placement=EpsPlacement.OUTSIDE_SQRT)))")  # fmt: skip
+    env = {**os.environ, "PYTHONHASHSEED": "12345"}
+    blob = subprocess.run([sys.executable, "-c", code], capture_output=True, check=True, env=env).stdout
+    other = pickle.loads(blob)
+    assert other == spec and hash(other) == hash(spec) and {spec: 1}.get(other) == 1
+    assert copy.deepcopy(spec) == spec and hash(copy.copy(spec)) == hash(spec)

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import enum
 import math
-from dataclasses import dataclass, field, replace
-from typing import TypeVar
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, TypeVar
 
 __all__ = [
     "Axis",
@@ -183,6 +183,12 @@ class NormSpec:
 
     def __hash__(self) -> int:  # cached: specs key the plan caches on every call
         return self._hash
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        # pickled (and copied) as its constructor's arguments, so that __post_init__ validates and hashes it again in
+        # the process that loads it: the cached hash of another process (its str and enum hashes) would make an equal
+        # spec miss every dict and set lookup there
+        return (type(self), tuple(getattr(self, f.name) for f in fields(self) if f.init))
 
     def __post_init__(self) -> None:
         _require_enum(self.layout, Layout, "layout")
