@@ -761,6 +761,38 @@ inline void bwd_chunk(const typename V::raw* x, const typename V::raw* dy, const
   }
 }
 
+// The tiled backward's second pass over columns [j0, n), fewer than kChunk (a short row, or what follows the chunks):
+// one vector of columns at a time down the block's rows, its gain / bias partial sums in registers as in bwd_chunk
+// (row by row they went through memory, each row's update waiting on the previous row's store). The same arithmetic
+// in the same order as bwd_cols row after row.
+template <class V, class P, bool C, int G, bool Bs, bool DR> NORMATLAS_ROW
+inline void bwd_narrow(const typename V::raw* x, const typename V::raw* dy, const typename V::raw* dr,
+                       typename V::raw* dx, int64_t stride, int64_t rows, const typename P::raw* g, float* pg,
+                       float* pb, int64_t j0, int64_t n, const float* st, const float* k, const float* off) {
+  each8(n - j0, [&](int64_t jj, mask8 m) {
+    const int64_t j = j0 + jj;
+    const __m256 gv = load<P>(g + j, m);
+    __m256 ag = G ? loadf(pg + j, m) : _mm256_setzero_ps();
+    __m256 ab = Bs ? loadf(pb + j, m) : _mm256_setzero_ps();
+    for (int64_t i = 0; i < rows; ++i) {
+      const int64_t o = i * stride + j;
+      const __m256 rs = _mm256_set1_ps(st[3 * i + 1]);
+      __m256 xc = load<V>(x + o, m);
+      if (C) xc = _mm256_sub_ps(xc, _mm256_set1_ps(st[3 * i]));
+      const __m256 d = load<V>(dy + o, m);
+      __m256 v = _mm256_mul_ps(_mm256_mul_ps(rs, d), gv);
+      v = _mm256_fmadd_ps(_mm256_set1_ps(k[i]), xc, v);
+      if (C) v = _mm256_sub_ps(v, _mm256_set1_ps(off[i]));
+      if (DR) v = _mm256_add_ps(v, load<V>(dr + o, m));
+      store<V>(dx + o, v, m);
+      if (G) ag = _mm256_fmadd_ps(d, gain_factor<V, G>(xc, rs), ag);
+      if (Bs) ab = _mm256_add_ps(d, ab);
+    }
+    if (G) storef(pg + j, m, ag);
+    if (Bs) storef(pb + j, m, ab);
+  });
+}
+
 // One row of the backward, row by row: bwd_sums (with the gain / bias partial sums), then bwd_cols over the row.
 template <class V, class P, bool C, int G, bool Bs, bool DR>
 inline void bwd_row(const typename V::raw* x, const typename V::raw* dy, const typename V::raw* dr,

@@ -213,11 +213,13 @@ void fwd_impl_v(const typename V::raw* xp, const typename V::raw* rp, typename V
 constexpr int64_t kTileRows = 16, kTileCols = 1024;
 
 // Rows [r0, r1) of the backward with the vector kernels; pg / pb: this chunk's gain / bias partial sums (may be
-// null). From cache (`stream` false): per block of kTileRows rows, first their row sums, then the second pass in
-// column strips, so a strip's gain and partial sums stay in L1 while the block's rows pass through it; row by row
-// they came back from L2 for every row (x, dy, the gain and two partial-sum rows: 80 KiB a row at 4096 fp32, against
-// a 32 KiB L1). Same arithmetic in the same order: bit for bit the row-by-row results. From memory: row by row,
-// each second pass prefetching the next row.
+// null). From cache (`stream` false): per block of kTileRows rows, first their row sums, then the second pass down
+// the block's rows a few columns at a time: with gain / bias gradients in chunks of vec::kChunk columns and then one
+// vector at a time (bwd_chunk, bwd_narrow), their partial sums in registers; without, in strips of kTileCols
+// columns, so a strip's gain stays in L1 while the block's rows pass through it. Row by row, x, dy, the gain and two
+// partial-sum rows came back from L2 for every row (80 KiB a row at 4096 fp32, against a 32 KiB L1). Same arithmetic
+// in the same order: bit for bit the row-by-row results. From memory: row by row, each second pass prefetching the
+// next row.
 template <class V, class P, bool C, int G, bool Bs, bool DR>
 void bwd_rows_v(const typename V::raw* xp, const typename V::raw* dyp, const typename V::raw* drp,
                 typename V::raw* dxp, const typename P::raw* g, float* pg, float* pb, const float* sp, int64_t n,
@@ -246,13 +248,18 @@ void bwd_rows_v(const typename V::raw* xp, const typename V::raw* dyp, const typ
       vec::bwd_chunk<V, P, C, G, Bs, DR>(xp + b0 * n, dyp + b0 * n, DR ? drp + b0 * n : nullptr, dxp + b0 * n, n,
                                          b1 - b0, g, pg, pb, j0, sp + 3 * b0, k, off);
     }
-    for (int64_t j0 = chunked; j0 < n; j0 += kTileCols) {
+    if constexpr (G || Bs) {  // the columns after the chunks (all of a short row's), a vector at a time down the rows
+      vec::bwd_narrow<V, P, C, G, Bs, DR>(xp + b0 * n, dyp + b0 * n, DR ? drp + b0 * n : nullptr, dxp + b0 * n, n,
+                                          b1 - b0, g, pg, pb, chunked, n, sp + 3 * b0, k, off);
+      continue;
+    }
+    for (int64_t j0 = 0; j0 < n; j0 += kTileCols) {
       const int64_t j1 = std::min(n, j0 + kTileCols);
       for (int64_t i = b0; i < b1; ++i) {
         const R* x = xp + i * n;
-        vec::bwd_cols<V, P, C, G, Bs, DR>(x, dyp + i * n, DR ? drp + i * n : nullptr, dxp + i * n, g, pg, pb, j0, j1,
-                                          sp[3 * i], sp[3 * i + 1], k[i - b0], off[i - b0], nullptr, nullptr, nullptr,
-                                          false);
+        vec::bwd_cols<V, P, C, 0, false, DR>(x, dyp + i * n, DR ? drp + i * n : nullptr, dxp + i * n, g, nullptr,
+                                             nullptr, j0, j1, sp[3 * i], sp[3 * i + 1], k[i - b0], off[i - b0], nullptr,
+                                             nullptr, nullptr, false);
       }
     }
   }
