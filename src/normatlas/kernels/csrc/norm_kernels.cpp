@@ -163,12 +163,13 @@ constexpr int64_t kGroupRowBytes = 2048;
 template <class V>
 void fwd_impl_v(const typename V::raw* xp, const typename V::raw* rp, typename V::raw* hp, typename V::raw* yp,
                 const normatlas::Param& gain, const normatlas::Param& bias, float* sp, int64_t rows, int64_t n,
-                double eps_d, bool center, int64_t eps_mode, bool before_gain, bool l2, bool parallel) {
+                double eps_d, bool center, int64_t eps_mode, bool before_gain, bool l2, bool parallel,
+                int64_t problem_rows) {
   using R = typename V::raw;
   const float eps = static_cast<float>(eps_d);
   const float div = l2 ? 1.f : static_cast<float>(n);
   const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(n, 1));
-  const bool stream = streams_from_memory(rows * n * static_cast<int64_t>(sizeof(R)) * (rp ? 2 : 1));
+  const bool stream = streams_from_memory(problem_rows * n * static_cast<int64_t>(sizeof(R)) * (rp ? 2 : 1));
   const bool nt = stream && pages_mapped(yp, rows * n * static_cast<int64_t>(sizeof(R)));
   const bool has_bias = bias.data != nullptr, bias_native = !has_bias || bias.dtype == gain.dtype;
   const bool grouped = n * static_cast<int64_t>(sizeof(R)) <= kGroupRowBytes;
@@ -303,16 +304,18 @@ template <typename T>
 void fwd_impl(const typename IO<T>::raw* xp, const typename IO<T>::raw* rp, typename IO<T>::raw* hp,
               typename IO<T>::raw* yp, const normatlas::Param& gain, const normatlas::Param& bias,
               typename IO<T>::acc* sp, int64_t rows, int64_t n, double eps_d, bool center, int64_t eps_mode,
-              bool before_gain, bool l2, bool parallel = true) {
+              bool before_gain, bool l2, bool parallel = true, int64_t problem_rows = -1) {
   using R = typename IO<T>::raw;
   using A = typename IO<T>::acc;
+  // whether the input streams from memory is a property of the whole problem, not of a caller's share of its rows
+  if (problem_rows < 0) problem_rows = rows;
 #if NORMATLAS_VEC
   if constexpr (!std::is_void_v<typename Vec<T>::type>) {
     using V = typename Vec<T>::type;
     using VR = typename V::raw;
     fwd_impl_v<V>(reinterpret_cast<const VR*>(xp), reinterpret_cast<const VR*>(rp), reinterpret_cast<VR*>(hp),
                   reinterpret_cast<VR*>(yp), gain, bias, sp, rows, n, eps_d, center, eps_mode, before_gain, l2,
-                  parallel);
+                  parallel, problem_rows);
     return;
   }
 #endif
@@ -321,7 +324,7 @@ void fwd_impl(const typename IO<T>::raw* xp, const typename IO<T>::raw* rp, type
   const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(n, 1));
   // Prefetch the next row only when the input comes from memory: for a cache-resident input the hardware
   // prefetcher suffices and the extra instructions cost more than they save (measured: 256 x 4096 fp32).
-  const bool stream = streams_from_memory(rows * n * static_cast<int64_t>(sizeof(R)) * (rp ? 2 : 1));
+  const bool stream = streams_from_memory(problem_rows * n * static_cast<int64_t>(sizeof(R)) * (rp ? 2 : 1));
   over_rows(parallel, rows, grain, [&](int64_t begin, int64_t end) {
     const A* gp = resolve<A>(gain, 0, n);
     const A* bp = resolve<A>(bias, 1, n, true);
@@ -618,12 +621,12 @@ void forward_pair(Dtype t, const void* q, const void* k, void* yq, void* yk, con
       if (b < rq) {
         const int64_t e1 = std::min(e, rq);
         fwd_impl<T>(qp + b * n, nullptr, nullptr, yqp + b * n, gq, no_bias, sp + 3 * b, e1 - b, n, f.eps, f.center,
-                    f.eps_mode, f.before_gain, f.l2, false);
+                    f.eps_mode, f.before_gain, f.l2, false, rq + rk);
       }
       if (e > rq) {
         const int64_t b1 = std::max(b, rq) - rq;
         fwd_impl<T>(kp + b1 * n, nullptr, nullptr, ykp + b1 * n, gk, no_bias, sp + 3 * (rq + b1), e - rq - b1, n,
-                    f.eps, f.center, f.eps_mode, f.before_gain, f.l2, false);
+                    f.eps, f.center, f.eps_mode, f.before_gain, f.l2, false, rq + rk);
       }
     });
   });
