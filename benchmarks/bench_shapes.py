@@ -23,9 +23,11 @@ from normatlas.cli._format import format_rows
 from normatlas.kernels import build_info
 from normatlas.kernels.bench import run_bench
 
-# many short rows (QK-norm, small models), the common widths, and a few very wide rows
+# many short rows (QK-norm, small models), the common widths, a few very wide rows, odd widths, and short rows from
+# memory whose bf16 / fp16 rows (160 B) do not fill whole 64-byte lines (streaming stores once mixed with plain ones
+# in a line there, at 6-20x the time)
 SHAPES = [(65536, 16), (16384, 64), (4096, 256), (1024, 1024), (256, 4096), (64, 16384), (4, 65536), (1, 262144),
-          (512, 4100), (3, 5)]  # fmt: skip
+          (512, 4100), (131072, 80), (3, 5)]  # fmt: skip
 DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
