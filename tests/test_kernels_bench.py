@@ -41,3 +41,23 @@ def test_cli_bench_bad_arguments(capsys: pytest.CaptureFixture[str]) -> None:
     assert "ROWSxHIDDEN" in capsys.readouterr().err
     assert main(["bench", "rms", "--repeats", "0"]) == 2
     assert "--repeats=0" in capsys.readouterr().err
+
+
+def test_width_sweep_runs_and_writes_every_cell(tmp_path: Path) -> None:
+    """benchmarks/bench_widths.py (the sweep for pathologies) runs end to end on a tiny input."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_widths.py"
+    spec = importlib.util.spec_from_file_location("bench_widths", path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = tmp_path / "w.csv"
+    argv = ["--widths", "12", "80", "--dtypes", "bfloat16", "float32", "--elements", "4096", "--reps", "1"]
+    assert mod.main([*argv, "--alloc", "default", "--out", str(out)]) == 0
+    with out.open() as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["dtype"], r["width"]) for r in rows] == [("bfloat16", "12"), ("bfloat16", "80"), ("float32", "12"),
+                                                        ("float32", "80")]  # fmt: skip
+    kernels = ("rms_fwd", "ln_fwd", "add_rms_fwd", "rms_bwd", "ln_bwd", "add_rms_bwd")
+    assert all(float(r[k]) > 0 for r in rows for k in kernels)
