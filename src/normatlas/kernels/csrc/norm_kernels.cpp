@@ -170,8 +170,8 @@ void fwd_impl_v(const typename V::raw* xp, const typename V::raw* rp, typename V
   const float div = l2 ? 1.f : static_cast<float>(n);
   const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(n, 1));
   const bool stream = streams_from_memory(problem_rows * n * static_cast<int64_t>(sizeof(R)) * (rp ? 2 : 1));
-  const bool nt = stream && whole_lines(yp, n * static_cast<int64_t>(sizeof(R))) &&
-                  pages_mapped(yp, rows * n * static_cast<int64_t>(sizeof(R)));
+  const bool nt = stream && streaming_stores(yp, n * static_cast<int64_t>(sizeof(R)),
+                                             rows * n * static_cast<int64_t>(sizeof(R)));
   const bool has_bias = bias.data != nullptr, bias_native = !has_bias || bias.dtype == gain.dtype;
   const bool grouped = n * static_cast<int64_t>(sizeof(R)) <= kGroupRowBytes;
   over_rows(parallel, rows, grain, [&](int64_t begin, int64_t end) {
@@ -486,11 +486,11 @@ void bwd_impl(const typename IO<T>::raw* dyp, const typename IO<T>::raw* xp, con
   const int64_t work = std::max<int64_t>(1, rows * n / 16384);
   const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>({rows, work, int64_t(at::get_num_threads())}));
   const bool stream = streams_from_memory(rows * n * static_cast<int64_t>(sizeof(R)) * (drp ? 3 : 2));
-  [[maybe_unused]] const bool nt = stream && whole_lines(dxp, n * static_cast<int64_t>(sizeof(R))) &&
-                                    pages_mapped(dxp, rows * n * static_cast<int64_t>(sizeof(R)));
+  [[maybe_unused]] const bool nt = stream && streaming_stores(dxp, n * static_cast<int64_t>(sizeof(R)),
+                                                               rows * n * static_cast<int64_t>(sizeof(R)));
   // Partial gain / bias sums per chunk (a single chunk accumulates straight into the zeroed outputs), each chunk's row
   // on 64-byte lines of its own: rows sharing a line made every row's update by one thread evict the line from the
-  // other's cache (16-wide rows from memory took 28-84x a copy's time, 200 ns a row).
+  // other's cache (the 16-wide fp32 LayerNorm backward of 8 M elements took 41.7 ms, with lines of their own 4.2).
   constexpr int64_t kLineA = 64 / static_cast<int64_t>(sizeof(A));
   const int64_t stride = (n + kLineA - 1) / kLineA * kLineA;
   const int64_t per = chunks > 1 ? chunks * stride : 0;
@@ -553,8 +553,7 @@ void affine_floor_impl(const typename IO<T>::raw* xp, typename IO<T>::raw* yp, c
                        int64_t rows, int64_t n) {
   // the forward's store policy: streaming stores for an input from memory into already mapped pages
   const int64_t bytes = rows * n * static_cast<int64_t>(sizeof(typename IO<T>::raw));
-  const bool stream = streams_from_memory(bytes) && whole_lines(yp, n * static_cast<int64_t>(sizeof(*yp))) &&
-                      pages_mapped(yp, bytes);
+  const bool stream = streams_from_memory(bytes) && streaming_stores(yp, n * static_cast<int64_t>(sizeof(*yp)), bytes);
   at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / n), [&](int64_t begin, int64_t end) {
 #if NORMATLAS_VEC
     if constexpr (!std::is_void_v<typename Vec<T>::type>) {

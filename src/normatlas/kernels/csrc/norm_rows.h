@@ -179,12 +179,13 @@ inline bool pages_mapped(const void* p, int64_t bytes) {
 #endif
 }
 
-// Whether streaming stores may write rows of `row_bytes` each from p on: only when every row starts and ends on a
-// 64-byte line, so that no line is written partly by streaming stores and partly by plain ones (one row's last line
-// and the next row's first): mixed in a line, rows of 8-48 bf16 features from memory took 15-89x a copy's time, and
-// the fp32 backward of 8 or 24 features 20-50x.
-inline bool whole_lines(const void* p, int64_t row_bytes) {
-  return (reinterpret_cast<uintptr_t>(p) & 63u) == 0 && row_bytes % 64 == 0;
+// Whether an output of `bytes` at p, rows of `row_bytes`, streamed from memory, may be written with streaming stores:
+// its pages already mapped (pages_mapped), and every row starting and ending on a 64-byte line, so that no line is
+// written partly by streaming stores and partly by plain ones (one row's last line and the next row's first): mixed
+// in a line, rows of 8-48 bf16 features from memory took 15-89x a copy's time, and the fp32 backward of 8 or 24
+// features 20-50x.
+inline bool streaming_stores(const void* p, int64_t row_bytes, int64_t bytes) {
+  return (reinterpret_cast<uintptr_t>(p) & 63u) == 0 && row_bytes % 64 == 0 && pages_mapped(p, bytes);
 }
 
 // Runs body(jb, je) over blocks of L elements, first prefetching the same span of p1 and p2 (either may be
