@@ -8,7 +8,7 @@ forward, add + RMSNorm forward, and the three backwards through autograd (gradie
 bias, add + RMSNorm's residual), medians, each over ``x.clone()`` measured alongside; a cell over ``--flag`` (6x)
 is marked. Command::
 
-    .venv/bin/python benchmarks/bench_widths.py               # ~1 min on 2 cores
+    .venv/bin/python benchmarks/bench_widths.py               # ~15 s on 2 cores
     .venv/bin/python benchmarks/bench_widths.py --widths 16 80 1000 --dtypes bfloat16
 
 Writes ``results/bench_widths_cpu.csv``.
