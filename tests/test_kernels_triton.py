@@ -28,12 +28,12 @@ TOL = {torch.float32: {"atol": 1e-5, "rtol": 1e-5}, torch.float16: {"atol": 2e-3
 
 def _backward_matches_eager(
     dy: torch.Tensor, src: torch.Tensor, w: torch.Tensor | None, b: torch.Tensor | None, st: torch.Tensor,
-    dres: torch.Tensor | None, case: tuple, tol: dict,
+    dres: torch.Tensor | None, case: tuple, tol: dict, sm_count: int | None = None,
 ) -> None:  # fmt: skip
     """The Triton backward's dx, dgain and dbias against the eager reference's, scaled to each output's size."""
     center, _, before, one_plus_w, l2, _, _ = case
     flags = (center, before, one_plus_w, l2, w is not None, b is not None)
-    got = triton_kernels.norm_bwd(dy, src, w, st, dres, *flags)
+    got = triton_kernels.norm_bwd(dy, src, w, st, dres, *flags, sm_count=sm_count)
     want = ops.eager_bwd(dy, src, w, st, dres, *flags)
     for a, e, what in zip(got, want, ("dx", "dgain", "dbias"), strict=False):
         scale = max(1.0, float(e.abs().max())) if e.numel() else 1.0
@@ -41,7 +41,7 @@ def _backward_matches_eager(
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("rows,n", [(7, 37), (5, 256), (2, 8200), (0, 16)], ids=str)
+@pytest.mark.parametrize("rows,n", [(7, 37), (5, 256), (2, 8200), (2, 33000), (0, 16)], ids=str)
 @pytest.mark.parametrize("case", triton_kernels.CASES, ids=str)
 def test_triton_matches_eager(case: tuple, rows: int, n: int, dtype: torch.dtype) -> None:
     center, eps_mode, before, one_plus_w, l2, has_res, has_bias = case
@@ -80,11 +80,49 @@ def test_triton_reads_the_weight_in_its_own_dtype(case: tuple, rows: int, n: int
     _backward_matches_eager(dy, h if has_res else x, w, b, st, r, case, TOL[torch.float16])
 
 
+MANY_TILES = (
+    [(c, 100, 256, 1) for c in range(3)] + [(c, 301, 40, None) for c in range(3)] + [(0, 60, 8200, 8), (1, 60, 8200, 8)]
+)
+
+
+@pytest.mark.parametrize("case_index,rows,n,sm_count", MANY_TILES, ids=str)
+def test_triton_backward_over_many_tiles_and_programs(case_index: int, rows: int, n: int, sm_count: int | None) -> None:
+    """Programs that walk several tiles (ragged last tile, masked rows) and several programs' partial rows."""
+    case = triton_kernels.CASES[case_index]
+    center, eps_mode, before, one_plus_w, l2, has_res, has_bias = case
+    plan = triton_kernels._bwd_plan(n, rows, 4, has_res, 1 + has_bias)
+    programs = plan.programs(sm_count or triton_kernels._sm_count(torch.device(DEVICE)), 2)
+    assert programs > 1 and (plan.tiles > programs or plan.rows > 1), (plan, programs)
+    gen = torch.Generator().manual_seed(2)
+    mk = lambda *s: torch.randn(*s, generator=gen).to(DEVICE)
+    x, dy = mk(rows, n), mk(rows, n)
+    r = mk(rows, n) if has_res else None
+    w, b = mk(n), (mk(n) if has_bias else None)
+    _, h, st = triton_kernels.norm_fwd(x, r, w, b, 1e-3, center, eps_mode, before, one_plus_w, l2)
+    _backward_matches_eager(dy, h if has_res else x, w, b, st, r, case, TOL[torch.float32], sm_count)
+
+
+@pytest.mark.parametrize("n", [8200, 40000], ids=str)
+def test_layernorm_statistics_of_rows_far_from_zero(n: int) -> None:
+    """Mean 1000, std 1: a row in one block (two passes in registers) and one streamed in chunks (each chunk's mean
+    and centred sum of squares merged, Chan et al.) both keep the variance, where sum(x^2) - n mean^2 in fp32 would
+    lose it all; checked against float64."""
+    gen = torch.Generator().manual_seed(3)
+    x = (1000 + torch.randn(3, n, generator=gen, dtype=torch.float64)).float()
+    _, _, st = triton_kernels.norm_fwd(x.to(DEVICE), None, None, None, 1e-6, True, 0, False, False, False)
+    xd = x.double()
+    mean, var = xd.mean(-1), xd.var(-1, unbiased=False)
+    torch.testing.assert_close(st[:, 0].double().cpu(), mean, rtol=1e-7, atol=0)
+    torch.testing.assert_close(st[:, 1].double().cpu(), (var + 1e-6).rsqrt(), rtol=2e-5, atol=0)
+
+
 def test_short_rows_pack_several_per_program() -> None:
     """QK-norm's head dim: a 64-wide row fills a quarter of a block, so programs take several rows."""
-    block, rows_per_prog, single = triton_kernels._blocks(64, 1000)
+    block, rows_per_prog, single = triton_kernels._blocks(64, 1000, 32768)
     assert single and rows_per_prog > 1 and block == 64
-    block, rows_per_prog, single = triton_kernels._blocks(262144, 4)
+    block, rows_per_prog, single = triton_kernels._blocks(32768, 4, 32768)
+    assert single and rows_per_prog == 1 and block == 32768
+    block, rows_per_prog, single = triton_kernels._blocks(32769, 4, 32768)
     assert not single and rows_per_prog == 1 and block == triton_kernels.MAX_FUSED
 
 
