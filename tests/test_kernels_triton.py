@@ -116,6 +116,17 @@ def test_layernorm_statistics_of_rows_far_from_zero(n: int) -> None:
     torch.testing.assert_close(st[:, 1].double().cpu(), (var + 1e-6).rsqrt(), rtol=2e-5, atol=0)
 
 
+def test_occupancy_of_an_sm() -> None:
+    """Resident blocks per SM from registers (allocated per warp in 256s), warps, blocks and shared memory (H100)."""
+    occ = triton_kernels.occupancy
+    assert occ(16, 63, 33896) == 2  # 63 -> 64 registers: 2048 a warp, 32,768 a block, two fit in 65,536
+    assert occ(16, 65, 0) == 1  # 65 -> 72: 2304 a warp, 36,864 a block
+    assert occ(1, 36, 0) == 32  # the block limit
+    assert occ(4, 32, 0) == 16  # the warp limit: 64 / 4
+    assert occ(4, 32, 100 * 1024) == 2  # shared memory: 228 KiB over 101 KiB
+    assert occ(32, 64, 0) == 1 and occ(32, 72, 0) == 0  # a block that cannot launch at all
+
+
 def test_short_rows_pack_several_per_program() -> None:
     """QK-norm's head dim: a 64-wide row fills a quarter of a block, so programs take several rows."""
     block, rows_per_prog, single = triton_kernels._blocks(64, 1000, 32768)
