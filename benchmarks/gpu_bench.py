@@ -12,9 +12,9 @@ tensor over 2^31 elements (int64 offsets). A failure is printed and the run exit
 benchmark, so a broken kernel is never reported only as fast.
 
 Step 2 (speed): RMSNorm, LayerNorm and add+RMSNorm, forward and backward, bf16 and fp32,
-hidden sizes 1,024 to 262,144 (rows chosen so each tensor is ~128 MiB, DRAM-resident): ours,
-torch native, HF-style eager, torch.compile and Liger (where importable), timed with
-``triton.testing.do_bench`` (median, L2 flushed between calls), against a same-size copy
+hidden sizes 1,024 to 262,144, RMSNorm also at 128 (QK-norm's head dim; rows chosen so each
+tensor is ~128 MiB, DRAM-resident): ours, torch native, HF-style eager, torch.compile and Liger
+(where importable), timed with ``triton.testing.do_bench`` (median, L2 flushed between calls), against a same-size copy
 measured in the same run. A wall-clock budget (``--budget``, default 270 s) drops the compile
 provider, then remaining shapes, rather than overrun. Step 3: the issue-8 GPU targets
 (forward >= 85 % and backward >= 60 % of copy bandwidth at hidden >= 4096 in bf16; at least
@@ -41,6 +41,18 @@ except ImportError:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 TOL = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
+# short rows, one block, many tiles per backward program (20,000 x 128, 4099 x 2048: a ragged last tile), a 64 KiB
+# forward row in one 32-warp block (3 x 32,768 in half precision), rows streamed in chunks, no rows
+CORRECTNESS_SHAPES = [(7, 37), (1000, 64), (20000, 128), (33, 4096), (4099, 2048), (3, 8200), (3, 32768), (2, 262144),
+                      (0, 16)]  # fmt: skip
+HIDDEN = [1024, 2048, 4096, 8192, 16384, 65536, 262144]
+QUICK_HIDDEN = [4096, 16384, 262144]
+QK_HIDDEN = 128  # RMSNorm also at QK-norm's head dim over many rows: the short-row tiles of the backward
+
+
+def speed_rows(n: int, dtype: torch.dtype) -> int:
+    """Rows of the speed step's tensors: each about 128 MiB, DRAM-resident."""
+    return max(1, (128 << 20) // (n * torch.finfo(dtype).bits // 8))
 
 
 def _close(got: torch.Tensor, want: torch.Tensor, tol: float) -> str | None:
@@ -67,7 +79,7 @@ def correctness(device: str = "cuda", shapes: list[tuple[int, int]] | None = Non
 
     failures: list[str] = []
     gen = torch.Generator(device=device).manual_seed(0)
-    shapes = shapes or [(7, 37), (1000, 64), (33, 4096), (3, 8200), (2, 262144), (0, 16)]
+    shapes = shapes or CORRECTNESS_SHAPES
     dtypes = (torch.float32, torch.bfloat16, torch.float16) if device == "cuda" else (torch.float32, torch.float16)
     for dtype in dtypes:
         for rows, n in shapes:
@@ -130,7 +142,7 @@ def speed(args: argparse.Namespace, start: float) -> list[dict[str, Any]]:
 
     from normatlas.kernels.bench import _bytes, _make_call, _providers
 
-    hidden = [4096, 16384, 262144] if args.quick else [1024, 2048, 4096, 8192, 16384, 65536, 262144]
+    hidden = QUICK_HIDDEN if args.quick else HIDDEN
     dtypes = [torch.bfloat16] if args.quick else [torch.bfloat16, torch.float32]
     rows_out: list[dict[str, Any]] = []
     for op in ("rms", "layer", "add_rms"):
@@ -140,14 +152,14 @@ def speed(args: argparse.Namespace, start: float) -> list[dict[str, Any]]:
         if args.quick or args.no_compile:
             fns = {k: v for k, v in fns.items() if not k.startswith("compile")}
         for dtype in dtypes:
-            for n in hidden:
+            for n in [QK_HIDDEN, *hidden] if op == "rms" else hidden:
                 elapsed = time.perf_counter() - start
                 if elapsed > args.budget:
                     print(f"# budget of {args.budget:.0f} s spent: skipping {op} {dtype} {n}", file=sys.stderr)
                     continue
                 if elapsed > 0.6 * args.budget:  # compiles cost the most: drop them first
                     fns = {k: v for k, v in fns.items() if not k.startswith("compile")}
-                m = max(1, (128 << 20) // (n * torch.finfo(dtype).bits // 8))
+                m = speed_rows(n, dtype)
                 x = torch.randn(m, n, device="cuda", dtype=dtype)
                 r, b = torch.randn_like(x), torch.randn(n, device="cuda", dtype=dtype)
                 w = torch.rand(n, device="cuda", dtype=dtype) + 0.5

@@ -40,8 +40,17 @@ def _backward_matches_eager(
         torch.testing.assert_close(a.float(), e.float(), atol=tol["atol"] * scale, rtol=tol["rtol"], msg=what)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("rows,n", [(7, 37), (5, 256), (2, 8200), (2, 33000), (0, 16)], ids=str)
+# the shapes each test runs, also read by benchmarks/gpu_warm.py (configs() below) to compile them ahead on a GPU
+DTYPES = [torch.float32, torch.float16]
+EAGER_SHAPES = [(7, 37), (5, 256), (2, 8200), (2, 33000), (0, 16)]
+WEIGHT_SHAPES = [(5, 256), (2, 8200)]
+FAR_N = [8200, 40000]
+BENCH_SHAPES = [(3, 40), (2, 8200), (0, 16)]
+INT64_SHAPE = ((2**31) // 262144 + 2, 262144)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,n", EAGER_SHAPES, ids=str)
 @pytest.mark.parametrize("case", triton_kernels.CASES, ids=str)
 def test_triton_matches_eager(case: tuple, rows: int, n: int, dtype: torch.dtype) -> None:
     center, eps_mode, before, one_plus_w, l2, has_res, has_bias = case
@@ -61,7 +70,7 @@ def test_triton_matches_eager(case: tuple, rows: int, n: int, dtype: torch.dtype
 
 
 @pytest.mark.parametrize("weight", ["none", "float32"])
-@pytest.mark.parametrize("rows,n", [(5, 256), (2, 8200)], ids=str)
+@pytest.mark.parametrize("rows,n", WEIGHT_SHAPES, ids=str)
 @pytest.mark.parametrize("case", triton_kernels.CASES, ids=str)
 def test_triton_reads_the_weight_in_its_own_dtype(case: tuple, rows: int, n: int, weight: str) -> None:
     """The kernels read the weight and bias as they are (no conversion kernel per call): no weight at all, or an fp32
@@ -102,7 +111,7 @@ def test_triton_backward_over_many_tiles_and_programs(case_index: int, rows: int
     _backward_matches_eager(dy, h if has_res else x, w, b, st, r, case, TOL[torch.float32], sm_count)
 
 
-@pytest.mark.parametrize("n", [8200, 40000], ids=str)
+@pytest.mark.parametrize("n", FAR_N, ids=str)
 def test_layernorm_statistics_of_rows_far_from_zero(n: int) -> None:
     """Mean 1000, std 1: a row in one block (two passes in registers) and one streamed in chunks (each chunk's mean
     and centred sum of squares merged, Chan et al.) both keep the variance, where sum(x^2) - n mean^2 in fp32 would
@@ -139,8 +148,7 @@ def test_short_rows_pack_several_per_program() -> None:
 
 @pytest.mark.gpu
 def test_int64_offsets_beyond_2_31_elements() -> None:  # pragma: no cover - needs ~9 GB of GPU memory
-    n = 262144
-    rows = (2**31) // n + 2
+    rows, n = INT64_SHAPE
     x = torch.ones(rows, n, device="cuda", dtype=torch.bfloat16)
     y, _, _ = triton_kernels.norm_fwd(x, None, None, None, 1e-6, False, 0, False, False, False)
     assert torch.all(y[-1] == 1)
@@ -161,7 +169,7 @@ def _gpu_bench():
 def test_gpu_bench_correctness_step_runs_here() -> None:
     """The GPU script's first step, on this device (the interpreter without a GPU), finds no failure."""
     bench = _gpu_bench()
-    assert bench.correctness(DEVICE, shapes=[(3, 40), (2, 8200), (0, 16)], int64=False) == []
+    assert bench.correctness(DEVICE, shapes=BENCH_SHAPES, int64=False) == []
 
 
 def test_gpu_bench_correctness_step_catches_a_wrong_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -191,3 +199,20 @@ def test_gpu_bench_targets_from_rows() -> None:
         "rms fwd bfloat16 4096: Liger time / ours": "NO",
         "rms bwd bf16 4096: of copy bandwidth": "NO",
     }
+
+
+def configs() -> list:
+    """Every (shape, dtype, flags) this module launches the kernels with on CUDA, for benchmarks/gpu_warm.py."""
+    from normatlas.kernels.triton_aot import Config
+
+    cases, out = triton_kernels.CASES, []
+    out += [Config(r, n, d, c) for d in DTYPES for r, n in EAGER_SHAPES for c in cases]
+    for r, n in WEIGHT_SHAPES:
+        for c in cases:
+            out += [Config(r, n, torch.float16, c, torch.float32), Config(r, n, torch.float16, c, torch.float32, False)]
+    out += [Config(r, n, torch.float32, cases[i]) for i, r, n, _ in MANY_TILES]
+    out += [Config(3, n, torch.float32, (True, 0, False, False, False, False, False), None, False) for n in FAR_N]
+    out += [Config(*INT64_SHAPE, torch.bfloat16, cases[0], None, False)]
+    dtypes = (torch.float32, torch.bfloat16, torch.float16)  # the bench's correctness step on CUDA
+    out += [Config(r, n, d, c) for d in dtypes for r, n in BENCH_SHAPES for c in cases]
+    return out

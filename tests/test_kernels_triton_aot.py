@@ -14,6 +14,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 pytest.importorskip("triton")
 
@@ -90,3 +91,69 @@ def test_wide_rows_stay_in_one_block_up_to_the_spill_limit(builds: list[dict]) -
     assert (32768, "bwd", "_bwd_rowdot_kernel") in by
     assert by[(8192, "bwd", "_bwd_kernel")]["block"] == 8192
     assert by[(262144, "fwd", "_fwd_kernel")]["block"] == 8192
+
+
+_LAUNCH_FINDS_WARMED = """
+import sys, torch
+from pathlib import Path
+from triton.backends.compiler import GPUTarget
+from triton.runtime import driver
+from normatlas.kernels import triton_aot, triton_kernels as tk
+
+cache = Path(sys.argv[1])
+cfgs = [triton_aot.Config(20000, 128, torch.float16, tk.CASES[1]), triton_aot.Config(3, 40000, torch.float32)]
+triton_aot.warm(cfgs[:1], "sm_90", jobs=1)
+
+
+class OfflineH100:  # what JITFunction.run asks of the driver, for a launch compiled but not run (warmup)
+    def get_current_device(self): return 0
+    def get_current_stream(self, device=None): return 0
+    def get_current_target(self): return GPUTarget("cuda", 90, 32)
+
+
+class Warmup:
+    def __call__(self, kernel, grid, *args, **kwargs): kernel.warmup(*args, grid=grid, **kwargs)
+    def blocks_per_sm(self, kernel, *args, **kwargs): return 2
+
+
+driver.set_active(OfflineH100())
+for c in cfgs:
+    before = {p.name for p in cache.iterdir()}
+    center, eps_mode, before_gain, opw, l2, has_res, has_bias = c.case
+    x = torch.empty(c.rows, c.n, dtype=c.dtype)
+    r = torch.empty_like(x) if has_res else None
+    w, b = torch.empty(c.n, dtype=c.dtype), (torch.empty(c.n, dtype=c.dtype) if has_bias else None)
+    _, h, st = tk.norm_fwd(x, r, w, b, 1e-6, center, eps_mode, before_gain, opw, l2, launch=Warmup())
+    tk.norm_bwd(torch.empty_like(x), h if has_res else x, w, st, r, center, before_gain, opw, l2, True, has_bias,
+                launch=Warmup(), sm_count=132)
+    print(len({p.name for p in cache.iterdir()} - before))
+"""
+
+
+def test_a_launch_finds_the_kernels_warm_compiled(tmp_path) -> None:
+    """benchmarks/gpu_warm.py's premise: a launch (JITFunction.run, through a driver that reports an H100 and never
+    runs anything) computes the cache key triton_aot.warm compiled under, so it compiles nothing new; the
+    configuration left out of the warm-up shows the check can tell (its three kernels compile at launch)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path)
+    proc = subprocess.run([sys.executable, "-c", _LAUNCH_FINDS_WARMED, str(tmp_path)], capture_output=True, text=True,
+                          env=env, timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == ["0", "3"]
+
+
+def test_gpu_warm_covers_the_launches_of_the_device_run() -> None:
+    """benchmarks/gpu_warm.py collects its configurations from the test module and gpu_bench.py themselves."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_warm.py"
+    spec = importlib.util.spec_from_file_location("gpu_warm", path)
+    assert spec is not None and spec.loader is not None
+    warm = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(warm)
+    shapes = {(c.rows, c.n) for c in warm.configs()}
+    bench = warm._load(path.parent / "gpu_bench.py", "gpu_bench")
+    assert {s for s in bench.CORRECTNESS_SHAPES if s[0]} <= shapes
+    assert {(bench.speed_rows(n, torch.bfloat16), n) for n in [bench.QK_HIDDEN, *bench.HIDDEN]} <= shapes
+    assert ((2**31) // 262144 + 2, 262144) in shapes  # the int64 test

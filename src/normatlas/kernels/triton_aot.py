@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import math
 import re
 import subprocess
@@ -33,7 +34,7 @@ import torch
 
 from normatlas.kernels import triton_kernels
 
-__all__ = ["TARGETS", "Build", "Target", "compile_norm", "main", "sweep"]
+__all__ = ["TARGETS", "Build", "Config", "Target", "compile_norm", "main", "sweep", "warm"]
 
 
 @dataclass(frozen=True)
@@ -130,7 +131,9 @@ def _tool(name: str) -> str:
 class _Compiler:
     """A ``launch`` for :mod:`triton_kernels` that compiles for ``target`` instead of running."""
 
-    def __init__(self, target: Target, op: str, dtype: torch.dtype, rows: int, n: int, case: str, tmp: Path):
+    def __init__(
+        self, target: Target, op: str, dtype: torch.dtype, rows: int, n: int, case: str, tmp: Path, sass: bool = True
+    ):
         import triton
         from triton.backends.compiler import GPUTarget
         from triton.compiler import make_backend
@@ -139,6 +142,7 @@ class _Compiler:
         self.gpu = GPUTarget("cuda", target.capability, 32)
         self.backend = make_backend(self.gpu)
         self.target, self.op, self.dtype, self.rows, self.n, self.case, self.tmp = target, op, dtype, rows, n, case, tmp
+        self.sass = sass  # False: no SASS listing, so no load / store widths (warm-up compiles need none)
         self.builds: list[Build] = []
 
     def blocks_per_sm(self, kernel: Any, *args: Any, **kwargs: Any) -> int:
@@ -148,11 +152,18 @@ class _Compiler:
         self.builds.append(self._compile(kernel, grid, args, kwargs))
 
     def _compile(self, kernel: Any, grid: tuple[int, ...], args: tuple, kwargs: dict[str, Any]) -> Build:
+        from triton import knobs
         from triton.compiler import ASTSource
         from triton.runtime.jit import create_function_from_signature
 
         # Triton's own binder: the signature, the alignment / divisibility attributes and the constexprs a launch of
-        # these arguments on the GPU would compile with (private API, checked against Triton 3.x).
+        # these arguments on the GPU would compile with (private API, checked against Triton 3.9), with the options
+        # JITFunction.run adds to every launch, so the compiled kernel's cache key is the launch's own
+        kwargs = dict(kwargs)
+        kwargs["debug"] = kwargs.get("debug", getattr(kernel, "debug", None)) or knobs.runtime.debug
+        for name in ("instrumentation_mode", "fpsan_homomorphic_casts"):
+            if hasattr(knobs.compilation, name):
+                kwargs[name] = getattr(knobs.compilation, name)
         binder = create_function_from_signature(kernel.signature, kernel.params, self.backend)
         bound, spec, opts = binder(*args, **kwargs)
         options, signature, constexprs, attrs = kernel._pack_args(self.backend, kwargs, bound, spec, opts)
@@ -163,7 +174,9 @@ class _Compiler:
         cubin.write_bytes(compiled.asm["cubin"])
         tool = _tool("cuobjdump")
         usage = subprocess.run([tool, "-res-usage", str(cubin)], capture_output=True, text=True, check=True).stdout
-        sass = subprocess.run([tool, "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
+        sass = ""
+        if self.sass:
+            sass = subprocess.run([tool, "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
 
         def field_of(name: str) -> int:
             m = re.search(rf"\b{name}:(\d+)", usage)
@@ -203,12 +216,14 @@ CASE_NAMES = {
 
 
 def compile_norm(
-    rows: int, n: int, dtype: torch.dtype, case: tuple = triton_kernels.CASES[0], target: Target | str = "sm_90"
-) -> list[Build]:
+    rows: int, n: int, dtype: torch.dtype, case: tuple = triton_kernels.CASES[0], target: Target | str = "sm_90",
+    param_dtype: torch.dtype | None = None, has_weight: bool = True, sass: bool = True,
+) -> list[Build]:  # fmt: skip
     """Compile the launches of a forward and a backward of ``rows x n`` in ``dtype`` for ``target``.
 
-    The weight (and bias, where the case has one) is in ``dtype``; the tensors are allocated uninitialised on the CPU,
-    as only their dtypes and addresses reach the compiler.
+    The weight (unless ``has_weight`` is false) and the bias (where the case has one) are in ``param_dtype`` (default:
+    ``dtype``); the tensors are allocated uninitialised on the CPU, as only their dtypes and addresses reach the
+    compiler. ``sass=False`` skips the SASS listing (the builds then report no load / store widths).
     """
     if not triton_kernels.HAS_TRITON:
         raise RuntimeError("triton is not installed")
@@ -225,17 +240,62 @@ def compile_norm(
     name = CASE_NAMES.get(case, str(case))
     x = torch.empty(rows, n, dtype=dtype)
     res = torch.empty_like(x) if has_res else None
-    w = torch.empty(n, dtype=dtype)
-    b = torch.empty(n, dtype=dtype) if has_bias else None
+    pdt = param_dtype or dtype
+    w = torch.empty(n, dtype=pdt) if has_weight else None
+    b = torch.empty(n, dtype=pdt) if has_bias else None
     with tempfile.TemporaryDirectory() as tmp:
-        fwd = _Compiler(target, "fwd", dtype, rows, n, name, Path(tmp))
+        fwd = _Compiler(target, "fwd", dtype, rows, n, name, Path(tmp), sass)
         _, h, stats = triton_kernels.norm_fwd(x, res, w, b, 1e-6, center, eps_mode, before, one_plus_w, l2, launch=fwd)
-        bwd = _Compiler(target, "bwd", dtype, rows, n, name, Path(tmp))
+        bwd = _Compiler(target, "bwd", dtype, rows, n, name, Path(tmp), sass)
         triton_kernels.norm_bwd(
-            torch.empty_like(x), h if has_res else x, w, stats, res, center, before, one_plus_w, l2, True, has_bias,
-            launch=bwd, sm_count=target.sm_count,
+            torch.empty_like(x), h if has_res else x, w, stats, res, center, before, one_plus_w, l2, has_weight,
+            has_bias, launch=bwd, sm_count=target.sm_count,
         )  # fmt: skip
     return fwd.builds + bwd.builds
+
+
+@dataclass(frozen=True)
+class Config:
+    """One call of the Triton forward and backward: shape, dtypes and the flag case."""
+
+    rows: int
+    n: int
+    dtype: torch.dtype
+    case: tuple = triton_kernels.CASES[0]
+    param_dtype: torch.dtype | None = None
+    has_weight: bool = True
+
+    def compact(self) -> Config:
+        """The same compiled kernels from a few rows: a launch's specialisation sees the row count only as 1, a
+        multiple of 16 or neither (the grid is not part of it), so 2^31 elements' worth of rows needs no memory."""
+        r = self.rows
+        return dataclasses.replace(self, rows=r if r <= 32 else 16 + r % 16)
+
+
+def _compile_config(cfg: Config, target: str) -> int:
+    return len(compile_norm(cfg.rows, cfg.n, cfg.dtype, cfg.case, target, cfg.param_dtype, cfg.has_weight, False))
+
+
+def warm(configs: Iterable[Config], target: str = "sm_90", jobs: int | None = None) -> tuple[int, list[str]]:
+    """Compile every launch of ``configs`` for ``target`` in ``jobs`` processes (default: one per CPU), which leaves
+    them in Triton's on-disk cache: a later launch of the same kernels on a GPU of that target loads them instead of
+    compiling one at a time (about half a second each). Returns (launches compiled, failures)."""
+    import concurrent.futures
+    import multiprocessing
+    import os
+
+    uniq = sorted({c.compact() for c in configs if c.rows}, key=repr)
+    os.environ.pop("TRITON_INTERPRET", None)  # the workers must compile, not interpret
+    launches, failures = 0, []
+    ctx = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(jobs or os.cpu_count(), mp_context=ctx) as pool:
+        futures = {pool.submit(_compile_config, c, target): c for c in uniq}
+        for fut in concurrent.futures.as_completed(futures):
+            try:
+                launches += fut.result()
+            except Exception as exc:  # reported, and the launch will compile (or fail) on the GPU as it would have
+                failures.append(f"{futures[fut]}: {type(exc).__name__}: {exc}"[:300])
+    return launches, failures
 
 
 # rows x n: QK-norm's head dims over many rows, then benchmarks/gpu_bench.py's hidden sizes with its row counts (each
