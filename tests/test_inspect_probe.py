@@ -108,3 +108,34 @@ def test_hook_fallback_when_recording_fails() -> None:
     assert rep.operator is Operator.LAYERNORM and any("probe-only" in n for n in rep.notes)
     (norm,) = rep.norms
     assert norm.eps == pytest.approx(1e-7, rel=0.05) and norm.bias and not math.isnan(norm.eps)
+
+
+class _Normalize(nn.Module):
+    def __init__(self, **kwargs: object) -> None:
+        super().__init__()
+        self.kwargs = kwargs
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.normalize(x, **self.kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("shape", "kwargs", "found"),
+    [
+        ((2, 6, 10), dict(dim=-1), True),
+        ((2, 6, 10), dict(dim=2), True),
+        ((2, 6, 10), dict(p=2.0, dim=-1, eps=1e-6), True),
+        ((3, 10), dict(), True),  # the default dim=1 is the last axis of a 2-D input
+        ((2, 6, 10), dict(dim=1), False),  # over the channels of (B, C, T), not the last axis
+        ((2, 6, 10), dict(), False),  # the default dim=1 again, now not the last axis
+        ((2, 6, 10), dict(p=1, dim=-1), False),  # L1, not L2
+        ((2, 6, 10), dict(p=float("inf"), dim=-1), False),
+    ],
+)
+def test_fused_normalize_is_l2_over_the_last_axis_only(shape, kwargs, found) -> None:
+    sites = find_sites(record(_Normalize(**kwargs), (torch.randn(*shape),)))
+    if found:
+        assert [(s.operator, s.size, s.fused) for s in sites] == [(Operator.L2, shape[-1], True)]
+        assert sites[0].eps == pytest.approx(kwargs.get("eps", 1e-12))
+    else:
+        assert sites == []

@@ -1,8 +1,8 @@
 """Find normalization sites in a recorded graph by their arithmetic, never by names.
 
 Method. A site is recognised either as a fused call (``layer_norm``, ``rms_norm``,
-``group_norm``, ``normalize``) or as the four-line pattern every norm shares
-(essay §02): a reduction over the last axis of ``x`` or of ``x - mean(x)``
+``group_norm``; ``normalize`` only with ``p=2`` over the last axis) or as the four-line
+pattern every norm shares (essay §02): a reduction over the last axis of ``x`` or of ``x - mean(x)``
 (``mean(x**2)``, ``var``, ``sum(x**2)``, ``norm``), a chain of scalar-shaped
 ops on that statistic (``+ eps``, ``sqrt``/``rsqrt``/``pow(-0.5)``, ``clamp``),
 and one full-shape ``mul``/``div`` that applies it to ``x``. From the pattern:
@@ -217,12 +217,18 @@ def _fused(g: Graph, n: Node) -> Site | None:
         return None
     x = strip(g, n.inputs[0])
     if n.op == "normalize":
+        p, dim, nd = arg(1, "p"), arg(2, "dim"), len(n.shape)
+        p, dim = 2.0 if p is None else p, 1 if dim is None else dim  # F.normalize's defaults: p=2, dim=1
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or p != 2:
+            return None  # not an L2 norm (an Lp normalization): not one of the operators reported
+        if isinstance(dim, bool) or not isinstance(dim, int) or nd == 0 or not -nd <= dim < nd or dim % nd != nd - 1:
+            return None  # not over the last axis: as for an unfused reduction over another axis
         site = Site(
             n.idx,
             x,
             n.idx,
             Operator.L2,
-            n.shape[-1],
+            n.shape[dim],
             float(arg(3, "eps") or 1e-12),  # type: ignore[arg-type]
             EpsPlacement.CLAMP,
             False,

@@ -6,7 +6,7 @@ measured norm behaviour (:mod:`.norms`), never parameter names; returns a
 reasons); is proven by :func:`run_checks` (before vs after on probes, float64 and the
 working dtype); and is written only when the proof passes (:func:`save_surgery`).
 
->>> s = fold_gains(model, inputs); run_checks(model, s, inputs); save_surgery(s, "out/")
+>>> s = fold_gains(model, inputs); run_checks(model, s, inputs); save_surgery(s, "out/", inputs=inputs)
 """
 
 from .convert import (

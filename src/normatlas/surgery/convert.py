@@ -21,13 +21,14 @@ from __future__ import annotations
 
 import copy
 import math
+import numbers
 from typing import Any
 
 import torch
 from torch import nn
 
 from ..modules import Norm
-from ..spec import EpsPlacement, GainConvention
+from ..spec import EpsPlacement, GainConvention, parse_enum
 from .dataflow import Dataflow, linear_kind, record
 from .fold import _fold_norm, linear_consumers
 from .norms import NormFacts, find_norms
@@ -190,13 +191,14 @@ def gain_offset_warnings(model: nn.Module, norms: dict[str, NormFacts]) -> list[
     return out
 
 
-def convert_gain_convention(model: nn.Module, example_inputs: Any, to: GainConvention) -> Surgery:
+def convert_gain_convention(model: nn.Module, example_inputs: Any, to: GainConvention | str) -> Surgery:
     """Re-express every norm gain in convention ``to`` (``w <- 1 + w`` or ``w <- w - 1``).
 
     The convention each module's code uses is measured (:func:`.norms.probe_norm`), never read
     from names. The saved tensors are in the target convention, so stock code of the source
     convention would apply the offset twice: the checkpoint loads only with the manifest swaps.
     """
+    to = parse_enum(GainConvention, to, name="to")
     model = copy.deepcopy(model).eval()
     flow = record(model, example_inputs)
     norms = find_norms(flow)
@@ -238,8 +240,14 @@ def change_eps(
     Not an equivalence: the deviation is measured on the recorded inputs of each norm and on
     the same inputs scaled down by 1e2..1e4 (where eps matters), and end to end by the checks.
     """
-    if eps is not None and (not isinstance(eps, (int, float)) or not eps >= 0 or not math.isfinite(eps)):
-        raise ValueError(f"eps={eps!r} must be a finite number >= 0")
+    if eps is not None:
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)):
+            raise TypeError(f"eps={eps!r} must be a finite number > 0, or None to keep each norm's eps")
+        if not math.isfinite(eps) or eps <= 0:
+            raise ValueError(f"eps={eps!r} must be a finite number > 0, or None to keep each norm's eps")
+    if eps_placement is not None and not isinstance(eps_placement, EpsPlacement):
+        allowed = ", ".join(f"EpsPlacement.{p.name}" for p in EpsPlacement)
+        raise TypeError(f"eps_placement={eps_placement!r} must be an EpsPlacement ({allowed}) or None")
     model = copy.deepcopy(model).eval()
     flow = record(model, example_inputs)
     norms = find_norms(flow)
@@ -273,37 +281,77 @@ def _batchnorms(model: nn.Module) -> list[str]:
     ]
 
 
+def _bn_channel_axis(bn: nn.Module, ndim: int) -> int:
+    spec = getattr(bn, "spec", None)
+    channels_last = spec is not None and spec.layout.channels_last
+    return ndim - 1 if channels_last else 1 % ndim
+
+
+def _bn_fold_refusal(flow: Dataflow, name: str, bn: Any) -> tuple[str | None, str | None]:
+    """(the conv/linear that alone feeds BatchNorm ``name``, None) when it can be folded, else (None, why)."""
+    calls = flow.module_calls(name)
+    if len(calls) != 1:
+        return None, f"it is applied {len(calls)} times, so no single producer carries its statistics"
+    src = flow.producer_of(calls[0].inputs[0])
+    conv = src.module if src is not None else None
+    kind = linear_kind(flow.submodule(conv)) if conv is not None else None
+    if src is None or conv is None or kind not in ("conv", "linear"):
+        return None, f"its input comes from {src.label if src else 'a model input'}, not a convolution/linear"
+    lin: Any = flow.submodule(conv)
+    if len(flow.module_calls(conv)) != 1:
+        return None, (
+            f"{conv} is applied {len(flow.module_calls(conv))} times, so folding into its weights would change "
+            "its other applications too"
+        )
+    if [c.module for c in flow.consumers(src.outputs[0])] != [name]:
+        return None, f"{conv}'s output is also read elsewhere"
+    owners = [n for n, q in flow.model.named_parameters(remove_duplicate=False) if q is lin.weight]
+    if len(owners) > 1:
+        return None, f"{conv}.weight is shared with {', '.join(owners)}, which folding would change too"
+    y, x = flow.tensor(src.outputs[0]), flow.tensor(calls[0].inputs[0])
+    out_axis = 1 if kind == "conv" else y.dim() - 1
+    if x.shape != y.shape or _bn_channel_axis(bn, x.dim()) != out_axis:
+        return None, (
+            f"it normalises axis {_bn_channel_axis(bn, x.dim())} of a {tuple(x.shape)} tensor, but {conv}'s output "
+            f"channels are axis {out_axis} of {tuple(y.shape)}: the per-channel scale does not map onto its weights"
+        )
+    raw = getattr(bn, "eps", None)
+    eps = float(raw) if isinstance(raw, numbers.Real) and not isinstance(raw, bool) else math.nan
+    if not math.isfinite(eps) or eps < 0:
+        return None, f"its eps={raw!r} is not a finite number >= 0"
+    if bn.weight is None and eps >= 1:
+        return None, f"it has no affine weight and eps={eps:g} >= 1, so its running_var cannot be set to 1 - eps"
+    return conv, None
+
+
 def fold_batchnorm(model: nn.Module, example_inputs: Any) -> Surgery:
     """Fold each eval-mode BatchNorm into the convolution/linear that alone feeds it.
 
     ``s = gamma / sqrt(var + eps)``: ``W <- W * s`` per output channel, shift ``beta - mean * s``
-    (plus ``b * s``). The saved structure keeps the BatchNorm as ``x * 1 + shift`` (running
-    stats 0/1, weight sqrt(1 + eps)), exact to one rounding under stock code; the runtime swap
-    moves the shift into the conv's bias and deletes the BatchNorm.
+    (plus ``b * s``); a BatchNorm without affine (``affine=False``) has ``gamma = 1, beta = 0``.
+    The saved structure keeps the BatchNorm as ``x * 1 + shift``, exact to one rounding under
+    stock code: running mean 0 and running var 1 with weight sqrt(1 + eps), or, without an
+    affine weight, running var 1 - eps; the shift lives in the conv's bias, else in the
+    BatchNorm's bias, else as minus its running mean. The runtime swap moves the shift into
+    the conv's bias and deletes the BatchNorm. Every condition is checked before anything
+    is written, so a refused BatchNorm and its conv are left untouched.
     """
     model = copy.deepcopy(model).eval()
-    flow = record(model, example_inputs)
+    names = set(_batchnorms(model))
+    flow = record(model, example_inputs, opaque=lambda n, m: n in names)  # BN without affine owns no parameters
     surgery = Surgery("bn-fold", model)
     for name in _batchnorms(model):
-        calls = flow.module_calls(name)
-        if not calls:
+        bn: Any = model.get_submodule(name)
+        if not flow.module_calls(name):
+            surgery.notes.append(f"{name}: not called on the example inputs, left as is")
             continue
-        src = flow.producer_of(calls[0].inputs[0])
-        conv = src.module if src is not None else None
-        kind = linear_kind(flow.submodule(conv)) if conv is not None else None
-        readers = flow.consumers(src.outputs[0]) if src is not None else []
-        if kind not in ("conv", "linear") or len(calls) != 1 or [c.module for c in readers] != [name]:
-            why = (
-                f"its input comes from {src.label if src else 'a model input'}, not a convolution/linear"
-                if kind not in ("conv", "linear")
-                else f"{conv}'s output is also read elsewhere"
-            )
+        conv, why = _bn_fold_refusal(flow, name, bn)
+        if why is not None:
             surgery.refusals.append(Refusal(name, "bn-fold", why))
             continue
-        bn: Any = model.get_submodule(name)
         lin: Any = model.get_submodule(conv)  # type: ignore[arg-type]
         with torch.no_grad():
-            eps = float(bn.eps if isinstance(bn.eps, float) else 1e-5)
+            eps = float(bn.eps)
             g = bn.weight.double() if bn.weight is not None else torch.ones_like(bn.running_var.double())
             s = g / (bn.running_var.double() + eps).sqrt()
             beta = bn.bias.double() if bn.bias is not None else torch.zeros_like(s)
@@ -313,19 +361,26 @@ def fold_batchnorm(model: nn.Module, example_inputs: Any) -> Surgery:
             view = (-1,) + (1,) * (lin.weight.dim() - 1)
             lin.weight.copy_((lin.weight.double() * s.reshape(view)).to(lin.weight.dtype))
             bn.running_mean.zero_()
-            bn.running_var.fill_(1.0)
-            if bn.weight is None or bn.bias is None:
-                surgery.refusals.append(Refusal(name, "bn-fold", "BatchNorm without affine cannot hold the shift"))
-                continue
-            bn.weight.fill_(math.sqrt(1.0 + eps))
+            if bn.weight is not None:  # (x - 0) / sqrt(1 + eps) * sqrt(1 + eps)
+                bn.running_var.fill_(1.0)
+                bn.weight.fill_(math.sqrt(1.0 + eps))
+            else:  # (x - 0) / sqrt((1 - eps) + eps)
+                bn.running_var.fill_(1.0 - eps)
             if lin.bias is not None:
                 lin.bias.copy_(shift.to(lin.bias.dtype))
-                bn.bias.zero_()
+                if bn.bias is not None:
+                    bn.bias.zero_()
                 surgery.swaps.append(Swap(name, "identity"))
             else:
-                bn.bias.copy_(shift.to(bn.bias.dtype))
+                if bn.bias is not None:
+                    bn.bias.copy_(shift.to(bn.bias.dtype))
+                else:
+                    bn.running_mean.copy_((-shift).to(bn.running_mean.dtype))
                 surgery.swaps.append(Swap(conv, "bias_into", source=name))  # type: ignore[arg-type]
-        surgery.changes.append(Change(name, "folded", f"scale -> {conv}.weight, shift -> {conv}.bias (runtime)"))
+        affine = "" if bn.weight is not None and bn.bias is not None else " (BatchNorm without affine: gamma 1, beta 0)"
+        surgery.changes.append(
+            Change(name, "folded", f"scale -> {conv}.weight, shift -> {conv}.bias (runtime){affine}")
+        )
     return surgery
 
 

@@ -16,6 +16,7 @@ on the *operator* a module computes (``nn.Linear``, ``Conv1D``, ``nn.Embedding``
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from torch import nn
@@ -42,13 +43,20 @@ def linear_kind(module: nn.Module) -> str | None:
     return "conv1d_t" if isinstance(module, Conv1D) else None
 
 
-def record(model: nn.Module, example_inputs: Any) -> Dataflow:
+def record(
+    model: nn.Module, example_inputs: Any, *, opaque: Callable[[str, nn.Module], bool] | None = None
+) -> Dataflow:
     """Run ``model`` once on ``example_inputs`` (a tensor, a tuple of positional arguments or a kwargs
-    dict) in eval mode and return its coarse dataflow (parameter-owning modules opaque)."""
+    dict) in eval mode and return its coarse dataflow: parameter-owning modules opaque, and also every
+    module for which ``opaque(name, module)`` holds (a BatchNorm without affine owns only buffers)."""
     was_training = model.training
     model.eval()
+
+    def hidden(name: str, module: nn.Module) -> bool:
+        return _core.owns_parameters(name, module) or (opaque is not None and bool(name) and opaque(name, module))
+
     try:
         ins = example_inputs if isinstance(example_inputs, (tuple, dict)) else (example_inputs,)
-        return _core.collapse(_core.record(model, ins))
+        return _core.collapse(_core.record(model, ins), hidden)
     finally:
         model.train(was_training)

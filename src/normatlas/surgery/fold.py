@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..spec import EpsPlacement
+from ..spec import EpsPlacement, Scale
 from .dataflow import Dataflow, linear_kind, record
 from .norms import NormFacts, find_norms
 from .report import Change, Refusal, Surgery, Swap, spec_to_dict
@@ -124,28 +124,55 @@ def _fold_norm(model: nn.Module, facts: NormFacts, consumers: list[str], surgery
     return None
 
 
+_DEFERRABLE = (EpsPlacement.INSIDE_SQRT, EpsPlacement.OUTSIDE_SQRT)
+
+
 class DeferredNormLinear(nn.Module):
-    """FlashNorm's deferred normalisation: ``(W x) * rsqrt(mean(x^2) + eps) + c``, equal to
-    ``W rmsnorm(x) + c`` for a weightless RMSNorm (statistics in fp32)."""
+    """FlashNorm's deferred normalisation: ``(W x) * rsqrt(mean(x^2) + eps) + c`` (eps inside the root) or
+    ``(W x) / (sqrt(mean(x^2)) + eps) + c`` (outside), equal to ``W rmsnorm(x) + c`` for a weightless
+    RMSNorm (statistics in at least fp32)."""
 
     weight: Tensor
     bias: Tensor | None
 
     def __init__(self, linear: Any, eps: float, eps_placement: EpsPlacement) -> None:
         super().__init__()
+        if eps_placement not in _DEFERRABLE:
+            allowed = ", ".join(f"EpsPlacement.{p.name}" for p in _DEFERRABLE)
+            raise ValueError(f"eps_placement={eps_placement!r} cannot be deferred; allowed: {allowed}")
         self.kind = linear_kind(linear)
         self.weight, self.bias = linear.weight, linear.bias
         self.eps, self.eps_placement = eps, eps_placement
 
     def forward(self, x: Tensor) -> Tensor:
-        ms = x.float().pow(2).mean(-1, keepdim=True)
+        ms = x.to(torch.promote_types(x.dtype, torch.float32)).pow(2).mean(-1, keepdim=True)
         if self.eps_placement is EpsPlacement.OUTSIDE_SQRT:
             inv = 1.0 / (ms.sqrt() + self.eps)
         else:
             inv = torch.rsqrt(ms + self.eps)
         y = F.linear(x, self.weight) if self.kind == "linear" else x @ self.weight
-        y = (y.float() * inv).to(x.dtype)
+        y = (y.to(inv.dtype) * inv).to(x.dtype)
         return y if self.bias is None else y + self.bias
+
+
+def _defer_refusal(facts: NormFacts, has_bias: bool) -> str | None:
+    """Why :class:`DeferredNormLinear` cannot stand in for this (weightless) norm, or None when it can."""
+    if facts.center or has_bias:
+        return (
+            "centring/bias is not a per-token scalar, so the normalisation cannot move past the GEMM "
+            "(convert LN->RMS first)"
+        )
+    if facts.scale is not Scale.RMS:
+        return (
+            f"it divides by the {facts.scale.value} statistic (measured), but the deferred linear computes "
+            "rsqrt(mean(x^2)): only an RMS norm can be deferred"
+        )
+    if facts.eps_placement not in _DEFERRABLE:
+        return (
+            f"its eps placement is {facts.eps_placement.value} (measured), but the deferred linear supports "
+            "only inside_sqrt and outside_sqrt"
+        )
+    return None
 
 
 def fold_gains(model: nn.Module, example_inputs: Any, *, defer: bool = False) -> Surgery:
@@ -171,15 +198,9 @@ def fold_gains(model: nn.Module, example_inputs: Any, *, defer: bool = False) ->
         spec = facts.spec(gain=False, bias=has_bias)
         surgery.swaps.append(Swap(name, "norm", spec_to_dict(spec), [facts.dim]))
         if defer:
-            if facts.center or has_bias:
-                surgery.refusals.append(
-                    Refusal(
-                        name,
-                        "defer",
-                        "centring/bias is not a per-token scalar, so the "
-                        "normalisation cannot move past the GEMM (convert LN->RMS first)",
-                    )
-                )
+            why = _defer_refusal(facts, has_bias)
+            if why is not None:
+                surgery.refusals.append(Refusal(name, "defer", why))
             else:
                 surgery.notes.append(f"{name}: normalisation deferred past {', '.join(consumers)} (runtime only)")
                 surgery.deferred.append((name, consumers, facts))

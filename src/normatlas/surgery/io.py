@@ -6,7 +6,8 @@ model is built from ``config.json``'s architecture (a transformers class) and ev
 tensor is checked against it by name and shape before loading.
 
 Writing: everything goes into a temporary folder beside the target, which is renamed
-into place only when complete, so a failure leaves no output behind. The folder holds
+into place only when complete and verified (every tensor read back bitwise equal, the model rebuilt
+from the folder reproducing the verified output bitwise), so a failure leaves no output behind. The folder holds
 ``model.safetensors`` (the transformed weights in the stock module structure),
 ``config.json`` (transformers loads it) and ``normatlas_surgery.json`` (the runtime
 swaps, what changed and the measured proof). :func:`load_transformed` rebuilds the
@@ -156,11 +157,55 @@ def _dedup(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
+@torch.no_grad()
+def _check_written(state: dict[str, torch.Tensor], written: dict[str, torch.Tensor]) -> None:
+    """Every tensor of ``state`` must read back from ``written`` bitwise equal (same dtype and shape); a key
+    left out must be tied to (share storage with) a written one, and nothing else may be in the file."""
+    extra = sorted(k for k in written if k not in state)
+    if extra:
+        raise ValueError(f"the written file has tensor(s) {extra[:5]} that the model does not have")
+    for k, v in state.items():
+        got = written.get(k)
+        if got is None:
+            twin = next(
+                (n for n, t in state.items() if n in written and t.data_ptr() == v.data_ptr() and t.shape == v.shape),
+                None,
+            )
+            if twin is None:
+                raise ValueError(f"tensor {k!r} is missing from the written file")
+            got = written[twin]
+        if got.dtype != v.dtype or got.shape != v.shape:
+            raise ValueError(
+                f"written tensor {k!r} does not read back equal (read {got.dtype} {tuple(got.shape)}, "
+                f"expected {v.dtype} {tuple(v.shape)})"
+            )
+        if not torch.equal(got, v.detach().cpu()):
+            raise ValueError(f"written tensor {k!r} does not read back equal (its values differ)")
+
+
+def _rebuild(surgery: Surgery, folder: Path, written: dict[str, torch.Tensor]) -> tuple[nn.Module, nn.Module]:
+    """(stock, runtime) models rebuilt from the written ``folder``: from its config.json for a transformers
+    model, else the in-memory module structure (a copy) with the written tensors loaded, strictly."""
+    if (folder / "config.json").is_file():
+        stock, runtime, _ = load_transformed(folder)
+        return stock, runtime
+    import copy
+
+    stock = copy.deepcopy(surgery.stock).eval()
+    _load_into(stock, written, folder)
+    return stock, apply_swaps(copy.deepcopy(stock), surgery.swaps)
+
+
 def save_surgery(surgery: Surgery, out: str | os.PathLike[str], *, force: bool = False, inputs: Any = None) -> Path:
-    """Write ``surgery`` atomically, only when its proof passed; before publishing, load it back and check
-    every tensor reads back equal and (given ``inputs``) the reloaded runtime model's output is bitwise the
-    in-memory one's."""
-    from safetensors.torch import save_file
+    """Write ``surgery`` atomically, only when its proof passed. Before publishing, the written safetensors
+    are read back and every tensor must equal the in-memory one bitwise; the model is rebuilt from the
+    written folder (config.json, or the in-memory structure for a non-transformers model) and must hold the
+    same tensors; and the rebuilt runtime model's output must be bitwise the in-memory one's on ``inputs``
+    (default: :func:`.verify.probe_inputs` for a transformers model). A model that has neither ``inputs``
+    nor a transformers config is refused: its output could not be compared."""
+    from safetensors.torch import load_file, save_file
+
+    from .verify import model_output, probe_inputs
 
     if not surgery.checks:
         raise ValueError("refusing to write: the surgery has not been verified (run run_checks first)")
@@ -168,30 +213,40 @@ def save_surgery(surgery: Surgery, out: str | os.PathLike[str], *, force: bool =
         failed = [f"{c.model}/{c.dtype} max_rel={c.max_rel:.3g}" for c in surgery.checks if not c.passed]
         raise ValueError(f"refusing to write: verification failed the tolerance ({'; '.join(failed)})")
     target = Path(out)
+    if target.exists() and not target.is_dir():
+        raise ValueError(f"output={str(target)!r} exists and is not a folder; pass a folder path to write into")
     if target.exists() and any(target.iterdir()) and not force:
         raise ValueError(f"output={str(target)!r} exists and is not empty; pass force=True to replace it")
+    model = surgery.stock
+    config = getattr(model, "config", None)
+    if inputs is None and config is not None:
+        try:
+            inputs = probe_inputs(model)
+        except ValueError:
+            inputs = None
+    if inputs is None:
+        raise ValueError(
+            "refusing to write: inputs=None and the model has no transformers config to make probe inputs "
+            "from, so the written model's output cannot be compared; pass inputs="
+        )
+    for parent in (target.parent, *target.parent.parents):
+        if parent.exists() and not parent.is_dir():
+            raise ValueError(f"output={str(target)!r}: {str(parent)!r} is a file, not a folder")
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
-        model = surgery.stock
         save_file(_dedup(model.state_dict()), str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        config = getattr(model, "config", None)
         if config is not None:
             config.architectures = [type(model).__name__]
             (tmp / "config.json").write_text(config.to_json_string())
         (tmp / MANIFEST).write_text(json.dumps(surgery.manifest(), indent=2, default=str))
-        if config is not None:  # load back and compare every tensor before publishing
-            stock, _, _ = load_transformed(tmp)
-            ref = model.state_dict()
-            for k, v in stock.state_dict().items():
-                if k in ref and not torch.equal(v, ref[k]):
-                    raise ValueError(f"written tensor {k!r} does not read back equal")
-            if inputs is not None:
-                from .verify import model_output
-
-                _, reloaded, _ = load_transformed(tmp)
-                if not torch.equal(model_output(reloaded, inputs)[0], model_output(surgery.runtime(), inputs)[0]):
-                    raise ValueError("the reloaded runtime model does not reproduce the verified output")
+        ref = model.state_dict()
+        written = load_file(str(tmp / "model.safetensors"))
+        _check_written(ref, written)  # the file itself
+        stock, reloaded = _rebuild(surgery, tmp, written)
+        _check_written(ref, {k: v for k, v in stock.state_dict().items() if k in written})  # what loads from it
+        if not torch.equal(model_output(reloaded, inputs)[0], model_output(surgery.runtime(), inputs)[0]):
+            raise ValueError("the reloaded runtime model does not reproduce the verified output")
         if target.exists():
             old = target.with_name(f".{target.name}.old-{os.getpid()}")
             os.replace(target, old)

@@ -33,7 +33,7 @@ class Refusal:
 class Check:
     """Before vs after on the probe inputs in one dtype."""
 
-    model: str  # "runtime" (with swaps) or "stock" (the saved module structure)
+    model: str  # "runtime" (with swaps), "stock" (the saved module structure) or "deferred" (FlashNorm deferral)
     dtype: str
     max_abs: float
     max_rel: float
@@ -47,8 +47,8 @@ class Swap:
     """A runtime module replacement that is exact given the transformed weights.
 
     kind: ``norm`` (a normatlas :class:`Norm` with ``spec``), ``identity``, ``frozen_batchnorm``,
-    ``bias_into`` (``module`` gains a bias parameter copied from ``source``'s bias; ``source``
-    becomes identity).
+    ``bias_into`` (``module`` gains a bias parameter copied from ``source``'s bias, or minus its running
+    mean when it has no bias; ``source`` becomes identity).
     """
 
     module: str
@@ -191,7 +191,8 @@ def apply_swaps(model: nn.Module, swaps: list[Swap]) -> nn.Module:
         elif s.kind == "bias_into":
             assert s.source is not None
             src: Any = model.get_submodule(s.source)
-            old.bias = nn.Parameter(src.bias.detach().clone())
+            shift = src.bias if src.bias is not None else -src.running_mean  # a BatchNorm without affine
+            old.bias = nn.Parameter(shift.detach().clone().to(old.weight.dtype))
             model.set_submodule(s.source, nn.Identity())
             continue
         else:

@@ -144,17 +144,23 @@ def run_checks(
     head: Head | None = None,
     runtime: nn.Module | None = None,
 ) -> Surgery:
-    """Attach the proof to ``surgery``: runtime (swapped) model, and the saved structure when it is
-    meant to be stock-equivalent, each in float64 and the working dtype."""
+    """Attach the proof to ``surgery``: runtime (swapped) model, the saved structure when it is
+    meant to be stock-equivalent, and the deferred-normalisation runtime when :func:`.fold.fold_gains`
+    deferred any norm, each in float64 and the working dtype (all must pass for ``surgery.passed``)."""
     tol = tolerance or Tolerance()
     wdtype = working_dtype or next(before.parameters()).dtype
     targets = [("runtime", runtime if runtime is not None else surgery.runtime())]
     if surgery.stock_equivalent and surgery.swaps:
         targets.append(("stock", surgery.stock))
+    if surgery.deferred:
+        from .fold import deferred_runtime
+
+        targets.append(("deferred", deferred_runtime(surgery)))
     surgery.checks = []
     for dtype, t in ((torch.float64, tol.float64), (wdtype, tol.working)):
         ref = _reference(before, inputs, dtype, head)
         for label, model in targets:
             surgery.checks.append(compare(before, model, inputs, dtype, label=label, tol=t, head=head, reference=ref))
-    surgery.checks.sort(key=lambda c: c.model != "runtime")
+    order = {label: i for i, (label, _) in enumerate(targets)}
+    surgery.checks.sort(key=lambda c: order[c.model])
     return surgery
