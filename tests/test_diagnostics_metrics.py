@@ -195,3 +195,75 @@ def test_massive_median_estimate_is_close_to_exact() -> None:
     est = massive_activations(x)
     assert est["top"] == [dict(t, ratio=est["top"][i]["ratio"]) for i, t in enumerate(exact["top"])]
     assert_close(est["median"], exact["median"], rtol=0.05, atol=0)
+
+
+def test_entropy_norm_counts_allowed_keys_not_surviving_probabilities() -> None:
+    """Two keys win among 64 allowed: the losers' probabilities round to exactly 0 in float32, yet they
+    were allowed, so the normalized entropy is log(2) / log(64), not 1 (uniform over the survivors)."""
+    t = 64
+    logits = torch.full((1, 1, t, t), -200.0)
+    logits[..., :2] = 0.0
+    probs = torch.softmax(logits, -1)
+    assert int((probs[0, 0, 0] > 0).sum()) == 2  # the underflow the metric must not trust
+    want = math.log(2) / math.log(t)
+    assert_close(attention_stats(probs, logits)["entropy_norm"], want, rtol=1e-5, atol=0)
+    everywhere = torch.ones(t, t, dtype=torch.bool)
+    assert_close(attention_stats(probs, allowed=everywhere)["entropy_norm"], want, rtol=1e-5, atol=0)
+    assert_close(attention_stats(probs)["entropy_norm"], want, rtol=1e-5, atol=0)  # default: every key
+    far = logits.masked_fill(logits < 0, -2e4)  # losers as far down as a collapsing TinyLM puts them
+    assert_close(attention_stats(torch.softmax(far, -1), far)["entropy_norm"], want, rtol=1e-5, atol=0)
+    # additive masks of finfo(dtype).min (HF eager) count as masked: 8 allowed keys, uniform over them
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        masked = torch.full((1, 1, 4, t), torch.finfo(dtype).min, dtype=dtype)
+        masked[..., :8] = 0.0
+        st_m = attention_stats(torch.softmax(masked.float(), -1), masked)
+        assert_close(st_m["entropy_norm"], 1.0, rtol=1e-5, atol=0)
+
+
+def test_entropy_collapse_alarm_fires_when_a_few_keys_survive() -> None:
+    t = 64
+    logits = torch.full((1, 2, t, t), -200.0)
+    logits[..., 0], logits[..., 1] = 0.0, -4.0  # nearly one-hot over 64 allowed keys
+    value = attention_stats(torch.softmax(logits, -1), logits)["entropy_norm"]
+    assert float(value) < 0.1  # type: ignore[arg-type]
+    alarm = EntropyCollapseAlarm()
+    assert alarm.check(0, {"attention/entropy_norm/L0": value})[0].alarm == "entropy-collapse"
+
+
+def test_causal_first_row_is_left_out_of_the_entropy() -> None:
+    """Uniform causal attention is uniform over every row's allowed keys: normalized entropy exactly 1.
+    Row 0 may attend to one key only; it carries no information and must not count as a 0."""
+    t = 9
+    causal = torch.ones(t, t, dtype=torch.bool).tril()
+    logits = torch.zeros(1, 2, t, t).masked_fill(~causal, -math.inf)
+    probs = torch.softmax(logits, -1)
+    st_c = attention_stats(probs, logits)
+    assert_close(st_c["entropy_norm"], 1.0, rtol=1e-6, atol=0)
+    assert_close(st_c["entropy_norm_min"], 1.0, rtol=1e-6, atol=0)
+    want = sum(math.log(i + 1) for i in range(1, t)) / (t - 1)
+    assert_close(st_c["entropy"], want, rtol=1e-5, atol=0)
+    assert_close(attention_stats(probs, allowed=causal)["entropy_norm"], 1.0, rtol=1e-6, atol=0)
+    single = attention_stats(torch.ones(1, 1, 1, 1), torch.zeros(1, 1, 1, 1))  # nothing to average over
+    assert math.isnan(float(single["entropy_norm"]))  # type: ignore[arg-type]
+    assert not EntropyCollapseAlarm().check(0, {"attention/entropy_norm/L0": single["entropy_norm"]})
+
+
+def test_attention_stats_rejects_a_bad_allowed_mask() -> None:
+    probs = torch.full((1, 1, 3, 3), 1 / 3)
+    with pytest.raises(TypeError, match="allowed must be a boolean"):
+        attention_stats(probs, allowed=torch.ones(3, 3))
+    with pytest.raises(ValueError, match=r"allowed has shape \(4, 4\)"):
+        attention_stats(probs, allowed=torch.ones(4, 4, dtype=torch.bool))
+    with pytest.raises(ValueError, match="logits shape"):
+        attention_stats(probs, logits=torch.zeros(1, 1, 3, 4))
+
+
+@pytest.mark.parametrize("bad", [math.inf, -math.inf, math.nan])
+def test_headroom_of_non_finite_activations(bad: float) -> None:
+    hr = headroom(torch.tensor([1.0, bad, 2.0, 3.0]))  # before the fix: inf raised "math domain error"
+    assert hr["bf16_headroom_log2"] == -math.inf and hr["fp16_headroom_log2"] == -math.inf
+    assert hr["nonfinite_share"] == 0.25
+    assert hr["bf16_underflow_share"] == 0.0
+    assert headroom(torch.tensor([1.0, 2.0]))["nonfinite_share"] == 0.0
+    alarm = ThresholdAlarm("headroom/nonfinite_share", above=0.0)
+    assert alarm.check(0, {"headroom/nonfinite_share": hr["nonfinite_share"]})

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -13,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.testing import assert_close
 
-from normatlas.diagnostics import CSVSink, JSONLSink, Metric, Monitor, attention_stats, sdpa_probs
+from normatlas.diagnostics import AttentionCapture, CSVSink, JSONLSink, Metric, Monitor, attention_stats, sdpa_probs
 from normatlas.diagnostics.health import cross_example_dependence
 from normatlas.diagnostics.tinylm import TinyLM, collapse_experiment
 
@@ -83,7 +85,8 @@ def test_grad_norms_and_effective_lr_match_independent_computation() -> None:
     assert_close(rec["grad_norm/total"], float(total), rtol=1e-5, atol=0)
     assert_close(rec["grad_norm/L1"], float(l1), rtol=1e-5, atol=0)
     w = model.blocks[0].attn.q.weight.detach().double()
-    assert_close(rec["effective_lr/blocks.0.attn.q"], 0.02 / float(w.norm() ** 2), rtol=1e-5, atol=0)
+    assert mon.effective_lr_power == 1  # Adam normalizes the update: the angular step is ~ lr / ||W||
+    assert_close(rec["effective_lr/blocks.0.attn.q"], 0.02 / float(w.norm()), rtol=1e-5, atol=0)
     assert rec["weight_growth/blocks.0.attn.q"] == 1.0
 
 
@@ -358,3 +361,140 @@ def test_cnn_channels_first_and_progress_line(capsys: pytest.CaptureFixture[str]
     assert (rec["massive/token/L0"], rec["massive/channel/L0"]) == (14, 3)
     assert "batchnorm/mean_gap/0.bn" in rec and "grad_norm/L2" in rec
     assert capsys.readouterr().out.startswith("step 0 | loss 1 | out-norm")
+
+
+class _PostLN(nn.Module):
+    """``ln(lin(x) [+ x])``: the residual written in place, as Post-LN code often does."""
+
+    def __init__(self, bias: bool, inplace: bool) -> None:
+        super().__init__()
+        self.lin, self.ln, self.inplace = nn.Linear(16, 16, bias=bias), nn.LayerNorm(16), inplace
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        if self.inplace:
+            h += x
+        return self.ln(h)
+
+
+class _ConvBN(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.bn = nn.Conv2d(3, 3, 3, padding=1, bias=True), nn.BatchNorm2d(3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.bn(self.conv(x))
+
+
+def _output_moves_when_weight_scales(block: nn.Module, x: torch.Tensor) -> bool:
+    """Ground truth in train mode (BatchNorm on batch statistics), on a copy."""
+    block = copy.deepcopy(block).train()
+    w = block.get_submodule("lin" if hasattr(block, "lin") else "conv").weight
+    with torch.no_grad():
+        before = block(x)
+        w.mul_(3.0)
+        after = block(x)
+    return not torch.allclose(before, after, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("make", "shape", "invariant"),
+    [
+        (lambda: _PostLN(bias=False, inplace=False), (4, 5, 16), True),
+        (lambda: _PostLN(bias=False, inplace=True), (4, 5, 16), False),  # shares storage with the LN input
+        (lambda: _PostLN(bias=True, inplace=False), (4, 5, 16), False),  # only (W, b) is invariant
+        (lambda: _ConvBN(), (4, 3, 6, 6), True),  # BatchNorm's centring cancels the conv bias
+    ],
+)
+def test_scale_invariant_linears_are_exactly_those_whose_weight_can_scale(
+    make: Callable[[], nn.Module], shape: tuple[int, ...], invariant: bool
+) -> None:
+    torch.manual_seed(7)
+    x = torch.randn(shape)
+    model = nn.Sequential(make(), make())
+    for blk in model:
+        assert _output_moves_when_weight_scales(blk, x) is not invariant  # the ground truth
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mon = Monitor(model, every=1, optimizer=opt, metrics=["effective_lr"], print_alarms=False)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    model(x).sum().backward()
+    mon.step()
+    lin = "lin" if hasattr(model[0], "lin") else "conv"
+    assert mon.scale_invariant == ([f"0.{lin}", f"1.{lin}"] if invariant else [])
+    if invariant:
+        w = model[0].get_submodule(lin).weight.detach().double()
+        assert mon.effective_lr_power == 2
+        assert_close(mon.last[f"effective_lr/0.{lin}"], 0.1 / float(w.norm() ** 2), rtol=1e-5, atol=0)
+    assert not any(k.startswith("effective_lr/") for k in mon.last) or invariant
+    # the extra traced forward left the BatchNorm statistics as one forward leaves them
+    ref = nn.Sequential(make(), make())
+    ref.load_state_dict(state)
+    ref.train()(x)
+    for k, v in ref.state_dict().items():
+        assert_close(model.state_dict()[k], v, rtol=0, atol=0)
+
+
+class _Overflow(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * 1e39  # overflows float32 to inf
+
+
+def test_inf_activation_is_reported_not_raised() -> None:
+    torch.manual_seed(8)
+    model = nn.Sequential(_Overflow(), _Overflow())
+    mon = Monitor(model, every=1, print_alarms=False)
+    model(torch.randn(2, 3, 4))  # before the fix: "math domain error" from the forward hook
+    events = mon.step()
+    rec = mon.last
+    assert rec["headroom/bf16_log2"] == -math.inf and rec["headroom/fp16_log2"] == -math.inf
+    assert rec["headroom/nonfinite_share"] > 0 and rec["headroom/nonfinite_share/L0"] > 0
+    fired = {e.key for e in events}
+    assert "headroom/nonfinite_share" in fired
+
+
+def test_sdpa_probs_match_sdpa_causal_with_fewer_queries_than_keys() -> None:
+    """SDPA's is_causal is top-left aligned (torch docs: ``tril(diagonal=0)``), also for Tq != Tk."""
+    g = torch.Generator().manual_seed(9)
+    for tq, tk in ((3, 7), (7, 3), (5, 5)):
+        q = torch.randn(2, 3, tq, 8, generator=g, dtype=torch.float64)
+        k = torch.randn(2, 3, tk, 8, generator=g, dtype=torch.float64)
+        v = torch.randn(2, 3, tk, 8, generator=g, dtype=torch.float64)
+        ref = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        _, probs = sdpa_probs(q, k, is_causal=True)
+        assert_close(probs.double() @ v, ref, rtol=1e-5, atol=1e-6)
+
+
+def test_dropout_in_train_mode_is_not_cross_example_dependence() -> None:
+    torch.manual_seed(10)
+    x = torch.randn(8, 6)
+    drop = nn.Sequential(nn.Linear(6, 16), nn.LayerNorm(16), nn.Dropout(0.1), nn.Linear(16, 3)).train()
+    before = torch.random.get_rng_state()
+    res = cross_example_dependence(drop, x)
+    assert res.passed and res.leak == 0.0, res
+    assert torch.equal(torch.random.get_rng_state(), before)  # the caller's RNG is left as it was
+    bn = nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.Dropout(0.1), nn.Linear(16, 3)).train()
+    assert not cross_example_dependence(bn, x).passed
+
+
+def test_captured_logits_mark_finite_masks_as_masked() -> None:
+    """Eager attention with an additive finfo.min mask and SDPA with a float mask give the same entropy
+    as the causal map they encode; the probabilities are SDPA's."""
+    torch.manual_seed(11)
+    q, k, v = (torch.randn(2, 2, 6, 4) for _ in range(3))
+    causal = torch.ones(6, 6, dtype=torch.bool).tril()
+    float_mask = torch.zeros(6, 6).masked_fill(~causal, torch.finfo(torch.float32).min)
+    logits, probs = sdpa_probs(q, k, float_mask)
+    assert torch.equal(torch.isinf(logits[0, 0]), ~causal)
+    assert_close(probs @ v, F.scaled_dot_product_attention(q, k, v, attn_mask=float_mask), rtol=1e-5, atol=1e-6)
+    ref = attention_stats(probs, allowed=causal)
+    got = []
+    with AttentionCapture(lambda p, lg: got.append(attention_stats(p, lg))):
+        torch.softmax(q @ k.transpose(-1, -2) / 2.0 + float_mask, dim=-1)
+        F.scaled_dot_product_attention(q, k, v, attn_mask=float_mask)
+    assert len(got) == 2
+    for st in got:
+        assert_close(st["entropy_norm"], ref["entropy_norm"], rtol=1e-5, atol=1e-6)

@@ -55,10 +55,7 @@ def _check(args: argparse.Namespace) -> int:
     warnings.filterwarnings("ignore")
     source: Any
     if args.from_file:
-        path = Path(args.from_file)
-        if not path.is_file():
-            raise CliError(f"--from {args.from_file}: no such file")
-        source = {r["model"]: r for r in json.loads(path.read_text())}
+        source = _read_sweep(args.from_file)
     else:
         from ..inspect import inspect_target
 
@@ -74,6 +71,38 @@ def _check(args: argparse.Namespace) -> int:
         rows = [{k: v for k, v in r.items() if k != "source"} for r in rows]
     print(format_rows(rows, args.format, title="curated matrix vs inspected dataflow"))
     return 0
+
+
+_SWEEP_SHAPE = (
+    "it must be a JSON list of objects, one per model type, each with a string 'model' key "
+    "(the transformers_matrix.json that `normatlas inspect --all-transformers` writes)"
+)
+_JSON_TYPE = {dict: "object", list: "array", str: "string", int: "number", float: "number", bool: "boolean"}
+
+
+def _json_type(value: object) -> str:
+    return "null" if value is None else _JSON_TYPE.get(type(value), type(value).__name__)
+
+
+def _read_sweep(name: str) -> dict[str, dict[str, Any]]:
+    """The sweep file of ``--from`` as ``{model type: summary row}``; CliError when it is malformed."""
+    path = Path(name)
+    if not path.is_file():
+        raise CliError(f"--from {name}: no such file")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CliError(f"--from {name}: not JSON ({exc}); {_SWEEP_SHAPE}") from exc
+    if not isinstance(data, list):
+        raise CliError(f"--from {name}: holds a JSON {_json_type(data)}; {_SWEEP_SHAPE}")
+    rows: dict[str, dict[str, Any]] = {}
+    for i, row in enumerate(data):
+        if not isinstance(row, dict):
+            raise CliError(f"--from {name}: entry {i} is a JSON {_json_type(row)}; {_SWEEP_SHAPE}")
+        if not isinstance(row.get("model"), str):
+            raise CliError(f"--from {name}: entry {i} has no string 'model' (got {row.get('model')!r}); {_SWEEP_SHAPE}")
+        rows[row["model"]] = row
+    return rows
 
 
 def _configure_papers(p: argparse.ArgumentParser) -> None:

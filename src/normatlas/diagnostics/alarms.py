@@ -9,10 +9,11 @@ functions of the recorded values.
   over the last ``window`` records exceeds ``log(growth)``.
 * :class:`SpikeDetector` - OLMo 2 diagnosed on gradient-norm spikes: fires when a value
   exceeds ``mean + z * std`` of the previous ``window`` values and ``ratio`` x their median.
-* :class:`ThresholdAlarm` - a fixed bound (fp16 headroom, flagged n-gram batches).
+* :class:`ThresholdAlarm` - a fixed bound (fp16 headroom, inf/NaN activations, flagged n-gram batches).
 * :class:`EntropyCollapseAlarm` - Zhai et al. 2023: a layer's normalized attention entropy
   (mean over heads; 1 = uniform, 0 = one-hot) falls below ``floor`` or below ``fraction`` of
   its first recorded value, i.e. the layer's attention is within 10% of one-hot by default.
+  Non-finite values (NaN: no query could attend to two keys) are skipped.
 """
 
 from __future__ import annotations
@@ -145,6 +146,8 @@ class EntropyCollapseAlarm(Alarm):
         self.first: dict[str, float] = {}
 
     def observe(self, key: str, value: float) -> str | None:
+        if not math.isfinite(value):
+            return None
         first = self.first.setdefault(key, value)
         if value < self.floor or value < self.fraction * first:
             return (
@@ -161,5 +164,6 @@ def default_alarms() -> list[Alarm]:
         SpikeDetector("grad_norm/total"),
         EntropyCollapseAlarm(),
         ThresholdAlarm("headroom/fp16_log2", below=0.0),
+        ThresholdAlarm("headroom/nonfinite_share", above=0.0),
         ThresholdAlarm("ngrams/flagged", above=0.0),
     ]

@@ -25,6 +25,8 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
+from .metrics import masked_logits
+
 __all__ = ["AttentionCapture", "sdpa_probs"]
 
 _SOFTMAX = {torch.softmax, F.softmax, Tensor.softmax, torch.special.softmax}
@@ -43,7 +45,11 @@ def sdpa_probs(
 
     ``query`` is ``(..., H, Tq, E)`` and ``key`` ``(..., Hk, Tk, E)``. Returns
     ``(logits, probs)`` in float32, where ``logits`` include an additive float mask and
-    are ``-inf`` at masked positions; rows with no allowed key get zero probabilities.
+    are ``-inf`` at masked positions (also where a float mask masks with a finite value, see
+    :func:`~normatlas.diagnostics.metrics.masked_logits`); rows with no allowed key get zero
+    probabilities.
+    ``is_causal`` masks as SDPA does, top-left aligned (``tril(0)``: query ``i`` attends to keys
+    ``0..i`` even when ``Tq != Tk``; a KV-cache decode step must pass an explicit mask instead).
     """
     q, k = query.detach().float(), key.detach().float()
     if q.dim() < 2 or k.dim() != q.dim():
@@ -56,20 +62,28 @@ def sdpa_probs(
     logits = q @ k.transpose(-1, -2) * s
     tq, tk = logits.shape[-2], logits.shape[-1]
     if is_causal:
-        allowed = torch.ones(tq, tk, dtype=torch.bool, device=logits.device).tril(tk - tq)
+        # SDPA's is_causal is top-left aligned: query i sees keys 0..i, also when Tq != Tk
+        allowed = torch.ones(tq, tk, dtype=torch.bool, device=logits.device).tril(0)
         logits = logits.masked_fill(~allowed, -math.inf)
+    masked = None
     if attn_mask is not None:
         m = attn_mask.detach()
         m = m[: logits.shape[0]] if m.dim() == logits.dim() and m.shape[0] > logits.shape[0] else m
-        logits = logits.masked_fill(~m, -math.inf) if m.dtype == torch.bool else logits + m.float()
-    probs = torch.softmax(logits, dim=-1).nan_to_num(0.0)
+        if m.dtype == torch.bool:
+            logits = logits.masked_fill(~m, -math.inf)
+        else:
+            logits, masked = logits + m.float(), masked_logits(m)
+    probs = torch.softmax(logits, dim=-1).nan_to_num(0.0)  # as SDPA, also for rows masked by finite values
+    if masked is not None:
+        logits = logits.masked_fill(masked, -math.inf)
     return logits, probs
 
 
 class AttentionCapture(TorchFunctionMode):
     """Calls ``callback(probs, logits)`` for every attention computed while the mode is active.
 
-    ``probs`` and ``logits`` are float32 ``(B', H, Tq, Tk)`` with ``B' <= max_examples``.
+    ``probs`` and ``logits`` are float32 ``(B', H, Tq, Tk)`` with ``B' <= max_examples``; masked
+    logits (:func:`~normatlas.diagnostics.metrics.masked_logits`) are ``-inf``.
     The model's own outputs are untouched: the intercepted call runs unchanged.
     """
 
@@ -115,4 +129,5 @@ class AttentionCapture(TorchFunctionMode):
         if not isinstance(out, Tensor) or out.dim() != 4 or dim not in (-1, 3):
             return
         n = self.max_examples
-        self.callback(out[:n].detach().float(), input[:n].detach().float())
+        logits = input[:n].detach()
+        self.callback(out[:n].detach().float(), logits.float().masked_fill(masked_logits(logits), -math.inf))

@@ -5,19 +5,25 @@ example i depends on examples j != i (the model can cheat by reading batch
 statistics). :func:`cross_example_dependence` measures it by perturbation: change
 example ``j`` only and report how much every other example's output moves. Per-sample
 models (LayerNorm, RMSNorm, GroupNorm, BN in eval mode) give exactly zero up to
-floating-point batching noise. All parameters and buffers (BN running statistics) are
-restored afterwards, so the check is safe mid-training.
+floating-point batching noise. Every forward runs with the same random seed (the RNG of
+the CPU and of the model's devices is forked, so the caller's RNG is left as it was), so
+dropout draws the same masks each time and a model in train mode is judged by its
+arithmetic, not by fresh dropout noise. All parameters and buffers (BN running statistics)
+are restored afterwards, so the check is safe mid-training.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
+from itertools import chain
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-__all__ = ["Dependence", "cross_example_dependence"]
+__all__ = ["Dependence", "cross_example_dependence", "fork_model_rng"]
 
 
 @dataclass(frozen=True)
@@ -30,6 +36,31 @@ class Dependence:
     def __str__(self) -> str:
         verdict = "independent" if self.passed else "DEPENDS on other examples"
         return f"cross-example check: {verdict} (relative leak {self.leak:.3g}, tol {self.tol:g})"
+
+
+@contextlib.contextmanager
+def fork_model_rng(model: nn.Module, seed: int | None = None) -> Iterator[None]:
+    """Fork the RNG of the CPU and of every accelerator holding ``model``'s parameters or buffers
+    (restored on exit); with ``seed``, seed them all inside."""
+    devices: dict[str, set[int]] = {}
+    for t in chain(model.parameters(), model.buffers()):
+        if t.device.type not in ("cpu", "meta"):
+            devices.setdefault(t.device.type, set()).add(t.device.index or 0)
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(torch.random.fork_rng(devices=[]))  # the CPU generator
+        for kind, idx in devices.items():
+            stack.enter_context(torch.random.fork_rng(devices=sorted(idx), device_type=kind))
+        if seed is not None:  # only the forked generators: other devices' RNG is left alone
+            torch.default_generator.manual_seed(seed)
+            for kind, idx in devices.items():
+                mod = torch.get_device_module(kind)
+                gens = getattr(mod, "default_generators", None)
+                for i in idx:
+                    if gens is not None:
+                        gens[i].manual_seed(seed)
+                    else:
+                        mod.manual_seed(seed)
+        yield
 
 
 def _outputs(out: Any) -> Tensor:
@@ -70,6 +101,7 @@ def cross_example_dependence(
         probes: how many examples ``j`` to perturb (the first ``probes``).
         tol: the relative change above which the model is declared dependent.
         vocab_size: range for replacement token ids (default ``max(inputs) + 1``).
+        seed: seeds the perturbations and, identically before every forward, the RNG (dropout).
     """
     if not isinstance(inputs, Tensor):
         raise TypeError(f"inputs must be a torch.Tensor, got {type(inputs).__name__}")
@@ -83,11 +115,14 @@ def cross_example_dependence(
     probed = tuple(range(min(probes, inputs.shape[0])))
     try:
         with torch.no_grad():
-            base = _outputs(model(inputs)).float()
+            with fork_model_rng(model, seed):
+                base = _outputs(model(inputs)).float()
             scale = float(base.abs().max()) + 1e-12
             for j in probed:
                 model.load_state_dict(saved)
-                out = _outputs(model(_perturb(inputs, j, gen, vocab_size))).float()
+                perturbed = _perturb(inputs, j, gen, vocab_size)
+                with fork_model_rng(model, seed):
+                    out = _outputs(model(perturbed)).float()
                 others = [i for i in range(base.shape[0]) if i != j]
                 leak = max(leak, float((out[others] - base[others]).abs().max()) / scale)
     finally:

@@ -26,9 +26,11 @@ from torch import Tensor
 __all__ = [
     "BF16_MAX",
     "FP16_MAX",
+    "MASKED_LOGIT",
     "attention_sinks",
     "attention_stats",
     "headroom",
+    "masked_logits",
     "massive_activations",
     "modality_norm_gap",
     "repeated_ngrams",
@@ -39,6 +41,11 @@ __all__ = [
 BF16_MAX = float(torch.finfo(torch.bfloat16).max)
 FP16_MAX = float(torch.finfo(torch.float16).max)
 _BF16_TINY = float(torch.finfo(torch.bfloat16).smallest_normal)
+# an attention logit at or below this is a mask, not a score (additive masks of finfo(float32).min, -1e9);
+# in float16 the bound is half of float16's lowest value (masks of finfo(float16).min). Real logits of a
+# collapsing model reach -1e4 and beyond (TinyLM collapse: -1.6e4), so no bound near that range is safe.
+MASKED_LOGIT = -1e8
+_FP16_MASKED_LOGIT = float(torch.finfo(torch.float16).min) / 2
 
 
 def _check_tensor(x: object, name: str, min_dim: int = 1) -> Tensor:
@@ -79,23 +86,75 @@ def residual_stats(h_in: Tensor, h_out: Tensor) -> dict[str, float]:
     }
 
 
-def attention_stats(probs: Tensor, logits: Tensor | None = None, valid: Tensor | None = None) -> dict[str, object]:
+def masked_logits(logits: Tensor) -> Tensor:
+    """Boolean mask of the attention logits that are masked rather than scores: ``-inf``, NaN, or an
+    additive mask at most :data:`MASKED_LOGIT` (``-1e8``; half of float16's lowest value for float16
+    logits). Masks of ``-1e4`` (older BERT/GPT-2 code) are not recognized: pass ``allowed`` there."""
+    lg = _check_tensor(logits, "logits").detach()
+    floor = _FP16_MASKED_LOGIT if lg.dtype == torch.float16 else MASKED_LOGIT
+    return ~torch.isfinite(lg) | (lg <= floor)
+
+
+def _allowed_keys(p: Tensor, logits: Tensor | None, allowed: Tensor | None) -> Tensor:
+    """How many keys each query row of ``p`` ``(B, H, Tq, Tk)`` may attend to, as ``(B, H, Tq)``."""
+    if allowed is not None:
+        if not isinstance(allowed, Tensor) or allowed.dtype != torch.bool:
+            got = allowed.dtype if isinstance(allowed, Tensor) else type(allowed).__name__
+            raise TypeError(f"allowed must be a boolean torch.Tensor, got {got}")
+        try:
+            mask = allowed.to(p.device).expand_as(p)
+        except RuntimeError as exc:
+            raise ValueError(
+                f"allowed has shape {tuple(allowed.shape)}; it must broadcast to probs {tuple(p.shape)}"
+            ) from exc
+    elif logits is not None:
+        if logits.shape != p.shape:
+            raise ValueError(f"logits shape {tuple(logits.shape)} must equal probs shape {tuple(p.shape)}")
+        mask = ~masked_logits(logits).to(p.device)
+    else:  # every key, except in rows masked entirely (their probabilities are all zero)
+        return torch.where(p.sum(-1) > 0, float(p.shape[-1]), 0.0)
+    return mask.sum(-1).float()
+
+
+def attention_stats(
+    probs: Tensor, logits: Tensor | None = None, valid: Tensor | None = None, allowed: Tensor | None = None
+) -> dict[str, object]:
     """Entropy (nats) and maximum logit of attention probabilities ``(B, H, Tq, Tk)``.
 
-    ``valid`` is an optional boolean mask of query rows to average over (e.g. not
-    padding), broadcastable to ``(B, H, Tq)``. Returns the mean entropy over heads,
-    the per-head mean entropy, the normalized entropy (entropy / log(number of keys
-    each query may attend to), 1 = uniform, 0 = one-hot) and, when logits are given,
-    the largest finite logit overall and per head.
+    The normalized entropy of a query row is its entropy over ``log(n)``, where ``n`` is the
+    number of keys the query may attend to (1 = uniform over them, 0 = one-hot). ``n`` is
+    never read from the probabilities, which softmax rounds to exactly 0 for losing keys as
+    attention collapses; it comes from
+
+    * ``allowed``: a boolean mask of the keys each query may attend to, broadcastable to
+      ``(B, H, Tq, Tk)`` (e.g. ``torch.ones(T, T, dtype=torch.bool).tril()`` for causal), else
+    * ``logits``: the keys whose logit is not masked (:func:`masked_logits`: ``-inf`` and
+      additive masks of ``finfo(dtype).min`` or ``-1e9`` count as masked; a causal map's row
+      ``i`` allows ``i + 1`` keys), else
+    * every key ``Tk`` (rows whose probabilities are all zero count as fully masked): pass
+      ``allowed`` or ``logits`` for causal or padded attention.
+
+    Rows that may attend to fewer than two keys (the first row of a causal map, fully masked
+    rows) have entropy 0 by construction and are left out of every average; a head with no
+    other row reports NaN. ``valid`` is an optional boolean mask of query rows to average over
+    (e.g. not padding), broadcastable to ``(B, H, Tq)``.
+
+    Returns the mean entropy over heads, the per-head mean entropy, the normalized entropy
+    (mean over heads and its minimum over heads) and, when logits are given, the largest
+    finite logit overall and per head.
     """
     p = _check_tensor(probs, "probs", 4).detach().float()
     ent = -(p * p.clamp_min(1e-30).log()).sum(-1)  # (B, H, Tq)
-    support = (p > 0).sum(-1).clamp_min(2).float().log()
-    norm_ent = ent / support
-    w = torch.ones_like(ent) if valid is None else valid.to(ent.dtype).expand_as(ent)
-    denom = w.sum(dim=(0, 2)).clamp_min(1.0)
-    head_ent = (ent * w).sum(dim=(0, 2)) / denom
-    head_norm = (norm_ent * w).sum(dim=(0, 2)) / denom
+    n_keys = _allowed_keys(p, logits, allowed)
+    informative = n_keys >= 2
+    norm_ent = torch.where(informative, ent / n_keys.clamp_min(2.0).log(), torch.zeros_like(ent))
+    w = informative.to(ent.dtype)
+    if valid is not None:
+        w = w * valid.to(device=ent.device, dtype=ent.dtype).expand_as(ent)
+    denom = w.sum(dim=(0, 2))
+    nan = torch.full_like(denom, math.nan)
+    head_ent = torch.where(denom > 0, (ent * w).sum(dim=(0, 2)) / denom.clamp_min(1.0), nan)
+    head_norm = torch.where(denom > 0, (norm_ent * w).sum(dim=(0, 2)) / denom.clamp_min(1.0), nan)
     out: dict[str, object] = {
         "entropy": float(head_ent.mean()),
         "entropy_min_head": float(head_ent.min()),
@@ -164,21 +223,31 @@ def massive_activations(
 def headroom(x: Tensor) -> dict[str, float]:
     """Distance of ``x``'s largest magnitude from the bf16 / fp16 maximum, in powers of two.
 
-    ``bf16_headroom_log2 = log2(bf16_max / max|x|)`` (negative means overflow);
-    ``fp16_headroom_log2`` likewise; ``bf16_underflow_share`` is the share of non-zero
-    values that become zero when cast to bf16, and ``bf16_subnormal_share`` the share
-    below bf16's smallest normal number.
+    ``bf16_headroom_log2 = log2(bf16_max / max|x|)`` (negative means overflow; ``-inf`` when
+    ``x`` already holds an inf or NaN); ``fp16_headroom_log2`` likewise; ``nonfinite_share`` is
+    the share of values that are inf or NaN; ``bf16_underflow_share`` is the share of non-zero
+    finite values that become zero when cast to bf16, and ``bf16_subnormal_share`` the share
+    below bf16's smallest normal number. ``absmax`` is ``max|x|`` (inf or NaN when ``x`` holds one).
     """
     a = _check_tensor(x, "x").detach()
     af = a.float().abs()
-    amax = float(af.max()) if af.numel() else 0.0
-    nz = af > 0
+    finite = torch.isfinite(a)
+    n_nonfinite = int((~finite).sum())
+    amax = float((a if a.is_floating_point() else af).abs().max()) if a.numel() else 0.0  # float64 stays exact
+    nz = (af > 0) & finite
     n = max(int(nz.sum()), 1)
     under = (a.to(torch.bfloat16) == 0) & nz
+
+    def room(limit: float) -> float:
+        if n_nonfinite:
+            return -math.inf
+        return math.log2(limit / amax) if amax > 0 else math.inf
+
     return {
         "absmax": amax,
-        "bf16_headroom_log2": math.log2(BF16_MAX / amax) if amax > 0 else math.inf,
-        "fp16_headroom_log2": math.log2(FP16_MAX / amax) if amax > 0 else math.inf,
+        "bf16_headroom_log2": room(BF16_MAX),
+        "fp16_headroom_log2": room(FP16_MAX),
+        "nonfinite_share": n_nonfinite / max(af.numel(), 1),
         "bf16_underflow_share": float(under.sum()) / n,
         "bf16_subnormal_share": float(((af < _BF16_TINY) & nz).sum()) / n,
     }

@@ -21,11 +21,23 @@ Record keys (``metric/statistic/layer``): ``output_norm``, ``grad_norm/total``,
 ``grad_norm/L3``, ``residual/{rms,var,update_ratio,identity_cos}/L3``,
 ``attention/{entropy,entropy_norm,entropy_norm_min,max_logit,sink_token,sink_share}/L3``,
 ``attention/entropy/L3/h0``, ``massive/{max_ratio,value,token,channel,count}/L3``,
-``headroom/{bf16_log2,fp16_log2,bf16_underflow_share}``, ``effective_lr/<linear>``,
+``headroom/{bf16_log2,fp16_log2,bf16_underflow_share,nonfinite_share}`` (worst over blocks;
+``-inf`` headroom and a positive ``nonfinite_share`` once a block outputs inf or NaN),
+``headroom/{absmax,nonfinite_share}/L3``, ``effective_lr/<linear>``,
 ``weight_norm/<linear>``, ``weight_growth/<linear>``, ``batchnorm/{mean_gap,var_logratio}/<bn>``,
 ``ngrams/{max_repeats,flagged}``, ``modality/{vision_norm,text_norm,gap}``, and, for models
 built from ``normatlas.blocks`` (whose residual add is a module), the exact per-sublayer
 ``residual_add/{branch_ratio,update_ratio}/<module>`` = RMS(branch) / RMS(stream).
+
+Effective learning rate: a linear whose weight ``W`` feeds only norms (found from the dataflow
+of one extra forward without gradients on the first measured step, with the RNG and buffers
+restored; see :func:`~normatlas.diagnostics.roles.trace_linear_to_norm`) is scale-invariant, so
+what its learning rate does depends on ``||W||``: the angular step is ``~ lr / ||W||^2`` under
+SGD (the gradient shrinks as ``1 / ||W||``) and ``~ lr / ||W||`` under optimizers that normalize
+the update (Adam, AdamW, RMSprop, ...), and does not depend on ``||W||`` under Adafactor's
+relative step. ``effective_lr/<linear> = lr / ||W||^p`` with ``p`` = :attr:`Monitor.effective_lr_power`
+chosen from the optimizer's type; without an optimizer (``lr`` = 1) or for an unknown type the
+SGD law ``p = 2`` is assumed.
 """
 
 from __future__ import annotations
@@ -42,7 +54,8 @@ from ..spec import parse_enum
 from . import metrics as M
 from .alarms import Alarm, AlarmEvent, default_alarms
 from .attention import AttentionCapture
-from .roles import Kind, find_blocks, is_batch_norm, module_kind
+from .health import fork_model_rng
+from .roles import Kind, find_blocks, is_batch_norm, linear_norm_pairs, module_kind
 from .sinks import MemorySink, Sink
 
 __all__ = ["DEFAULT_METRICS", "Metric", "Monitor"]
@@ -62,6 +75,18 @@ class Metric(enum.Enum):
 
 
 DEFAULT_METRICS = frozenset(Metric) - {Metric.MODALITY}
+
+# exponent p of effective_lr = lr / ||W||^p for a scale-invariant W, by optimizer type (others: 2)
+_LR_POWER: tuple[tuple[type, int], ...] = tuple(
+    (cls, p)
+    for names, p in (
+        (("Adam", "AdamW", "Adamax", "NAdam", "RAdam", "SparseAdam", "Adagrad", "Adadelta"), 1),
+        (("RMSprop", "Muon"), 1),
+        (("Adafactor",), 0),
+    )
+    for cls in (getattr(torch.optim, n, None) for n in names)
+    if isinstance(cls, type)
+)
 
 
 def _first_tensor(obj: Any, float_only: bool = True) -> Tensor | None:
@@ -96,7 +121,8 @@ class Monitor:
         every: measure one step in ``every`` (the overhead is paid only then).
         metrics: which :class:`Metric` s (or their string values) to collect.
         blocks: the residual blocks in depth order; found automatically if None.
-        optimizer: used for the learning rate of the effective-LR metric.
+        optimizer: gives the learning rate, and by its type the law, of the effective-LR metric
+            (see the module docstring).
         sinks: where records go; a :class:`MemorySink` is always kept as ``history``.
         alarms: defaults to :func:`~normatlas.diagnostics.alarms.default_alarms`.
         modality: ``{"vision": module, "text": module}`` whose outputs are the two sides
@@ -156,7 +182,7 @@ class Monitor:
         self._attn_calls: dict[int, int] = {}
         self._inputs: dict[int, Tensor | None] = {}
         self._pairs: list[tuple[str, nn.Parameter]] | None = None
-        self._tracer: dict[int, tuple[nn.Module, Tensor]] = {}
+        self._tracing = False
         self._w0: dict[str, float] = {}
         names = {m: n for n, m in model.named_modules()}
         self._names = names
@@ -180,7 +206,7 @@ class Monitor:
     @property
     def armed(self) -> bool:
         """True while the current step is a measured one and its forward has not run yet."""
-        return self.step_count % self.every == 0 and not self._forward_done
+        return self.step_count % self.every == 0 and not self._forward_done and not self._tracing
 
     def attach(self) -> Monitor:
         if self._handles:
@@ -232,13 +258,11 @@ class Monitor:
                 self._record["ngrams/max_repeats"] = r["max_repeats"]
                 self._record["ngrams/flagged"] = len(r["flagged"])  # type: ignore[arg-type]
         if Metric.EFFECTIVE_LR in self.metrics and self._pairs is None:
-            self._start_trace()
+            self._trace(args, kwargs)
 
     def _model_post(self, mod: nn.Module, args: Any, out: Any) -> None:
         if not self.armed:
             return
-        if self._tracer is not None and self._pairs is None and Metric.EFFECTIVE_LR in self.metrics:
-            self._stop_trace()
         loss = out.get("loss") if isinstance(out, Mapping) else getattr(out, "loss", None)
         if isinstance(loss, Tensor) and loss.numel() == 1:  # HF-style outputs carry their loss
             self._record["loss"] = float(loss.detach())
@@ -295,7 +319,13 @@ class Monitor:
             if Metric.HEADROOM in self.metrics:
                 hr = M.headroom(y)
                 rec[f"headroom/absmax/{tag}"] = hr["absmax"]
-                for k, agg in (("bf16_headroom_log2", min), ("fp16_headroom_log2", min), ("bf16_underflow_share", max)):
+                rec[f"headroom/nonfinite_share/{tag}"] = hr["nonfinite_share"]
+                for k, agg in (
+                    ("bf16_headroom_log2", min),
+                    ("fp16_headroom_log2", min),
+                    ("bf16_underflow_share", max),
+                    ("nonfinite_share", max),
+                ):
                     key = "headroom/" + k.replace("_headroom", "")
                     rec[key] = agg(rec.get(key, hr[k]), hr[k])
             if Metric.OUTPUT_NORM in self.metrics and i == last:
@@ -350,42 +380,54 @@ class Monitor:
             cap.__exit__(None, None, None)
 
     # ------------------------------------------------------------- effective LR
-    def _start_trace(self) -> None:
-        self._tracer = {}
-        self._pair_mods: list[tuple[nn.Module, nn.Module]] = []
-        for mod, kind in self._kinds.items():
-            if kind is Kind.LINEAR:
-                self._trace_handles_add(mod.register_forward_hook(self._trace_linear))
-            elif kind is Kind.NORM:
-                self._trace_handles_add(mod.register_forward_pre_hook(self._trace_norm))
+    def _trace(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Find the scale-invariant linears from the dataflow of one extra forward (no gradients).
 
-    def _trace_handles_add(self, h: Any) -> None:
-        self.__dict__.setdefault("_trace_handles", []).append(h)
-
-    def _trace_linear(self, mod: nn.Module, args: Any, out: Any) -> None:
-        if isinstance(out, Tensor):
-            self._tracer[out.untyped_storage().data_ptr()] = (mod, out)
-
-    def _trace_norm(self, mod: nn.Module, args: tuple[Any, ...]) -> None:
-        if args and isinstance(args[0], Tensor):
-            hit = self._tracer.get(args[0].untyped_storage().data_ptr())
-            if hit is not None:
-                self._pair_mods.append((hit[0], mod))
-
-    def _stop_trace(self) -> None:
-        for h in self.__dict__.pop("_trace_handles", []):
-            h.remove()
-        self._tracer = {}
+        The RNG is forked and every buffer restored, so training is not changed; the monitor's
+        own hooks are off meanwhile. A model that cannot be recorded gets no pairs.
+        """
+        saved = [
+            (mod, name, buf, buf.detach().clone())
+            for mod in self.model.modules()
+            for name, buf in mod._buffers.items()
+            if buf is not None
+        ]
+        self._tracing = True
+        try:
+            with fork_model_rng(self.model):
+                pairs = linear_norm_pairs(self.model, args, kwargs, self._kinds)
+        except (RuntimeError, ValueError, TypeError, IndexError, KeyError, AttributeError):
+            pairs = []  # a diagnostic never breaks the forward pass
+        finally:
+            self._tracing = False
+            with torch.no_grad():
+                for mod, name, buf, old in saved:
+                    if buf.shape != old.shape:
+                        mod._buffers[name] = old
+                    else:
+                        mod._buffers[name] = buf  # undoes a reassignment
+                        if not torch.equal(buf, old):
+                            buf.copy_(old)
         self._pairs = []
-        for lin, _ in dict.fromkeys(self._pair_mods):
+        for lin in dict.fromkeys(lin for lin, _ in pairs):
             w = getattr(lin, "weight", None)
             if isinstance(w, nn.Parameter):
                 self._pairs.append((self._names.get(lin, "?"), w))
 
     @property
     def scale_invariant(self) -> list[str]:
-        """Names of the linear layers found feeding a norm directly (empty before the first measured step)."""
+        """Names of the linear layers whose weight is scale-invariant: unbiased (or biased in front of
+        a BatchNorm / InstanceNorm), feeding only norms (empty before the first measured step)."""
         return [n for n, _ in self._pairs or []]
+
+    @property
+    def effective_lr_power(self) -> int:
+        """``p`` in ``effective_lr = lr / ||W||^p``: 2 for SGD (and without an optimizer or for an
+        unknown type), 1 for update-normalizing optimizers (Adam family, RMSprop, ...), 0 for Adafactor."""
+        for cls, p in _LR_POWER:
+            if isinstance(self.optimizer, cls):
+                return p
+        return 2
 
     def _lr_of(self, p: Tensor) -> float:
         if self.optimizer is not None:
@@ -395,12 +437,15 @@ class Monitor:
         return 1.0
 
     # ------------------------------------------------------------------ public
-    def record_attention(self, layer: int, probs: Tensor, logits: Tensor | None = None) -> None:
-        """Add one attention map ``(B, H, Tq, Tk)`` of ``layer`` (also for user hooks)."""
+    def record_attention(
+        self, layer: int, probs: Tensor, logits: Tensor | None = None, allowed: Tensor | None = None
+    ) -> None:
+        """Add one attention map ``(B, H, Tq, Tk)`` of ``layer`` (also for user hooks). The keys each
+        query may attend to come from ``allowed`` or ``logits``, as in :func:`~.metrics.attention_stats`."""
         n = self._attn_calls.get(layer, 0)
         self._attn_calls[layer] = n + 1
         tag = f"L{layer}" if n == 0 else f"L{layer}.{n}"
-        st = M.attention_stats(probs, logits)
+        st = M.attention_stats(probs, logits, allowed=allowed)
         rec = self._record
         for k in ("entropy", "entropy_norm", "entropy_norm_min", "max_logit"):
             if k in st:
@@ -427,12 +472,13 @@ class Monitor:
             if Metric.GRAD_NORM in self.metrics:
                 self._grad_norms(rec)
             if Metric.EFFECTIVE_LR in self.metrics and self._pairs:
+                power = self.effective_lr_power
                 for name, w in self._pairs:
                     wn = float(w.detach().float().norm())
                     w0 = self._w0.setdefault(name, wn)
                     rec[f"weight_norm/{name}"] = wn
                     rec[f"weight_growth/{name}"] = wn / w0 if w0 > 0 else math.inf
-                    rec[f"effective_lr/{name}"] = self._lr_of(w) / (wn * wn) if wn > 0 else math.inf
+                    rec[f"effective_lr/{name}"] = self._lr_of(w) / wn**power if wn > 0 else math.inf
             if "modality/vision_norm" in rec and "modality/text_norm" in rec:
                 t = rec["modality/text_norm"]
                 rec["modality/gap"] = rec["modality/vision_norm"] / t if t > 0 else math.inf

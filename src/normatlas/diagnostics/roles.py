@@ -12,24 +12,33 @@
 * :func:`find_blocks` finds the repeated blocks of a model: the largest container of
   two or more modules of one class (the residual stack).
 * :func:`trace_linear_to_norm` records one forward (:mod:`normatlas.dataflow`) and finds
-  which linear/conv layers feed a norm directly (through views, reshapes and splits only):
-  those weights are scale-invariant, so their effective learning rate is ``lr / ||W||^2`` (essay, "Scale invariance").
+  which linear/conv layers feed only norms (through views, reshapes and splits only, no bias
+  the norm does not cancel): those weights are scale-invariant, so their effective learning
+  rate is ``lr / ||W||^2`` under SGD and ``lr / ||W||`` under Adam (essay, "Scale invariance").
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from torch import Tensor, nn
 
-from ..dataflow import collapse, record
+from ..dataflow import Dataflow, collapse, record
 from ..modules import Norm
 from ..probe import ParamRole, param_roles, randomized, respond
 from ..spec import Axis
 
-__all__ = ["Kind", "find_blocks", "gain_convention", "iter_kinds", "module_kind", "trace_linear_to_norm"]
+__all__ = [
+    "Kind",
+    "find_blocks",
+    "gain_convention",
+    "iter_kinds",
+    "linear_norm_pairs",
+    "module_kind",
+    "trace_linear_to_norm",
+]
 
 
 class Kind(enum.Enum):
@@ -145,17 +154,38 @@ _VIEWS = frozenset(
 
 
 def trace_linear_to_norm(model: nn.Module, *args: Any, **kwargs: Any) -> list[tuple[nn.Module, nn.Module]]:
-    """Run ``model(*args, **kwargs)`` once and return ``(linear, norm)`` pairs where the norm's
-    input is the linear's output (possibly through views / reshapes / splits).
+    """Run ``model(*args, **kwargs)`` once and return the ``(linear, norm)`` pairs whose linear weight
+    is scale-invariant: the model's output does not change when that weight is multiplied by ``a > 0``.
 
-    Method: the shared dataflow recorder (:mod:`normatlas.dataflow`) with linear and norm
-    modules as opaque calls; each norm's input is followed back through re-indexing ops only.
-    Norms are found by :func:`module_kind`, so custom norm classes count. Only norms that
-    normalize over features of each sample make the linear's weight scale-invariant as a
-    whole; a BatchNorm makes each output channel's row scale-invariant, which also holds.
+    Method: the shared dataflow recorder (:mod:`normatlas.dataflow`) with linear and norm modules
+    as opaque calls. A pair is reported when the norm's input is the linear's output through
+    re-indexing ops only (views, reshapes, splits) and, exactly from the recorded dataflow,
+
+    * every use of every output of that linear (in every call) reaches a norm through such ops
+      only: no residual add (also not an in-place ``h += x``), no other reader, no model output;
+    * the linear has no bias, or every norm it feeds is a torch BatchNorm / InstanceNorm that
+      reads its output directly (their per-channel centring cancels the bias); with a bias in
+      front of any other norm only ``(W, b)`` together are scale-invariant, never ``W``;
+    * no other module shares its weight without qualifying as well.
+
+    Norms are found by :func:`module_kind`, so custom norm classes count. A BatchNorm makes
+    each output channel's row scale-invariant, which also holds. One forward runs under
+    ``torch.no_grad`` (it advances the RNG and BatchNorm running statistics like any forward).
     """
-    kinds = {m: module_kind(m) for m in model.modules()}
-    flow = collapse(record(model, args, kwargs), lambda name, m: kinds.get(m) in (Kind.LINEAR, Kind.NORM))
+    return linear_norm_pairs(model, args, kwargs)
+
+
+def linear_norm_pairs(
+    model: nn.Module,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any] | None = None,
+    kinds: Mapping[nn.Module, Kind] | None = None,
+) -> list[tuple[nn.Module, nn.Module]]:
+    """:func:`trace_linear_to_norm` with the model's arguments as a tuple and a dict, and optionally
+    the module kinds already computed (so no probe runs)."""
+    if kinds is None:
+        kinds = {m: module_kind(m) for m in model.modules()}
+    flow = collapse(record(model, tuple(args), dict(kwargs or {})), lambda name, m: kinds.get(m) in _OPAQUE)
     pairs: list[tuple[nn.Module, nn.Module]] = []
     for call in flow.calls:
         norm = flow.submodule(call.module) if call.module is not None else None
@@ -170,7 +200,59 @@ def trace_linear_to_norm(model: nn.Module, *args: Any, **kwargs: Any) -> list[tu
         lin = flow.submodule(src.module) if src is not None and src.module is not None else None
         if lin is not None and kinds.get(lin) is Kind.LINEAR and (lin, norm) not in pairs:
             pairs.append((lin, norm))
-    return pairs
+    ok: dict[nn.Module, bool] = {}
+    for call in flow.calls:
+        lin = flow.submodule(call.module) if call.module is not None else None
+        if lin is None or kinds.get(lin) is not Kind.LINEAR:
+            continue
+        biased = isinstance(getattr(lin, "bias", None), Tensor)
+        good = bool(call.outputs) and all(_feeds_norms_only(flow, k, kinds, biased) for k in call.outputs)
+        ok[lin] = ok.get(lin, True) and good
+    sharers: dict[int, list[nn.Module]] = {}
+    for mod in model.modules():
+        w = getattr(mod, "weight", None)
+        if isinstance(w, Tensor):
+            sharers.setdefault(id(w), []).append(mod)
+
+    def invariant(lin: nn.Module) -> bool:
+        w = getattr(lin, "weight", None)
+        return isinstance(w, Tensor) and all(ok.get(m, False) for m in sharers.get(id(w), [lin]))
+
+    return [(lin, norm) for lin, norm in pairs if invariant(lin)]
+
+
+_OPAQUE = (Kind.LINEAR, Kind.NORM)
+_CENTRING_PER_CHANNEL: tuple[type[nn.Module], ...] = (
+    nn.modules.batchnorm._BatchNorm,
+    nn.modules.instancenorm._InstanceNorm,
+)
+
+
+def _feeds_norms_only(flow: Dataflow, key: int, kinds: Mapping[nn.Module, Kind], biased: bool) -> bool:
+    """Every reader of ``key``, past re-indexing ops, is a norm (for a biased linear: a BatchNorm or
+    InstanceNorm reading ``key`` itself); ``key`` never reaches the model output."""
+    stack: list[tuple[int, bool]] = [(key, True)]
+    seen: set[int] = set()
+    while stack:
+        k, direct = stack.pop()
+        if k in flow.outputs:
+            return False
+        if k in seen:
+            continue
+        seen.add(k)
+        for r in flow.readers.get(k, []):
+            call = flow.calls[r]
+            if call.module is None:
+                if call.op not in _VIEWS:
+                    return False
+                stack.extend((o, False) for o in call.outputs)
+                continue
+            mod = flow.submodule(call.module)
+            if kinds.get(mod) is not Kind.NORM:
+                return False
+            if biased and not (direct and isinstance(mod, _CENTRING_PER_CHANNEL)):
+                return False
+    return True
 
 
 def is_batch_norm(module: nn.Module) -> bool:
