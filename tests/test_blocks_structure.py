@@ -30,6 +30,7 @@ from normatlas.blocks import (
     rezero,
     skipinit,
 )
+from normatlas.longtail.pointwise import DyT  # a plain import: a broken module must fail, not skip
 
 D, L = 64, 12
 
@@ -253,8 +254,7 @@ def test_layerscale_branch_starts_at_init_values():
 
 
 def test_dyt_norm_free_blocks_use_the_pointwise_operator():
-    pointwise = pytest.importorskip("normatlas.longtail.pointwise")
-    model = _model(peri_ln(), norm=pointwise.DyT, n_layers=2, activation=Activation.GELU)
+    model = _model(peri_ln(), norm=DyT, n_layers=2, activation=Activation.GELU)
     kinds = {type(m).__name__ for m in model.modules() if type(m).__name__ in ("DyT", "RMSNorm")}
     assert kinds == {"DyT"}
     x = torch.randn(1, 4, D, generator=torch.Generator().manual_seed(8))

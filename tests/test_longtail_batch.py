@@ -116,8 +116,10 @@ def test_ghost_normalizes_each_virtual_batch_by_its_own_statistics():
     y = g(x)
     parts = [x[:4], x[4:8], x[8:]]
     assert_close(y, torch.cat([torch.nn.functional.batch_norm(p, None, None, training=True) for p in parts]))
-    unbiased = torch.stack([p.transpose(0, 1).reshape(3, -1).var(1) for p in parts]).mean(0)
-    assert_close(g.running_var, unbiased)  # momentum 1: the mean of the virtual batches' statistics
+    counts = torch.tensor([[20.0], [20.0], [10.0]])  # values per channel in each virtual batch
+    unbiased = (counts * torch.stack([p.transpose(0, 1).reshape(3, -1).var(1) for p in parts])).sum(0) / 50
+    # momentum 1: the virtual batches' statistics averaged by their counts (the short last one weighs half)
+    assert_close(g.running_var, unbiased)
 
 
 def test_ghost_backward_is_per_virtual_batch_batchnorm_backward():

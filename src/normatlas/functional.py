@@ -16,6 +16,7 @@ cast order matches.
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 
 import torch
@@ -129,6 +130,8 @@ def normalize(
     _check(input, spec, weight, bias, mask, running_mean, running_var)
     plan = resolve(spec, tuple(input.shape))
     _check_params(input, spec, plan, weight, bias, running_mean, running_var)
+    if training or running_var is None:
+        check_batch_values(input, spec, plan)
     out = _native(input, spec, plan, weight, bias, mask, running_mean, running_var, training, momentum)
     if out is not None:
         return out
@@ -191,6 +194,22 @@ def _check_params(
             )
 
 
+def check_batch_values(input: Tensor, spec: NormSpec, plan: Plan) -> None:
+    """Centred batch statistics of a single value per feature are 0 / 0: raise as ``F.batch_norm`` does.
+
+    (Its output would be all zeros and its variance, 0, would drag the running estimate toward 0.)
+    """
+    if Axis.SAMPLE not in spec.reduce or not spec.center:
+        return
+    view = plan.view if plan.view is not None else tuple(input.shape)
+    if math.prod(view[d] for d in plan.reduce_dims) == 1:
+        raise ValueError(
+            f"Expected more than 1 value per channel when training, got input size {input.size()}: batch "
+            f"statistics over dims {plan.reduce_dims} (reduce={{{', '.join(sorted(a.value for a in spec.reduce))}}}) "
+            "need at least 2 values per feature"
+        )
+
+
 def _resolved_eps(spec: NormSpec, dtype: torch.dtype) -> float:
     return spec.eps if spec.eps is not None else float(torch.finfo(dtype).eps)
 
@@ -233,8 +252,6 @@ def _native(
         return F.instance_norm(x, running_mean, running_var, weight, bias, use_input, momentum, eps)
     if reduce == {Axis.SAMPLE, Axis.POSITION} or (reduce == {Axis.SAMPLE} and x.ndim == 2):
         use_batch = training or running_var is None
-        if use_batch and x.shape[0] * max(1, x[0, 0].numel()) <= 1:
-            return None  # torch raises on a single value per channel; the generic path does not
         return F.batch_norm(x, running_mean, running_var, weight, bias, use_batch, momentum, eps)
     return None
 

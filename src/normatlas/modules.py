@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence
 
 import torch
@@ -16,13 +17,20 @@ __all__ = ["Norm"]
 def _as_shape(shape: int | Sequence[int] | None, name: str) -> tuple[int, ...] | None:
     if shape is None:
         return None
-    if isinstance(shape, bool):
+    if isinstance(shape, bool) or not isinstance(shape, (numbers.Integral, Sequence)):
         raise TypeError(f"{name}={shape!r} must be an int or a sequence of ints")
-    dims = (shape,) if isinstance(shape, int) else tuple(shape)
+    dims = (shape,) if isinstance(shape, numbers.Integral) else tuple(shape)
     for d in dims:
-        if isinstance(d, bool) or not isinstance(d, int) or d < 1:
+        if isinstance(d, bool) or not isinstance(d, numbers.Integral) or d < 1:
             raise ValueError(f"{name}={shape!r} must hold positive integers")
-    return dims
+    return tuple(int(d) for d in dims)
+
+
+def _count(value: object, name: str) -> int:
+    """``value`` as an int >= 1 (a channel, feature or group count), or a ValueError naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ValueError(f"{name}={value!r} must be an integer >= 1")
+    return int(value)
 
 
 class Norm(nn.Module):
@@ -69,8 +77,12 @@ class Norm(nn.Module):
         needs_shape = spec.gain is Gain.PER_FEATURE or spec.bias or track_running_stats
         if needs_shape and self.shape is None:
             raise ValueError("shape is required when the layer has per-feature parameters or running stats")
-        if momentum is not None and not (0.0 <= momentum <= 1.0):
-            raise ValueError(f"momentum={momentum!r} must lie in [0, 1] or be None")
+        if momentum is not None:
+            if isinstance(momentum, bool) or not isinstance(momentum, numbers.Real):
+                raise TypeError(f"momentum={momentum!r} must be a float in [0, 1] or None")
+            if not (0.0 <= momentum <= 1.0):
+                raise ValueError(f"momentum={momentum!r} must lie in [0, 1] or be None")
+            momentum = float(momentum)
         if track_running_stats and (Axis.FEATURE in spec.reduce or spec.scale is not Scale.RMS):
             raise ValueError(
                 "track_running_stats=True needs per-feature statistics (reduce without Axis.FEATURE) "
@@ -145,25 +157,50 @@ class Norm(nn.Module):
         if self.bias is not None:
             nn.init.zeros_(self.bias)
 
+    def _next_momentum(self) -> float:
+        """This step's update factor, without advancing ``num_batches_tracked``."""
+        if self.momentum is not None:
+            return self.momentum
+        if self.num_batches_tracked is not None and self.training:
+            return 1.0 / (float(self.num_batches_tracked) + 1.0)  # cumulative average
+        return 0.0
+
     def _momentum(self) -> float:
+        """This step's update factor; advances ``num_batches_tracked`` in training."""
+        momentum = self._next_momentum()
         if self.num_batches_tracked is not None and self.training:
             self.num_batches_tracked.add_(1)
-            if self.momentum is None:
-                return 1.0 / float(self.num_batches_tracked)
-        return 0.0 if self.momentum is None else self.momentum
+        return momentum
 
     def _unbatched(self, input: Tensor) -> bool:
-        """True for a (C, ...) input to a layer whose layout has a fixed rank with a sample axis."""
+        """True for an input without the sample axis; raise a ValueError (torch's wording) for a rank not accepted.
+
+        A fixed-rank layout takes its own rank, or one less (no sample axis, torch's unbatched input) only
+        when the statistics are per sample (InstanceNorm*d, LayerNorm): one sample normalized by batch
+        statistics would be normalized by itself (torch's BatchNorm2d/3d raise there too).
+        """
         ndim = self.spec.layout.ndim
-        return ndim is not None and input.dim() == ndim - 1
+        if ndim is None or input.dim() == ndim:
+            return False
+        per_sample = not self.spec.batch_dependent
+        if per_sample and input.dim() == ndim - 1:
+            return True
+        expected = f"{ndim - 1}D or {ndim}D" if per_sample else f"{ndim}D"
+        note = f" (or {ndim - 1} without the sample axis)" if per_sample else (
+            "; batch statistics (reduce over Axis.SAMPLE) need the sample axis, there is no unbatched input"
+        )  # fmt: skip
+        raise ValueError(
+            f"expected {expected} input (got {input.dim()}D input): input of shape {tuple(input.shape)} has "
+            f"{input.dim()} dims; layout={self.spec.layout.value!r} needs {ndim}{note}"
+        )
 
     def forward(self, input: Tensor, mask: Tensor | None = None) -> Tensor:
         unbatched = isinstance(input, Tensor) and self._unbatched(input)
+        if self.shape is not None and isinstance(input, Tensor):
+            self._check_shape(input, unbatched=unbatched)  # the input as given, before the sample axis is added
         if unbatched:
             input = input.unsqueeze(0)
             mask = mask.unsqueeze(0) if mask is not None and mask.dim() == input.dim() - 1 else mask
-        if self.shape is not None and isinstance(input, Tensor):
-            self._check_shape(input)
         out = normalize(
             input,
             self.spec,
@@ -173,18 +210,21 @@ class Norm(nn.Module):
             running_mean=self.running_mean,
             running_var=self.running_var,
             training=self.training,
-            momentum=self._momentum() if self.running_var is not None else 0.1,
+            momentum=self._next_momentum() if self.running_var is not None else 0.1,
         )
+        if self.running_var is not None:
+            self._momentum()  # count the step only once normalize accepted the input
         return out.squeeze(0) if unbatched else out
 
-    def _check_shape(self, input: Tensor) -> None:
+    def _check_shape(self, input: Tensor, *, unbatched: bool = False) -> None:
         assert self.shape is not None
         if self.spec.layout.channels_last:
-            got = tuple(input.shape[input.dim() - len(self.shape) :])
+            got = tuple(input.shape[max(0, input.dim() - len(self.shape)) :])
             where = "trailing dims"
         else:
-            got = tuple(input.shape[1:2])
-            where = "channel dim (dim 1)"
+            c = 0 if unbatched else 1
+            got = tuple(input.shape[c : c + 1])
+            where = "channel dim (dim 0, no sample axis)" if unbatched else "channel dim (dim 1)"
         if got != self.shape:
             raise ValueError(
                 f"input of shape {tuple(input.shape)} has {where} {got}; this layer was built for {self.shape}"

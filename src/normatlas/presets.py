@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .modules import Norm
+from .modules import Norm, _as_shape, _count
 from .spec import Axis, CastOrder, EpsPlacement, Gain, GainConvention, Layout, NormSpec, Scale
 
 __all__ = [
@@ -35,7 +35,10 @@ DType = torch.dtype | None
 
 
 def _shape(normalized_shape: int | Sequence[int]) -> tuple[int, ...]:
-    return (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
+    shape = _as_shape(normalized_shape, "normalized_shape")
+    if shape is None:
+        raise TypeError("normalized_shape=None must be an int or a sequence of ints")
+    return shape
 
 
 def _affine(on: bool) -> Gain:
@@ -116,7 +119,7 @@ class GemmaRMSNorm(RMSNorm):
 
     def __init__(self, dim: int, eps: float = 1e-6, device: Device = None, dtype: torch.dtype | None = None):
         super().__init__(
-            dim, eps, device=device, dtype=dtype,
+            _count(dim, "dim"), eps, device=device, dtype=dtype,
             cast_order=CastOrder.AFTER_GAIN, gain_convention=GainConvention.ONE_PLUS_W,
         )  # fmt: skip
 
@@ -137,12 +140,8 @@ class GroupNorm(Norm):
         device: Device = None,
         dtype: torch.dtype | None = None,
     ) -> None:
-        if (
-            isinstance(num_groups, int)
-            and isinstance(num_channels, int)
-            and num_groups > 0
-            and num_channels % num_groups
-        ):
+        num_groups, num_channels = _count(num_groups, "num_groups"), _count(num_channels, "num_channels")
+        if num_channels % num_groups:
             raise ValueError(f"num_groups={num_groups} must divide num_channels={num_channels}")
         spec = NormSpec(
             layout=Layout.NC_ANY, reduce=frozenset({F_, P_}), groups=num_groups, eps=eps,
@@ -171,6 +170,7 @@ class InstanceNorm(Norm):
         *,
         layout: Layout = Layout.NC_ANY,
     ) -> None:
+        num_features = _count(num_features, "num_features")
         spec = NormSpec(layout=layout, reduce=frozenset({P_}), eps=eps, gain=_affine(affine), bias=affine)
         super().__init__(
             spec, num_features, track_running_stats=track_running_stats, momentum=momentum,
@@ -209,7 +209,7 @@ class LayerNorm2d(Norm):
     def __init__(self, num_channels: int, eps: float = 1e-6, affine: bool = True, device: Device = None,
                  dtype: torch.dtype | None = None):  # fmt: skip
         spec = NormSpec(layout=Layout.NC_ANY, reduce=frozenset({F_}), eps=eps, gain=_affine(affine), bias=affine)
-        super().__init__(spec, num_channels, device=device, dtype=dtype)
+        super().__init__(spec, _count(num_channels, "num_channels"), device=device, dtype=dtype)
 
 
 class ScaleNorm(Norm):
@@ -218,7 +218,7 @@ class ScaleNorm(Norm):
     def __init__(self, dim: int, eps: float = 1e-5, device: Device = None, dtype: torch.dtype | None = None):
         spec = NormSpec(center=False, scale=Scale.L2, eps=eps, eps_placement=EpsPlacement.CLAMP,
                         gain=Gain.SCALAR, bias=False)  # fmt: skip
-        super().__init__(spec, dim, device=device, dtype=dtype)
+        super().__init__(spec, _count(dim, "dim"), device=device, dtype=dtype)
 
     def reset_parameters(self) -> None:
         super().reset_parameters()

@@ -77,6 +77,26 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor, style: RopeStyle) -> Tensor:
     return torch.cat((out, rest), dim=-1) if rest.shape[-1] else out
 
 
+def _positive(value: object, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}={value!r} must be an integer >= 1")
+    return value
+
+
+def _head_dim(d_model: int, n_heads: int, head_dim: int | None) -> int:
+    """``head_dim`` if given, else ``d_model // n_heads``, which must then divide exactly."""
+    _positive(d_model, "d_model")
+    _positive(n_heads, "n_heads")
+    if head_dim is not None:
+        return _positive(head_dim, "head_dim")
+    if d_model % n_heads:
+        raise ValueError(
+            f"d_model={d_model} is not divisible by n_heads={n_heads}; pass head_dim explicitly "
+            f"(the attention width n_heads * head_dim then need not equal d_model)"
+        )
+    return d_model // n_heads
+
+
 class Attention(nn.Module):
     """Causal or bidirectional self-attention.
 
@@ -105,8 +125,8 @@ class Attention(nn.Module):
         softcap: float | None = None,
     ) -> None:
         super().__init__()
-        n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
-        head_dim = d_model // n_heads if head_dim is None else head_dim
+        head_dim = _head_dim(d_model, n_heads, head_dim)
+        n_kv_heads = n_heads if n_kv_heads is None else _positive(n_kv_heads, "n_kv_heads")
         if n_heads % n_kv_heads:
             raise ValueError(f"n_kv_heads={n_kv_heads} must divide n_heads={n_heads}")
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .attention import Attention, RopeStyle
+from .attention import Attention, RopeStyle, _head_dim
 from .placement import DepthScale, Gate, NormFactory, Placement
 from .qknorm import QKNormConfig
 from .residual import LayerScale, ResidualAdd, ReZero
@@ -120,7 +120,7 @@ class Block(nn.Module):
         self.ffn_post_norm: nn.Module | None
         self.ffn_after_norm: nn.Module | None
         self.window, self.rope_theta = window, rope_theta
-        hd = d_model // n_heads if head_dim is None else head_dim
+        hd = _head_dim(d_model, n_heads, head_dim)  # raises unless n_heads divides d_model or head_dim is given
         qkv = None
         if placement.qkv_norm:
             assert norm is not None

@@ -453,12 +453,32 @@ class Schedule:
 
 
 def mix_ln(n_layers: int, post_ln_layers: int | None = None, ratio: float = 0.25) -> Schedule:
-    """Mix-LN (Li et al., 2025): Post-LN for the first k layers, Pre-LN after (k = round(ratio * L) by default)."""
+    """Mix-LN (Li et al., 2025): Post-LN for the first k layers, Pre-LN after.
+
+    ``k = post_ln_layers`` when given, else ``floor(ratio * n_layers)``: the paper applies Post-LN to the
+    first ``floor(alpha * L)`` layers (its code: ``int(L * ratio)``). A shallow model can get ``k = 0``
+    for ``ratio > 0`` (``mix_ln(3)`` is all Pre-LN); pass ``post_ln_layers`` to choose k yourself.
+
+    ::
+
+        layers 0 .. k-1 (Post-LN)            layers k .. L-1 (Pre-LN)
+        x ──► (+) ──► N ──► x'               x ───────────────► (+) ──► x'
+        │      ▲                             └─► N ──► F ───────┘
+        └─► F ─┘
+    """
     if isinstance(n_layers, bool) or not isinstance(n_layers, int) or n_layers < 1:
         raise ValueError(f"n_layers={n_layers!r} must be an integer >= 1")
-    k = round(ratio * n_layers) if post_ln_layers is None else post_ln_layers
-    if not 0 <= k <= n_layers:
-        raise ValueError(f"post_ln_layers={k} must lie in [0, n_layers={n_layers}]")
+    if post_ln_layers is None:
+        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)):
+            raise TypeError(f"ratio={ratio!r} must be a float in [0, 1] (the fraction of Post-LN layers)")
+        if not 0.0 <= ratio <= 1.0:
+            raise ValueError(f"ratio={ratio!r} must lie in [0, 1] (the fraction of Post-LN layers)")
+        k = math.floor(ratio * n_layers)
+    else:
+        bad = isinstance(post_ln_layers, bool) or not isinstance(post_ln_layers, int)
+        if bad or not 0 <= post_ln_layers <= n_layers:
+            raise ValueError(f"post_ln_layers={post_ln_layers!r} must lie in [0, n_layers={n_layers}] (an integer)")
+        k = post_ln_layers
     return Schedule.of([post_ln() if i < k else pre_ln() for i in range(n_layers)], name=f"mix_ln(k={k})")
 
 

@@ -27,8 +27,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..functional import compute_dtype, moments, normalize, resolve
-from ..modules import Norm
+from ..functional import check_batch_values, compute_dtype, moments, normalize, resolve
+from ..modules import Norm, _count
 from ..spec import Axis, CastOrder, Gain, Layout, NormSpec
 
 __all__ = [
@@ -111,8 +111,8 @@ class BatchNorm(Norm):
         *, layout: Layout = Layout.NC_ANY,
     ) -> None:  # fmt: skip
         super().__init__(
-            batch_norm_spec(layout, eps, affine), num_features, track_running_stats=track_running_stats,
-            momentum=momentum, device=device, dtype=dtype,
+            batch_norm_spec(layout, eps, affine), _count(num_features, "num_features"),
+            track_running_stats=track_running_stats, momentum=momentum, device=device, dtype=dtype,
         )  # fmt: skip
         self.num_features, self.affine = num_features, affine
 
@@ -125,7 +125,15 @@ class BatchNorm(Norm):
 
 
 class BatchNorm1d(BatchNorm):
-    """``torch.nn.BatchNorm1d``: input (N, C) or (N, C, L)."""
+    """``torch.nn.BatchNorm1d``: input (N, C) or (N, C, L); any other rank raises, as in torch."""
+
+    def forward(self, input: Tensor, mask: Tensor | None = None) -> Tensor:
+        if isinstance(input, Tensor) and input.dim() not in (2, 3):
+            raise ValueError(
+                f"expected 2D or 3D input (got {input.dim()}D input): input of shape {tuple(input.shape)}; "
+                "BatchNorm1d takes (N, C) or (N, C, L) (BatchNorm with layout=Layout.NC_ANY takes any rank >= 2)"
+            )
+        return super().forward(input, mask)
 
 
 class BatchNorm2d(BatchNorm):
@@ -151,8 +159,12 @@ class GhostBatchNorm(BatchNorm):
 
     The batch is split along dim 0 into consecutive chunks (the last may be smaller); each chunk
     is normalized by its own statistics, keeping the regularising noise of small batches inside
-    a large one. Running estimates are updated once per step with the mean of the chunks'
-    statistics, so ``virtual_batch_size >= batch`` is exactly :class:`BatchNorm`.
+    a large one. A last chunk that would hold a single value per feature (one sample and no
+    positions, e.g. batch 5 of ``(N, C)`` in virtual batches of 4) has no variance: it joins the
+    chunk before it (batch 5 is then one chunk of 5). Running estimates are updated once per step
+    with the chunks' statistics averaged with weights equal to their value counts (real positions
+    only under a ``mask``), so equal chunks weigh equally and ``virtual_batch_size >= batch`` is
+    exactly :class:`BatchNorm`.
     """
 
     def __init__(
@@ -165,32 +177,62 @@ class GhostBatchNorm(BatchNorm):
         super().__init__(num_features, eps, momentum, affine, track_running_stats, device, dtype, layout=layout)
         self.virtual_batch_size = virtual_batch_size
 
+    def _chunk_sizes(self, input: Tensor) -> list[int]:
+        n, vbs = input.shape[0], self.virtual_batch_size
+        sizes = [vbs] * (n // vbs) + ([n % vbs] if n % vbs else [])
+        reduce_dims = resolve(self.spec, tuple(input.shape)).reduce_dims
+        if sizes[-1] == 1 and math.prod(input.shape[d] for d in reduce_dims if d != 0) == 1:
+            if vbs == 1:
+                raise ValueError(
+                    f"virtual_batch_size=1 splits an input of shape {tuple(input.shape)} into virtual batches of "
+                    "one value per feature, which have no batch statistics; use virtual_batch_size >= 2"
+                )
+            sizes[-2:] = [sizes[-2] + 1]  # one value per feature: merge into the previous chunk
+        return sizes
+
     def forward(self, input: Tensor, mask: Tensor | None = None) -> Tensor:
         if not self._use_batch_stats() or input.shape[0] <= self.virtual_batch_size:
             return super().forward(input, mask)
         self._check_shape(input)
-        chunks = input.split(self.virtual_batch_size, 0)
+        sizes = self._chunk_sizes(input)
+        chunks = input.split(sizes, 0)
         if mask is not None:
-            mask = mask.expand(input.shape) if mask.dim() == input.dim() else mask
-            mask_chunks: tuple[Tensor | None, ...] = tuple(mask.split(self.virtual_batch_size, 0))
+            mask = mask.expand(input.shape)
+            mask_chunks: tuple[Tensor | None, ...] = tuple(mask.split(sizes, 0))
         else:
             mask_chunks = (None,) * len(chunks)
-        outs, means, vars_ = [], [], []
+        outs, means, vars_, counts = [], [], [], []
         tracking = self.running_var is not None
+        sdtype = self.running_var.dtype if self.running_var is not None else torch.float32
         for chunk, m in zip(chunks, mask_chunks, strict=True):
             # momentum 1 turns scratch buffers into this chunk's (unbiased) statistics
-            rm = torch.zeros(self.shape or (), dtype=torch.float32, device=input.device) if tracking else None
-            rv = torch.ones(self.shape or (), dtype=torch.float32, device=input.device) if tracking else None
+            rm = torch.zeros(self.shape or (), dtype=sdtype, device=input.device) if tracking else None
+            rv = torch.ones(self.shape or (), dtype=sdtype, device=input.device) if tracking else None
             outs.append(normalize(chunk, self.spec, self.weight, self.bias, mask=m, running_mean=rm,
                                   running_var=rv, training=True, momentum=1.0))  # fmt: skip
-            means.append(rm)
-            vars_.append(rv)
+            if tracking:
+                means.append(rm)
+                vars_.append(rv)
+                counts.append(self._counts(chunk, m).to(sdtype))
         if tracking:
             assert self.running_var is not None and self.running_mean is not None
-            momentum = self._momentum()
-            _blend(self.running_mean, torch.stack(means).mean(0), momentum)  # type: ignore[arg-type]
-            _blend(self.running_var, torch.stack(vars_).mean(0), momentum)  # type: ignore[arg-type]
+            momentum, w = self._momentum(), torch.stack(counts)
+            total = w.sum(0)
+            seen = total > 0  # a feature with no real value in any chunk keeps its estimates
+            with torch.no_grad():
+                for running, stats in ((self.running_mean, means), (self.running_var, vars_)):
+                    batch = (w * torch.stack(stats)).sum(0) / total.clamp_min(1)  # type: ignore[arg-type]
+                    running.copy_(torch.where(seen, running * (1 - momentum) + batch * momentum, running))
         return torch.cat(outs, 0)
+
+    def _counts(self, chunk: Tensor, mask: Tensor | None) -> Tensor:
+        """Per feature, the number of values in ``chunk`` its statistics were computed from (float32)."""
+        plan = resolve(self.spec, tuple(chunk.shape))
+        fshape = self.shape or ()
+        if mask is None:
+            n = math.prod(chunk.shape[d] for d in plan.reduce_dims)
+            return torch.full(fshape, float(n), dtype=torch.float32, device=chunk.device)
+        return mask.to(torch.float32).sum(plan.reduce_dims).reshape(fshape)
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", virtual_batch_size={self.virtual_batch_size}"
@@ -267,6 +309,7 @@ class BatchRenorm(BatchNorm):
         assert self.running_mean is not None and self.running_var is not None
         r_max, d_max = self.limits()
         plan = resolve(self.spec, tuple(input.shape))
+        check_batch_values(input, self.spec, plan)  # one value per feature: raise as BatchNorm (and torch) do
         cdtype = compute_dtype(input.dtype, CastOrder.AFTER_GAIN)
         xf = input.to(cdtype)
         count, mean, var = batch_moments(xf, plan.reduce_dims, mask)

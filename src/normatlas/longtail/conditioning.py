@@ -51,6 +51,8 @@ class AdaIN(nn.Module):
         super().__init__()
         if isinstance(num_features, bool) or not isinstance(num_features, int) or num_features < 1:
             raise ValueError(f"num_features={num_features!r} must be an integer >= 1")
+        if cond_dim is not None and (isinstance(cond_dim, bool) or not isinstance(cond_dim, int) or cond_dim < 1):
+            raise ValueError(f"cond_dim={cond_dim!r} must be an integer >= 1 or None (style given as a feature map)")
         self.num_features, self.eps = num_features, eps
         self.proj = nn.Linear(cond_dim, 2 * num_features) if cond_dim is not None else None
         if self.proj is not None:

@@ -158,16 +158,17 @@ class PowerNorm(nn.Module):
         out = power_norm(input, phi_prev, self.nu, self.weight, self.bias, mask=mask, layout=self.layout,
                          eps=self.eps, alpha_bkw=self.alpha_bkw)  # fmt: skip
         with torch.no_grad():
-            xf = input.detach().to(torch.float32)
+            xf = input.detach().to(compute_dtype(input.dtype, CastOrder.AFTER_GAIN))  # fp32 for half, else as given
             if mask is None:
                 psi_b = xf.pow(2).mean(plan.reduce_dims)
                 seen = input.numel() > 0
             else:
-                m = mask.expand(input.shape).to(torch.float32)
+                m = mask.expand(input.shape).to(xf.dtype)
                 seen = bool(m.sum() > 0)
                 psi_b = (xf.pow(2) * m).sum(plan.reduce_dims) / m.sum(plan.reduce_dims).clamp_min(1)
             if seen:
-                self.running_phi.mul_(self.alpha_fwd).add_(psi_b.reshape(-1), alpha=1 - self.alpha_fwd)
+                psi_b = psi_b.reshape(-1).to(self.running_phi.dtype)
+                self.running_phi.mul_(self.alpha_fwd).add_(psi_b, alpha=1 - self.alpha_fwd)
         return out
 
     def extra_repr(self) -> str:

@@ -1,0 +1,75 @@
+"""Configuration checks of the block stack: Mix-LN's layer count and the attention head width."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from normatlas import RMSNorm
+from normatlas.blocks import Attention, Block, mix_ln, pre_ln
+
+
+def _post_ln_layers(schedule) -> int:
+    return sum(p.placement.name == "post_ln" for p in schedule.layers)
+
+
+# --------------------------------------------------------------------------- Mix-LN: floor(ratio * L) Post-LN layers
+@pytest.mark.parametrize(("n_layers", "expected"), [(1, 0), (2, 0), (4, 1), (6, 1), (7, 1), (8, 2), (10, 2), (14, 3),
+                                                    (32, 8)])  # fmt: skip
+def test_mix_ln_post_ln_layers_are_the_floor_of_ratio_times_depth(n_layers, expected):
+    """Li et al. (Mix-LN) put Post-LN on the first floor(alpha * L) layers (their code: ``int(L * ratio)``);
+    round() would give 2 for L=6 and 4 for L=14 (banker's rounding of 1.5 and 3.5)."""
+    schedule = mix_ln(n_layers)
+    assert _post_ln_layers(schedule) == expected
+    names = [p.placement.name for p in schedule.layers]
+    assert names == ["post_ln"] * expected + ["pre_ln"] * (n_layers - expected)
+    assert schedule.name == f"mix_ln(k={expected})"
+
+
+@pytest.mark.parametrize(("n_layers", "ratio", "expected"), [(5, 0.5, 2), (10, 0.3, 3), (10, 0.7, 7), (3, 1.0, 3),
+                                                             (3, 0.0, 0), (10, 1, 10)])  # fmt: skip
+def test_mix_ln_ratio_floor(n_layers, ratio, expected):
+    assert _post_ln_layers(mix_ln(n_layers, ratio=ratio)) == expected
+
+
+@pytest.mark.parametrize(("kwargs", "error", "message"), [
+    ({"ratio": -1}, ValueError, r"ratio=-1 must lie in \[0, 1\]"),
+    ({"ratio": 1.5}, ValueError, r"ratio=1\.5 must lie in \[0, 1\]"),
+    ({"ratio": float("nan")}, ValueError, r"ratio=nan must lie in \[0, 1\]"),
+    ({"ratio": "0.25"}, TypeError, r"ratio='0\.25' must be a float in \[0, 1\]"),
+    ({"ratio": True}, TypeError, r"ratio=True must be a float in \[0, 1\]"),
+    ({"post_ln_layers": 2.0}, ValueError, r"post_ln_layers=2\.0 must lie in \[0, n_layers=8\] \(an integer\)"),
+    ({"post_ln_layers": -1}, ValueError, r"post_ln_layers=-1 must lie in \[0, n_layers=8\] \(an integer\)"),
+    ({"post_ln_layers": True}, ValueError, r"post_ln_layers=True must lie in \[0, n_layers=8\] \(an integer\)"),
+])  # fmt: skip
+def test_mix_ln_names_the_argument_passed(kwargs, error, message):
+    with pytest.raises(error, match=message) as info:
+        mix_ln(8, **kwargs)
+    if "ratio" in kwargs:
+        assert "post_ln_layers" not in str(info.value)  # not a value the user never gave
+
+
+# --------------------------------------------------------------------------- head width
+def test_block_rejects_n_heads_that_do_not_divide_d_model():
+    with pytest.raises(ValueError, match=r"d_model=30 is not divisible by n_heads=4; pass head_dim"):
+        Block(30, pre_ln(), RMSNorm, layer=0, n_layers=1, n_heads=4, d_ff=16)
+    with pytest.raises(ValueError, match=r"d_model=30 is not divisible by n_heads=4; pass head_dim"):
+        Attention(30, 4)
+
+
+def test_block_with_explicit_head_dim_keeps_it():
+    block = Block(30, pre_ln(), RMSNorm, layer=0, n_layers=1, n_heads=4, head_dim=8, d_ff=16)
+    assert block.attn.head_dim == 8 and block.attn.q_proj.out_features == 32
+    x = torch.randn(1, 3, 30, generator=torch.Generator().manual_seed(0))
+    assert block(x).shape == (1, 3, 30)
+    assert Block(32, pre_ln(), RMSNorm, layer=0, n_layers=1, n_heads=4, d_ff=16).attn.head_dim == 8
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"n_heads": 0}, r"n_heads=0 must be an integer >= 1"),
+    ({"n_heads": 2.0}, r"n_heads=2\.0 must be an integer >= 1"),
+    ({"n_heads": 4, "head_dim": 0}, r"head_dim=0 must be an integer >= 1"),
+])  # fmt: skip
+def test_attention_sizes_are_checked(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        Attention(32, **kwargs)
