@@ -1,9 +1,14 @@
 """The essay's model matrix and bibliography, as data (``normatlas/data/*.json``).
 
-Every record carries its ``source`` (essay section, paper or reference code). An
-arXiv id is present only where it was confirmed (``arxiv_status == "confirmed"``);
-the rest say ``"unverified"``. :func:`check` reconciles the curated matrix with the
-design :func:`normatlas.inspect.inspect_model` reads off transformers' reference code.
+Every record carries its ``source`` (essay section, paper or reference code). A model
+record states what the model does: ``status`` says where its design fields come from
+(``"essay"``: as the essay states them; ``"code"``: read off the reference code, the
+``source`` then starting ``"code:"`` with the file and class; ``"unclear"``: some field
+is not known). Where the essay says otherwise, ``essay_differs`` quotes the essay's claim
+(else ``None``); :func:`essay_differences` lists those records. An arXiv id is present
+only where it was confirmed (``arxiv_status == "confirmed"``); the rest say
+``"unverified"``. :func:`check` reconciles the matrix with the design
+:func:`normatlas.inspect.inspect_model` reads off transformers' reference code.
 """
 
 from __future__ import annotations
@@ -20,11 +25,14 @@ __all__ = [
     "PAPER_FIELDS",
     "PLACEMENTS",
     "QK_NORMS",
+    "STATUSES",
     "check",
+    "essay_differences",
     "filter_models",
     "filter_papers",
     "models",
     "papers",
+    "validate_model",
 ]
 
 MODEL_FIELDS = (
@@ -44,12 +52,15 @@ MODEL_FIELDS = (
     "hf_model_types",
     "status",
     "source",
+    "essay_differs",
     "notes",
 )
 PAPER_FIELDS = ("key", "group", "question", "named_as", "year", "title", "arxiv", "arxiv_status", "source")
 OPERATORS = ("layernorm", "rmsnorm", "none", "unclear", "l2 (hypersphere)", "adaLN-Zero", "weight standardization")
 PLACEMENTS = ("pre", "post", "peri", "res-post", "parallel", "none", "mix", "unclear")
 QK_NORMS = ("none", "yes", "per-head", "flattened", "unclear")
+STATUSES = ("essay", "code", "unclear")
+_DESIGN = {"operator": OPERATORS, "placement": PLACEMENTS, "qk_norm": QK_NORMS}
 
 
 def _load(name: str) -> list[dict[str, Any]]:
@@ -57,9 +68,33 @@ def _load(name: str) -> list[dict[str, Any]]:
     return list(json.loads(text))
 
 
+def validate_model(rec: Mapping[str, Any]) -> None:
+    """Raise ``ValueError`` naming the record and field where a model record breaks the schema."""
+    name = rec.get("name")
+    if tuple(rec) != MODEL_FIELDS:
+        raise ValueError(f"model {name!r}: fields are {tuple(rec)}, expected {MODEL_FIELDS}")
+    for field, allowed in _DESIGN.items():
+        if rec[field] not in allowed:
+            raise ValueError(f"model {name!r}: {field}={rec[field]!r} is not one of {', '.join(allowed)}")
+    source, differs = rec["source"], rec["essay_differs"]
+    if not isinstance(source, str) or not source.startswith(("essay", "code:")):
+        raise ValueError(f"model {name!r}: source={source!r} must start with 'essay' or 'code:'")
+    unclear = "unclear" in (rec["operator"], rec["placement"], rec["qk_norm"])
+    want = "unclear" if unclear else "code" if source.startswith("code:") else "essay"
+    if rec["status"] != want:
+        raise ValueError(f"model {name!r}: status={rec['status']!r}, expected {want!r} (from its fields and source)")
+    if differs is not None and not (isinstance(differs, str) and differs.startswith("essay")):
+        raise ValueError(f"model {name!r}: essay_differs={differs!r} must be None or quote the essay ('essay ...')")
+    if differs is not None and not source.startswith("code:"):
+        raise ValueError(f"model {name!r}: essay_differs is set, so source must name the code ('code: ...')")
+
+
 @cache
 def _models() -> tuple[dict[str, Any], ...]:
-    return tuple(_load("models.json"))
+    records = _load("models.json")
+    for rec in records:
+        validate_model(rec)
+    return tuple(records)
 
 
 @cache
@@ -115,6 +150,12 @@ def filter_models(
         if _matches(r, query):
             out.append(r)
     return out
+
+
+def essay_differences() -> list[dict[str, Any]]:
+    """Records whose design differs from what the essay says: name, the design, and the essay's claim."""
+    keys = ("name", "hf_model_types", "operator", "placement", "qk_norm", "essay_differs", "source")
+    return [{k: r[k] for k in keys} for r in models() if r["essay_differs"] is not None]
 
 
 def filter_papers(*, group: str | None = None, query: str | None = None) -> list[dict[str, Any]]:
