@@ -31,7 +31,7 @@ def test_cli_bench_writes_csv(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     assert "ours" in table and "hf" in table
     with out.open() as f:
         rows = list(csv.DictReader(f))
-    assert {r["provider"] for r in rows} == {"ours", "ours_llama", "torch", "hf"}
+    assert {r["provider"] for r in rows} == {"ours", "ours_llama", "torch", "torch_layer_norm", "hf"}
     assert all(r["shape"] == "4x96" and r["dtype"] == "bfloat16" for r in rows)
 
 
@@ -61,3 +61,16 @@ def test_width_sweep_runs_and_writes_every_cell(tmp_path: Path) -> None:
                                                         ("float32", "80")]  # fmt: skip
     kernels = ("rms_fwd", "ln_fwd", "add_rms_fwd", "rms_bwd", "ln_bwd", "add_rms_bwd")
     assert all(float(r[k]) > 0 for r in rows for k in kernels)
+
+
+def test_cli_bench_refuses_what_it_cannot_time(capsys) -> None:
+    """An unknown provider is named with the choices (it used to print "(no rows)" and exit 0); a shape without
+    rows is refused at the argument (it used to divide by zero at the copy's per-byte time)."""
+    assert main(["bench", "rms", "--shape", "4x64", "--provider", "Ours"]) != 0
+    err = capsys.readouterr().err
+    assert "--provider Ours" in err and "ours_llama" in err and "torch_layer_norm" in err
+    with pytest.raises(SystemExit):
+        main(["bench", "rms", "--shape", "0x64"])
+    assert "rows >= 1" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="rows >= 1"):
+        run_bench("rms", [(0, 64)], [torch.float32], ["fwd"])

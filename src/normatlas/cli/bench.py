@@ -18,8 +18,8 @@ def _shape(text: str) -> tuple[int, int]:
         rows, cols = (int(v) for v in text.lower().split("x"))
     except ValueError:
         raise argparse.ArgumentTypeError(f"shape={text!r} must look like ROWSxHIDDEN, e.g. 2048x4096") from None
-    if rows < 0 or cols < 1:
-        raise argparse.ArgumentTypeError(f"shape={text!r} needs rows >= 0 and hidden >= 1")
+    if rows < 1 or cols < 1:
+        raise argparse.ArgumentTypeError(f"shape={text!r} needs rows >= 1 and hidden >= 1")
     return rows, cols
 
 
@@ -32,8 +32,9 @@ def _configure(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--provider",
         action="append",
-        help="ours, torch, hf, compile, compile_pair (add_rms), liger (CUDA), floor (CPU fwd: the output pass alone)"
-        " (default: all that run)",
+        help="ours, ours_llama (rms, qk: HF Llama's cast order), torch, torch_layer_norm (rms: F.layer_norm on the "
+        "same input), hf, compile, compile_pair (add_rms), liger (CUDA), floor (CPU fwd: the output pass alone) "
+        "(default: all that run)",
     )
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile providers (saves ~20 s each)")
     p.add_argument("--repeats", type=int, default=15, help="interleaved rounds; the median is reported")
@@ -48,7 +49,7 @@ def bench(args: argparse.Namespace) -> int:
     import torch
 
     from ..kernels import build_info
-    from ..kernels.bench import run_bench
+    from ..kernels.bench import provider_names, run_bench
 
     if args.repeats < 1:
         raise CliError(f"--repeats={args.repeats} must be >= 1")
@@ -56,13 +57,14 @@ def bench(args: argparse.Namespace) -> int:
         raise CliError("--device=cuda but CUDA is not available here")
     shapes = args.shape or ([(16384, 128)] if args.op == "qk" else [(256, 4096), (2048, 4096)])
     dtypes = [getattr(torch, d) for d in (args.dtype or ["float32", "bfloat16"])]
-    providers = args.provider
+    known = provider_names(args.op, args.device)
+    unknown = [p for p in args.provider or [] if p not in known]
+    if unknown:
+        raise CliError(f"--provider {', '.join(unknown)}: not a provider of {args.op} on {args.device}; "
+                       f"choose from {', '.join(known)}")  # fmt: skip
+    providers = args.provider or known
     if args.no_compile:
-        providers = [
-            p
-            for p in (providers or ["ours", "ours_llama", "torch", "hf", "liger", "floor"])
-            if not p.startswith("compile")
-        ]
+        providers = [p for p in providers if not p.startswith("compile")]
     info = build_info() if args.device == "cpu" else {}
     print(f"# kernels: {info}  threads={torch.get_num_threads()}", file=sys.stderr)
     rows = run_bench(
