@@ -146,6 +146,23 @@ def check_float_params(*named: tuple[str, Tensor | None]) -> None:
             raise TypeError(f"{name} has {got}; it must be a floating-point tensor")
 
 
+def check_spec_params(spec: NormSpec, weight: Tensor | None, bias: Tensor | None) -> None:
+    """Raise a ValueError for a weight given to a spec without a gain, or a bias to a spec without one.
+
+    (Dropping it would silently compute another function than the caller meant; applying it another than the spec.)
+    """
+    if weight is not None and spec.gain is Gain.NONE:
+        raise ValueError(
+            f"weight was given (shape {tuple(weight.shape)}) but the spec has gain=Gain.NONE; pass weight=None, "
+            "or use a spec with gain=Gain.PER_FEATURE or Gain.SCALAR"
+        )
+    if bias is not None and not spec.bias:
+        raise ValueError(
+            f"bias was given (shape {tuple(bias.shape)}) but the spec has bias=False; pass bias=None, "
+            "or use a spec with bias=True"
+        )
+
+
 def _check(
     input: Tensor,
     spec: NormSpec,
@@ -162,6 +179,7 @@ def _check(
     if not isinstance(spec, NormSpec):
         raise TypeError(f"spec must be a NormSpec, got {type(spec).__name__}")
     check_float_params(("weight", weight), ("bias", bias), ("running_mean", running_mean), ("running_var", running_var))
+    check_spec_params(spec, weight, bias)
     if weight is None and spec.gain_convention is GainConvention.ONE_PLUS_W and spec.gain is not Gain.NONE:
         raise ValueError("gain_convention=ONE_PLUS_W needs the weight tensor; got weight=None")
     if mask is not None and mask.dtype is not torch.bool:

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..functional import check_float_params, normalize
+from ..functional import check_float_params, check_spec_params, normalize
 from ..spec import CastOrder, EpsPlacement, Gain, GainConvention, NormSpec, Scale
 from . import cpu
 from .dispatch import kernel_args, spec_unsupported, unsupported
@@ -73,15 +73,16 @@ def _fast(
 def _run(
     input: Tensor, spec: NormSpec, weight: Tensor | None, bias: Tensor | None, residual: Tensor | None
 ) -> tuple[Tensor, Tensor]:
-    a = kernel_args(spec, input.dtype)
+    compiling = torch.compiler.is_compiling()
+    a = (kernel_args.__wrapped__ if compiling else kernel_args)(spec, input.dtype)  # dynamo: no lru_cache to trace
     k = a.feature_ndim
     lead = input.shape[: input.dim() - k]
     n = 1
     for d in input.shape[input.dim() - k :]:
         n *= d
-    w = weight.reshape(-1) if weight is not None and spec.gain is not Gain.NONE else None
+    w = weight.reshape(-1) if weight is not None else None
     b = bias.reshape(-1) if bias is not None else None
-    ext = cpu.extension() if input.is_cpu and not torch.compiler.is_compiling() else None
+    ext = cpu.extension() if input.is_cpu and not compiling else None
     if ext is not None:
         y, h = ext.norm(input, residual, w, b, a.eps, a.center, a.eps_mode, a.before_gain, a.one_plus_w, a.l2, n)
         return y, h
@@ -100,6 +101,9 @@ def fused_normalize(
     residual: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """``normalize(input, spec, weight, bias)`` on the fused path; with ``residual``, ``(y, input + residual)``."""
+    if (weight is not None and spec.gain is Gain.NONE) or (bias is not None and not spec.bias):
+        check_float_params(("weight", weight), ("bias", bias))
+        check_spec_params(spec, weight, bias)  # raises: a parameter the spec does not have
     out = _fast(spec, input, residual, weight, bias, None)
     if out is not None:
         return (out[0], out[1]) if residual is not None else out[0]
@@ -166,12 +170,22 @@ def _ln_spec(k: int, eps: float, cast_order: CastOrder, eps_placement: EpsPlacem
 
 
 def _call(
-    spec: NormSpec, fshape: tuple[int, ...], input: Tensor, residual: Tensor | None, weight: Tensor | None,
-    bias: Tensor | None,
+    make: Any, key: tuple[Any, ...], fshape: tuple[int, ...], input: Tensor, residual: Tensor | None,
+    weight: Tensor | None, bias: Tensor | None,
 ) -> list[Tensor] | tuple[Tensor, Tensor] | Tensor:  # fmt: skip
-    out = _fast(spec, input, residual, weight, bias, fshape)
-    if out is not None:
-        return out
+    """Run the spec ``make(*key)`` (an lru_cache'd builder) on the cached C++ plan, else on the checked path.
+
+    Under torch.compile the builder's body is traced instead of its cache (dynamo warns on each cached call it
+    traces, and a compiled graph builds the spec once anyway), so eager calls keep the cache and one compile check.
+    """
+    if torch.compiler.is_compiling():
+        spec = make.__wrapped__(*key)
+    else:
+        spec = make(*key)
+        plan = _plan(spec, input.dtype)
+        out = None if plan is None else plan(input, residual, weight, bias, fshape)
+        if out is not None:
+            return out
     _check_shape(input, fshape)
     return _checked(input, spec, weight, bias, residual)
 
@@ -188,8 +202,8 @@ def fused_rms_norm(
 ) -> Tensor:
     """``F.rms_norm`` (same arguments and defaults) on the fused path, plus the spec's knobs."""
     fshape = _shape(normalized_shape)
-    spec = _rms_spec(len(fshape), eps, cast_order, gain_convention, eps_placement, weight is not None)
-    out = _call(spec, fshape, input, None, weight, None)
+    key = (len(fshape), eps, cast_order, gain_convention, eps_placement, weight is not None)
+    out = _call(_rms_spec, key, fshape, input, None, weight, None)
     return out if isinstance(out, Tensor) else out[0]
 
 
@@ -205,8 +219,8 @@ def fused_layer_norm(
 ) -> Tensor:
     """``F.layer_norm`` (same arguments and defaults) on the fused path."""
     fshape = _shape(normalized_shape)
-    spec = _ln_spec(len(fshape), eps, cast_order, eps_placement, weight is not None, bias is not None)
-    out = _call(spec, fshape, input, None, weight, bias)
+    key = (len(fshape), eps, cast_order, eps_placement, weight is not None, bias is not None)
+    out = _call(_ln_spec, key, fshape, input, None, weight, bias)
     return out if isinstance(out, Tensor) else out[0]
 
 
@@ -223,8 +237,8 @@ def fused_add_rms_norm(
 ) -> tuple[Tensor, Tensor]:
     """``(rms_norm(input + residual), input + residual)`` in one pass over memory."""
     fshape = _shape(normalized_shape)
-    spec = _rms_spec(len(fshape), eps, cast_order, gain_convention, eps_placement, weight is not None)
-    y, h = _call(spec, fshape, input, residual, weight, None)
+    key = (len(fshape), eps, cast_order, gain_convention, eps_placement, weight is not None)
+    y, h = _call(_rms_spec, key, fshape, input, residual, weight, None)
     return y, h
 
 
@@ -241,8 +255,8 @@ def fused_add_layer_norm(
 ) -> tuple[Tensor, Tensor]:
     """``(layer_norm(input + residual), input + residual)`` in one pass over memory."""
     fshape = _shape(normalized_shape)
-    spec = _ln_spec(len(fshape), eps, cast_order, eps_placement, weight is not None, bias is not None)
-    y, h = _call(spec, fshape, input, residual, weight, bias)
+    key = (len(fshape), eps, cast_order, eps_placement, weight is not None, bias is not None)
+    y, h = _call(_ln_spec, key, fshape, input, residual, weight, bias)
     return y, h
 
 
@@ -258,16 +272,21 @@ def qk_rms_norm(
     """QK-norm (OLMo 2, Qwen3, Gemma 3): RMSNorm over the head dim of q and k, many short rows each.
 
     Without autograd (inference, decoding) on CPU, for up to 2M elements in all, the rows of q and k are
-    normalised in one launch (``norm_pair``: one parallel region split over both tensors' rows; for a decode
-    step of 32 q and 8 kv heads of 128 in bf16 two calls take 1.23-1.30x its time, medians of
+    normalised in one launch (``norm_pair``: one parallel region split over both tensors' rows; for one decode
+    token of 32 q and 8 kv heads of 128, two fused calls take 1.06-1.09x its time in the README's four runs of
     ``python benchmarks/bench_qk.py``); otherwise, or when q and k differ in head dim or dtype, two fused
-    calls. Both paths compute the same values, bit for bit.
+    calls. Both paths compute the same values, bit for bit. ``q_weight`` has shape ``(q.shape[-1],)`` and
+    ``k_weight`` ``(k.shape[-1],)``.
     """
     d = q.shape[-1]
     pair = _qk_pair(q, k, q_weight, k_weight, eps, cast_order)
     if pair is not None:
         return pair
     check_float_params(("q_weight", q_weight), ("k_weight", k_weight))  # the C++ pair names them; so do two calls
+    for name, w, t, what in (("q_weight", q_weight, q, "q"), ("k_weight", k_weight, k, "k")):
+        if w is not None and tuple(w.shape) != (t.shape[-1],):
+            raise ValueError(f"{name} has shape {tuple(w.shape)}; {what} of shape {tuple(t.shape)} needs "
+                             f"({t.shape[-1]},) (one gain per element of the head dim)")  # fmt: skip
     return (
         fused_rms_norm(q, d, q_weight, eps, cast_order=cast_order),
         fused_rms_norm(k, k.shape[-1], k_weight, eps, cast_order=cast_order),

@@ -31,6 +31,7 @@ from . import cpu
 __all__ = ["bwd_impl", "eager_bwd", "eager_fwd", "fused_norm", "fused_norm_bwd", "fused_norm_fwd", "fwd_impl"]
 
 INSIDE, OUTSIDE, CLAMP = 0, 1, 2
+DOUBLE_BACKWARD = "normatlas fused norm: double backward (create_graph=True) is not supported on the eager path"
 _HALF = (torch.float16, torch.bfloat16)
 
 
@@ -67,10 +68,13 @@ def eager_fwd(
     x: Tensor, residual: Tensor | None, weight: Tensor | None, bias: Tensor | None, eps: float,
     center: bool, eps_mode: int, before_gain: bool, one_plus_w: bool, l2: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
-    """The reference arithmetic of the fused op in plain torch (the fallback without a compiler)."""
+    """The reference arithmetic of the fused op in plain torch (the fallback without a compiler).
+
+    Every output is contiguous, whatever the strides of ``x`` (as from the C++ and Triton kernels and the fake).
+    """
     n = x.shape[-1]
-    h = x + residual if residual is not None else x.new_empty(0)
-    src = (h if residual is not None else x).reshape(-1, n)
+    h = (x + residual).contiguous() if residual is not None else x.new_empty(0)
+    src = (h if residual is not None else x).reshape(-1, n).contiguous()
     acc = _acc(x.dtype)
     xf = src.to(acc)
     mean = xf.mean(-1, keepdim=True) if center else torch.zeros_like(xf[:, :1])
@@ -96,11 +100,11 @@ def eager_bwd(
     dy: Tensor, x: Tensor, weight: Tensor | None, stats: Tensor, dres: Tensor | None,
     center: bool, before_gain: bool, one_plus_w: bool, l2: bool, need_dg: bool, need_db: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
-    """Hand-written backward in plain torch: the same formula as the C++ and Triton kernels."""
+    """Hand-written backward in plain torch: the same formula as the C++ and Triton kernels (dx contiguous)."""
     n = x.shape[-1]
     acc = _acc(x.dtype)
-    xf = x.reshape(-1, n).to(acc)
-    dyf = dy.reshape(-1, n).to(acc)
+    xf = x.reshape(-1, n).contiguous().to(acc)
+    dyf = dy.reshape(-1, n).contiguous().to(acc)
     mean, r, drdms = stats[:, :1], stats[:, 1:2], stats[:, 2:3]
     g = _gain(weight, n, x.dtype, before_gain, one_plus_w, x.device)
     xc = xf - mean
@@ -116,7 +120,7 @@ def eager_bwd(
         xhat = xhat.to(x.dtype).to(acc)
     dg = (dyf * xhat).sum(0) if need_dg else dyf.new_empty(0)
     db = dyf.sum(0) if need_db else dyf.new_empty(0)
-    return dx.to(x.dtype).reshape(x.shape), dg, db
+    return dx.to(x.dtype).reshape(x.shape).contiguous(), dg, db
 
 
 def fwd_impl(
@@ -146,11 +150,13 @@ def fused_norm_fwd(
     return fwd_impl(x, residual, weight, bias, eps, center, eps_mode, before_gain, one_plus_w, l2)
 
 
+# The fakes allocate contiguous outputs (not ``empty_like``, which keeps a transposed input's strides): every real
+# implementation (C++, Triton, eager) returns y, h and dx contiguous, and inductor asserts the fake's strides.
 @fused_norm_fwd.register_fake
 def _(x, residual, weight, bias, eps, center, eps_mode, before_gain, one_plus_w, l2):
     rows = math.prod(x.shape[:-1])
-    h = torch.empty_like(x) if residual is not None else x.new_empty(0)
-    return torch.empty_like(x), h, x.new_empty((rows, 3), dtype=_acc(x.dtype))
+    h = x.new_empty(x.shape) if residual is not None else x.new_empty(0)
+    return x.new_empty(x.shape), h, x.new_empty((rows, 3), dtype=_acc(x.dtype))
 
 
 def bwd_impl(
@@ -186,7 +192,7 @@ def _(dy, x, weight, stats, dres, center, before_gain, one_plus_w, l2, need_dg, 
     n = x.shape[-1]
     dg = x.new_empty((n,) if need_dg else (0,), dtype=acc)
     db = x.new_empty((n,) if need_db else (0,), dtype=acc)
-    return torch.empty_like(x), dg, db
+    return x.new_empty(x.shape), dg, db
 
 
 def _setup_context(ctx, inputs, output) -> None:
@@ -229,6 +235,10 @@ class _EagerFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy, dh, dstats):  # type: ignore[override]
+        # The backward is hand-written with the saved statistics as constants: differentiated again it would give
+        # wrong second derivatives, so refuse create_graph=True as the C++ Function does (NormFn, csrc/norm_ops.cpp).
+        if torch.is_grad_enabled():
+            raise RuntimeError(DOUBLE_BACKWARD)
         return _backward(ctx, dy, dh, dstats, bwd=bwd_impl)
 
 
