@@ -54,8 +54,11 @@ def test_essay_differences_are_the_code_checked_corrections() -> None:
         "ChatGLM2-6B",
         "GLM-4",
         "GLM-4-0414",
+        "GLM-4.1V",
+        "GLM-4.5V",
         "CogVLM",
         "Chameleon (7B)",
+        "Gemma 3n",
     }
     assert (diff["Phi-1 / Phi-1.5 / Phi-2"]["operator"], diff["Phi-1 / Phi-1.5 / Phi-2"]["placement"]) == (
         "layernorm",
@@ -63,9 +66,11 @@ def test_essay_differences_are_the_code_checked_corrections() -> None:
     )
     assert diff["OLMoE"]["placement"] == "pre" and diff["OLMoE"]["qk_norm"] == "flattened"
     assert diff["GLM-4"]["placement"] == "pre" and diff["GLM-4-0414"]["placement"] == "peri"
+    assert diff["GLM-4.1V"]["placement"] == "peri" and diff["GLM-4.5V"]["placement"] == "pre"
     assert all(r["source"].startswith("code:") for r in diff.values())
     # the essay's own claims stay where they hold: GLM-130B / ChatGLM-6B (DeepNorm Post-LN), Phi-3, OLMo 2
     by_name = {r["name"]: r for r in MODELS}
+    assert by_name["Gemma 3n"]["gain_convention"] == "w" and by_name["Gemma 3"]["gain_convention"] == "1+w"
     assert by_name["GLM-130B"]["placement"] == by_name["ChatGLM-6B"]["placement"] == "post"
     assert (by_name["Phi-3"]["operator"], by_name["Phi-3"]["placement"]) == ("rmsnorm", "pre")
     assert by_name["OLMo 2"]["placement"] == by_name["Chameleon (34B)"]["placement"] == "res-post"
@@ -243,16 +248,17 @@ def test_cli_matrix_papers_and_check(capsys: pytest.CaptureFixture[str], tmp_pat
 # fields, the essay's claim in essay_differs), not an entry here.
 LIVE_DISAGREEMENTS_ALLOWED: dict[tuple[str, str, str], str] = {}
 # Model types the inspector cannot build yet: its failure, not the matrix's, so their rows go unchecked here.
-LIVE_ERRORS_ALLOWED = {
-    "gemma3n_text": "inspect/build.py's shrunk layer_types break Gemma 3n's KV-sharing check (ValueError on build)",
-}
+LIVE_ERRORS_ALLOWED: dict[str, str] = {}
 
 
 @pytest.mark.slow
 def test_live_check_against_transformers(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["matrix", "--check", "--format", "json"]) == 0
+    assert main(["matrix", "--check", "--agreements", "--format", "json"]) == 0
     rows = json.loads(capsys.readouterr().out)
     assert any(r["verdict"] == "resolves unclear" for r in rows)
+    agreed = {(r["hf_model_type"], r["field"]) for r in rows if r["verdict"] == "agrees"}
+    for mt in ("gemma3n_text", "glm4v", "glm4v_moe"):  # their tiny configs once failed to build or to run
+        assert {(mt, f) for f in ("operator", "placement", "qk_norm", "gain_convention")} <= agreed, mt
     disagree = {(r["model"], r["hf_model_type"], r["field"]) for r in rows if r["verdict"] == "DISAGREES"}
     assert disagree - set(LIVE_DISAGREEMENTS_ALLOWED) == set(), [r for r in rows if r["verdict"] == "DISAGREES"]
     assert set(LIVE_DISAGREEMENTS_ALLOWED) <= disagree, "an allowed disagreement is gone: drop it from the list"

@@ -129,3 +129,50 @@ def test_every_layer_classified_and_sublayers_paired() -> None:
     assert [s.kind for s in rep.sublayers] == ["attention", "mlp"] * 2
     assert all(len(s.pre) == 1 and len(s.out) == 1 for s in rep.sublayers)
     assert {a.layer for a in rep.attention} == {0, 1}
+
+
+def test_gemma3n_tiny_config_keeps_kv_sharing_valid() -> None:
+    """Gemma 3n (35 layers, the last 15 reusing K/V): the shrink keeps one producer and one consumer of each
+    attention kind, and cuts every per-layer list (FFN widths, activation sparsity) to the tiny depth."""
+    cfg = tiny_config("gemma3n_text")
+    kinds = {"sliding_attention", "full_attention"}
+    n = cfg.num_hidden_layers
+    assert (n, cfg.num_kv_shared_layers) == (4, 2) and set(cfg.layer_types[: n - 2]) == set(cfg.layer_types) == kinds
+    modes = cfg.kv_sharing_modes  # raised "The set of layer types producing a cache is different ..." before
+    assert modes[2:] == ["reuse", "reuse"] and modes[:2] == ["store", "store"]
+    assert cfg.intermediate_size == [128] * n and len(cfg.activation_sparsity_pattern) == n
+
+
+def test_gemma3n_is_peri_ln_with_side_path_norms() -> None:
+    """Gemma3nTextDecoderLayer: input_layernorm / post_attention_layernorm around attention and pre_ / post_feedforward
+    around the MLP (peri); the LAuReL low-rank path beside attention (linear_left -> linear_right -> post_laurel_norm,
+    added to the normed input) is a side path, not a parallel sublayer; Gemma3nRMSNorm multiplies by w."""
+    rep = report("gemma3n_text")
+    got = rep.summary_row()
+    want = dict(
+        operator="rmsnorm", placement="peri", qk_norm="per-head", qk_norm_rope="before-rope", v_norm=True, layers=4
+    )
+    assert {k: got[k] for k in want} == want and got["gain_convention"] == "w"
+    assert [s.kind for s in rep.sublayers] == ["attention", "mlp"] * 4
+    side = [n for n in rep.norms if n.module.endswith("post_laurel_norm")]
+    assert len(side) == 4 and {n.role for n in side} == {"other"}
+
+
+@pytest.mark.parametrize(
+    ("mt", "placement"), [("glm4v_text", "peri"), ("glm4v_moe_text", "pre"), ("qwen2_vl_text", "pre")]
+)
+def test_mrope_sections_fit_the_tiny_head(mt: str, placement: str) -> None:
+    """M-RoPE splits the rotary half-width into (t, h, w) sections (GLM-4V's [8, 12, 12] in its modeling code):
+    the shrink re-splits the tiny one; GLM-4.1V's decoder is GLM-4-0414's sandwich, GLM-4.5V's is Pre-LN."""
+    cfg = tiny_config(mt)
+    rope = cfg.rope_parameters
+    head = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads  # GLM-4V: no head_dim
+    half = int(head * rope.get("partial_rotary_factor", 1.0)) // 2
+    assert len(rope["mrope_section"]) == 3 and sum(rope["mrope_section"]) == half
+    got = report(mt).summary_row()
+    assert (got["operator"], got["placement"], got["qk_norm"], got["gain_convention"]) == (
+        "rmsnorm",
+        placement,
+        "none",
+        "w",
+    )

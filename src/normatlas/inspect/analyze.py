@@ -6,7 +6,10 @@ Method (all structural, no names):
   operand's additive components (through casts, scalar multiplies and earlier
   adds) contain a value ``s`` that also feeds the other operand: ``s`` is the
   stream, the other operand the branch. Consecutive adds that share ``s`` (or
-  one branch that is itself a sum of two branches of ``s``) are *parallel*.
+  one branch that is itself a sum of two branches of ``s``) are *parallel*. A
+  branch that is only linear maps of ``s`` (no activation, no attention; its
+  norms aside) is an augmented residual beside a sublayer (Gemma 3n's LAuReL
+  low-rank path), not a sublayer, and its add is no residual add.
 * **Placement** of each sublayer: a norm whose input is ``s`` and whose output
   feeds the branch is *pre*; a norm that ends the branch is *out*; a norm whose
   input is the add and whose output is the next sublayer's stream is *post*.
@@ -123,8 +126,32 @@ def _has_compute(g: Graph, branch: int, source: int) -> bool:
     return any(own >> n.idx & 1 for n in g.nodes if n.op in _PROJ or n.op == "matmul")
 
 
-def _residual_adds(g: Graph, shape: tuple[int, ...]) -> list[tuple[int, int, int, int]]:
-    """(add, skip operand, branch operand, stream source) for every residual add."""
+def _norm_bits(g: Graph, sites: list[Site]) -> int:
+    """Every node inside a norm (from its input, exclusive, to the end of its affine map) as a bitset."""
+    bits = 0
+    for s in sites:
+        bits |= (g.anc(s.output) | 1 << s.output) & ~(g.anc(s.input) | 1 << s.input)
+    return bits
+
+
+def _linear_only(g: Graph, branch: int, source: int, norms: int) -> bool:
+    """True when the branch's own compute, its norms aside, is linear maps of the source: projections (a matmul
+    by a parameter), adds, casts, views and constant or learned scalings; no activation, gate or attention."""
+    own = (g.anc(branch) | 1 << branch) & ~(g.anc(source) | 1 << source) & ~norms
+    for n in g.nodes[: branch + 1]:
+        if not own >> n.idx & 1 or n.op in _THRU or n.op in ("param", "buffer", "leaf", "add", "sub"):
+            continue
+        by_param = any(g.nodes[strip(g, i, _THRU)].op == "param" for i in n.inputs)
+        if (n.op in _PROJ or n.op == "matmul") and by_param:
+            continue
+        if _scalar_mul(g, n) is None and _learned_mul(g, n) is None:
+            return False
+    return True
+
+
+def _residual_adds(g: Graph, shape: tuple[int, ...], norms: int = 0) -> list[tuple[int, int, int, int]]:
+    """(add, skip operand, branch operand, stream source) for every residual add (``norms``: the nodes inside
+    norms, as :func:`_norm_bits` gives them, set aside when telling a linear side path from a sublayer)."""
 
     def stream_like(s: tuple[int, ...] | None) -> bool:  # the stream, possibly flattened to (B*T, D)
         return s is not None and len(s) >= 2 and s[-1] == shape[-1] and math.prod(s) == math.prod(shape)
@@ -136,7 +163,8 @@ def _residual_adds(g: Graph, shape: tuple[int, ...]) -> list[tuple[int, int, int
         for a, b in (n.inputs, n.inputs[::-1]):
             src = next((c for c in _components(g, a) if stream_like(g.nodes[c].shape) and g.feeds(c, b)), None)
             if src is not None and _has_compute(g, b, src):
-                found.append((n.idx, a, b, src))
+                if not _linear_only(g, b, src, norms):
+                    found.append((n.idx, a, b, src))
                 break
     return found
 
@@ -265,7 +293,8 @@ def analyze(g: Graph, name: str = "model", tracer: str = "torch_function") -> In
     shapes = _stream_shapes(g, sites)
     if not shapes:
         raise ValueError("cannot find the residual stream: the model has no embedding and no floating input")
-    found = [(_residual_adds(g, c), c) for c in shapes[:6]]
+    norm_bits = _norm_bits(g, sites)
+    found = [(_residual_adds(g, c, norm_bits), c) for c in shapes[:6]]
     adds, shape = max(found, key=lambda f: len(f[0]))
     if not adds:
         shape = shapes[0]

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["TINY", "build_target", "build_vision", "example_inputs", "tiny_config"]
+__all__ = ["KV_SHARED_LAYER_COUNTS", "TINY", "build_target", "build_vision", "example_inputs", "tiny_config"]
 
 # Shrunk sizes (litgpt-style: keep the architecture, shrink the widths). Originals are
 # thousands wide and tens of layers deep; each key is set only where the config has it.
@@ -47,7 +47,17 @@ TINY: dict[str, Any] = {
     "topk_group": 1,
     "rotary_dim": 16,
     "word_embed_proj_dim": 64,
+    "vocab_size_per_layer_input": 128,
+    "hidden_size_per_layer_input": 16,
 }
+
+
+# The one model-specific rule of the shrink, as data: config fields counting the trailing layers that reuse the
+# key/value cache of the last earlier layer of their kind (Gemma 3n's ``num_kv_shared_layers``, 15 of its 35 layers).
+# ``kv_sharing_modes`` raises unless every kind that reuses has a producer before the shared block, which 2 layers
+# cannot give a hybrid: the tiny model keeps one period of layer kinds producing the cache and one reusing it
+# (depth 2 x kinds, the last ``kinds`` layers shared).
+KV_SHARED_LAYER_COUNTS = ("num_kv_shared_layers",)
 
 
 def tiny_config(model_type: str, **overrides: Any) -> Any:
@@ -62,19 +72,12 @@ def tiny_config(model_type: str, **overrides: Any) -> Any:
     cfg = AutoConfig.for_model(model_type)
     text = getattr(cfg, "text_config", None)
     for c in [cfg] + ([text] if text is not None and text is not cfg else []):
-        for key, val in {**TINY, **overrides}.items():
-            if key in c.to_dict() or key in getattr(c, "attribute_map", {}):
-                with contextlib.suppress(Exception):  # some configs guard their attributes
-                    setattr(c, key, val)
-        if isinstance(getattr(c, "layer_types", None), list):
-            n = getattr(c, "num_hidden_layers", len(c.layer_types))
-            kinds = list(dict.fromkeys(c.layer_types))  # keep every layer kind of a hybrid in the tiny model
-            with contextlib.suppress(Exception):  # a read-only property on some hybrid configs
-                c.layer_types = (kinds * n)[:n] if len(kinds) <= n else c.layer_types[:n]
+        _shrink(c, {**TINY, **overrides})
         if "qk_rope_head_dim" in c.to_dict() and "head_dim" in c.to_dict():  # MLA: rotary part sets head_dim
             with contextlib.suppress(Exception):
                 c.head_dim = c.qk_rope_head_dim
                 c.num_key_value_heads = c.num_attention_heads
+        _fit_mrope(c)
         if "vocabulary_map" in c.to_dict() and not c.vocabulary_map:  # Chameleon needs its image-token map
             c.vocabulary_map = {"<image>": 3}
         vocab = getattr(c, "vocab_size", None)
@@ -85,6 +88,55 @@ def tiny_config(model_type: str, **overrides: Any) -> Any:
                     setattr(c, tok, min(2, vocab - 1))
     cfg._attn_implementation = "eager"
     return cfg
+
+
+def _shrink(c: Any, sizes: dict[str, Any]) -> None:
+    """Set ``sizes`` where ``c`` has them, then fit its per-layer schedules to the shrunk depth: every list with
+    one entry per original layer is cut to the new depth (a size set above becomes one entry per layer), a hybrid
+    keeps every layer kind, and KV sharing (:data:`KV_SHARED_LAYER_COUNTS`) keeps a producer of each kind."""
+    before = c.to_dict()
+    depth = getattr(c, "num_hidden_layers", None)
+    for key, val in sizes.items():
+        if key in before or key in getattr(c, "attribute_map", {}):
+            with contextlib.suppress(Exception):  # some configs guard their attributes
+                setattr(c, key, val)
+    n = getattr(c, "num_hidden_layers", None)
+    types = getattr(c, "layer_types", None)
+    if isinstance(types, list):
+        n = n if isinstance(n, int) else len(types)
+        kinds = list(dict.fromkeys(types))  # keep every layer kind of a hybrid in the tiny model
+        shared = [k for k in KV_SHARED_LAYER_COUNTS if isinstance(before.get(k), int) and before[k] > 0]
+        if shared:
+            n = max(n, 2 * len(kinds))
+            with contextlib.suppress(Exception):
+                c.num_hidden_layers = n
+                for k in shared:
+                    setattr(c, k, len(kinds))
+        with contextlib.suppress(Exception):  # a read-only property on some hybrid configs
+            c.layer_types = (kinds * n)[:n] if len(kinds) <= n else types[:n]
+    if not (isinstance(depth, int) and isinstance(n, int) and n < depth):
+        return
+    for key, val in before.items():
+        if key != "layer_types" and isinstance(val, list) and len(val) == depth:
+            now = getattr(c, key, None)
+            with contextlib.suppress(Exception):
+                setattr(c, key, now[:n] if isinstance(now, list) else [now] * n)
+
+
+def _fit_mrope(c: Any) -> None:
+    """Multimodal RoPE splits the rotary half-width into (time, height, width) sections that must sum to it; the
+    config names ``mrope_section`` among its rope keys, the sizes live in the modeling code, so re-split the shrunk
+    half-width evenly."""
+    rope = getattr(c, "rope_parameters", None)
+    if not isinstance(rope, dict) or "mrope_section" not in (getattr(c, "ignore_keys_at_rope_validation", None) or ()):
+        return
+    with contextlib.suppress(Exception):
+        head = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        factor = rope.get("partial_rotary_factor", getattr(c, "partial_rotary_factor", None) or 1.0)
+        half = int(head * factor) // 2
+        parts = len(rope.get("mrope_section") or [0, 0, 0])
+        if half >= parts and sum(rope.get("mrope_section") or []) != half:
+            rope["mrope_section"] = [half // parts + (i < half % parts) for i in range(parts)]
 
 
 def _model_from_config(cfg: Any) -> nn.Module:
