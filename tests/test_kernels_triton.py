@@ -138,11 +138,11 @@ def test_occupancy_of_an_sm() -> None:
 
 def test_short_rows_pack_several_per_program() -> None:
     """QK-norm's head dim: a 64-wide row fills a quarter of a block, so programs take several rows."""
-    block, rows_per_prog, single = triton_kernels._blocks(64, 1000, 32768)
+    block, rows_per_prog, single = triton_kernels._blocks(64, 32768)
     assert single and rows_per_prog > 1 and block == 64
-    block, rows_per_prog, single = triton_kernels._blocks(32768, 4, 32768)
+    block, rows_per_prog, single = triton_kernels._blocks(32768, 32768)
     assert single and rows_per_prog == 1 and block == 32768
-    block, rows_per_prog, single = triton_kernels._blocks(32769, 4, 32768)
+    block, rows_per_prog, single = triton_kernels._blocks(32769, 32768)
     assert not single and rows_per_prog == 1 and block == triton_kernels.MAX_FUSED
 
 

@@ -69,7 +69,7 @@ def available() -> bool:
     return HAS_TRITON and torch.cuda.is_available()
 
 
-def _blocks(n: int, rows: int, widest: int) -> tuple[int, int, bool]:
+def _blocks(n: int, widest: int) -> tuple[int, int, bool]:
     """(columns per block, rows per block, whether a row fits one block): rows up to ``widest`` in one block, several
     short rows per block (up to 16, 4096 elements); wider rows in chunks of MAX_FUSED."""
     block = triton.next_power_of_2(max(n, 1))
@@ -386,7 +386,7 @@ def norm_fwd(
     stats = torch.empty((rows, 3), dtype=torch.float32, device=x.device)
     g, b = _param(weight, x2), _param(bias, x2)
     if rows:
-        block, rpp, single = _blocks(n, rows, MAX_FUSED_FWD_BYTES // x.element_size())
+        block, rpp, single = _blocks(n, MAX_FUSED_FWD_BYTES // x.element_size())
         grid = (triton.cdiv(rows, rpp),)
         launch(
             _fwd_kernel, grid, x2, res if res is not None else x2, h if res is not None else x2, y, g, b, stats, rows,
@@ -476,7 +476,7 @@ def _bwd_plan(n: int, rows: int, esize: int, has_dres: bool, partials: int) -> _
     Pipeline depth: three tiles where their x, dy (and the residual's gradient) take at most 48 KiB of shared memory,
     two where 96 KiB, else none.
     """
-    block, rows_per_tile, single = _blocks(n, rows, MAX_FUSED)
+    block, rows_per_tile, single = _blocks(n, MAX_FUSED)
     wide = not single
     if wide:
         block, rows_per_tile = 2048, 1
