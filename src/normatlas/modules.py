@@ -165,11 +165,15 @@ class Norm(nn.Module):
             return 1.0 / (float(self.num_batches_tracked) + 1.0)  # cumulative average
         return 0.0
 
+    def _count_step(self) -> None:
+        """Advance ``num_batches_tracked`` (in training)."""
+        if self.num_batches_tracked is not None and self.training:
+            self.num_batches_tracked.add_(1)
+
     def _momentum(self) -> float:
         """This step's update factor; advances ``num_batches_tracked`` in training."""
         momentum = self._next_momentum()
-        if self.num_batches_tracked is not None and self.training:
-            self.num_batches_tracked.add_(1)
+        self._count_step()
         return momentum
 
     def _unbatched(self, input: Tensor) -> bool:
@@ -213,7 +217,7 @@ class Norm(nn.Module):
             momentum=self._next_momentum() if self.running_var is not None else 0.1,
         )
         if self.running_var is not None:
-            self._momentum()  # count the step only once normalize accepted the input
+            self._count_step()  # only once normalize accepted the input
         return out.squeeze(0) if unbatched else out
 
     def _check_shape(self, input: Tensor, *, unbatched: bool = False) -> None:
