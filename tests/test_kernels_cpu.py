@@ -581,6 +581,42 @@ def test_streaming_path_matches_reference(dtype: torch.dtype, n: int) -> None:
         (gref,) = torch.autograd.grad(normalize(href, spec, w.float(), None if bias is None else bias.float()), [href],
                                       gy.float())  # fmt: skip
         torch.testing.assert_close(gx.float(), gref, **TOL[dtype])
+        # the gain / bias gradients of the streaming backward (its partial sums, kept per thread), against float64
+        xs, ws = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+        leaves = [xs, ws] + ([bias.clone().requires_grad_(True)] if bias is not None else [])
+        got = torch.autograd.grad(fused_normalize(xs, spec, *leaves[1:]), leaves, gy)
+        xd, wd = x.double().requires_grad_(True), w.double().requires_grad_(True)
+        ref_leaves = [xd, wd] + ([bias.double().requires_grad_(True)] if bias is not None else [])
+        want = torch.autograd.grad(normalize(xd, spec, *ref_leaves[1:]), ref_leaves, gy.double())
+        for a, e, what in zip(got[1:], want[1:], ("dweight", "dbias"), strict=False):
+            _close(a, e, dtype, what)  # returned in the parameter's dtype
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n", [100, 1024, 2051])
+@pytest.mark.parametrize("name", ["rms", "ln", "ln_before_gain"])
+def test_backward_rows_are_batch_invariant(name: str, n: int, dtype: torch.dtype) -> None:
+    """A row's dx is the same bits whether its batch takes the tiled backward (from cache) or the row-by-row one
+    (inputs over 8 MiB), and whatever rows share its tile: both paths sum a row alike (bf16 in the lane order of its
+    16-element blocks) and give each element the same arithmetic."""
+    ext = cpu.extension()
+    if ext is None:
+        pytest.skip("no C++ extension")
+    spec = SPECS[name]
+    rows = (9 << 20) // (2 * n * torch.finfo(dtype).bits // 8) + 1  # x and dy together over 8 MiB
+    gen = torch.Generator().manual_seed(17)
+    x, gy = (torch.randn(rows, n, generator=gen, dtype=torch.float64).to(dtype) for _ in range(2))
+    w, b = _params(spec, (n,), dtype, gen)
+    center, before = spec.center, spec.cast_order is CastOrder.BEFORE_GAIN
+    _, _, stats = ext.norm_fwd(x, None, w, b, spec.eps, center, 0, before, False, False, n)
+
+    def dx(lo: int, hi: int) -> torch.Tensor:
+        return ext.norm_bwd(gy[lo:hi], x[lo:hi], w, stats[lo:hi], None, center, before, False, False, True,
+                            b is not None, n)[0]  # fmt: skip
+
+    full = dx(0, rows)
+    for lo, hi in ((0, 1), (5, 42), (rows - 19, rows)):
+        assert torch.equal(full[lo:hi], dx(lo, hi)), (lo, hi)
 
 
 def _thp_mode() -> str | None:

@@ -15,6 +15,7 @@
 #include <sys/mman.h>
 #endif
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -203,6 +204,31 @@ void fwd_impl_v(const typename V::raw* xp, const typename V::raw* rp, typename V
   });
 }
 
+// The gain as the bf16 backward reads its whole 16-element blocks (vec::kLaneOrder: per block elements 0-3, 8-11, 4-7,
+// 12-15; the tail after the last whole block in order), in this thread's buffer; g itself for the other types and
+// without a gain. ~1 us for a 4096-wide gain, once a call.
+template <class V, class P>
+const typename P::raw* lane_order_gain(const typename P::raw* g, int64_t n) {
+  if constexpr (vec::kLaneOrder<V> && std::is_same_v<P, vec::F32>) {
+    if (!g) return g;
+    thread_local std::vector<float> buf;
+    if (static_cast<int64_t>(buf.size()) < n) buf.resize(static_cast<size_t>(n));
+    float* out = buf.data();
+    int64_t j = 0;
+    for (; j + 16 <= n; j += 16) {
+      __m256 lo = _mm256_loadu_ps(g + j), hi = _mm256_loadu_ps(g + j + 8);
+      vec::swap_halves(lo, hi);
+      _mm256_storeu_ps(out + j, lo);
+      _mm256_storeu_ps(out + j + 8, hi);
+    }
+    std::copy(g + j, g + n, out + j);
+    return out;
+  } else {
+    (void)n;
+    return g;
+  }
+}
+
 // The backward's tiles: from cache, blocks of kTileRows rows, their second pass in strips of kTileCols columns.
 // Builds interleaved in one process (backward alone, 2 threads, 256 x 4096, 512 x 2048, 128 x 8192 and 1024 x 1024,
 // fp32 and bf16, RMSNorm and LayerNorm): 16 x 1024 took 0.72-1.02x the row-by-row time, 8 x 1024 0.75-1.09x,
@@ -222,16 +248,17 @@ constexpr int64_t kTileRows = 16, kTileCols = 1024;
 // partial-sum rows came back from L2 for every row (80 KiB a row at 4096 fp32, against a 32 KiB L1). Same arithmetic
 // in the same order: bit for bit the row-by-row results. From memory: row by row, each second pass prefetching the
 // next row.
+// `gl`: the gain in the bf16 backward's lane order (lane_order_gain), g itself for the other types.
 template <class V, class P, bool C, int G, bool Bs, bool DR>
 void bwd_rows_v(const typename V::raw* xp, const typename V::raw* dyp, const typename V::raw* drp,
-                typename V::raw* dxp, const typename P::raw* g, float* pg, float* pb, const float* sp, int64_t n,
-                float div, int64_t r0, int64_t r1, bool stream, bool nt) {
+                typename V::raw* dxp, const typename P::raw* g, const typename P::raw* gl, float* pg, float* pb,
+                const float* sp, int64_t n, float div, int64_t r0, int64_t r1, bool stream, bool nt) {
   using R = typename V::raw;
   if (stream) {
     for (int64_t i = r0; i < r1; ++i) {
       const bool more = i + 1 < r1;
-      vec::bwd_row<V, P, C, G, Bs, DR>(xp + i * n, dyp + i * n, DR ? drp + i * n : nullptr, dxp + i * n, g, pg, pb,
-                                       n, sp[3 * i], sp[3 * i + 1], sp[3 * i + 2], div,
+      vec::bwd_row<V, P, C, G, Bs, DR>(xp + i * n, dyp + i * n, DR ? drp + i * n : nullptr, dxp + i * n, g, gl, pg,
+                                       pb, n, sp[3 * i], sp[3 * i + 1], sp[3 * i + 2], div,
                                        more ? xp + (i + 1) * n : nullptr, more ? dyp + (i + 1) * n : nullptr,
                                        more && DR ? drp + (i + 1) * n : nullptr, nt);
     }
@@ -241,14 +268,14 @@ void bwd_rows_v(const typename V::raw* xp, const typename V::raw* dyp, const typ
   for (int64_t b0 = r0; b0 < r1; b0 += kTileRows) {
     const int64_t b1 = std::min(r1, b0 + kTileRows);
     for (int64_t i = b0; i < b1; ++i) {
-      vec::bwd_sums<V, P, C, 0, false>(xp + i * n, dyp + i * n, g, nullptr, nullptr, n, sp[3 * i], sp[3 * i + 1],
-                                       sp[3 * i + 2], div, k[i - b0], off[i - b0]);
+      vec::bwd_sums<V, P, C, 0, false>(xp + i * n, dyp + i * n, g, gl, nullptr, nullptr, n, sp[3 * i],
+                                       sp[3 * i + 1], sp[3 * i + 2], div, k[i - b0], off[i - b0]);
     }
     // with gain / bias sums to accumulate: chunks of vec::kChunk columns, the sums in registers over the block's rows
     const int64_t chunked = (G || Bs) ? n / vec::kChunk * vec::kChunk : 0;
     for (int64_t j0 = 0; j0 < chunked; j0 += vec::kChunk) {
       vec::bwd_chunk<V, P, C, G, Bs, DR>(xp + b0 * n, dyp + b0 * n, DR ? drp + b0 * n : nullptr, dxp + b0 * n, n,
-                                         b1 - b0, g, pg, pb, j0, sp + 3 * b0, k, off);
+                                         b1 - b0, gl, pg, pb, j0, sp + 3 * b0, k, off);
     }
     if constexpr (G || Bs) {  // the columns after the chunks (all of a short row's), a vector at a time down the rows
       vec::bwd_narrow<V, P, C, G, Bs, DR>(xp + b0 * n, dyp + b0 * n, DR ? drp + b0 * n : nullptr, dxp + b0 * n, n,
@@ -269,8 +296,8 @@ void bwd_rows_v(const typename V::raw* xp, const typename V::raw* dyp, const typ
 
 template <class V, class P>
 using BwdRowsFn = void (*)(const typename V::raw*, const typename V::raw*, const typename V::raw*, typename V::raw*,
-                           const typename P::raw*, float*, float*, const float*, int64_t, float, int64_t, int64_t, bool,
-                           bool);
+                           const typename P::raw*, const typename P::raw*, float*, float*, const float*, int64_t,
+                           float, int64_t, int64_t, bool, bool);
 
 // The rows function for the flags; gain: 0 (no gain gradient), vec::kGain or vec::kGainBeforeCast.
 template <class V, class P, int G>
@@ -506,6 +533,7 @@ void bwd_impl(const typename IO<T>::raw* dyp, const typename IO<T>::raw* xp, con
       auto chunks_v = [&](auto p_tag) {  // the gain read in P (with_param_type)
         using P = decltype(p_tag);
         const auto* gp = param_row<P>(gain, 0, n);
+        const auto* gl = lane_order_gain<V, P>(gp, n);
         for (int64_t c = cb; c < ce; ++c) {
           const int64_t r0 = rows * c / chunks, r1 = rows * (c + 1) / chunks;
           A* pgc = pgp ? pgp + c * stride : nullptr;
@@ -513,7 +541,11 @@ void bwd_impl(const typename IO<T>::raw* dyp, const typename IO<T>::raw* xp, con
           const int gain_grad = !pgc ? 0 : before_gain ? vec::kGainBeforeCast : vec::kGain;
           const auto rows_fn = pick_bwd_rows<V, P>(center, gain_grad, pbc != nullptr, drp != nullptr);
           rows_fn(reinterpret_cast<const VR*>(xp), reinterpret_cast<const VR*>(dyp), reinterpret_cast<const VR*>(drp),
-                  reinterpret_cast<VR*>(dxp), gp, pgc, pbc, sp, n, div, r0, r1, stream, nt);
+                  reinterpret_cast<VR*>(dxp), gp, gl, pgc, pbc, sp, n, div, r0, r1, stream, nt);
+          if constexpr (vec::kLaneOrder<V>) {  // the row-by-row path's partial sums were kept in the lane order
+            if (stream && pgc) vec::lanes_to_elements(pgc, n);
+            if (stream && pbc) vec::lanes_to_elements(pbc, n);
+          }
         }
         if (nt) _mm_sfence();
       };
