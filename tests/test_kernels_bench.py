@@ -74,3 +74,28 @@ def test_cli_bench_refuses_what_it_cannot_time(capsys) -> None:
     assert "rows >= 1" in capsys.readouterr().err
     with pytest.raises(ValueError, match="rows >= 1"):
         run_bench("rms", [(0, 64)], [torch.float32], ["fwd"])
+
+
+@pytest.mark.parametrize("warm", [False, True])
+def test_warm_rounds_call_each_provider_once_more_untimed(warm: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``warm=True`` (the cache-resident regime) puts one untimed call of the same provider right before each timed
+    one, so no timed call meets a peer's cache state: in each round a provider's calls are adjacent."""
+    import normatlas.kernels.bench as bench
+
+    log: list[str] = []
+
+    def provider(name: str):
+        return lambda x, r, w, b: log.append(name) or x * 2
+
+    monkeypatch.setattr(bench, "_providers", lambda op, device: {n: provider(n) for n in ("a", "b", "c")})
+    rows = bench.run_bench("rms", [(4, 8)], [torch.float32], ["fwd"], repeats=5)
+    assert {r["state"] for r in rows} == {"shared"}
+    log.clear()
+    rows = bench.run_bench("rms", [(4, 8)], [torch.float32], ["fwd"], repeats=5, warm=warm)
+    assert {r["state"] for r in rows} == {"warm" if warm else "shared"}
+    timed = log[3:]  # after each provider's first (probe) call
+    assert len(timed) == 5 * 3 * (2 if warm else 1)
+    if warm:
+        assert all(timed[i] == timed[i + 1] for i in range(0, len(timed), 2))
+    else:
+        assert any(timed[i] != timed[i + 1] for i in range(0, len(timed) - 1, 2))

@@ -40,6 +40,8 @@ def _configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=15, help="interleaved rounds; the median is reported")
     p.add_argument("--min-time", type=float, default=0.5, help="more rounds (up to 10x) until this many seconds")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    p.add_argument("--warm", action="store_true", help="time each call right after an untimed call of the same "
+                   "provider (the cache-resident regime); default: after whichever provider ran before it")  # fmt: skip
     p.add_argument("--csv", type=Path, help="also write the rows to this CSV file")
     add_format_option(p)
 
@@ -69,7 +71,7 @@ def bench(args: argparse.Namespace) -> int:
     print(f"# kernels: {info}  threads={torch.get_num_threads()}", file=sys.stderr)
     rows = run_bench(
         args.op, shapes, dtypes, args.mode or ["fwd", "bwd", "fwdbwd"], providers=providers,
-        repeats=args.repeats, min_time=args.min_time, device=args.device,
+        repeats=args.repeats, min_time=args.min_time, device=args.device, warm=args.warm,
         progress=lambda s: print(f"# {s}", file=sys.stderr),
     )  # fmt: skip
     print(
