@@ -3,8 +3,8 @@
 Method: ``torch.utils.cpp_extension.load`` compiles three translation units with
 ``-O3 -march=native -fopenmp`` (vectorised loops, fp32 accumulation, bf16/fp16 in and out),
 in parallel under ninja: ``norm_kernels.cpp`` (the row kernels: only ATen's thread pool and
-the c10 scalar types, ~13 s), ``norm_ops.cpp`` (tensors and the C++ autograd
-Function: the longest) and ``norm_bind.cpp`` (the pybind11 module). The shared object
+the c10 scalar types; the longest, ~27 s alone here), ``norm_ops.cpp`` (tensors and the C++ autograd
+Function, ~21 s) and ``norm_bind.cpp`` (the pybind11 module, ~12 s): 31-34 s in all on 2 cores. The shared object
 goes into a per-user cache directory keyed by a hash of the sources, the flags, the torch
 version and the CPU's instruction-set flags. Later processes load the cached shared
 object in well under a second. The first-call cost (compile or load) is measured and

@@ -8,8 +8,9 @@
 // in one partial sum per thread chunk.
 //
 // This file sees no tensors (norm_ops.cpp does): only ATen's thread pool and the c10 scalar types, so it compiles
-// (~13 s, its templates for every parameter type) beside the tensor side, which takes longer (norm_kernels.h is the
-// interface).
+// beside the tensor side (norm_kernels.h is the interface). It is the longest of the three: 26.7 s alone on this
+// machine with its templates for every dtype, parameter type and flag case (23.7 s before the bf16 backward's lane
+// order), norm_ops.cpp 21.0 s, norm_bind.cpp 12.4 s; 31-34 s for the three in parallel on two cores.
 #include <ATen/Parallel.h>
 #if defined(__linux__)
 #include <sys/mman.h>
