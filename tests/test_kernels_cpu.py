@@ -592,13 +592,15 @@ def test_streaming_path_matches_reference(dtype: torch.dtype, n: int) -> None:
             _close(a, e, dtype, what)  # returned in the parameter's dtype
 
 
+@pytest.mark.parametrize("dres", [False, True], ids=["", "dres"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("n", [100, 1024, 2051])
-@pytest.mark.parametrize("name", ["rms", "ln", "ln_before_gain"])
-def test_backward_rows_are_batch_invariant(name: str, n: int, dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("name", ["rms", "rms_before_gain", "ln", "ln_before_gain"])
+def test_backward_rows_are_batch_invariant(name: str, n: int, dtype: torch.dtype, dres: bool) -> None:
     """A row's dx is the same bits whether its batch takes the tiled backward (from cache) or the row-by-row one
-    (inputs over 8 MiB), and whatever rows share its tile: both paths sum a row alike (bf16 in the lane order of its
-    16-element blocks) and give each element the same arithmetic."""
+    (inputs over 8 MiB), as its tile's first row, inside a tile or in the last, ragged one, with or without the
+    residual's gradient added: both paths sum a row alike (bf16 in the lane order of its 16-element blocks) and give
+    each element the same arithmetic."""
     ext = cpu.extension()
     if ext is None:
         pytest.skip("no C++ extension")
@@ -606,17 +608,41 @@ def test_backward_rows_are_batch_invariant(name: str, n: int, dtype: torch.dtype
     rows = (9 << 20) // (2 * n * torch.finfo(dtype).bits // 8) + 1  # x and dy together over 8 MiB
     gen = torch.Generator().manual_seed(17)
     x, gy = (torch.randn(rows, n, generator=gen, dtype=torch.float64).to(dtype) for _ in range(2))
+    dr = torch.randn(rows, n, generator=gen, dtype=torch.float64).to(dtype) if dres else None
     w, b = _params(spec, (n,), dtype, gen)
     center, before = spec.center, spec.cast_order is CastOrder.BEFORE_GAIN
     _, _, stats = ext.norm_fwd(x, None, w, b, spec.eps, center, 0, before, False, False, n)
 
     def dx(lo: int, hi: int) -> torch.Tensor:
-        return ext.norm_bwd(gy[lo:hi], x[lo:hi], w, stats[lo:hi], None, center, before, False, False, True,
-                            b is not None, n)[0]  # fmt: skip
+        return ext.norm_bwd(gy[lo:hi], x[lo:hi], w, stats[lo:hi], None if dr is None else dr[lo:hi], center, before,
+                            False, False, True, b is not None, n)[0]  # fmt: skip
 
     full = dx(0, rows)
     for lo, hi in ((0, 1), (5, 42), (rows - 19, rows)):
         assert torch.equal(full[lo:hi], dx(lo, hi)), (lo, hi)
+
+
+@pytest.mark.parametrize("n", [1000, 1024])
+def test_streaming_gain_gradients_on_one_thread(n: int) -> None:
+    """On one thread the row-by-row backward sums the gain / bias gradients straight into the outputs (no per-chunk
+    partial rows), bf16 kept in the lane order and put back at the end: still the float64 sums."""
+    rows = (9 << 20) // (2 * n * 2) + 1
+    gen = torch.Generator().manual_seed(19)
+    x, gy = (torch.randn(rows, n, generator=gen).to(torch.bfloat16) for _ in range(2))
+    w, b = (torch.rand(n, generator=gen) + 0.5).to(torch.bfloat16), torch.randn(n, generator=gen).to(torch.bfloat16)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for spec, bias in ((RMS, None), (LN, b)):
+            leaves = [x.clone().requires_grad_(True), w.clone().requires_grad_(True)]
+            leaves += [bias.clone().requires_grad_(True)] if bias is not None else []
+            got = torch.autograd.grad(fused_normalize(leaves[0], spec, *leaves[1:]), leaves, gy)
+            ref_leaves = [t.double().requires_grad_(True) for t in (x, w, bias) if t is not None]
+            want = torch.autograd.grad(normalize(ref_leaves[0], spec, *ref_leaves[1:]), ref_leaves, gy.double())
+            for a, e, what in zip(got, want, ("dx", "dweight", "dbias"), strict=False):
+                _close(a, e, torch.bfloat16, what)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _thp_mode() -> str | None:

@@ -41,7 +41,8 @@ def _configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-time", type=float, default=0.5, help="more rounds (up to 10x) until this many seconds")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--warm", action="store_true", help="time each call right after an untimed call of the same "
-                   "provider (the cache-resident regime); default: after whichever provider ran before it")  # fmt: skip
+                   "provider (the cache-resident regime; applies to every --shape); default: after whichever provider "
+                   "ran before it")  # fmt: skip
     p.add_argument("--csv", type=Path, help="also write the rows to this CSV file")
     add_format_option(p)
 

@@ -660,10 +660,12 @@ inline __m256 gain_factor(__m256 xc, __m256 rs) {
 // The bf16 backward walks whole 16-element blocks in the lane order of BF16::ld2p (lo: elements 0-3 and 8-11, hi:
 // 4-7 and 12-15), so that each 16 bf16 elements widen by two unpacks instead of two zero-extensions and two shifts:
 // the bf16 backward is bound by its vector instructions, not by memory, at cache size (builds interleaved in one
-// process, 2 threads, backward alone with the gain gradient: RMSNorm 0.85-0.93x the time at 256 x 4096,
-// 512 x 2048 and 1024 x 1024, LayerNorm 0.83-0.87x). The gain it multiplies by is a copy in that order (lane_order_gain
-// in norm_kernels.cpp); the gain / bias partial sums, dx and the residual's gradient stay in element order. Each
-// element's arithmetic is the one of the other types; only the row sums add their lanes in another order.
+// process, 2 threads, backward alone with the gain gradient: RMSNorm 0.87-0.90x the time at 256 x 4096,
+// 1024 x 1024 and 4096 x 256, 0.98x at 37 x 2051, LayerNorm 0.88x). The gain it multiplies by is a copy in that order
+// (lane_order_gain in norm_kernels.cpp); dx and the residual's gradient are read and written in element order, and
+// so are the gain / bias partial sums when a call returns (the row-by-row path holds them in the lane order between
+// rows: bwd_sums). Each element's arithmetic is the one of the other types; only the row sums add their lanes in
+// another order.
 template <class V>
 constexpr bool kLaneOrder = std::is_same_v<V, BF16>;
 
@@ -802,6 +804,7 @@ constexpr int kChunkVecs = 8;  // 32 vector registers: 8 gains, 8 gain and 8 bia
 constexpr int kChunkVecs = 4;  // 16 with AVX2
 #endif
 constexpr int64_t kChunk = 8 * kChunkVecs;
+static_assert(kChunkVecs % 2 == 0, "bwd_chunk's bf16 lane order takes its vectors in pairs (16-element blocks)");
 
 // `g`: the gain in the lane order for bf16 (kLaneOrder; j0 is a multiple of kChunk), in element order otherwise.
 template <class V, class P, bool C, int G, bool Bs, bool DR> NORMATLAS_ROW
