@@ -101,3 +101,16 @@ def test_warm_rounds_call_each_provider_once_more_untimed(warm: bool, monkeypatc
         assert r["ms"] == 2e3 and r["min_ms"] == 2e3 and r["copy_ms"] == 1e3, r
     calls = {n: log.count(n) for n in "abc"}
     assert calls == {n: 1 + 5 * (2 if warm else 1) for n in "abc"}  # the probe call, then each round's
+
+
+def test_cli_bench_warms_cache_sized_shapes_only(tmp_path: Path) -> None:
+    """``normatlas bench`` times cache-sized shapes warm by default (as benchmarks/bench_norms.py) and larger ones
+    without the extra call; ``--cache shared`` turns it off."""
+    out = tmp_path / "r.csv"
+    argv = ["bench", "rms", "--shape", "4x96", "--shape", "2049x1024", "--dtype", "float32", "--mode", "fwd",
+            "--provider", "ours", "--repeats", "1", "--min-time", "0", "--csv", str(out)]  # fmt: skip
+    for cache, want in (([], {"4x96": "warm", "2049x1024": "shared"}), (["--cache", "shared"], {"4x96": "shared"})):
+        assert main([*argv, *cache]) == 0
+        with out.open() as f:
+            states = {r["shape"]: r["state"] for r in csv.DictReader(f)}
+        assert {k: states[k] for k in want} == want

@@ -11,6 +11,7 @@ from ._format import add_format_option, format_rows
 
 _OPS = ("rms", "layer", "add_rms", "add_layer", "qk")
 _DTYPES = ("float32", "bfloat16", "float16")
+_CACHE_BYTES = 8 << 20  # the kernels' own limit for a cache-resident input (csrc/norm_rows.h: streams_from_memory)
 
 
 def _shape(text: str) -> tuple[int, int]:
@@ -40,9 +41,10 @@ def _configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=15, help="interleaved rounds; the median is reported")
     p.add_argument("--min-time", type=float, default=0.5, help="more rounds (up to 10x) until this many seconds")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
-    p.add_argument("--warm", action="store_true", help="time each call right after an untimed call of the same "
-                   "provider (the cache-resident regime; applies to every --shape); default: after whichever provider "
-                   "ran before it")  # fmt: skip
+    p.add_argument("--cache", choices=("warm", "shared"), default="warm",
+                   help="shapes of at most 8 MiB in fp32 (cache-resident): warm (default) times each call right after "
+                   "an untimed call of the same provider; shared times it after whichever provider ran before it. "
+                   "Larger shapes are always timed without the extra call")  # fmt: skip
     p.add_argument("--csv", type=Path, help="also write the rows to this CSV file")
     add_format_option(p)
 
@@ -70,11 +72,14 @@ def bench(args: argparse.Namespace) -> int:
         providers = [p for p in providers if not p.startswith("compile")]
     info = build_info() if args.device == "cpu" else {}
     print(f"# kernels: {info}  threads={torch.get_num_threads()}", file=sys.stderr)
-    rows = run_bench(
-        args.op, shapes, dtypes, args.mode or ["fwd", "bwd", "fwdbwd"], providers=providers,
-        repeats=args.repeats, min_time=args.min_time, device=args.device, warm=args.warm,
-        progress=lambda s: print(f"# {s}", file=sys.stderr),
-    )  # fmt: skip
+    rows = []
+    for shape in shapes:  # as benchmarks/bench_norms.py: warm rounds where the data can stay in cache
+        warm = args.cache == "warm" and shape[0] * shape[1] * 4 <= _CACHE_BYTES
+        rows += run_bench(
+            args.op, [shape], dtypes, args.mode or ["fwd", "bwd", "fwdbwd"], providers=providers,
+            repeats=args.repeats, min_time=args.min_time, device=args.device, warm=warm,
+            progress=lambda s: print(f"# {s}", file=sys.stderr),
+        )  # fmt: skip
     print(
         format_rows(
             rows, args.format, f"== normatlas bench {args.op} (median of >= {args.repeats} interleaved rounds) =="
