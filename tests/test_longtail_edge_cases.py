@@ -8,7 +8,16 @@ import torch.nn.functional as F
 from torch.testing import assert_close
 
 from normatlas import Layout
-from normatlas.longtail import AdaIN, BatchRenorm, GhostBatchNorm, PowerNorm
+from normatlas.longtail import (
+    AdaIN,
+    AdaLNZero,
+    BatchRenorm,
+    ConnectorNorm,
+    GhostBatchNorm,
+    HypersphereConstraint,
+    PowerNorm,
+    ngpt_constraint,
+)
 
 F64 = torch.float64
 
@@ -86,6 +95,58 @@ def test_powernorm_running_phi_is_computed_in_the_input_dtype():
     assert pn.running_phi.dtype == F64
     expected = 0.9 * torch.ones(4, dtype=F64) + 0.1 * x.pow(2).mean((0, 1))
     assert_close(pn.running_phi, expected, atol=1e-15, rtol=1e-15)
+
+
+@pytest.mark.parametrize("half", [torch.float16, torch.bfloat16])
+def test_powernorm_buffers_stay_fp32_when_the_module_is_cast_to_half(half):
+    torch.manual_seed(5)
+    pn = PowerNorm(4, alpha_fwd=0.9, alpha_bkw=0.5).to(half)  # as model.half() / model.to(bf16) do
+    assert pn.weight is not None and pn.weight.dtype == half
+    assert pn.running_phi.dtype == torch.float32 and pn.nu.dtype == torch.float32
+    x = (torch.randn(3, 5, 4) * 1.7).to(half).requires_grad_(True)
+    up = torch.randn(3, 5, 4).to(half)
+    (pn(x) * up).sum().backward()
+    xf = x.detach().float()
+    assert_close(pn.running_phi, 0.9 + 0.1 * xf.pow(2).mean((0, 1)), atol=1e-6, rtol=1e-6)  # not rounded to half
+    x_hat = xf / torch.sqrt(torch.tensor(1.0 + 1e-5))  # psi_{t-1}^2 = 1, gamma = 1
+    assert_close(pn.nu, 0.5 * (up.float() * x_hat).mean((0, 1)), atol=1e-6, rtol=1e-6)  # nu_0 = 0
+    assert pn.double().running_phi.dtype == F64  # float64 is kept, not lowered
+
+
+# --------------------------------------------------------------------------- bad arguments
+@pytest.mark.parametrize("eps", [-1.0, 0.0, float("nan")])
+@pytest.mark.parametrize(
+    "build",
+    [lambda eps: AdaIN(4, eps=eps), lambda eps: AdaLNZero(4, 3, torch.nn.Identity(), eps=eps),
+     lambda eps: ConnectorNorm(4, 1.0, eps=eps)],
+    ids=["AdaIN", "AdaLNZero", "ConnectorNorm"],
+)  # fmt: skip
+def test_conditioning_norms_reject_a_bad_eps(build, eps):
+    with pytest.raises(ValueError, match=rf"eps={eps!r} must be a finite float > 0"):
+        build(eps)
+
+
+def test_hypersphere_constraint_rejects_a_non_int_dim_by_name():
+    with pytest.raises(TypeError, match=r"dim='1' must be an int"):
+        HypersphereConstraint([(torch.zeros(3, 4), "1")])  # type: ignore[list-item]
+
+
+# --------------------------------------------------------------------------- nGPT
+def test_ngpt_constraint_normalises_a_square_output_projection_per_column():
+    # nGPT (NVIDIA/ngpt normalize_matrices): q / k / v are per row (dim 1), the square attention output
+    # projection, which writes into the stream, per column (dim 0); shapes alone cannot tell them apart
+    torch.manual_seed(6)
+    d = 8
+    model = torch.nn.ModuleDict({"q": torch.nn.Linear(d, d, bias=False), "o": torch.nn.Linear(d, d, bias=False)})
+    ngpt_constraint(model, d, writes=[model["o"]])
+    assert_close(model["q"].weight.norm(dim=1), torch.ones(d))
+    assert_close(model["o"].weight.norm(dim=0), torch.ones(d))
+    assert (model["o"].weight.norm(dim=1) - 1).abs().max() > 1e-3  # not per row
+    bad = torch.nn.Sequential(torch.nn.Linear(d, 5))
+    with pytest.raises(ValueError, match="out_features=5"):
+        ngpt_constraint(bad, d, writes=[bad[0]])
+    with pytest.raises(TypeError, match=r"writes must hold nn\.Linear"):
+        ngpt_constraint(model, d, writes=[torch.nn.Embedding(3, d)])  # type: ignore[list-item]
 
 
 # --------------------------------------------------------------------------- AdaIN

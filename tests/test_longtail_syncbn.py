@@ -156,3 +156,30 @@ def test_cuda_single_process_matches_torch_batchnorm(dtype):
     tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 3e-2, "rtol": 3e-2}
     assert_close(ours(x.to(dtype)).float(), theirs(x), **tol)
     assert_close(ours.running_var, theirs.running_var, **tol)
+
+
+def test_single_process_one_value_per_channel_raises_as_batchnorm_and_keeps_its_estimates():
+    # torch.nn.BatchNorm1d / our BatchNorm raise here; the batch variance 0 would otherwise zero the output
+    # and drag running_var toward 0
+    bn = SyncBatchNorm(C)
+    with pytest.raises(ValueError, match="Expected more than 1 value per channel"):
+        bn(torch.randn(1, C))
+    with pytest.raises(ValueError, match="Expected more than 1 value per channel"):
+        BatchNorm(C)(torch.randn(1, C))
+    assert_close(bn.running_var, torch.ones(C))
+    assert int(bn.num_batches_tracked) == 0
+
+
+def test_single_process_empty_batch_is_torch_batchnorm():
+    ours, theirs = SyncBatchNorm(C), torch.nn.BatchNorm1d(C)
+    x = torch.randn(0, C, 5, requires_grad=True)
+    y = ours(x)
+    assert y.shape == x.shape and y.shape == theirs(x).shape
+    y.sum().backward()
+    assert x.grad is not None and x.grad.shape == x.shape
+    assert_close(ours.running_mean, theirs.running_mean)
+    assert_close(ours.running_var, theirs.running_var)
+    assert int(ours.num_batches_tracked) == int(theirs.num_batches_tracked) == 1
+    x = torch.randn(6, C, 5)
+    assert_close(ours(x), theirs(x))  # the empty step left nothing behind
+    assert_close(ours.running_var, theirs.running_var)

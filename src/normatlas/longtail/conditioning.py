@@ -12,6 +12,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -21,6 +23,14 @@ from ..spec import Axis, Gain, Layout, NormSpec
 __all__ = ["AdaIN", "AdaLNZero", "adain", "modulate"]
 
 _INSTANCE = NormSpec(layout=Layout.NC_ANY, reduce=frozenset({Axis.POSITION}), gain=Gain.NONE, bias=False)
+
+
+def _check_eps(eps: object) -> float:
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)):
+        raise TypeError(f"eps={eps!r} must be a float > 0")
+    if not (math.isfinite(eps) and eps > 0):
+        raise ValueError(f"eps={eps!r} must be a finite float > 0")
+    return float(eps)
 
 
 def adain(content: Tensor, style_mean: Tensor, style_std: Tensor, eps: float = 1e-5) -> Tensor:
@@ -53,7 +63,7 @@ class AdaIN(nn.Module):
             raise ValueError(f"num_features={num_features!r} must be an integer >= 1")
         if cond_dim is not None and (isinstance(cond_dim, bool) or not isinstance(cond_dim, int) or cond_dim < 1):
             raise ValueError(f"cond_dim={cond_dim!r} must be an integer >= 1 or None (style given as a feature map)")
-        self.num_features, self.eps = num_features, eps
+        self.num_features, self.eps = num_features, _check_eps(eps)
         self.proj = nn.Linear(cond_dim, 2 * num_features) if cond_dim is not None else None
         if self.proj is not None:
             nn.init.zeros_(self.proj.weight)
@@ -92,7 +102,7 @@ class AdaLNZero(nn.Module):
         for name, v in (("dim", dim), ("cond_dim", cond_dim)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name}={v!r} must be an integer >= 1")
-        self.norm = nn.LayerNorm(dim, eps=eps, elementwise_affine=False)
+        self.norm = nn.LayerNorm(dim, eps=_check_eps(eps), elementwise_affine=False)
         self.branch = branch
         self.ada = nn.Linear(cond_dim, 3 * dim)
         self.reset_parameters()

@@ -67,7 +67,9 @@ class ConnectorNorm(nn.Module):
             raise ValueError(f"dim={dim!r} must be an integer >= 1")
         if isinstance(text_norm, bool) or not isinstance(text_norm, (int, float)) or not text_norm > 0:
             raise ValueError(f"text_norm={text_norm!r} must be a float > 0 (the mean text-embedding norm)")
-        self.dim, self.text_norm, self.eps, self.rescale_backward = dim, float(text_norm), eps, rescale_backward
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not (math.isfinite(eps) and eps > 0):
+            raise ValueError(f"eps={eps!r} must be a finite float > 0")
+        self.dim, self.text_norm, self.eps, self.rescale_backward = dim, float(text_norm), float(eps), rescale_backward
         self.weight = nn.Parameter(torch.full((dim,), self.text_norm / math.sqrt(dim)))
         self.bias = nn.Parameter(torch.zeros(dim)) if bias else None
 

@@ -43,6 +43,8 @@ class HypersphereConstraint:
         for p, dim in params:
             if not isinstance(p, Tensor):
                 raise TypeError(f"expected (tensor, dim) pairs, got {type(p).__name__}")
+            if isinstance(dim, bool) or not isinstance(dim, int):
+                raise TypeError(f"dim={dim!r} must be an int (the axis to keep unit-norm)")
             if not -p.dim() <= dim < p.dim():
                 raise ValueError(f"dim={dim} is out of range for a parameter of shape {tuple(p.shape)}")
             self.params.append((p, dim))
@@ -60,19 +62,32 @@ class HypersphereConstraint:
         return self._handle
 
 
-def ngpt_constraint(model: nn.Module, embed_dim: int) -> HypersphereConstraint:
+def ngpt_constraint(model: nn.Module, embed_dim: int, *, writes: Iterable[nn.Linear] = ()) -> HypersphereConstraint:
     """Constrain every ``nn.Embedding`` row and every ``nn.Linear`` weight along its ``embed_dim`` axis.
 
     A Linear reading from the residual stream (``in_features == embed_dim``) is normalised per
-    row (dim 1); one writing into it (``out_features == embed_dim``) per column (dim 0); a square
-    one per row. The choice follows the tensor shapes (dataflow), not parameter names.
+    row (dim 1); one writing into it (``out_features == embed_dim``) per column (dim 0). The choice
+    follows the tensor shapes (dataflow), not parameter names. A square Linear is ambiguous from
+    its shape: it is taken as a reader (per row, like nGPT's q / k / v) unless it is listed in
+    ``writes`` (per column, like nGPT's attention output projection, which writes into the stream).
     """
+    writers = list(writes)
+    for w in writers:
+        if not isinstance(w, nn.Linear):
+            raise TypeError(f"writes must hold nn.Linear modules, got {type(w).__name__}")
     pairs: list[tuple[Tensor, int]] = []
     for module in model.modules():
         if isinstance(module, nn.Embedding) and module.embedding_dim == embed_dim:
             pairs.append((module.weight, 1))
         elif isinstance(module, nn.Linear):
-            if module.in_features == embed_dim:
+            if any(module is w for w in writers):
+                if module.out_features != embed_dim:
+                    raise ValueError(
+                        f"writes holds a Linear with out_features={module.out_features}; a Linear writing into "
+                        f"the stream needs out_features == embed_dim={embed_dim}"
+                    )
+                pairs.append((module.weight, 0))
+            elif module.in_features == embed_dim:
                 pairs.append((module.weight, 1))
             elif module.out_features == embed_dim:
                 pairs.append((module.weight, 0))

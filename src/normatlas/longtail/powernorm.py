@@ -109,7 +109,8 @@ class PowerNorm(nn.Module):
         alpha_bkw: running-average factor for the backward correction ``nu``.
         affine: learn ``weight`` (gamma) and ``bias`` (beta).
 
-    Buffers: ``running_phi`` (``psi^2``, fp32, init 1) and ``nu`` (fp32, init 0).
+    Buffers: ``running_phi`` (``psi^2``, fp32, init 1) and ``nu`` (fp32, init 0); they stay fp32
+    when the module is cast to fp16 / bf16 (float64 is kept).
     Eval computes ``gamma * x / sqrt(running_phi + eps) + beta``: per example, no leakage.
     """
 
@@ -140,6 +141,15 @@ class PowerNorm(nn.Module):
         self.register_buffer("nu", torch.zeros(num_features, device=device, dtype=torch.float32))
         self._spec = NormSpec(layout=layout, reduce=frozenset({Axis.SAMPLE, Axis.POSITION}), center=False,
                               gain=Gain.NONE, bias=False)  # fmt: skip
+
+    def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
+        """Like nn.Module._apply, but ``running_phi`` / ``nu`` never drop below fp32 (``.half()``, ``.to(bf16)``)."""
+        super()._apply(fn, recurse)
+        for name in ("running_phi", "nu"):
+            buf = getattr(self, name)
+            if buf.dtype in (torch.float16, torch.bfloat16):
+                setattr(self, name, buf.float())
+        return self
 
     def forward(self, input: Tensor, mask: Tensor | None = None) -> Tensor:
         plan = resolve(self._spec, tuple(input.shape))

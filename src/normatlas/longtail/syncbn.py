@@ -7,7 +7,9 @@ statistics of the concatenated global batch:
 * forward: ONE collective per layer per step, an ``all_gather`` of each rank's
   ``(count, mean, M2)`` packed into one fp32 (fp64 for fp64 input) vector of ``2C + 1``
   numbers, merged with Chan et al.'s numerically stable parallel-variance formula (no
-  ``E[x^2] - E[x]^2`` cancellation). Ranks may hold different batch sizes, including zero.
+  ``E[x^2] - E[x]^2`` cancellation). Ranks may hold different batch sizes, including zero; an
+  empty global batch gives an empty output and keeps the running estimates, and a global batch
+  of one value per feature raises, both as :class:`BatchNorm` (and ``torch.nn.BatchNorm*d``) do.
 * backward: one ``all_reduce`` of ``(sum g, sum g * x_hat)`` per layer, the two sums the
   BatchNorm input gradient needs over the global batch.
 
@@ -63,9 +65,12 @@ class _SyncBNFunction(torch.autograd.Function):
         else:
             parts = local[None]
         total, gmean, m2 = merge_moments(parts[:, 0], parts[:, 1 : 1 + c], parts[:, 1 + c :])
-        if float(total) == 0:
-            raise ValueError("SyncBatchNorm got zero samples on every rank; there are no statistics to compute")
-        gvar = m2 / total
+        if float(total) == 1:  # every rank sees the same total, so every rank raises (no collective is left hanging)
+            raise ValueError(
+                f"Expected more than 1 value per channel when training, got input size {x.size()} on this rank "
+                f"and 1 value per channel over all {world} rank(s): batch statistics need at least 2 values per feature"
+            )
+        gvar = m2 / total.clamp_min(1)  # an empty global batch: mean 0, var 0, an empty output, estimates kept
         invstd = torch.rsqrt(gvar + eps)
         x_hat = (xf - gmean.reshape(pview)) * invstd.reshape(pview)
         y = x_hat
@@ -131,8 +136,9 @@ class SyncBatchNorm(BatchNorm):
         )  # fmt: skip
         if self.running_var is not None and self.running_mean is not None:
             total, gmean, gvar = stats
-            momentum = self._momentum()
-            n = total.clamp_min(2)
-            _blend(self.running_mean, gmean, momentum)
-            _blend(self.running_var, gvar * n / (n - 1), momentum)
+            momentum = self._momentum()  # counts the step even for an empty batch, as torch.nn.BatchNorm does
+            if float(total) > 0:  # nothing observed on any rank: keep the estimates (as BatchNorm does)
+                n = total.clamp_min(2)
+                _blend(self.running_mean, gmean, momentum)
+                _blend(self.running_var, gvar * n / (n - 1), momentum)
         return out
