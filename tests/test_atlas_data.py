@@ -59,6 +59,7 @@ def test_essay_differences_are_the_code_checked_corrections() -> None:
         "CogVLM",
         "Chameleon (7B)",
         "Gemma 3n",
+        "Kimi",
     }
     assert (diff["Phi-1 / Phi-1.5 / Phi-2"]["operator"], diff["Phi-1 / Phi-1.5 / Phi-2"]["placement"]) == (
         "layernorm",
@@ -67,6 +68,7 @@ def test_essay_differences_are_the_code_checked_corrections() -> None:
     assert diff["OLMoE"]["placement"] == "pre" and diff["OLMoE"]["qk_norm"] == "flattened"
     assert diff["GLM-4"]["placement"] == "pre" and diff["GLM-4-0414"]["placement"] == "peri"
     assert diff["GLM-4.1V"]["placement"] == "peri" and diff["GLM-4.5V"]["placement"] == "pre"
+    assert diff["Kimi"]["qk_norm"] == "none" and diff["Kimi"]["hf_model_types"] == ["deepseek_v3"]  # MLA, QK-Clip
     assert all(r["source"].startswith("code:") for r in diff.values())
     # the essay's own claims stay where they hold: GLM-130B / ChatGLM-6B (DeepNorm Post-LN), Phi-3, OLMo 2
     by_name = {r["name"]: r for r in MODELS}
