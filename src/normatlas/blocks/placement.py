@@ -241,7 +241,7 @@ def pre_ln() -> Placement:
 
 
 def sandwich_ln() -> Placement:
-    """Sandwich-LN (Ding et al., CogView 2021); GLM-4: norm both branch input and output.
+    """Sandwich-LN (Ding et al., CogView 2021); GLM-4-0414 (GLM-4 itself is Pre-LN): norm both branch input and output.
 
     ::
 
