@@ -53,7 +53,7 @@ import torch
 
 from normatlas.cli._format import format_rows
 from normatlas.kernels import build_info
-from normatlas.kernels.bench import reuse_freed_memory, run_bench
+from normatlas.kernels.bench import cache_resident, reuse_freed_memory, run_bench
 
 SIZES = {"cache": (256, 4096), "dram": (2048, 4096)}  # 4 MiB fp32 sits in L3; 32 MiB does not
 
@@ -177,8 +177,8 @@ def main(argv: list[str] | None = None) -> int:
         quick = ["ours", "ours_llama", "torch", "torch_layer_norm", "hf", "compile_pair", "floor"]
         providers = quick if args.quick else None
         shapes = [(16384, 128)] if op == "qk" else list(SIZES.values())
-        for shape in shapes:  # qk's 16,384 x 128 (4 MiB fp32) is cache-sized too
-            warm = args.cache == "warm" and shape != SIZES["dram"]
+        for shape in shapes:  # qk's 16,384 x 128 (8 MiB fp32) is cache-sized too
+            warm = args.cache == "warm" and cache_resident(shape)
             rows += run_bench(op, [shape], [torch.float32, torch.bfloat16], ["fwd", "bwd", "fwdbwd"],
                               providers=providers, repeats=args.repeats, min_time=args.min_time, warm=warm,
                               progress=lambda s: print(f"# {s}", file=sys.stderr))  # fmt: skip

@@ -11,7 +11,6 @@ from ._format import add_format_option, format_rows
 
 _OPS = ("rms", "layer", "add_rms", "add_layer", "qk")
 _DTYPES = ("float32", "bfloat16", "float16")
-_CACHE_BYTES = 8 << 20  # the kernels' own limit for a cache-resident input (csrc/norm_rows.h: streams_from_memory)
 
 
 def _shape(text: str) -> tuple[int, int]:
@@ -54,7 +53,7 @@ def bench(args: argparse.Namespace) -> int:
     import torch
 
     from ..kernels import build_info
-    from ..kernels.bench import provider_names, run_bench
+    from ..kernels.bench import cache_resident, provider_names, run_bench
 
     if args.repeats < 1:
         raise CliError(f"--repeats={args.repeats} must be >= 1")
@@ -74,7 +73,7 @@ def bench(args: argparse.Namespace) -> int:
     print(f"# kernels: {info}  threads={torch.get_num_threads()}", file=sys.stderr)
     rows = []
     for shape in shapes:  # as benchmarks/bench_norms.py: warm rounds where the data can stay in cache
-        warm = args.cache == "warm" and shape[0] * shape[1] * 4 <= _CACHE_BYTES
+        warm = args.cache == "warm" and cache_resident(shape)
         rows += run_bench(
             args.op, [shape], dtypes, args.mode or ["fwd", "bwd", "fwdbwd"], providers=providers,
             repeats=args.repeats, min_time=args.min_time, device=args.device, warm=warm,

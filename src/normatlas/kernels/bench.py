@@ -36,12 +36,20 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["MODES", "OPS", "provider_names", "reuse_freed_memory", "run_bench"]
+__all__ = ["MODES", "OPS", "cache_resident", "provider_names", "reuse_freed_memory", "run_bench"]
 
 OPS = ("rms", "layer", "add_rms", "add_layer", "qk")
 MODES = ("fwd", "bwd", "fwdbwd")
 FWD_ONLY = frozenset({"floor"})  # providers with no backward
 Fn = Callable[..., Any]
+
+
+CACHE_BYTES = 8 << 20  # the CPU kernels' own limit for a cache-resident input (csrc/norm_rows.h: streams_from_memory)
+
+
+def cache_resident(shape: tuple[int, int]) -> bool:
+    """Whether a (rows, hidden) input of fp32 fits the cache-resident regime (at most 8 MiB): timed warm by default."""
+    return shape[0] * shape[1] * 4 <= CACHE_BYTES
 
 
 def _hf_rms(x: Tensor, w: Tensor, eps: float) -> Tensor:
