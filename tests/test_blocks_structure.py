@@ -415,3 +415,37 @@ def test_liu_amplification_post_ln_output_change_grows_faster_with_depth(xavier)
     }
     assert _mean(growth["post"]) > 1.7 * _mean(growth["pre"]), growth
     assert min(growth["post"]) > 3.0 and _mean(growth["pre"]) < 4.0, growth
+
+
+def test_scaled_residual_init_is_gpt2s():
+    """``scaled_residual_init``: the stream writers (o_proj, down_proj) at init_std / sqrt(2 L), everything else at
+    init_std, as transformers' GPT-2 initialises its c_proj weights; off by default; DeepNorm keeps DeepNet's init."""
+    transformers = pytest.importorskip("transformers")
+    n, d = 6, 256
+    torch.manual_seed(0)
+    ours = TransformerLM(ModelConfig(vocab_size=64, d_model=d, n_layers=n, n_heads=4, d_ff=4 * d, norm=LayerNorm,
+                                     scaled_residual_init=True))  # fmt: skip
+    hf = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=64, n_embd=d, n_layer=n, n_head=4))
+
+    def std(ws) -> float:
+        return torch.cat([w.detach().flatten() for w in ws]).std().item()
+
+    want = 0.02 / math.sqrt(2 * n)
+    blocks = ours.blocks()
+    assert std([b.attn.o_proj.weight for b in blocks] + [b.mlp.down_proj.weight for b in blocks]) == pytest.approx(
+        want, rel=0.03
+    )
+    assert std([b.attn.q_proj.weight for b in blocks] + [b.mlp.up_proj.weight for b in blocks]) == pytest.approx(
+        0.02, rel=0.03
+    )
+    hf_writers = [h.attn.c_proj.weight for h in hf.transformer.h] + [h.mlp.c_proj.weight for h in hf.transformer.h]
+    assert std(hf_writers) == pytest.approx(want, rel=0.03)  # the reference does the same
+    plain = TransformerLM(ModelConfig(vocab_size=64, d_model=d, n_layers=n, n_heads=4, d_ff=4 * d, norm=LayerNorm))
+    assert std([b.attn.o_proj.weight for b in plain.blocks()]) == pytest.approx(0.02, rel=0.03)
+    deep = TransformerLM(ModelConfig(vocab_size=64, d_model=d, n_layers=n, n_heads=4, d_ff=4 * d,
+                                     norm=LayerNorm, placement=deepnorm(n), scaled_residual_init=True))  # fmt: skip
+    o = deep.blocks()[0].attn.o_proj.weight
+    beta = (8 * n) ** -0.25
+    assert o.std().item() == pytest.approx(beta * math.sqrt(2.0 / (o.shape[0] + o.shape[1])), rel=0.05)
+    with pytest.raises(TypeError, match="scaled_residual_init=1"):
+        ModelConfig(norm=LayerNorm, scaled_residual_init=1)  # type: ignore[arg-type]

@@ -51,6 +51,11 @@ class ModelConfig:
     ``layer_windows`` / ``layer_rope_theta`` / ``layer_attn_scale`` give per-layer sliding windows, RoPE bases
     and q.k multipliers (the last overrides ``attn_scale``; GPT-2's ``scale_attn_by_inverse_layer_idx``).
     ``pad_token_id`` is the embedding's ``padding_idx`` (its row gets no gradient, as in torch).
+    ``scaled_residual_init`` is GPT-2's scaled init: the two projections that write into the residual stream
+    (``attn.o_proj``, ``mlp.down_proj``) start at ``init_std / sqrt(2 * n_layers)``, so the stream's variance after
+    ``2 * n_layers`` branch additions stays near that of one (the essay's "why scaled init isn't enough": it fixes the
+    start, not the growth Pre-LN accumulates while training, which LayerNorm Scaling addresses). A DeepNorm layer
+    keeps DeepNet's own init (``Block.deepnorm_init``) either way.
     """
 
     vocab_size: int = 256
@@ -87,6 +92,7 @@ class ModelConfig:
     head_transform: bool = False
     head_bias: bool = False
     init_std: float = 0.02
+    scaled_residual_init: bool = False
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff"):
@@ -135,6 +141,8 @@ class ModelConfig:
                 raise ValueError(f"{name}={v!r} must be a finite float > 0 or None")
         if not (math.isfinite(self.init_std) and self.init_std > 0):
             raise ValueError(f"init_std={self.init_std!r} must be > 0")
+        if not isinstance(self.scaled_residual_init, bool):
+            raise TypeError(f"scaled_residual_init={self.scaled_residual_init!r} must be a bool")
 
     def plan(self, layer: int) -> tuple[Placement, NormFactory | None]:
         """The placement and norm operator of ``layer``."""
@@ -183,6 +191,9 @@ class _Stack(nn.Module):
                 if isinstance(m, nn.Linear) and m.bias is not None:
                     nn.init.zeros_(m.bias)
         for block in self.blocks():
+            if self.config.scaled_residual_init:  # GPT-2: the stream writers at std / sqrt(2 L)
+                for lin in (block.attn.o_proj, block.mlp.down_proj):
+                    nn.init.normal_(lin.weight, std=std / math.sqrt(2 * self.config.n_layers))
             block.deepnorm_init()
 
     def run_layers(self, x: Tensor, attention_mask: Tensor | None = None) -> Tensor:
