@@ -114,3 +114,34 @@ def test_cli_bench_warms_cache_sized_shapes_only(tmp_path: Path) -> None:
         with out.open() as f:
             states = {r["shape"]: r["state"] for r in csv.DictReader(f)}
         assert {k: states[k] for k in want} == want
+
+
+def _ab_module():
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "ab_builds.py"
+    spec = importlib.util.spec_from_file_location("ab_builds", path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_ab_builds_takes_the_old_sources_from_git(tmp_path: Path) -> None:
+    """benchmarks/ab_builds.py (two builds interleaved) reads a revision's csrc from git byte for byte, and names a
+    bad revision; the builds and timing themselves are too slow for the suite (two compiles of ~30 s)."""
+    import subprocess
+
+    ab = _ab_module()
+    root = Path(__file__).resolve().parents[1]
+    got = ab.sources_at("HEAD", tmp_path / "src")
+    names = sorted(p.name for p in got.iterdir())
+    assert {"norm_kernels.cpp", "norm_ops.cpp", "norm_bind.cpp", "norm_cpu_vec.h"} <= set(names)
+    for name in names:
+        want = subprocess.run(["git", "-C", str(root), "show", f"HEAD:src/normatlas/kernels/csrc/{name}"],
+                              capture_output=True, check=True).stdout  # fmt: skip
+        assert (got / name).read_bytes() == want, name
+    with pytest.raises(ValueError, match="--base='no-such-rev'"):
+        ab.sources_at("no-such-rev", tmp_path / "bad")
+    with pytest.raises(SystemExit):
+        ab.main(["--base", "HEAD", "--rounds", "0"])
