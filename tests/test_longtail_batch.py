@@ -284,6 +284,7 @@ def test_estimator_variance_of_the_batch_mean_falls_as_one_over_n():
     (lambda: PowerNorm(3, alpha_fwd=1.5), "alpha_fwd=1.5"),
     (lambda: BatchNorm(3, momentum=2.0), "momentum=2.0"),
     (lambda: FrozenBatchNorm.from_batchnorm(torch.nn.BatchNorm1d(3, track_running_stats=False)), "no running"),
+    (lambda: FrozenBatchNorm.from_batchnorm(torch.nn.BatchNorm1d(3, eps=0.0)), r"eps=0.0; FrozenBatchNorm needs"),
 ])  # fmt: skip
 def test_bad_arguments(build, needle):
     with pytest.raises(ValueError, match=needle):

@@ -374,8 +374,12 @@ class FrozenBatchNorm(nn.Module):
             raise ValueError(f"{type(bn).__name__} has no running statistics to freeze (track_running_stats=False?)")
         spec = getattr(bn, "spec", None)
         layout = spec.layout if isinstance(spec, NormSpec) else Layout.NC_ANY
-        eps = float(getattr(bn, "eps", 1e-5) or 1e-5)
-        frozen = cls(rv.shape[0], eps, device=rv.device, layout=layout)
+        eps = getattr(bn, "eps", None)
+        if eps is None:
+            raise ValueError(f"{type(bn).__name__} has no eps to freeze with")
+        if not (isinstance(eps, (int, float)) and eps > 0):  # an eps of 0 used to become 1e-5: a different function
+            raise ValueError(f"{type(bn).__name__} has eps={eps!r}; FrozenBatchNorm needs eps > 0 (var + eps)")
+        frozen = cls(rv.shape[0], float(eps), device=rv.device, layout=layout)
         with torch.no_grad():
             frozen.running_mean.copy_(rm)
             frozen.running_var.copy_(rv)
