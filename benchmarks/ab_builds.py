@@ -27,6 +27,8 @@ from types import ModuleType
 
 import torch
 
+from normatlas.cli.bench import shape_arg
+
 ROOT = Path(__file__).resolve().parents[1]
 CSRC = Path("src/normatlas/kernels/csrc")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -91,23 +93,13 @@ def compare(mods: dict[str, ModuleType], op: str, rows: int, n: int, dtype: torc
             f"best calls {best:.3f}  max |new - old| {diff:.3g}")  # fmt: skip
 
 
-def _shape(text: str) -> tuple[int, int]:
-    try:
-        rows, cols = (int(v) for v in text.lower().split("x"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"shape={text!r} must look like ROWSxHIDDEN, e.g. 256x4096") from None
-    if rows < 1 or cols < 1:
-        raise argparse.ArgumentTypeError(f"shape={text!r} needs rows >= 1 and hidden >= 1")
-    return rows, cols
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--base", required=True, help="a git revision, or a folder holding the old csrc sources")
     p.add_argument("--new", type=Path, default=ROOT / CSRC, help="a folder of new sources (default: working tree)")
     p.add_argument("--op", choices=("fwd", "bwd"), default="fwd")
     p.add_argument("--dtype", choices=tuple(DTYPES), nargs="+", default=["float32", "bfloat16"])
-    p.add_argument("--shapes", type=_shape, nargs="+", default=[(256, 4096), (2048, 4096)])
+    p.add_argument("--shapes", type=shape_arg, nargs="+", default=[(256, 4096), (2048, 4096)])
     p.add_argument("--center", action="store_true", help="LayerNorm (with a bias) instead of RMSNorm")
     p.add_argument("--rounds", type=int, default=400)
     args = p.parse_args(argv)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import importlib.util
 import json
 import math
 from collections.abc import Callable
@@ -18,6 +17,8 @@ from torch.testing import assert_close
 from normatlas.diagnostics import AttentionCapture, CSVSink, JSONLSink, Metric, Monitor, attention_stats, sdpa_probs
 from normatlas.diagnostics.health import cross_example_dependence
 from normatlas.diagnostics.tinylm import TinyLM, collapse_experiment
+
+from .scripts import load_benchmark
 
 
 @pytest.fixture(autouse=True)
@@ -276,11 +277,7 @@ def test_overhead_cheap_version() -> None:
 
     On a shared 2-core runner a tiny run is noisy, so this bound only catches gross regressions
     (e.g. hooks doing work on unmeasured steps)."""
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "diagnostics_overhead.py"
-    spec = importlib.util.spec_from_file_location("diagnostics_overhead", path)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_benchmark("diagnostics_overhead")
     # up to three tries: a busy neighbour can inflate one tiny run (0.28 once in a fresh-clone CI run, against
     # 0.03-0.17 in twelve runs in a row here); hooks doing work on unmeasured steps would inflate every try
     tries = []

@@ -11,6 +11,8 @@ import torch
 from normatlas.cli import main
 from normatlas.kernels.bench import _bytes, run_bench
 
+from .scripts import load_benchmark
+
 
 def test_run_bench_rows_have_consistent_units() -> None:
     rows = run_bench("add_rms", [(8, 64)], [torch.float32], ["fwd", "bwd"], providers=["ours", "torch"], repeats=2)
@@ -45,13 +47,7 @@ def test_cli_bench_bad_arguments(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_width_sweep_runs_and_writes_every_cell(tmp_path: Path) -> None:
     """benchmarks/bench_widths.py (the sweep for pathologies) runs end to end on a tiny input."""
-    import importlib.util
-
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_widths.py"
-    spec = importlib.util.spec_from_file_location("bench_widths", path)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_benchmark("bench_widths")
     out = tmp_path / "w.csv"
     argv = ["--widths", "12", "80", "--dtypes", "bfloat16", "float32", "--elements", "4096", "--reps", "1"]
     assert mod.main([*argv, "--alloc", "default", "--out", str(out)]) == 0
@@ -116,23 +112,12 @@ def test_cli_bench_warms_cache_sized_shapes_only(tmp_path: Path) -> None:
         assert {k: states[k] for k in want} == want
 
 
-def _ab_module():
-    import importlib.util
-
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "ab_builds.py"
-    spec = importlib.util.spec_from_file_location("ab_builds", path)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def test_ab_builds_takes_the_old_sources_from_git(tmp_path: Path) -> None:
     """benchmarks/ab_builds.py (two builds interleaved) reads a revision's csrc from git byte for byte, and names a
     bad revision; the builds and timing themselves are too slow for the suite (two compiles of ~30 s)."""
     import subprocess
 
-    ab = _ab_module()
+    ab = load_benchmark("ab_builds")
     root = Path(__file__).resolve().parents[1]
     got = ab.sources_at("HEAD", tmp_path / "src")
     names = sorted(p.name for p in got.iterdir())

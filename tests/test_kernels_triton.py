@@ -155,15 +155,10 @@ def test_int64_offsets_beyond_2_31_elements() -> None:  # pragma: no cover - nee
 
 
 def _gpu_bench():
-    import importlib.util
-    from pathlib import Path
+    # imported here: benchmarks/gpu_warm.py loads this file as a plain module (no package) for configs()
+    from .scripts import load_benchmark
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_bench.py"
-    spec = importlib.util.spec_from_file_location("gpu_bench", path)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("gpu_bench")
 
 
 def test_gpu_bench_correctness_step_runs_here() -> None:

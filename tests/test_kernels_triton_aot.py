@@ -144,16 +144,11 @@ def test_a_launch_finds_the_kernels_warm_compiled(tmp_path) -> None:
 
 def test_gpu_warm_covers_the_launches_of_the_device_run() -> None:
     """benchmarks/gpu_warm.py collects its configurations from the test module and gpu_bench.py themselves."""
-    import importlib.util
-    from pathlib import Path
+    from .scripts import BENCHMARKS, load_benchmark
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_warm.py"
-    spec = importlib.util.spec_from_file_location("gpu_warm", path)
-    assert spec is not None and spec.loader is not None
-    warm = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(warm)
+    warm = load_benchmark("gpu_warm")
     shapes = {(c.rows, c.n) for c in warm.configs()}
-    bench = warm._load(path.parent / "gpu_bench.py", "gpu_bench")
+    bench = warm._load(BENCHMARKS / "gpu_bench.py", "gpu_bench")
     assert {s for s in bench.CORRECTNESS_SHAPES if s[0]} <= shapes
     assert {(bench.speed_rows(n, torch.bfloat16), n) for n in [bench.QK_HIDDEN, *bench.HIDDEN]} <= shapes
     assert ((2**31) // 262144 + 2, 262144) in shapes  # the int64 test

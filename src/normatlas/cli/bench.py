@@ -13,7 +13,8 @@ _OPS = ("rms", "layer", "add_rms", "add_layer", "qk")
 _DTYPES = ("float32", "bfloat16", "float16")
 
 
-def _shape(text: str) -> tuple[int, int]:
+def shape_arg(text: str) -> tuple[int, int]:
+    """argparse type for ROWSxHIDDEN (also used by benchmarks/ab_builds.py)."""
     try:
         rows, cols = (int(v) for v in text.lower().split("x"))
     except ValueError:
@@ -25,7 +26,7 @@ def _shape(text: str) -> tuple[int, int]:
 
 def _configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("op", choices=_OPS, help="rms, layer, add_rms, add_layer, or qk (many short rows)")
-    p.add_argument("--shape", type=_shape, action="append", help="ROWSxHIDDEN (repeatable); default: "
+    p.add_argument("--shape", type=shape_arg, action="append", help="ROWSxHIDDEN (repeatable); default: "
                    "256x4096 (cache-resident) and 2048x4096 (DRAM-resident); qk: 16384x128")  # fmt: skip
     p.add_argument("--dtype", choices=_DTYPES, action="append", help="repeatable; default float32 and bfloat16")
     p.add_argument("--mode", choices=("fwd", "bwd", "fwdbwd"), action="append", help="repeatable; default all")

@@ -677,8 +677,10 @@ inline void swap_halves(__m256& a, __m256& b) {
   b = hi;
 }
 
-// A row of n partial sums kept in the lane order over its whole 16-element blocks (bwd_sums), put in element order.
-inline void lanes_to_elements(float* p, int64_t n) {
+// n fp32 values between element order and the lane order over their whole 16-element blocks, in place (the same
+// exchange both ways; the tail after the last whole block stays): the bf16 backward's gain copy (lane_order_gain) and
+// its row-by-row partial sums, put back in element order once a thread's rows are done.
+inline void swap_block_halves(float* p, int64_t n) {
   for (int64_t j = 0; j + 16 <= n; j += 16) {
     __m256 lo = _mm256_loadu_ps(p + j), hi = _mm256_loadu_ps(p + j + 8);
     swap_halves(lo, hi);
@@ -692,7 +694,7 @@ inline void lanes_to_elements(float* p, int64_t n) {
 // / Bs also the gain / bias partial sums (so that a row-by-row second pass only reads the now cached row).
 // `gl`: the gain in the lane order for bf16 (kLaneOrder), g itself otherwise. The gain / bias partial sums (G / Bs:
 // the row-by-row backward) are kept in the lane order too over the row's whole 16-element blocks, put back in element
-// order once a thread's rows are done (lanes_to_elements): exchanged on every row they took the bf16 backward from
+// order once a thread's rows are done (swap_block_halves): exchanged on every row they took the bf16 backward from
 // memory 1.18x the time (2048 x 4096, 8192 x 1024).
 template <class V, class P, bool C, int G, bool Bs> NORMATLAS_ROW
 inline void bwd_sums(const typename V::raw* x, const typename V::raw* dy, const typename P::raw* g,

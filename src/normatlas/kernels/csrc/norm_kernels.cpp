@@ -214,16 +214,9 @@ const typename P::raw* lane_order_gain(const typename P::raw* g, int64_t n) {
     if (!g) return g;
     thread_local std::vector<float> buf;
     if (static_cast<int64_t>(buf.size()) < n) buf.resize(static_cast<size_t>(n));
-    float* out = buf.data();
-    int64_t j = 0;
-    for (; j + 16 <= n; j += 16) {
-      __m256 lo = _mm256_loadu_ps(g + j), hi = _mm256_loadu_ps(g + j + 8);
-      vec::swap_halves(lo, hi);
-      _mm256_storeu_ps(out + j, lo);
-      _mm256_storeu_ps(out + j + 8, hi);
-    }
-    std::copy(g + j, g + n, out + j);
-    return out;
+    std::copy(g, g + n, buf.data());
+    vec::swap_block_halves(buf.data(), n);
+    return buf.data();
   } else {
     (void)n;
     return g;
@@ -544,8 +537,8 @@ void bwd_impl(const typename IO<T>::raw* dyp, const typename IO<T>::raw* xp, con
           rows_fn(reinterpret_cast<const VR*>(xp), reinterpret_cast<const VR*>(dyp), reinterpret_cast<const VR*>(drp),
                   reinterpret_cast<VR*>(dxp), gp, gl, pgc, pbc, sp, n, div, r0, r1, stream, nt);
           if constexpr (vec::kLaneOrder<V>) {  // the row-by-row path's partial sums were kept in the lane order
-            if (stream && pgc) vec::lanes_to_elements(pgc, n);
-            if (stream && pbc) vec::lanes_to_elements(pbc, n);
+            if (stream && pgc) vec::swap_block_halves(pgc, n);
+            if (stream && pbc) vec::swap_block_halves(pbc, n);
           }
         }
         if (nt) _mm_sfence();
