@@ -38,7 +38,8 @@ def _built() -> None:
 def backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Run the test on the C++ extension and on the eager fallback (what NORMATLAS_KERNELS=eager selects)."""
     if request.param == "eager":
-        monkeypatch.setattr(cpu, "extension", lambda: None)
+        monkeypatch.setattr(cpu, "extension", lambda build=True: None)
+        monkeypatch.setattr(cpu, "loaded", lambda: None)
         monkeypatch.setattr(api, "_PLANS", {})  # plans bound to the extension, cached by earlier calls
     elif cpu.extension() is None:
         pytest.skip("the C++ extension is not available here")

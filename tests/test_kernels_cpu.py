@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from hypothesis import given
 from hypothesis import strategies as st
 
-from normatlas import Axis, CastOrder, EpsPlacement, Gain, GainConvention, Layout, NormSpec, RMSNorm, Scale
+from normatlas import Axis, CastOrder, EpsPlacement, Gain, GainConvention, Layout, Norm, NormSpec, RMSNorm, Scale
 from normatlas.functional import normalize
 from normatlas.kernels import (
     FusedAddRMSNorm,
@@ -236,7 +236,7 @@ def test_qk_norm_one_launch_edge_cases() -> None:
     torch.testing.assert_close(ko2, F.rms_norm(k2, (64,), torch.ones(64), 1e-6), **TOL[torch.float32])
 
 
-def test_modules_drop_in_and_fall_back() -> None:
+def test_modules_drop_in_and_fused_refuses_what_it_cannot_serve() -> None:
     gen = torch.Generator().manual_seed(6)
     peer = torch.nn.RMSNorm(48, eps=1e-6)
     with torch.no_grad():
@@ -247,19 +247,24 @@ def test_modules_drop_in_and_fall_back() -> None:
     torch.testing.assert_close(ours(x), peer(x), **TOL[torch.float32])
     ln = FusedLayerNorm(48)
     torch.testing.assert_close(ln(x), F.layer_norm(x, (48,), ln.weight, ln.bias), **TOL[torch.float32])
-    mask = torch.rand(3, 5, 48, generator=gen) > 0.3  # a mask is not served: the reference path runs
-    ref = RMSNorm(48, eps=1e-6)
+    mask = torch.rand(3, 5, 48, generator=gen) > 0.3  # a mask is not served: backend="fused" says so
+    with pytest.raises(ValueError, match="backend='fused' cannot run a masked norm"):
+        ours(x, mask)
+    auto, ref = RMSNorm(48, eps=1e-6), RMSNorm(48, eps=1e-6, backend="reference")
+    auto.load_state_dict(peer.state_dict())
     ref.load_state_dict(peer.state_dict())
-    torch.testing.assert_close(ours(x, mask), ref(x, mask))
+    torch.testing.assert_close(auto(x, mask), ref(x, mask), rtol=0, atol=0)  # auto: the reference path runs
     add = FusedAddRMSNorm(48, eps=1e-6)
     r = torch.randn(3, 5, 48, generator=gen)
     y, _h = add(x, r)
     torch.testing.assert_close(y, F.rms_norm(x + r, (48,), add.weight, 1e-6), **TOL[torch.float32])
     gn_spec = NormSpec(layout=Layout.NC_ANY, reduce=frozenset({Axis.FEATURE, Axis.POSITION}), groups=4)
     assert unsupported(gn_spec, torch.empty(2, 8, 3)) is not None
-    gn = FusedNorm(gn_spec, 8)
+    with pytest.raises(ValueError, match="backend='fused' cannot run this norm: the kernels normalize over"):
+        FusedNorm(gn_spec, 8)
+    gn = Norm(gn_spec, 8)  # auto: the reference path
     xc = torch.randn(2, 8, 3, generator=gen)
-    torch.testing.assert_close(gn(xc), normalize(xc, gn_spec, gn.weight, gn.bias))
+    torch.testing.assert_close(gn(xc), normalize(xc, gn_spec, gn.weight, gn.bias), rtol=0, atol=0)
 
 
 def test_compiles_fullgraph_without_recompiling() -> None:

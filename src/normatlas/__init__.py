@@ -4,6 +4,7 @@ One core (:class:`NormSpec` run by :func:`normalize` / :class:`Norm`), every nam
 normalization layer a thin preset of it.
 """
 
+from .backend import Backend
 from .functional import normalize
 from .modules import Norm
 from .presets import (
@@ -29,6 +30,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Axis",
+    "Backend",
     "CastOrder",
     "EpsPlacement",
     "Gain",

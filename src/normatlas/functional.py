@@ -18,14 +18,29 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .backend import Backend, as_backend
 from .spec import Axis, CastOrder, EpsPlacement, Gain, GainConvention, NormSpec, Scale
 
-__all__ = ["Plan", "compute_dtype", "feature_shape", "moments", "normalize", "resolve"]
+__all__ = ["Plan", "compute_dtype", "feature_shape", "fused_kernels", "moments", "normalize", "resolve"]
+
+_KERNELS: Any = None
+
+
+def fused_kernels() -> Any:
+    """:mod:`normatlas.kernels.api`, imported on first use (it imports this module)."""
+    global _KERNELS
+    if _KERNELS is None:
+        from .kernels import api
+
+        _KERNELS = api
+    return _KERNELS
+
 
 _HALF = (torch.float16, torch.bfloat16)
 
@@ -109,6 +124,7 @@ def normalize(
     running_var: Tensor | None = None,
     training: bool = False,
     momentum: float = 0.1,
+    backend: Backend | str = Backend.AUTO,
 ) -> Tensor:
     """Normalize ``input`` as ``spec`` says.
 
@@ -126,9 +142,22 @@ def normalize(
             otherwise they replace the batch statistics.
         training: see above.
         momentum: the update factor for running estimates.
+        backend: ``"auto"`` (the fused kernels where they serve the spec and are built, else this module's
+            reference arithmetic), ``"reference"`` or ``"fused"``; see :mod:`normatlas.backend`.
     """
+    if backend is not Backend.REFERENCE:
+        b = as_backend(backend)
+        if b is not Backend.REFERENCE and isinstance(input, Tensor) and isinstance(spec, NormSpec):
+            if mask is None and running_var is None and running_mean is None:
+                out = fused_kernels().drop_in(input, spec, weight, bias, None, b is Backend.FUSED)
+                if out is not None:
+                    return out
+            elif b is Backend.FUSED:
+                what = "a mask" if mask is not None else "running statistics"
+                raise ValueError(f"backend='fused' cannot run a norm with {what}; use backend='auto' or 'reference'")
     _check(input, spec, weight, bias, mask, running_mean, running_var)
-    plan = resolve(spec, tuple(input.shape))
+    # under torch.compile trace resolve's body, not its cache (dynamo warns on every cached call it traces)
+    plan = (resolve.__wrapped__ if torch.compiler.is_compiling() else resolve)(spec, tuple(input.shape))
     _check_params(input, spec, plan, weight, bias, running_mean, running_var)
     if training or running_var is None:
         check_batch_values(input, spec, plan)

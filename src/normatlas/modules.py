@@ -8,7 +8,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
-from .functional import normalize
+from .backend import Backend, as_backend
+from .functional import fused_kernels, normalize
 from .spec import Axis, Gain, GainConvention, NormSpec, Scale
 
 __all__ = ["Norm"]
@@ -46,8 +47,12 @@ class Norm(nn.Module):
         momentum: update factor for the running estimates; None means a cumulative
             average over all batches seen, as in torch.
 
+        backend: ``"auto"`` (default: the fused kernels wherever they serve the spec and are built, never
+            compiling), ``"reference"`` (the core's arithmetic in torch ops) or ``"fused"`` (the kernels,
+            compiled now if needed; what they cannot serve raises). See :mod:`normatlas.backend`.
+
     ``forward(input, mask=None)``: ``mask`` is an optional boolean tensor broadcastable
-    to ``input``; statistics are computed over its True positions only.
+    to ``input``; statistics are computed over its True positions only (on the reference path).
     """
 
     def __init__(
@@ -59,6 +64,7 @@ class Norm(nn.Module):
         momentum: float | None = 0.1,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        backend: Backend | str = Backend.AUTO,
     ) -> None:
         super().__init__()
         if not isinstance(spec, NormSpec):
@@ -90,6 +96,7 @@ class Norm(nn.Module):
             )
         self.track_running_stats = track_running_stats
         self.momentum = momentum
+        self.backend = backend  # validated, and the fused route decided, by the property setter
         fshape = self.shape or ()
         self.weight: nn.Parameter | None = None
         self.bias: nn.Parameter | None = None
@@ -123,6 +130,25 @@ class Norm(nn.Module):
             if buf is not None and buf.is_floating_point() and buf.dtype in (torch.float16, torch.bfloat16):
                 setattr(self, name, buf.float())
         return self
+
+    @property
+    def backend(self) -> Backend:
+        """Which implementation runs the forward (settable; see :mod:`normatlas.backend`)."""
+        return self._backend
+
+    @backend.setter
+    def backend(self, value: Backend | str) -> None:
+        b = as_backend(value)
+        if b is Backend.FUSED:
+            from .kernels.dispatch import spec_unsupported
+
+            reason = "running statistics are not served" if self.track_running_stats else None
+            reason = reason or spec_unsupported(self.spec, torch.float32)
+            if reason is not None:
+                raise ValueError(f"backend='fused' cannot run this norm: {reason}; use backend='auto' or 'reference'")
+        self._backend = b
+        # None: the reference path always; False: fused when the kernels are ready; True: fused, built if needed
+        self._fused: bool | None = None if b is Backend.REFERENCE or self.track_running_stats else b is Backend.FUSED
 
     # torch.nn-compatible spellings of the spec fields
     @property
@@ -199,6 +225,14 @@ class Norm(nn.Module):
         )
 
     def forward(self, input: Tensor, mask: Tensor | None = None) -> Tensor:
+        if self._fused is not None and isinstance(input, Tensor):
+            if mask is not None:
+                if self._fused:
+                    raise ValueError("backend='fused' cannot run a masked norm; use backend='auto' or 'reference'")
+            elif self.spec.layout.ndim is None or input.dim() == self.spec.layout.ndim:
+                out = fused_kernels().drop_in(input, self.spec, self.weight, self.bias, self.shape, self._fused)
+                if out is not None:
+                    return out
         unbatched = isinstance(input, Tensor) and self._unbatched(input)
         if self.shape is not None and isinstance(input, Tensor):
             self._check_shape(input, unbatched=unbatched)  # the input as given, before the sample axis is added
@@ -215,6 +249,7 @@ class Norm(nn.Module):
             running_var=self.running_var,
             training=self.training,
             momentum=self._next_momentum() if self.running_var is not None else 0.1,
+            backend=Backend.REFERENCE,  # the fused route, where it applies, was taken above
         )
         if self.running_var is not None:
             self._count_step()  # only once normalize accepted the input
@@ -248,4 +283,36 @@ class Norm(nn.Module):
             parts.append("gain=1+w")
         if self.track_running_stats:
             parts.append(f"momentum={self.momentum}")
+        parts.append(f"backend={self.backend_in_use()}")
         return ", ".join(parts)
+
+    def backend_in_use(self) -> str:
+        """What a forward of an input in this module's parameter dtype and device runs, and why, e.g.
+        ``auto: fused (cpp, from cache)`` or ``auto: reference (the C++ kernels are not built; ...)``."""
+        name = self.backend.value
+        if self._fused is None:
+            why = "running statistics" if self.track_running_stats and self.backend is not Backend.REFERENCE else ""
+            return f"{name}" + (f": reference ({why})" if why else "")
+        from .kernels import cpu
+        from .kernels.dispatch import spec_unsupported
+
+        p = self.weight if self.weight is not None else self.bias
+        device = p.device if p is not None else torch.device("cpu")
+        dtype = p.dtype if p is not None else torch.float32
+        reason = spec_unsupported(self.spec, dtype)
+        if reason is not None:
+            return f"{name}: reference ({reason})"
+        if device.type == "cpu":
+            ext = cpu.extension(build=False)
+            info = cpu.build_info()
+            if ext is not None:
+                return f"{name}: fused (cpp, {'from cache' if info.get('source') == 'cache' else 'built now'})"
+            if self._fused and info.get("reason", "").startswith("the C++ kernels are not built"):
+                return f"{name}: fused (cpp, compiled on the first call)"
+            return (
+                f"{name}: "
+                + ("fused (eager transcription: " if self._fused else "reference (")
+                + f"{info.get('reason', 'kernels unavailable')})"
+            )
+        ready = fused_kernels().ready(device)
+        return f"{name}: " + ("fused (triton)" if ready else "reference (no kernels for this device)")

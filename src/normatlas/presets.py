@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
+from .backend import Backend
 from .modules import Norm, _as_shape, _count
 from .spec import Axis, CastOrder, EpsPlacement, Gain, GainConvention, Layout, NormSpec, Scale
 
@@ -62,6 +63,7 @@ class LayerNorm(Norm):
         *,
         cast_order: CastOrder = CastOrder.AFTER_GAIN,
         eps_placement: EpsPlacement = EpsPlacement.INSIDE_SQRT,
+        backend: Backend | str = Backend.AUTO,
     ) -> None:
         shape = _shape(normalized_shape)
         spec = NormSpec(
@@ -72,7 +74,7 @@ class LayerNorm(Norm):
             gain=_affine(elementwise_affine),
             bias=bias and elementwise_affine,
         )
-        super().__init__(spec, shape, device=device, dtype=dtype)
+        super().__init__(spec, shape, device=device, dtype=dtype, backend=backend)
 
 
 class RMSNorm(Norm):
@@ -95,6 +97,7 @@ class RMSNorm(Norm):
         cast_order: CastOrder = CastOrder.AFTER_GAIN,
         gain_convention: GainConvention = GainConvention.W,
         eps_placement: EpsPlacement = EpsPlacement.INSIDE_SQRT,
+        backend: Backend | str = Backend.AUTO,
     ) -> None:
         shape = _shape(normalized_shape)
         spec = NormSpec(
@@ -107,7 +110,7 @@ class RMSNorm(Norm):
             gain_convention=gain_convention,
             bias=False,
         )
-        super().__init__(spec, shape, device=device, dtype=dtype)
+        super().__init__(spec, shape, device=device, dtype=dtype, backend=backend)
 
 
 class GemmaRMSNorm(RMSNorm):
@@ -117,10 +120,11 @@ class GemmaRMSNorm(RMSNorm):
     ``w``-convention layer without adding 1 is the classic one-line porting bug.
     """
 
-    def __init__(self, dim: int, eps: float = 1e-6, device: Device = None, dtype: torch.dtype | None = None):
+    def __init__(self, dim: int, eps: float = 1e-6, device: Device = None, dtype: torch.dtype | None = None, *,
+                 backend: Backend | str = Backend.AUTO):  # fmt: skip
         super().__init__(
             _count(dim, "dim"), eps, device=device, dtype=dtype,
-            cast_order=CastOrder.AFTER_GAIN, gain_convention=GainConvention.ONE_PLUS_W,
+            cast_order=CastOrder.AFTER_GAIN, gain_convention=GainConvention.ONE_PLUS_W, backend=backend,
         )  # fmt: skip
 
 
@@ -230,7 +234,7 @@ class ScaleNorm(Norm):
 class L2Norm(Norm):
     """Unit L2 norm over the last dim, ``x / max(||x||, eps)``: ``F.normalize(x, dim=-1)``."""
 
-    def __init__(self, eps: float = 1e-12) -> None:
+    def __init__(self, eps: float = 1e-12, *, backend: Backend | str = Backend.AUTO) -> None:
         spec = NormSpec(center=False, scale=Scale.L2, eps=eps, eps_placement=EpsPlacement.CLAMP,
                         gain=Gain.NONE, bias=False)  # fmt: skip
-        super().__init__(spec, None)
+        super().__init__(spec, None, backend=backend)

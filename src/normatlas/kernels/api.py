@@ -40,13 +40,17 @@ Shape = int | Sequence[int]
 _PLANS: dict[Any, Any] = {}
 
 
-def _plan(spec: NormSpec, dtype: torch.dtype) -> Any:
+def _plan(spec: NormSpec, dtype: torch.dtype, build: bool = True) -> Any:
+    """The cached plan, or None. With ``build=False`` (``Backend.AUTO``) nothing is compiled: without a built
+    extension the answer is None and not cached, so a later build is picked up."""
     key = (spec, dtype)
     try:
         return _PLANS[key]
     except KeyError:
         pass
-    ext = cpu.extension()
+    ext = cpu.extension() if build else cpu.loaded()
+    if ext is None and not build:
+        return None
     plan = None
     if ext is not None and spec_unsupported(spec, dtype) is None:
         a = kernel_args(spec, dtype)
@@ -61,13 +65,54 @@ def _plan(spec: NormSpec, dtype: torch.dtype) -> Any:
 
 
 def _fast(
-    spec: NormSpec, input: Tensor, residual: Tensor | None, weight: Tensor | None, bias: Tensor | None, fshape: Any
-) -> list[Tensor] | None:
+    spec: NormSpec, input: Tensor, residual: Tensor | None, weight: Tensor | None, bias: Tensor | None, fshape: Any,
+    build: bool = True,
+) -> list[Tensor] | None:  # fmt: skip
     """``[y, h]`` from the cached C++ plan, or None (compiling, not CPU, or anything the checked path must see)."""
     if torch.compiler.is_compiling():
         return None
-    plan = _plan(spec, input.dtype)
+    plan = _plan(spec, input.dtype, build)
     return None if plan is None else plan(input, residual, weight, bias, fshape)
+
+
+def ready(device: torch.device, build: bool = False) -> bool:
+    """Whether the fused kernels run natively on ``device``: the C++ extension (built, or built now when
+    ``build``) on CPU, Triton on CUDA. (Otherwise the fused ops run their eager transcription.)"""
+    if device.type == "cpu":
+        return (cpu.extension() if build else cpu.loaded()) is not None
+    if device.type == "cuda":
+        from . import triton_kernels
+
+        return triton_kernels.available()
+    return False
+
+
+def drop_in(
+    input: Tensor, spec: NormSpec, weight: Tensor | None, bias: Tensor | None, fshape: tuple[int, ...] | None,
+    fused: bool,
+) -> Tensor | None:  # fmt: skip
+    """The forward of a core module or :func:`normalize` on the fused kernels, or None where the reference path
+    runs: ``fused=False`` is ``Backend.AUTO`` (kernels that are ready, outside ``torch.compile``), ``fused=True``
+    ``Backend.FUSED`` (compile the kernels if needed; a spec or input they cannot serve raises)."""
+    if not fused and torch.compiler.is_compiling():
+        return None  # AUTO traces the reference path; the compiler fuses it
+    if (weight is not None and spec.gain is Gain.NONE) or (bias is not None and not spec.bias):
+        check_float_params(("weight", weight), ("bias", bias))
+        check_spec_params(spec, weight, bias)  # raises: a parameter the spec does not have
+    out = _fast(spec, input, None, weight, bias, fshape, fused)
+    if out is not None:
+        return out[0]
+    reason = unsupported(spec, input, weight, bias)
+    if reason is not None:
+        if fused:
+            raise ValueError(f"backend='fused' cannot run this norm: {reason}; use backend='auto' or 'reference'")
+        return None
+    if not fused and not ready(input.device):
+        return None
+    if fshape is not None:
+        _check_shape(input, fshape)
+    _check_params(input, spec, weight, bias)
+    return _run(input, spec, weight, bias, None)[0]
 
 
 def _run(

@@ -1,61 +1,54 @@
-"""Modules that run on the fused kernels: drop-ins for the core's Norm and its presets.
+"""The fused kernels under the core's modules: thin aliases, and the residual-add variants.
 
-Each class keeps its parent's constructor, parameters and state dict, and only changes
-``forward``: inputs the kernels serve (see :mod:`normatlas.kernels.dispatch`) take the fused
-path, anything else (masks, running statistics, other axes) the core's reference path, so
-the function computed never changes. The ``Add`` variants take ``(input, residual)`` and
-return ``(normalized, input + residual)``.
+The core's :class:`normatlas.Norm` and its presets already take the fused path by default
+(``backend="auto"``, see :mod:`normatlas.backend`). ``FusedNorm``, ``FusedRMSNorm`` and
+``FusedLayerNorm`` are the same classes with ``backend="fused"`` (compile the kernels if needed; what they
+cannot serve raises). The ``Add`` variants take ``(input, residual)`` and return
+``(normalized, input + residual)`` in one pass over memory.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 from torch import Tensor
 
+from ..backend import Backend
 from ..modules import Norm
 from ..presets import LayerNorm, RMSNorm
 from .api import _fast, fused_normalize
-from .dispatch import unsupported
 
 __all__ = ["FusedAddLayerNorm", "FusedAddRMSNorm", "FusedLayerNorm", "FusedNorm", "FusedRMSNorm"]
 
 
-class _Fused(Norm):
-    def forward(self, input: Tensor, mask: Tensor | None = None) -> Tensor:
-        if mask is None and self.running_var is None:
-            fast = _fast(self.spec, input, None, self.weight, self.bias, self.shape)
-            if fast is not None:
-                return fast[0]
-        if mask is None and self.running_var is None and unsupported(self.spec, input, self.weight, self.bias) is None:
-            if self.shape is not None:
-                self._check_shape(input)
-            out = fused_normalize(input, self.spec, self.weight, self.bias)
-            assert isinstance(out, Tensor)
-            return out
-        return super().forward(input, mask)
+class _FusedDefault:
+    """Make ``backend="fused"`` the default of a core module's constructor."""
+
+    def __init__(self, *args: Any, backend: Backend | str = Backend.FUSED, **kwargs: Any) -> None:
+        super().__init__(*args, backend=backend, **kwargs)  # type: ignore[call-arg]
 
 
-class _FusedAdd(Norm):
+class FusedNorm(_FusedDefault, Norm):
+    """:class:`normatlas.Norm` with ``backend="fused"``."""
+
+
+class FusedRMSNorm(_FusedDefault, RMSNorm):
+    """:class:`normatlas.RMSNorm` (torch.nn.RMSNorm's arguments) with ``backend="fused"``."""
+
+
+class FusedLayerNorm(_FusedDefault, LayerNorm):
+    """:class:`normatlas.LayerNorm` (torch.nn.LayerNorm's arguments) with ``backend="fused"``."""
+
+
+class _FusedAdd(_FusedDefault, Norm):
     def forward(self, input: Tensor, residual: Tensor) -> tuple[Tensor, Tensor]:  # type: ignore[override]
-        if self.running_var is None:
-            fast = _fast(self.spec, input, residual, self.weight, self.bias, self.shape)
-            if fast is not None:
-                return fast[0], fast[1]
+        fast = _fast(self.spec, input, residual, self.weight, self.bias, self.shape)
+        if fast is not None:
+            return fast[0], fast[1]
         if self.shape is not None:
             self._check_shape(input)
         y, h = fused_normalize(input, self.spec, self.weight, self.bias, residual=residual)
         return y, h
-
-
-class FusedNorm(_Fused):
-    """:class:`normatlas.Norm` with the fused forward and backward where the spec allows."""
-
-
-class FusedRMSNorm(_Fused, RMSNorm):
-    """:class:`normatlas.RMSNorm` (torch.nn.RMSNorm's arguments) on the fused kernels."""
-
-
-class FusedLayerNorm(_Fused, LayerNorm):
-    """:class:`normatlas.LayerNorm` (torch.nn.LayerNorm's arguments) on the fused kernels."""
 
 
 class FusedAddRMSNorm(_FusedAdd, RMSNorm):

@@ -1,0 +1,43 @@
+"""Which implementation runs a norm: the fused kernels or the core's reference arithmetic.
+
+Every module of the core (:class:`~normatlas.Norm` and the presets) and :func:`~normatlas.normalize` take
+``backend=``:
+
+- ``Backend.AUTO`` (the default): the fused kernels (C++ on CPU, Triton on CUDA) wherever the spec and the input
+  allow it (see :func:`normatlas.kernels.unsupported`) and the kernels are ready; the reference path otherwise.
+  It never compiles anything: when the C++ kernels are not built it runs the reference path and warns once how
+  to build them (``normatlas kernels build``). Under ``torch.compile`` it traces the reference path, which the
+  compiler fuses itself.
+- ``Backend.REFERENCE``: the core's arithmetic in torch ops (bit for bit torch's and HF's norms where the cast
+  order matches; see :mod:`normatlas.functional`).
+- ``Backend.FUSED``: the fused kernels, compiled now if they are not built yet; a spec or an input they cannot
+  serve (a mask, running statistics, other axes) raises a ValueError saying why.
+
+The two paths compute the same function; they differ in rounding (the fused statistics sum in another order),
+within the per-dtype tolerances the tests hold them to.
+"""
+
+from __future__ import annotations
+
+import enum
+
+from .spec import parse_enum
+
+__all__ = ["Backend", "as_backend"]
+
+
+class Backend(enum.Enum):
+    AUTO = "auto"
+    REFERENCE = "reference"
+    FUSED = "fused"
+
+    __hash__ = object.__hash__
+
+
+def as_backend(value: Backend | str, name: str = "backend") -> Backend:
+    """``value`` as a :class:`Backend` (strings from the API edge accepted), or a ValueError naming ``name``."""
+    if isinstance(value, Backend):
+        return value
+    if not isinstance(value, str):
+        raise TypeError(f"{name}={value!r} must be a Backend or one of 'auto', 'reference', 'fused'")
+    return parse_enum(Backend, value, name=name)

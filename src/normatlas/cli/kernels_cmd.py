@@ -1,0 +1,34 @@
+"""``normatlas kernels build | info``: compile the C++ CPU kernels once into the shared cache, or say how they stand."""
+
+from __future__ import annotations
+
+import argparse
+
+from . import CliError, command
+from ._format import Section, add_format_option, emit
+
+
+def _configure(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "action",
+        choices=("build", "info"),
+        help="build: compile the kernels now unless the cache has them (about 35 s on 2 cores, once per machine); "
+        "info: how this process would get them, without compiling",
+    )
+    add_format_option(p)
+
+
+@command("kernels", "build the C++ CPU kernels once (shared by every checkout and venv), or show them", _configure)
+def kernels(args: argparse.Namespace) -> int:
+    from ..kernels import cpu
+
+    if args.action == "build":
+        try:
+            info = cpu.ensure_built()
+        except RuntimeError as exc:
+            raise CliError(str(exc)) from None
+    else:
+        info = cpu.build_info()
+    rows = [{"field": k, "value": v} for k, v in info.items()]
+    emit([Section("kernels", rows, title=f"C++ CPU kernels ({args.action})")], args.format, meta=None)
+    return 0
