@@ -12,7 +12,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from normatlas.blocks import from_hf, keymap_for, to_hf_state_dict  # noqa: E402
+from normatlas import Norm  # noqa: E402
+from normatlas.blocks import QKNorm, from_hf, keymap_for, to_hf_state_dict  # noqa: E402
 
 from .tiny_hf import randomise_, tiny_model  # noqa: E402
 
@@ -82,8 +83,17 @@ def test_same_logits(pair):
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
 
 
-def test_same_gradients(pair):
+# the reference path is the ported design's arithmetic; the default (fused) path rounds its row sums differently
+GRAD_TOL = {"reference": {"atol": 1e-5, "rtol": 1e-4}, "auto": {"atol": 1e-4, "rtol": 1e-3}}
+
+
+@pytest.mark.parametrize("backend", ["reference", "auto"])
+def test_same_gradients(pair, backend):
     name, hf, ours = pair
+    norms = [m for m in ours.modules() if isinstance(m, (Norm, QKNorm))]
+    assert norms
+    for m in norms:
+        m.backend = backend
     ids, upstream = _inputs(2)
     hf.zero_grad(set_to_none=True)
     ours.zero_grad(set_to_none=True)
@@ -96,7 +106,9 @@ def test_same_gradients(pair):
     for key, g in mapped.items():
         ref = hf_params[key].grad
         assert ref is not None, key
-        torch.testing.assert_close(g, ref, atol=1e-5, rtol=1e-4, msg=lambda m, k=key: f"{name} {k}: {m}")
+        torch.testing.assert_close(g, ref, **GRAD_TOL[backend], msg=lambda m, k=key: f"{name} {k}: {m}")
+    for m in norms:
+        m.backend = "auto"
     assert len({id(p) for p in hf.parameters()}) == len({id(hf_params[k]) for k in mapped})
 
 

@@ -1,4 +1,8 @@
-"""Presets against their peers: torch.nn and HF transformers, forward and backward, every dtype."""
+"""Presets against their peers: torch.nn and HF transformers, forward and backward, every dtype.
+
+These test the reference path (``backend="reference"``), whose claims are bit for bit where the cast order matches;
+the fused path of the same modules is held to float64 against the peers in tests/test_kernels_default.py.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +12,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import normatlas as na
-from normatlas import CastOrder
+from normatlas import Backend, CastOrder
+
+REF = Backend.REFERENCE
 
 DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16]
 # forward: ours vs the peer in the same dtype; the peer's own rounding differs by about one ulp
@@ -65,7 +71,7 @@ def _compare(ours: nn.Module, peer: nn.Module, shape, dtype, *, exact: bool = Fa
 @pytest.mark.parametrize("affine,bias", [(True, True), (True, False), (False, False)])
 def test_layernorm_vs_torch(dtype, shape, normalized_shape, affine, bias):
     _compare(
-        na.LayerNorm(normalized_shape, eps=1e-5, elementwise_affine=affine, bias=bias),
+        na.LayerNorm(normalized_shape, eps=1e-5, elementwise_affine=affine, bias=bias, backend=REF),
         nn.LayerNorm(normalized_shape, eps=1e-5, elementwise_affine=affine, bias=bias),
         shape, dtype,
     )  # fmt: skip
@@ -77,7 +83,13 @@ def test_layernorm_vs_torch(dtype, shape, normalized_shape, affine, bias):
 def test_rmsnorm_vs_torch(dtype, shape, normalized_shape, eps):
     """Bit-for-bit: torch.nn.RMSNorm also casts after the gain, and eps=None is the opmath machine eps."""
     exact = dtype is not torch.float64  # fp64 rsqrt in torch's composite vs ours: same ops
-    _compare(na.RMSNorm(normalized_shape, eps=eps), nn.RMSNorm(normalized_shape, eps=eps), shape, dtype, exact=exact)
+    _compare(
+        na.RMSNorm(normalized_shape, eps=eps, backend=REF),
+        nn.RMSNorm(normalized_shape, eps=eps),
+        shape,
+        dtype,
+        exact=exact,
+    )
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -135,7 +147,7 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm as HFLlamaRMSN
 @pytest.mark.parametrize("shape", [(5, 123, 123), (1, 1, 1023), (0, 64)])
 def test_rmsnorm_cast_before_gain_is_llama_bit_for_bit(dtype, shape):
     d = shape[-1]
-    ours = na.RMSNorm(d, eps=1e-6, cast_order=CastOrder.BEFORE_GAIN)
+    ours = na.RMSNorm(d, eps=1e-6, cast_order=CastOrder.BEFORE_GAIN, backend=REF)
     _compare(ours, HFLlamaRMSNorm(d, eps=1e-6), shape, dtype, exact=True)
 
 
@@ -143,7 +155,9 @@ def test_rmsnorm_cast_before_gain_is_llama_bit_for_bit(dtype, shape):
 @pytest.mark.parametrize("shape", [(5, 123, 123), (1, 1, 1023), (0, 64)])
 def test_gemma_rmsnorm_is_hf_bit_for_bit(dtype, shape):
     d = shape[-1]
-    _compare(na.GemmaRMSNorm(d, eps=1e-6), HFGemmaRMSNorm(d, eps=1e-6), shape, dtype, exact=True, center=0.0)
+    _compare(
+        na.GemmaRMSNorm(d, eps=1e-6, backend=REF), HFGemmaRMSNorm(d, eps=1e-6), shape, dtype, exact=True, center=0.0
+    )
 
 
 def test_llama_and_gemma_cast_orders_differ_in_bf16():
@@ -207,8 +221,10 @@ def test_native_dispatch_is_used_for_layer_norm(monkeypatch):
     calls = []
     real = F.layer_norm
     monkeypatch.setattr(F, "layer_norm", lambda *a, **k: calls.append(1) or real(*a, **k))
-    na.LayerNorm(8)(torch.randn(2, 8))
+    na.LayerNorm(8, backend=REF)(torch.randn(2, 8))
     assert calls
     calls.clear()
-    na.LayerNorm(8, cast_order=CastOrder.BEFORE_GAIN)(torch.randn(2, 8).bfloat16())  # not the same function
+    na.LayerNorm(8, cast_order=CastOrder.BEFORE_GAIN, backend=REF)(
+        torch.randn(2, 8).bfloat16()
+    )  # not the same function
     assert not calls

@@ -33,7 +33,7 @@ def test_cli_bench_writes_csv(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     assert "ours" in table and "hf" in table
     with out.open() as f:
         rows = list(csv.DictReader(f))
-    assert {r["provider"] for r in rows} == {"ours", "ours_llama", "torch", "torch_layer_norm", "hf"}
+    assert {r["provider"] for r in rows} == {"ours", "module", "ours_llama", "torch", "torch_layer_norm", "hf"}
     assert all(r["shape"] == "4x96" and r["dtype"] == "bfloat16" for r in rows)
 
 

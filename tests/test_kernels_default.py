@@ -271,3 +271,48 @@ def test_two_processes_building_at_once_build_once(tmp_path: Path) -> None:
     assert sources == ["built", "cache"], outs
     assert len(list((tmp_path / "kernels").glob("*/*.so"))) == 1
     assert not list((tmp_path / "kernels").glob(".build-*"))  # the temporary build folder is gone
+
+
+def _peers():  # (name, ours, peer) factories for a width d
+    from transformers.models.gemma.modeling_gemma import GemmaRMSNorm as HFGemma
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm as HFLlama
+
+    return [
+        ("layernorm", lambda d: na.LayerNorm(d), lambda d: torch.nn.LayerNorm(d)),
+        ("rmsnorm", lambda d: na.RMSNorm(d, eps=1e-6), lambda d: torch.nn.RMSNorm(d, eps=1e-6)),
+        ("llama", lambda d: na.RMSNorm(d, eps=1e-6, cast_order=na.CastOrder.BEFORE_GAIN), lambda d: HFLlama(d, 1e-6)),
+        ("gemma", lambda d: na.GemmaRMSNorm(d, eps=1e-6), lambda d: HFGemma(d, eps=1e-6)),
+    ]
+
+
+@needs_cpp
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(5, 123, 123), (1, 1, 1023), (64, 4096)])
+@pytest.mark.parametrize("which", ["layernorm", "rmsnorm", "llama", "gemma"])
+def test_the_default_path_is_as_accurate_as_the_peer(which: str, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    """Against float64, the default (fused) module's output and gradients (input, gain, bias) are within 4x of the
+    torch / HF peer's error in the same dtype, plus one rounding of the largest value (the two round differently)."""
+    _, make_ours, make_peer = next(p for p in _peers() if p[0] == which)
+    gen = torch.Generator().manual_seed(5)
+    d = shape[-1]
+    peer = make_peer(d).to(dtype)
+    with torch.no_grad():
+        for p in peer.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.5 + (0.0 if which == "gemma" else 1.0))
+    ours, f64 = make_ours(d).to(dtype), make_ours(d).double()
+    ours.load_state_dict(peer.state_dict())
+    f64.load_state_dict(peer.state_dict())
+    f64.backend = "reference"
+    x = torch.randn(shape, generator=gen, dtype=torch.float64) * 3 + 1
+    g = torch.randn(shape, generator=gen, dtype=torch.float64)
+    results = {}
+    for name, m in (("ours", ours), ("peer", peer), ("f64", f64)):
+        low = name != "f64"
+        xi = (x.to(dtype) if low else x).requires_grad_()
+        y = m(xi)
+        grads = torch.autograd.grad(y, [xi, *m.parameters()], g.to(y.dtype))
+        results[name] = [t.double() for t in (y, *grads)]
+    for what, o, p, r in zip(["y", "dx", "dw", "db"], results["ours"], results["peer"], results["f64"], strict=False):
+        floor = torch.finfo(dtype).eps * r.abs().max().item()
+        err_ours, err_peer = (o - r).abs().max().item(), (p - r).abs().max().item()
+        assert err_ours <= 4 * err_peer + floor, f"{which} {what}: ours {err_ours:.3g}, peer {err_peer:.3g}"

@@ -149,6 +149,7 @@ def normalize(
         b = as_backend(backend)
         if b is not Backend.REFERENCE and isinstance(input, Tensor) and isinstance(spec, NormSpec):
             if mask is None and running_var is None and running_mean is None:
+                check_float_params(("weight", weight), ("bias", bias))
                 out = fused_kernels().drop_in(input, spec, weight, bias, None, b is Backend.FUSED)
                 if out is not None:
                     return out

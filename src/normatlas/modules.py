@@ -283,8 +283,14 @@ class Norm(nn.Module):
             parts.append("gain=1+w")
         if self.track_running_stats:
             parts.append(f"momentum={self.momentum}")
-        parts.append(f"backend={self.backend_in_use()}")
+        if self.backend is not Backend.AUTO or self._servable():
+            parts.append(f"backend={self.backend_in_use()}")  # (left out where AUTO can only mean the reference)
         return ", ".join(parts)
+
+    def _servable(self) -> bool:
+        from .kernels.dispatch import spec_unsupported
+
+        return not self.track_running_stats and spec_unsupported(self.spec, torch.float32) is None
 
     def backend_in_use(self) -> str:
         """What a forward of an input in this module's parameter dtype and device runs, and why, e.g.

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from ..backend import Backend, as_backend
 from ..functional import normalize
 from ..spec import CastOrder, EpsPlacement, Gain, NormSpec, Scale
 
@@ -111,8 +112,12 @@ class QKNorm(nn.Module):
     ``(H, Dh)`` per head, ``(H*Dh,)`` for FLAT scope.
     """
 
-    def __init__(self, config: QKNormConfig, n_heads: int, head_dim: int, device=None, dtype=None) -> None:
+    def __init__(
+        self, config: QKNormConfig, n_heads: int, head_dim: int, device=None, dtype=None,
+        backend: Backend | str = Backend.AUTO,
+    ) -> None:  # fmt: skip
         super().__init__()
+        self.backend = as_backend(backend)  # of the statistics (see normatlas.backend)
         if not isinstance(config, QKNormConfig):
             raise TypeError(f"config={config!r} must be a QKNormConfig")
         self.config, self.n_heads, self.head_dim = config, n_heads, head_dim
@@ -138,7 +143,7 @@ class QKNorm(nn.Module):
 
     def forward(self, input: Tensor) -> Tensor:
         dt = torch.promote_types(input.dtype, torch.float32)
-        y = normalize(input.to(dt), self._spec, None, None)
+        y = normalize(input.to(dt), self._spec, None, None, backend=self.backend)
         if self.weight is not None:
             w = self.weight.to(dt)
             y = y * (1.0 + w if self.config.zero_centred else w)

@@ -10,6 +10,8 @@ import torch
 from torch import nn
 
 from .. import presets
+from ..backend import Backend
+from ..modules import Norm
 from ..spec import CastOrder
 from . import command
 from ._format import format_rows, format_table
@@ -44,18 +46,24 @@ def check_presets(dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat
     for name, ours_fn, peer_fn, shape in _peers():
         for dtype in dtypes:
             gen = torch.Generator().manual_seed(0)
-            ours, peer = ours_fn().to(dtype), peer_fn().to(dtype)
+            ours, peer, default = ours_fn().to(dtype), peer_fn().to(dtype), ours_fn().to(dtype)
+            assert isinstance(ours, Norm) and isinstance(default, Norm)
+            ours.backend = Backend.REFERENCE  # the bit-for-bit claims are the reference path's; default: AUTO
             with torch.no_grad():
                 for p in peer.parameters():
                     p.copy_(torch.randn(p.shape, generator=gen) * 0.5 + (0.0 if "Gemma" in name else 1.0))
             ours.load_state_dict(peer.state_dict())
+            default.load_state_dict(peer.state_dict())
             x = (torch.randn(shape, generator=gen) * 3 + 1).to(dtype)
             a, b = ours(x), peer(x)
             err = (a.double() - b.double()).abs().max().item()
+            err_default = (default(x).double() - b.double()).abs().max().item()
             rows.append({
                 "layer": name, "peer": f"{type(peer).__module__.split('.')[0]}.{type(peer).__name__}",
                 "dtype": str(dtype).removeprefix("torch."), "max |ours - peer|": f"{err:.2e}",
                 "bit-exact": "yes" if torch.equal(a, b) else "no",
+                "default": default.backend_in_use().split(" (")[0].removeprefix("auto: "),
+                "default err": f"{err_default:.2e}",
             })  # fmt: skip
     return rows
 

@@ -1,6 +1,8 @@
 """Side-by-side timing of the fused kernels against their peers, in one process.
 
-Providers: ``ours`` (normatlas.kernels), ``ours_llama`` (rms and qk: ours in HF Llama's cast order,
+Providers: ``ours`` (normatlas.kernels), ``module`` (rms and layer: the drop-in ``normatlas.RMSNorm`` /
+``normatlas.LayerNorm`` module, default ``backend="auto"``, whose parameters are the benchmark's own weight and
+bias tensors), ``ours_llama`` (rms and qk: ours in HF Llama's cast order,
 ``weight * x_hat.to(dtype)``, the same function as ``hf``), ``torch`` (the native op: ``F.rms_norm`` /
 ``F.layer_norm``; for the add variants ``x + r`` then that op), ``hf`` (the HF-style eager
 reference: ``w * (x.float() * rsqrt(mean(x^2) + eps)).to(dtype)``, after ``x + r`` for the add
@@ -110,6 +112,8 @@ def _providers(op: str, device: str) -> dict[str, Fn]:
         out["compile"] = torch.compile(out["hf"], dynamic=True)
     else:
         raise ValueError(f"op={op!r} is not one of {OPS}")
+    if op in ("rms", "layer"):
+        out["module"] = _module_provider(op, eps)
     if device == "cpu" and op in ("rms", "layer"):
         from .cpu import extension
 
@@ -121,6 +125,29 @@ def _providers(op: str, device: str) -> dict[str, Fn]:
         if liger is not None:
             out["liger"] = liger
     return out
+
+
+def _module_provider(op: str, eps: float) -> Fn:
+    """The drop-in module's forward, its ``weight`` / ``bias`` being exactly the tensors the call is given (the
+    leaves whose gradients the backward modes ask for), so it does the same work as the functional providers."""
+    from ..presets import LayerNorm, RMSNorm
+
+    modules: dict[tuple[int, int], Any] = {}
+
+    def call(x: Tensor, r: Tensor, w: Tensor, b: Tensor) -> Tensor:
+        key = (id(w), id(b))
+        m: Any = modules.get(key)
+        if m is None:
+            n = x.shape[-1]
+            m = RMSNorm(n, eps=eps, device=x.device) if op == "rms" else LayerNorm(n, eps=eps, device=x.device)
+            m._parameters["weight"] = w  # the caller's tensors, not copies
+            if op == "layer":
+                m._parameters["bias"] = b
+            m._refs = (w, b)  # keep the ids unique while cached
+            modules[key] = m
+        return m(x)
+
+    return call
 
 
 def provider_names(op: str, device: str) -> list[str]:
