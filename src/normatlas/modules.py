@@ -149,6 +149,7 @@ class Norm(nn.Module):
         self._backend = b
         # None: the reference path always; False: fused when the kernels are ready; True: fused, built if needed
         self._fused: bool | None = None if b is Backend.REFERENCE or self.track_running_stats else b is Backend.FUSED
+        self._rank = self.spec.layout.ndim  # a fixed-rank layout takes the fused route only at its own rank
 
     # torch.nn-compatible spellings of the spec fields
     @property
@@ -229,7 +230,7 @@ class Norm(nn.Module):
             if mask is not None:
                 if self._fused:
                     raise ValueError("backend='fused' cannot run a masked norm; use backend='auto' or 'reference'")
-            elif self.spec.layout.ndim is None or input.dim() == self.spec.layout.ndim:
+            elif self._rank is None or input.dim() == self._rank:
                 out = fused_kernels().drop_in(input, self.spec, self.weight, self.bias, self.shape, self._fused)
                 if out is not None:
                     return out

@@ -106,14 +106,14 @@ def drop_in(
     ``fused=True`` ``Backend.FUSED`` (compile the kernels if needed; a spec or input they cannot serve raises)."""
     if not fused and (torch.compiler.is_compiling() or _watched()):
         return None  # AUTO traces the reference path (the compiler fuses it), or shows its ops to the mode
-    if fshape is not None and tuple(input.shape[max(0, input.dim() - len(fshape)) :]) != fshape:
-        return None  # the module's own check raises, in its own words
     if (weight is not None and spec.gain is Gain.NONE) or (bias is not None and not spec.bias):
         check_float_params(("weight", weight), ("bias", bias))
         check_spec_params(spec, weight, bias)  # raises: a parameter the spec does not have
-    out = _fast(spec, input, None, weight, bias, fshape, fused)
+    out = _fast(spec, input, None, weight, bias, fshape, fused)  # the C++ plan checks shapes, dtypes, devices
     if out is not None:
         return out[0]
+    if fshape is not None and tuple(input.shape[max(0, input.dim() - len(fshape)) :]) != fshape:
+        return None  # the module's own check raises, in its own words
     reason = unsupported(spec, input, weight, bias)
     if reason is not None:
         if fused:
