@@ -56,8 +56,8 @@ def load_model_and_tokenizer(path: Path) -> tuple[Any, Any]:
     locate(path)
     if not tokenizer_files(path):
         raise FileNotFoundError(
-            f"{path} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}); diagnose runs real sentences, so the "
-            "folder needs the tokenizer files the model was trained with"
+            f"{path} has no tokenizer (no {', '.join(TOKENIZER_FILES[:3])} or other tokenizer file); diagnose runs "
+            "real sentences, so the folder needs the tokenizer files the model was trained with"
         )
     try:
         tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
