@@ -44,16 +44,20 @@ def _save(model: torch.nn.Module, path: Path, **kw: object) -> Path:
     return path
 
 
-@pytest.fixture(scope="module")
-def gpt2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def make_gpt2_dir(path: Path) -> Path:
     """Tiny GPT-2 (GPT-2 small: 768 wide, 12 layers), with the files a real checkpoint carries beside the weights."""
-    path = _save(tiny("gpt2"), tmp_path_factory.mktemp("ckpt") / "gpt2")
+    _save(tiny("gpt2"), path)
     (path / "README.md").write_text("# tiny gpt2\n")
     (path / "chat_template.jinja").write_text("{{ messages }}")
     (path / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 32}))
     (path / "extra").mkdir()
     (path / "extra" / "notes.json").write_text("{}")
     return path
+
+
+@pytest.fixture(scope="module")
+def gpt2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_gpt2_dir(tmp_path_factory.mktemp("ckpt") / "gpt2")
 
 
 @pytest.fixture()

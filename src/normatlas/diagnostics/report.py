@@ -19,7 +19,7 @@ import torch
 
 from .monitor import Metric, Monitor
 
-__all__ = ["DEFAULT_SENTENCES", "diagnose_hf", "load_model_and_tokenizer", "minilm_path"]
+__all__ = ["DEFAULT_SENTENCES", "diagnose_hf", "load_model", "load_tokenizer", "minilm_path"]
 
 DEFAULT_SENTENCES = (
     "The cat sat quietly on the warm windowsill all afternoon.",
@@ -42,12 +42,12 @@ def minilm_path() -> Path:
     return Path(pkg.__file__).resolve().parent / "model"
 
 
-def load_model_and_tokenizer(path: Path) -> tuple[Any, Any]:
-    """(tokenizer, AutoModel) of a local checkpoint folder under the one load policy
-    (:func:`normatlas.checkpoint.locate`: config.json as JSON, weights from safetensors only, never a pickle),
-    offline. A folder without tokenizer files is refused as such."""
+def load_tokenizer(path: Path) -> Any:
+    """The tokenizer of a local checkpoint folder, offline, after the folder passed the one load policy
+    (:func:`normatlas.checkpoint.locate`: config.json as JSON, weights from safetensors only, never a pickle).
+    A folder without tokenizer files is refused as such."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from transformers import AutoModel, AutoTokenizer
+    from transformers import AutoTokenizer
 
     from ..checkpoint import TOKENIZER_FILES, locate, tokenizer_files
 
@@ -60,12 +60,17 @@ def load_model_and_tokenizer(path: Path) -> tuple[Any, Any]:
             "real sentences, so the folder needs the tokenizer files the model was trained with"
         )
     try:
-        tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
     except Exception as exc:  # transformers raises many kinds here; one true line
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
         raise ValueError(f"cannot load the tokenizer in {path} ({type(exc).__name__}: {first})") from exc
-    model = AutoModel.from_pretrained(path, local_files_only=True, use_safetensors=True).eval()
-    return tok, model
+
+
+def load_model(path: Path) -> Any:
+    """``AutoModel`` of a folder that passed :func:`load_tokenizer`'s checks, from safetensors only."""
+    from transformers import AutoModel
+
+    return AutoModel.from_pretrained(path, local_files_only=True, use_safetensors=True).eval()
 
 
 def _refuse_all_unknown(tok: Any, encoded: Sequence[Any], path: Path) -> None:
@@ -102,13 +107,14 @@ def diagnose_hf(
     empty = [i for i, s in enumerate(sentences) if not isinstance(s, str) or not s.strip()]
     if empty:
         raise ValueError(f"sentences[{empty[0]}]={sentences[empty[0]]!r} is empty; every sentence needs words")
-    tok, model = load_model_and_tokenizer(path)
+    tok = load_tokenizer(path)
+    encoded = [tok(s, return_tensors="pt") for s in sentences]
+    _refuse_all_unknown(tok, encoded, path)  # before the model loads
+    model = load_model(path)
     metrics = [Metric.RESIDUAL, Metric.ATTENTION, Metric.MASSIVE, Metric.OUTPUT_NORM, Metric.HEADROOM]
     mon = Monitor(model, every=1, metrics=metrics, alarms=[], per_head=False, print_alarms=False)
     if not mon.blocks:
         raise ValueError(f"no repeated blocks found in {type(model).__name__}")
-    encoded = [tok(s, return_tensors="pt") for s in sentences]
-    _refuse_all_unknown(tok, encoded, path)
     tokens: list[list[str]] = []
     with torch.no_grad():
         for enc in encoded:

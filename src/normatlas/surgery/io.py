@@ -212,7 +212,8 @@ def _copy_others(source: Checkpoint, dest: Path) -> tuple[list[str], list[str]]:
             if rel == Path(".") and name in ("config.json", MANIFEST, INDEX):
                 continue
             if is_weight_file(src):
-                skipped.append(relname)
+                if src not in source.files:  # the input's own shards are rewritten, not skipped
+                    skipped.append(relname)
                 continue
             shutil.copyfile(src, dest / relname)
             os.chmod(dest / relname, file_mode(src.stat().st_mode))

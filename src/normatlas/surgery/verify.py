@@ -69,9 +69,10 @@ class Tolerance:
         working_tol: float | None = None,
     ) -> Tolerance:
         """The defaults of :data:`DEFAULT_TOLERANCE` for a checkpoint stored in ``stored`` and checked in
-        ``working``, each overridden where given."""
+        ``working`` (the working one never tighter than the float64 one), each overridden where given."""
         t64 = DEFAULT_TOLERANCE.get(stored, DEFAULT_TOLERANCE[torch.float32])[0]
-        tw = DEFAULT_TOLERANCE.get(working, DEFAULT_TOLERANCE[torch.float32])[1]
+        # a check in a wider working dtype still sees the stored rounding: never tighter than the float64 one
+        tw = max(DEFAULT_TOLERANCE.get(working, DEFAULT_TOLERANCE[torch.float32])[1], t64)
         return cls(t64 if float64 is None else float64, tw if working_tol is None else working_tol)
 
 
