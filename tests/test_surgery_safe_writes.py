@@ -215,3 +215,9 @@ def test_diagnose_refuses_a_vocabulary_that_makes_every_word_unknown(minilm_dir,
     (folder / "vocab.txt").write_text("\n".join(specials + [f"[unused{i}]" for i in range(30522 - 5)]) + "\n")
     assert run(["diagnose", "--model", str(folder), "--sentence", "The cat sat on the mat."]) == 2
     assert "[UNK]" in _one_line(capsys.readouterr().err)
+
+
+def test_diagnose_with_groups_prints_one_json_document(minilm_dir, capsys) -> None:
+    assert run(["diagnose", "--sentence", "The cat sat on the mat.", "--groups", "--format", "json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert len(doc["layers"]) == 6 and doc["param_groups"] and doc["sentences"] == 1

@@ -204,7 +204,11 @@ def run_checks(
 ) -> Surgery:
     """Attach the proof to ``surgery``: runtime (swapped) model, the saved structure when it is
     meant to be stock-equivalent, and the deferred-normalisation runtime when :func:`.fold.fold_gains`
-    deferred any norm, each in float64 and the working dtype (all must pass for ``surgery.passed``)."""
+    deferred any norm, each in float64 and the working dtype (all must pass for ``surgery.passed``).
+
+    The working dtype defaults to ``before``'s own (:func:`model_dtype`: the checkpoint's), the tolerance to
+    :meth:`Tolerance.default` for those dtypes. For a 16-bit checkpoint transformed in an :func:`analysis_copy`,
+    call :meth:`Surgery.restore_dtypes` first, so the proof measures the tensors as they will be written."""
     wdtype = working_dtype or model_dtype(before)
     tol = tolerance or Tolerance.default(model_dtype(before), wdtype)
     targets = [("runtime", runtime if runtime is not None else surgery.runtime())]
