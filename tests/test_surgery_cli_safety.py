@@ -357,3 +357,12 @@ def test_ctrl_c_during_a_write_leaves_nothing_behind(gpt2_dir, tmp_path, monkeyp
     except KeyboardInterrupt:
         code = 130
     assert code == 130 and list(tmp_path.iterdir()) == []
+
+
+def test_an_output_that_needs_its_swaps_is_refused_as_input(gpt2_dir, tmp_path, capsys) -> None:
+    gain = tmp_path / "gain"
+    assert run(["convert", "gain", str(gpt2_dir), str(gain), "--to", "1+w"]) == 0
+    capsys.readouterr()
+    assert run(["fold", str(gain), str(tmp_path / "folded")]) == 2  # its stock structure is another model
+    assert "runtime swaps" in _one_line(capsys.readouterr().err)
+    assert not (tmp_path / "folded").exists()

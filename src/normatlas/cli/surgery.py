@@ -150,6 +150,24 @@ def _located(path: str, what: str = "checkpoint") -> Any:
         raise CliError(f"cannot read {what} {path}: {exc.strerror or exc}") from exc
 
 
+def _refuse_swapped_input(root: Path) -> None:
+    """An earlier output that is not stock-equivalent (gain, eps) computes its function only with the manifest's
+    swaps; transforming its stock structure would start from a different model."""
+    import json
+
+    from normatlas.surgery import MANIFEST
+
+    try:
+        manifest = json.loads((root / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return
+    if isinstance(manifest, dict) and manifest.get("swaps") and manifest.get("stock_equivalent") is False:
+        raise CliError(
+            f"{root} is a {manifest.get('transform')} output that computes its function only with the runtime swaps "
+            f"in {MANIFEST}; transform the original checkpoint instead"
+        )
+
+
 def _prepare(args: argparse.Namespace) -> list[str]:
     """Everything cheap, before loading: --dry-run vs OUTPUT, the checkpoint folder, the output location.
     Returns the notes of stale temporary folders removed from the output's place."""
@@ -160,6 +178,7 @@ def _prepare(args: argparse.Namespace) -> list[str]:
     if not args.dry_run and not args.output:
         raise CliError("an OUTPUT folder is required (or pass --dry-run)")
     _located(args.checkpoint)
+    _refuse_swapped_input(Path(args.checkpoint))
     if args.dry_run:
         return []
     try:
