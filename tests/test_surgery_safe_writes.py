@@ -181,6 +181,7 @@ def minilm_dir() -> Path:
     return minilm_path()
 
 
+@pytest.mark.slow  # ~20 s on 2 cores: converts, proves, writes and reloads the real checkpoint
 def test_minilm_converted_loads_with_autotokenizer_and_automodel_and_diagnoses(minilm_dir, tmp_path, capsys) -> None:
     from transformers import AutoModel, AutoTokenizer
 
