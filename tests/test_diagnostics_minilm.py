@@ -65,8 +65,13 @@ def test_report_table_on_real_sentences() -> None:
 
 def test_cli_diagnose_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["diagnose", "--sentence", SENTENCE, "--format", "json"]) == 0
-    rows = json.loads(capsys.readouterr().out)
-    assert len(rows) == 6 and {"rms", "attn_entropy", "massive_token", "sink_token"} <= set(rows[0])
+    doc = json.loads(capsys.readouterr().out)  # one JSON document: meta, then the "layers" section
+    rows = doc["layers"]
+    assert (
+        doc["sentences"] == 1
+        and len(rows) == 6
+        and {"rms", "attn_entropy", "massive_token", "sink_token"} <= set(rows[0])
+    )
     assert main(["diagnose", "--model", "/nonexistent/folder"]) == 2
 
 

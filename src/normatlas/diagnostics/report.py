@@ -19,7 +19,7 @@ import torch
 
 from .monitor import Metric, Monitor
 
-__all__ = ["DEFAULT_SENTENCES", "diagnose_hf", "minilm_path"]
+__all__ = ["DEFAULT_SENTENCES", "diagnose_hf", "load_model", "load_tokenizer", "minilm_path"]
 
 DEFAULT_SENTENCES = (
     "The cat sat quietly on the warm windowsill all afternoon.",
@@ -42,6 +42,51 @@ def minilm_path() -> Path:
     return Path(pkg.__file__).resolve().parent / "model"
 
 
+def load_tokenizer(path: Path) -> Any:
+    """The tokenizer of a local checkpoint folder, offline, after the folder passed the one load policy
+    (:func:`normatlas.checkpoint.locate`: config.json as JSON, weights from safetensors only, never a pickle).
+    A folder without tokenizer files is refused as such."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoTokenizer
+
+    from ..checkpoint import TOKENIZER_FILES, locate, tokenizer_files
+
+    if not path.is_dir():
+        raise FileNotFoundError(f"model_dir={str(path)!r} is not a folder with a transformers checkpoint")
+    locate(path)
+    if not tokenizer_files(path):
+        raise FileNotFoundError(
+            f"{path} has no tokenizer (no {', '.join(TOKENIZER_FILES[:3])} or other tokenizer file); diagnose runs "
+            "real sentences, so the folder needs the tokenizer files the model was trained with"
+        )
+    try:
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except Exception as exc:  # transformers raises many kinds here; one true line
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+        raise ValueError(f"cannot load the tokenizer in {path} ({type(exc).__name__}: {first})") from exc
+
+
+def load_model(path: Path) -> Any:
+    """``AutoModel`` of a folder that passed :func:`load_tokenizer`'s checks, from safetensors only."""
+    from transformers import AutoModel
+
+    return AutoModel.from_pretrained(path, local_files_only=True, use_safetensors=True).eval()
+
+
+def _refuse_all_unknown(tok: Any, encoded: Sequence[Any], path: Path) -> None:
+    """A tokenizer that maps every word to its unknown token (an empty vocabulary) makes the report meaningless."""
+    unk = getattr(tok, "unk_token_id", None)
+    if unk is None:
+        return
+    special = set(getattr(tok, "all_special_ids", []) or []) - {unk}
+    ids = [i for enc in encoded for i in enc["input_ids"][0].tolist() if i not in special]
+    if ids and all(i == unk for i in ids):
+        raise ValueError(
+            f"the tokenizer in {path} maps every word of the sentences to {tok.unk_token!r} (an empty or wrong "
+            "vocabulary); put the model's own tokenizer files in the folder"
+        )
+
+
 def _fmt(v: float) -> str:
     return f"{v:.4g}"
 
@@ -56,24 +101,23 @@ def diagnose_hf(
     attention entropy (nats) and normalized entropy, max logit, the sink key position
     and its attention share, and the largest massive activation (x median, token, channel).
     """
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from transformers import AutoModel, AutoTokenizer
-
     path = Path(model_dir) if model_dir is not None else minilm_path()
-    if not path.is_dir():
-        raise FileNotFoundError(f"model_dir={str(path)!r} is not a folder with a transformers checkpoint")
-    if not sentences:
-        raise ValueError("sentences must hold at least one sentence")
-    tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    model = AutoModel.from_pretrained(path, local_files_only=True).eval()
+    if isinstance(sentences, str) or not sentences:
+        raise ValueError("sentences must be a sequence holding at least one sentence")
+    empty = [i for i, s in enumerate(sentences) if not isinstance(s, str) or not s.strip()]
+    if empty:
+        raise ValueError(f"sentences[{empty[0]}]={sentences[empty[0]]!r} is empty; every sentence needs words")
+    tok = load_tokenizer(path)
+    encoded = [tok(s, return_tensors="pt") for s in sentences]
+    _refuse_all_unknown(tok, encoded, path)  # before the model loads
+    model = load_model(path)
     metrics = [Metric.RESIDUAL, Metric.ATTENTION, Metric.MASSIVE, Metric.OUTPUT_NORM, Metric.HEADROOM]
     mon = Monitor(model, every=1, metrics=metrics, alarms=[], per_head=False, print_alarms=False)
     if not mon.blocks:
         raise ValueError(f"no repeated blocks found in {type(model).__name__}")
     tokens: list[list[str]] = []
     with torch.no_grad():
-        for s in sentences:
-            enc = tok(s, return_tensors="pt")
+        for enc in encoded:
             tokens.append(list(tok.convert_ids_to_tokens(enc["input_ids"][0].tolist())))
             model(**enc)
             mon.step()

@@ -14,6 +14,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..checkpoint import PICKLE_SUFFIXES
+
 __all__ = ["KV_SHARED_LAYER_COUNTS", "TINY", "build_target", "build_vision", "example_inputs", "tiny_config"]
 
 # Shrunk sizes (litgpt-style: keep the architecture, shrink the widths). Originals are
@@ -179,21 +181,17 @@ def build_target(target: str, seed: int = 0) -> tuple[nn.Module, Any, str]:
     torch.manual_seed(seed)
     path = Path(target)
     if path.is_dir():
-        cfg_file = path / "config.json"
-        if not cfg_file.is_file():
-            raise FileNotFoundError(f"{target}: folder has no config.json (need config.json + *.safetensors)")
         from transformers import AutoConfig
 
+        from ..checkpoint import locate, read_tensors
+
+        ckpt = locate(path, weights=False)  # the one load policy: config.json as JSON, safetensors only
         cfg = AutoConfig.from_pretrained(str(path))
         cfg._attn_implementation = "eager"
         model = _model_for_checkpoint(cfg)
-        files = sorted(path.glob("*.safetensors"))
+        files = ckpt.files
         if files:
-            from safetensors.torch import load_file
-
-            state: dict[str, torch.Tensor] = {}
-            for f in files:
-                state.update(load_file(str(f)))
+            state, _ = read_tensors(ckpt)
             own = model.state_dict()
             prefix = getattr(model, "base_model_prefix", "")
             remapped = {}
@@ -226,6 +224,10 @@ def build_target(target: str, seed: int = 0) -> tuple[nn.Module, Any, str]:
             else:
                 raise ValueError(f"{target}: return (module, example_inputs) or give the module example_inputs()")
         return model.eval(), inputs, target
+    if path.is_file() and path.suffix.lower() in PICKLE_SUFFIXES:
+        from ..checkpoint import locate
+
+        locate(path)  # refuses the pickle with the load policy's message
     if path.exists():
         raise FileNotFoundError(f"{target}: not a folder (need a checkpoint folder with config.json)")
     cfg = tiny_config(target)

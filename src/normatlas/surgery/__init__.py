@@ -6,7 +6,7 @@ measured norm behaviour (:mod:`.norms`), never parameter names; returns a
 reasons); is proven by :func:`run_checks` (before vs after on probes, float64 and the
 working dtype); and is written only when the proof passes (:func:`save_surgery`).
 
->>> s = fold_gains(model, inputs); run_checks(model, s, inputs); save_surgery(s, "out/", inputs=inputs)
+>>> s = fold_gains(model, inputs); run_checks(model, s, inputs); save_surgery(s, "out/", inputs=inputs, source="ckpt/")
 """
 
 from .convert import (
@@ -22,23 +22,38 @@ from .dataflow import Dataflow, record
 from .fold import DeferredNormLinear, cancel_pre_attention_norms, deferred_runtime, fold_gains, linear_consumers
 from .io import MANIFEST, load_checkpoint, load_transformed, save_surgery
 from .norms import NormFacts, find_norms, probe_norm
-from .report import Change, Check, Refusal, Surgery, Swap, apply_swaps
-from .verify import Tolerance, compare, model_output, probe_inputs, run_checks
+from .output import OutputPlan, check_output
+from .report import Change, Check, NothingToChange, Refusal, Surgery, Swap, apply_swaps
+from .verify import (
+    DEFAULT_TOLERANCE,
+    Tolerance,
+    analysis_copy,
+    compare,
+    model_dtype,
+    model_output,
+    probe_inputs,
+    run_checks,
+)
 
 __all__ = [
+    "DEFAULT_TOLERANCE",
     "MANIFEST",
     "Change",
     "Check",
     "Dataflow",
     "DeferredNormLinear",
     "NormFacts",
+    "NothingToChange",
+    "OutputPlan",
     "Refusal",
     "Surgery",
     "Swap",
     "Tolerance",
+    "analysis_copy",
     "apply_swaps",
     "cancel_pre_attention_norms",
     "change_eps",
+    "check_output",
     "compare",
     "convert_gain_convention",
     "deferred_runtime",
@@ -52,6 +67,7 @@ __all__ = [
     "ln_to_rms",
     "load_checkpoint",
     "load_transformed",
+    "model_dtype",
     "model_output",
     "probe_inputs",
     "probe_norm",

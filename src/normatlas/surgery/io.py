@@ -1,83 +1,53 @@
-"""Read checkpoints safely, write them atomically, and load a transformed one back.
+"""Read checkpoints under the one load policy, write them atomically, and load a transformed one back.
 
-Reading: only ``config.json`` (JSON) and ``*.safetensors`` are ever read; a pickle
-(``*.bin``, ``*.pt``, ``*.pth``, ``*.ckpt``, ``*.pkl``) is refused, never unpickled. The
-model is built from ``config.json``'s architecture (a transformers class) and every
-tensor is checked against it by name and shape before loading.
+Reading (:mod:`normatlas.checkpoint`): only ``config.json`` (JSON) and safetensors are ever read; a pickle is
+refused, never unpickled. The model is built from ``config.json``'s architecture (a transformers class), every
+tensor is checked against it by name and shape, and every tensor keeps its stored dtype (a bfloat16 checkpoint
+loads as bfloat16, an int32 buffer stays int32).
 
-Writing: everything goes into a temporary folder beside the target, which is renamed
-into place only when complete and verified (every tensor read back bitwise equal, the model rebuilt
-from the folder reproducing the verified output bitwise), so a failure leaves no output behind. The folder holds
-``model.safetensors`` (the transformed weights in the stock module structure),
-``config.json`` (transformers loads it) and ``normatlas_surgery.json`` (the runtime
-swaps, what changed and the measured proof). :func:`load_transformed` rebuilds the
-runtime model: stock structure, weights, then the swaps.
+Writing (:func:`save_surgery`): the output location is checked first (:func:`.output.check_output`: never the
+input, inside it or around it; ``force`` replaces only an earlier normatlas output). Everything goes into a
+temporary folder beside the target, which is renamed into place only when complete and verified (every tensor
+read back bitwise equal, the model rebuilt from the folder reproducing the verified output bitwise), so a
+failure, Ctrl-C or SIGTERM leaves no output behind. The folder holds the transformed weights in the stock module
+structure, each tensor in its own dtype, sharded as the input was (same shard names, with
+``model.safetensors.index.json``); ``config.json`` (transformers loads it; its ``dtype`` is the weights');
+every other file of the input (tokenizer, generation config, chat template, README, subfolders), copied; and
+``normatlas_surgery.json`` (the runtime swaps, what changed and the measured proof; also the marker that lets
+a later ``force`` replace the folder). Weights in other formats (a stale ``pytorch_model.bin``) are not copied:
+they hold the untransformed values. :func:`load_transformed` rebuilds the runtime model: stock structure,
+weights, then the swaps.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import shutil
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from .report import Surgery, Swap, apply_swaps
+from ..checkpoint import INDEX, PICKLE_SUFFIXES, Checkpoint, is_weight_file, locate, read_tensors, storage_dtype
+from .output import MANIFEST, WRITING, check_output, dir_mode, file_mode, interruptible
+from .report import NothingToChange, Surgery, Swap, apply_swaps
 
-__all__ = ["MANIFEST", "load_checkpoint", "load_transformed", "save_surgery"]
-
-MANIFEST = "normatlas_surgery.json"
-PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
-
-
-def _safetensors_files(path: Path) -> list[Path]:
-    if path.is_file():
-        if path.suffix in PICKLE_SUFFIXES:
-            raise ValueError(
-                f"refusing to read {path}: a pickle file can run code when loaded; "
-                "convert it to safetensors first (normatlas never unpickles)"
-            )
-        raise ValueError(f"checkpoint={str(path)!r} must be a folder with config.json and *.safetensors")
-    if not path.is_dir():
-        raise FileNotFoundError(f"checkpoint folder {str(path)!r} does not exist")
-    files = sorted(path.glob("*.safetensors"))
-    pickles = sorted(p.name for p in path.iterdir() if p.suffix in PICKLE_SUFFIXES)
-    if not files:
-        what = f"only pickle weights ({', '.join(pickles)})" if pickles else "no *.safetensors file"
-        raise ValueError(
-            f"refusing {path}: it has {what}; normatlas reads weights from safetensors only, never from pickles"
-        )
-    return files
+__all__ = ["MANIFEST", "PICKLE_SUFFIXES", "check_output", "load_checkpoint", "load_transformed", "save_surgery"]
 
 
-def _read_tensors(files: list[Path]) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    out: dict[str, torch.Tensor] = {}
-    for f in files:
-        try:
-            out.update(load_file(str(f)))
-        except Exception as exc:
-            raise ValueError(
-                f"{f} is not a valid safetensors file ({type(exc).__name__}: {exc}); if it is a "
-                "pickle renamed, convert it properly: normatlas never unpickles"
-            ) from exc
-    return out
-
-
-def _build(path: Path, config_updates: dict[str, Any] | None = None) -> nn.Module:
+def _build(ckpt: Checkpoint) -> nn.Module:
     import transformers
 
-    cfg_file = path / "config.json"
-    if not cfg_file.is_file():
-        raise ValueError(f"{path} has no config.json")
-    config = transformers.AutoConfig.from_pretrained(str(path))
-    for k, v in (config_updates or {}).items():
-        setattr(config, k, v)
+    try:
+        config = transformers.AutoConfig.from_pretrained(str(ckpt.root))
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        first = (str(exc).splitlines() or [type(exc).__name__])[0]
+        raise ValueError(f"{ckpt.root / 'config.json'}: transformers cannot read it as a config ({first})") from exc
     arch = (getattr(config, "architectures", None) or [None])[0]
     cls = getattr(transformers, arch, None) if isinstance(arch, str) else None
     if cls is None or not isinstance(cls, type) or not issubclass(cls, nn.Module):
@@ -91,6 +61,8 @@ def _build(path: Path, config_updates: dict[str, Any] | None = None) -> nn.Modul
 
 @torch.no_grad()
 def _load_into(model: nn.Module, tensors: dict[str, torch.Tensor], where: Path) -> None:
+    """Check ``tensors`` against ``model`` by name, shape and kind, then install them with their own dtype
+    (the Parameter objects stay, so tied weights stay tied)."""
     expected = model.state_dict()
     buffers = {n for n, _ in model.named_buffers()}
     missing = [k for k in expected if k not in tensors]
@@ -105,12 +77,27 @@ def _load_into(model: nn.Module, tensors: dict[str, torch.Tensor], where: Path) 
     if unexpected:
         raise ValueError(f"{where} has tensor(s) {unexpected[:5]} that {type(model).__name__} does not have")
     for k, v in tensors.items():
-        if k in expected and tuple(v.shape) != tuple(expected[k].shape):
+        if k not in expected:
+            continue
+        want = expected[k]
+        if tuple(v.shape) != tuple(want.shape):
             raise ValueError(
                 f"{where}: tensor {k!r} has shape {tuple(v.shape)} but config.json's "
-                f"{type(model).__name__} needs {tuple(expected[k].shape)}"
+                f"{type(model).__name__} needs {tuple(want.shape)}"
             )
-    model.load_state_dict({k: v for k, v in tensors.items() if k in expected}, strict=False)
+        if v.is_floating_point() != want.is_floating_point() or v.is_complex() != want.is_complex():
+            raise ValueError(
+                f"{where}: tensor {k!r} is {str(v.dtype).replace('torch.', '')} but config.json's "
+                f"{type(model).__name__} computes with a {str(want.dtype).replace('torch.', '')} tensor there"
+            )
+    for k, v in tensors.items():
+        if k in expected:
+            prefix, _, attr = k.rpartition(".")
+            owner = model.get_submodule(prefix)
+            slot = owner._parameters.get(attr) if attr in owner._parameters else owner._buffers.get(attr)
+            if slot is None:
+                raise ValueError(f"{where}: tensor {k!r} has no parameter or buffer to load into")
+            slot.data = v
 
 
 def _is_tied(model: nn.Module, key: str, tensors: dict[str, torch.Tensor]) -> bool:
@@ -120,12 +107,12 @@ def _is_tied(model: nn.Module, key: str, tensors: dict[str, torch.Tensor]) -> bo
 
 
 def load_checkpoint(path: str | os.PathLike[str]) -> nn.Module:
-    """Build the transformers model ``config.json`` names and load its safetensors weights, checked."""
-    root = Path(path)
-    files = _safetensors_files(root)
-    tensors = _read_tensors(files)
-    model = _build(root)
-    _load_into(model, tensors, root)
+    """Build the transformers model ``config.json`` names and load its safetensors weights, checked, each
+    tensor in its stored dtype."""
+    ckpt = locate(path)
+    tensors, _ = read_tensors(ckpt)
+    model = _build(ckpt)
+    _load_into(model, tensors, ckpt.root)
     return model
 
 
@@ -135,11 +122,12 @@ def load_transformed(path: str | os.PathLike[str]) -> tuple[nn.Module, nn.Module
     manifest_file = root / MANIFEST
     if not manifest_file.is_file():
         raise ValueError(f"{root} has no {MANIFEST}; it was not written by normatlas surgery")
-    manifest = json.loads(manifest_file.read_text())
+    try:
+        manifest = json.loads(manifest_file.read_text())
+    except ValueError as exc:
+        raise ValueError(f"{manifest_file} is not valid JSON ({exc})") from exc
     stock = load_checkpoint(root)
     swaps = [Swap(**s) for s in manifest.get("swaps", [])]
-    import copy
-
     runtime = apply_swaps(copy.deepcopy(stock), swaps)
     return stock, runtime, manifest
 
@@ -189,21 +177,86 @@ def _rebuild(surgery: Surgery, folder: Path, written: dict[str, torch.Tensor]) -
     if (folder / "config.json").is_file():
         stock, runtime, _ = load_transformed(folder)
         return stock, runtime
-    import copy
-
     stock = copy.deepcopy(surgery.stock).eval()
     _load_into(stock, written, folder)
     return stock, apply_swaps(copy.deepcopy(stock), surgery.swaps)
 
 
-def save_surgery(surgery: Surgery, out: str | os.PathLike[str], *, force: bool = False, inputs: Any = None) -> Path:
-    """Write ``surgery`` atomically, only when its proof passed. Before publishing, the written safetensors
-    are read back and every tensor must equal the in-memory one bitwise; the model is rebuilt from the
-    written folder (config.json, or the in-memory structure for a non-transformers model) and must hold the
-    same tensors; and the rebuilt runtime model's output must be bitwise the in-memory one's on ``inputs``
-    (default: :func:`.verify.probe_inputs` for a transformers model). A model that has neither ``inputs``
-    nor a transformers config is refused: its output could not be compared."""
-    from safetensors.torch import load_file, save_file
+def _shards(state: dict[str, torch.Tensor], source: Checkpoint | None) -> dict[str, dict[str, torch.Tensor]]:
+    """Mirror the input's sharding: each tensor goes to the shard file it came from (a tensor new to the
+    output, such as an untied head, to the last shard); an unsharded input gives one model.safetensors."""
+    if source is None or not source.sharded:
+        return {"model.safetensors": state}
+    home = source.names
+    order = [f.name for f in source.files]
+    out: dict[str, dict[str, torch.Tensor]] = {f: {} for f in order}
+    for k, v in state.items():
+        out[home.get(k, order[-1])][k] = v
+    return {f: part for f, part in out.items() if part}
+
+
+def _copy_others(source: Checkpoint, dest: Path) -> tuple[list[str], list[str]]:
+    """Copy every file of the input that is not weights and not rewritten here (config.json, the manifest),
+    subfolders included, with the umask's modes: (copied, skipped weight files), relative paths."""
+    copied: list[str] = []
+    skipped: list[str] = []
+    for folder, dirs, files in os.walk(source.root):
+        rel = Path(folder).relative_to(source.root)
+        dirs.sort()
+        for d in dirs:
+            (dest / rel / d).mkdir(exist_ok=True)
+            os.chmod(dest / rel / d, dir_mode())
+        for name in sorted(files):
+            relname = str(rel / name) if rel != Path(".") else name
+            src = Path(folder) / name
+            if rel == Path(".") and name in ("config.json", MANIFEST, INDEX):
+                continue
+            if is_weight_file(src):
+                if src not in source.files:  # the input's own shards are rewritten, not skipped
+                    skipped.append(relname)
+                continue
+            shutil.copyfile(src, dest / relname)
+            os.chmod(dest / relname, file_mode(src.stat().st_mode))
+            copied.append(relname)
+    return copied, skipped
+
+
+def _write_state(tmp: Path, shards: dict[str, dict[str, torch.Tensor]], indexed: bool) -> list[str]:
+    from safetensors.torch import save_file
+
+    for fname, part in shards.items():
+        save_file(part, str(tmp / fname), metadata={"format": "pt"})
+    names = list(shards)
+    if indexed:
+        total = sum(t.numel() * t.element_size() for part in shards.values() for t in part.values())
+        weight_map = {k: f for f, part in shards.items() for k in sorted(part)}
+        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+        (tmp / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+        names.append(INDEX)
+    return names
+
+
+def save_surgery(
+    surgery: Surgery,
+    out: str | os.PathLike[str],
+    *,
+    force: bool = False,
+    inputs: Any = None,
+    source: str | os.PathLike[str] | None = None,
+    force_hint: str = "force=True",
+) -> Path:
+    """Write ``surgery`` atomically, only when its proof passed and it changes something
+    (:class:`.report.NothingToChange` otherwise).
+
+    ``source`` is the input checkpoint folder: the output must not be it, lie inside it or contain it; its
+    sharding is mirrored and its other files are copied. ``force`` replaces an earlier normatlas output, never
+    another folder. Before publishing, the written safetensors are read back and every tensor must equal the
+    in-memory one bitwise (dtype included); the model is rebuilt from the written folder (config.json, or the
+    in-memory structure for a non-transformers model) and must hold the same tensors; and the rebuilt runtime
+    model's output must be bitwise the in-memory one's on ``inputs`` (default: :func:`.verify.probe_inputs` for a
+    transformers model). A model that has neither ``inputs`` nor a transformers config is refused: its output
+    could not be compared."""
+    from safetensors.torch import load_file
 
     from .verify import model_output, probe_inputs
 
@@ -212,11 +265,13 @@ def save_surgery(surgery: Surgery, out: str | os.PathLike[str], *, force: bool =
     if not surgery.passed:
         failed = [f"{c.model}/{c.dtype} max_rel={c.max_rel:.3g}" for c in surgery.checks if not c.passed]
         raise ValueError(f"refusing to write: verification failed the tolerance ({'; '.join(failed)})")
-    target = Path(out)
-    if target.exists() and not target.is_dir():
-        raise ValueError(f"output={str(target)!r} exists and is not a folder; pass a folder path to write into")
-    if target.exists() and any(target.iterdir()) and not force:
-        raise ValueError(f"output={str(target)!r} exists and is not empty; pass force=True to replace it")
+    if not surgery.changed:
+        raise NothingToChange(f"nothing to change: {surgery.transform}: {surgery.nothing_reason()}; nothing written")
+    plan = check_output(out, source=source, force=force, force_hint=force_hint)
+    for msg in plan.removed:
+        warnings.warn(msg, stacklevel=2)
+    target = plan.target
+    src = locate(source) if source is not None else None
     model = surgery.stock
     config = getattr(model, "config", None)
     if inputs is None and config is not None:
@@ -229,32 +284,54 @@ def save_surgery(surgery: Surgery, out: str | os.PathLike[str], *, force: bool =
             "refusing to write: inputs=None and the model has no transformers config to make probe inputs "
             "from, so the written model's output cannot be compared; pass inputs="
         )
-    for parent in (target.parent, *target.parent.parents):
-        if parent.exists() and not parent.is_dir():
-            raise ValueError(f"output={str(target)!r}: {str(parent)!r} is a file, not a folder")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    ref = model.state_dict()
+    state = _dedup(ref)
+    shards = _shards(state, src)
+    stored = storage_dtype(state.values())
     try:
-        save_file(_dedup(model.state_dict()), str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        if config is not None:
-            config.architectures = [type(model).__name__]
-            (tmp / "config.json").write_text(config.to_json_string())
-        (tmp / MANIFEST).write_text(json.dumps(surgery.manifest(), indent=2, default=str))
-        ref = model.state_dict()
-        written = load_file(str(tmp / "model.safetensors"))
-        _check_written(ref, written)  # the file itself
-        stock, reloaded = _rebuild(surgery, tmp, written)
-        _check_written(ref, {k: v for k, v in stock.state_dict().items() if k in written})  # what loads from it
-        if not torch.equal(model_output(reloaded, inputs)[0], model_output(surgery.runtime(), inputs)[0]):
-            raise ValueError("the reloaded runtime model does not reproduce the verified output")
-        if target.exists():
-            old = target.with_name(f".{target.name}.old-{os.getpid()}")
-            os.replace(target, old)
-            os.replace(tmp, target)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, target)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+        target.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise OSError(f"could not create {target.parent}: {exc.strerror or exc}") from exc
+    with interruptible():
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+        try:
+            os.chmod(tmp, dir_mode())
+            (tmp / WRITING).write_text(json.dumps({"pid": os.getpid()}))
+            written_files = _write_state(tmp, shards, indexed=src is not None and src.sharded)
+            if config is not None:
+                config.architectures = [type(model).__name__]
+                if stored is not None:
+                    config.dtype = stored  # config.json says what the weights are
+                (tmp / "config.json").write_text(config.to_json_string())
+                written_files.append("config.json")
+            copied, skipped = _copy_others(src, tmp) if src is not None else ([], [])
+            manifest = surgery.manifest()
+            manifest["dtype"] = None if stored is None else str(stored).replace("torch.", "")
+            manifest["files"] = {"weights": [f for f in written_files if f != "config.json"], "copied": copied}
+            if skipped:
+                manifest["files"]["not_copied"] = skipped
+            (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, default=str))
+            for f in [*written_files, MANIFEST]:
+                os.chmod(tmp / f, file_mode())
+            written: dict[str, torch.Tensor] = {}
+            for fname in shards:
+                written.update(load_file(str(tmp / fname)))
+            _check_written(ref, written)  # the files themselves
+            stock, reloaded = _rebuild(surgery, tmp, written)
+            _check_written(ref, {k: v for k, v in stock.state_dict().items() if k in written})  # what loads from it
+            if not torch.equal(model_output(reloaded, inputs)[0], model_output(surgery.runtime(), inputs)[0]):
+                raise ValueError("the reloaded runtime model does not reproduce the verified output")
+            (tmp / WRITING).unlink()
+            if target.exists():
+                old = target.with_name(f".{target.name}.old-{os.getpid()}")
+                os.replace(target, old)
+                os.replace(tmp, target)
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                os.replace(tmp, target)
+        except OSError as exc:
+            raise OSError(f"could not write {target}: {exc.strerror or exc}; nothing was written") from exc
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
     return target

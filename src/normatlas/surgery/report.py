@@ -12,7 +12,21 @@ from torch import nn
 from ..modules import Norm
 from ..spec import CastOrder, EpsPlacement, Gain, GainConvention, Layout, NormSpec, Scale, parse_enum
 
-__all__ = ["Change", "Check", "Refusal", "Surgery", "Swap", "apply_swaps", "spec_from_dict", "spec_to_dict"]
+__all__ = [
+    "Change",
+    "Check",
+    "NothingToChange",
+    "Refusal",
+    "Surgery",
+    "Swap",
+    "apply_swaps",
+    "spec_from_dict",
+    "spec_to_dict",
+]
+
+
+class NothingToChange(ValueError):
+    """A surgery that changes nothing in the model: it is reported, never written as a copy."""
 
 
 @dataclass
@@ -40,6 +54,7 @@ class Check:
     top1: float | None
     min_cos: float | None
     passed: bool
+    tol: float | None = None  # the max_rel this check had to stay within
 
 
 @dataclass
@@ -88,6 +103,34 @@ class Surgery:
                 text().tie_word_embeddings = False
 
     @property
+    def changed(self) -> bool:
+        """Whether the transformation changes anything (a tensor, a runtime swap or the config)."""
+        return bool(self.changes or self.swaps or self.config_updates)
+
+    def nothing_reason(self) -> str:
+        """Why nothing changed, in words: the refusals, or that the model has nothing this transform applies to."""
+        if self.refusals:
+            return f"every candidate was refused ({len(self.refusals)}; the reasons are listed)"
+        return "the model has nothing this transformation applies to"
+
+    @torch.no_grad()
+    def restore_dtypes(self, dtypes: dict[str, torch.dtype]) -> list[str]:
+        """Cast the saved model's tensors back to ``dtypes`` (name -> the stored dtype, e.g. from the loaded
+        checkpoint's ``state_dict()``), after a transformation computed in a wider dtype: what is written keeps
+        every tensor's dtype, and the proof (run after this) measures the rounding. Returns the cast names."""
+        cast = []
+        tensors = [
+            *self.stock.named_parameters(remove_duplicate=False),
+            *self.stock.named_buffers(remove_duplicate=False),
+        ]
+        for name, t in tensors:
+            want = dtypes.get(name)
+            if want is not None and t.dtype != want:
+                t.data = t.data.to(want)
+                cast.append(name)
+        return cast
+
+    @property
     def passed(self) -> bool:
         return bool(self.checks) and all(c.passed for c in self.checks)
 
@@ -116,18 +159,17 @@ class Surgery:
         return rows
 
     def check_rows(self) -> list[dict[str, object]]:
-        def fmt(v: float | None) -> str:
-            return "-" if v is None else f"{v:.3g}"
-
+        """One typed row per check (floats, None where a measure does not apply, bool ``passed``)."""
         return [
             {
                 "model": c.model,
                 "dtype": c.dtype,
-                "max_abs": fmt(c.max_abs),
-                "max_rel": fmt(c.max_rel),
-                "top1": fmt(c.top1),
-                "min_cos": "-" if c.min_cos is None else f"{c.min_cos:.8f}",
-                "passed": "yes" if c.passed else "NO",
+                "max_abs": c.max_abs,
+                "max_rel": c.max_rel,
+                "tol": c.tol,
+                "top1": c.top1,
+                "min_cos": c.min_cos,
+                "passed": c.passed,
             }
             for c in self.checks
         ]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -19,9 +20,30 @@ from torch import Tensor, nn
 
 from .report import Check, Surgery
 
-__all__ = ["Tolerance", "compare", "model_output", "probe_inputs", "run_checks"]
+__all__ = [
+    "DEFAULT_TOLERANCE",
+    "Tolerance",
+    "analysis_copy",
+    "compare",
+    "model_dtype",
+    "model_output",
+    "probe_inputs",
+    "run_checks",
+]
 
 Head = Callable[[Tensor, dict[str, Any]], Tensor]
+
+
+# Default largest ``max_rel`` by dtype: (float64 check, by the *stored* dtype; working-dtype check, by the working
+# dtype). A transformation of a 16-bit checkpoint rounds every rewritten tensor to that dtype, so even the float64
+# check measures that rounding (a few ulps of the stored dtype; tiny 16-bit models measure up to ~2.6e-3 in
+# bfloat16, ~5e-4 in float16, on the float64 check, and ~1.2e-2 / ~1.3e-3 in the working dtype).
+DEFAULT_TOLERANCE: dict[torch.dtype, tuple[float, float]] = {
+    torch.float64: (1e-5, 1e-5),
+    torch.float32: (1e-5, 1e-4),
+    torch.bfloat16: (2e-2, 5e-2),
+    torch.float16: (2.5e-3, 5e-3),
+}
 
 
 @dataclass(frozen=True)
@@ -34,8 +56,44 @@ class Tolerance:
     def __post_init__(self) -> None:
         for name in ("float64", "working"):
             v = getattr(self, name)
-            if not isinstance(v, (int, float)) or not v > 0:
-                raise ValueError(f"tolerance {name}={v!r} must be a positive number")
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (0 < v < math.inf):
+                raise ValueError(f"tolerance {name}={v!r} must be a positive finite number")
+
+    @classmethod
+    def default(
+        cls,
+        stored: torch.dtype,
+        working: torch.dtype,
+        *,
+        float64: float | None = None,
+        working_tol: float | None = None,
+    ) -> Tolerance:
+        """The defaults of :data:`DEFAULT_TOLERANCE` for a checkpoint stored in ``stored`` and checked in
+        ``working`` (the working one never tighter than the float64 one), each overridden where given."""
+        t64 = DEFAULT_TOLERANCE.get(stored, DEFAULT_TOLERANCE[torch.float32])[0]
+        # a check in a wider working dtype still sees the stored rounding: never tighter than the float64 one
+        tw = max(DEFAULT_TOLERANCE.get(working, DEFAULT_TOLERANCE[torch.float32])[1], t64)
+        return cls(t64 if float64 is None else float64, tw if working_tol is None else working_tol)
+
+
+def model_dtype(model: nn.Module) -> torch.dtype:
+    """The floating dtype holding most of ``model``'s parameters and buffers (float32 when none is floating)."""
+    from ..checkpoint import storage_dtype
+
+    tensors = [*model.parameters(), *model.buffers()]
+    return storage_dtype(tensors) or torch.float32
+
+
+def analysis_copy(model: nn.Module) -> tuple[nn.Module, dict[str, torch.dtype]]:
+    """(the model to analyse and transform, every tensor's stored dtype). A model holding 16-bit tensors is
+    analysed in a float32 copy (measuring a norm's behaviour in bfloat16 misreads it); pass the transformed
+    :class:`Surgery` to :meth:`Surgery.restore_dtypes` with the dtypes before verifying and writing, so every
+    tensor is written in its own dtype and the proof measures the rounding."""
+    state = model.state_dict()
+    dtypes = {k: v.dtype for k, v in state.items()}
+    if any(v.dtype in (torch.bfloat16, torch.float16) for v in state.values()):
+        return copy.deepcopy(model).float().eval(), dtypes
+    return model, dtypes
 
 
 def probe_inputs(model: nn.Module, *, batch: int = 2, length: int = 12, seed: int = 0) -> dict[str, Any]:
@@ -131,7 +189,7 @@ def compare(
         r2, o2 = ref64.reshape(-1, ref64.shape[-1]), out64.reshape(-1, out64.shape[-1])
         min_cos = float(torch.nn.functional.cosine_similarity(r2, o2, dim=-1).min())
     ok = bool(torch.isfinite(out64).all()) and max_rel <= tol
-    return Check(label, str(dtype).replace("torch.", ""), max_abs, max_rel, top1, min_cos, ok)
+    return Check(label, str(dtype).replace("torch.", ""), max_abs, max_rel, top1, min_cos, ok, tol)
 
 
 def run_checks(
@@ -146,9 +204,13 @@ def run_checks(
 ) -> Surgery:
     """Attach the proof to ``surgery``: runtime (swapped) model, the saved structure when it is
     meant to be stock-equivalent, and the deferred-normalisation runtime when :func:`.fold.fold_gains`
-    deferred any norm, each in float64 and the working dtype (all must pass for ``surgery.passed``)."""
-    tol = tolerance or Tolerance()
-    wdtype = working_dtype or next(before.parameters()).dtype
+    deferred any norm, each in float64 and the working dtype (all must pass for ``surgery.passed``).
+
+    The working dtype defaults to ``before``'s own (:func:`model_dtype`: the checkpoint's), the tolerance to
+    :meth:`Tolerance.default` for those dtypes. For a 16-bit checkpoint transformed in an :func:`analysis_copy`,
+    call :meth:`Surgery.restore_dtypes` first, so the proof measures the tensors as they will be written."""
+    wdtype = working_dtype or model_dtype(before)
+    tol = tolerance or Tolerance.default(model_dtype(before), wdtype)
     targets = [("runtime", runtime if runtime is not None else surgery.runtime())]
     if surgery.stock_equivalent and surgery.swaps:
         targets.append(("stock", surgery.stock))
