@@ -11,8 +11,9 @@ from torch import nn
 
 from .. import presets
 from ..spec import CastOrder
+from . import _progress as progress
 from . import command
-from ._format import format_rows, format_table
+from ._format import Section, add_format_option, emit
 
 
 def _peers() -> list[tuple[str, Callable[[], nn.Module], Callable[[], nn.Module], tuple[int, ...]]]:
@@ -54,17 +55,27 @@ def check_presets(dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat
             err = (a.double() - b.double()).abs().max().item()
             rows.append({
                 "layer": name, "peer": f"{type(peer).__module__.split('.')[0]}.{type(peer).__name__}",
-                "dtype": str(dtype).removeprefix("torch."), "max |ours - peer|": f"{err:.2e}",
-                "bit-exact": "yes" if torch.equal(a, b) else "no",
+                "dtype": str(dtype).removeprefix("torch."), "max |ours - peer|": err,
+                "bit-exact": torch.equal(a, b),
             })  # fmt: skip
     return rows
 
 
-@command("demo", "the taxonomy table, then every preset checked against its torch / HF peer")
+def _configure(p: argparse.ArgumentParser) -> None:
+    add_format_option(p)
+
+
+@command("demo", "the taxonomy table, then every preset checked against its torch / HF peer", _configure)
 def demo(args: argparse.Namespace) -> int:
     from ..taxonomy import taxonomy_table
 
-    print(format_table(taxonomy_table(), "== the taxonomy: which axes you reduce names the layer =="))
-    print()
-    print(format_rows(check_presets(), "table", "== presets of one core against their peers (same weights) =="))
+    with progress.phase("running every preset against its peer"):
+        checks = check_presets()
+    emit(
+        [
+            Section("taxonomy", taxonomy_table(), "== the taxonomy: which axes you reduce names the layer =="),
+            Section("presets", checks, "== presets of one core against their peers (same weights) =="),
+        ],
+        args.format,
+    )
     return 0
