@@ -9,7 +9,7 @@ Tables fit the output width (:func:`output_width`: ``$COLUMNS``, else the termin
 100 columns): long cells wrap at spaces and after ``_ - / . ,`` and are shortened with ``...``
 after a few lines (the whole text stays in JSON and CSV); a table too wide even so is turned
 (one column per row) when it has few rows, or printed as one ``field: value`` block per row.
-A section's ``group`` column is printed once per run of equal values, as a sub-heading.
+A section's ``group`` column is printed once per value, as a sub-heading over its rows.
 """
 
 from __future__ import annotations
@@ -53,8 +53,8 @@ _TRANSPOSE_ROWS = 12  # a too-wide table with at most this many rows is printed 
 class Section:
     """One table of a command's result: ``key`` names it in JSON, ``title`` heads it in a table.
 
-    ``group``: a column whose consecutive equal values are printed once, as a sub-heading above
-    their rows, instead of on every row (tables only; JSON and CSV keep it in every row).
+    ``group``: a column whose value is printed once, as a sub-heading above the rows that share it
+    (gathered in first-seen order), instead of on every row (tables only; JSON and CSV keep it in every row).
     """
 
     key: str
@@ -313,12 +313,13 @@ def format_table(
     if group is None or group not in cols:
         return "\n".join(out + _layout(cols, rows, width))
     rest = [c for c in cols if c != group] or [group]
-    runs: list[tuple[object, list[int]]] = []  # (group value, indices of its rows), consecutive runs
+    runs: list[tuple[object, list[int]]] = []  # (group value, indices of its rows), in first-seen order
     for i, r in enumerate(rows):
-        if runs and runs[-1][0] == r.get(group):
-            runs[-1][1].append(i)
-        else:
+        run = next((members for value, members in runs if value == r.get(group)), None)
+        if run is None:
             runs.append((r.get(group), [i]))
+        else:
+            run.append(i)
     body = _body(rest, rows)
     grid = None
     for cap in (24, 16, 12, 10, 8):  # one header and one set of widths for every group
