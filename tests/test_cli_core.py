@@ -151,7 +151,7 @@ def test_ctrl_c_exits_130_without_traceback(tmp_path: Path) -> None:
     seen = _wait_for(proc, b"ready")
     time.sleep(1.0)  # importing transformers / building the tiny llama
     os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C does: the process and its workers
-    out, err = proc.communicate(timeout=60)
+    _, err = proc.communicate(timeout=60)
     err = (seen + err).decode()
     assert proc.returncode == 130, err
     assert "Traceback" not in err and "KeyboardInterrupt" not in err

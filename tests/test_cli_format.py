@@ -120,7 +120,8 @@ _ROWS = st.lists(
 @given(rows=_ROWS, width=st.integers(20, 160), grouped=st.booleans())
 def test_no_line_is_ever_wider_than_the_width(rows: list[dict[str, object]], width: int, grouped: bool) -> None:
     with mock.patch.dict(os.environ, {"COLUMNS": str(width)}):
-        text = format_table(rows, "a title that is long enough to need wrapping " * 3, group="group" if grouped else None)
+        title = "a title that is long enough to need wrapping " * 3
+        text = format_table(rows, title, group="group" if grouped else None)
     assert _widest(text) <= width, text
 
 
@@ -163,7 +164,9 @@ def test_inspect_takes_format_as_well_as_json(capsys: pytest.CaptureFixture[str]
     assert code == 0 and {r["section"] for r in rows} >= {"design", "sublayers"}
 
 
-def test_compare_several_targets_fits_by_turning_the_table(capsys: pytest.CaptureFixture[str], no_columns: None) -> None:
+def test_compare_several_targets_fits_by_turning_the_table(
+    capsys: pytest.CaptureFixture[str], no_columns: None
+) -> None:
     code, out, _ = run(capsys, "inspect", "tests.test_inspect_cli:toy", "tests.test_inspect_cli:toy", "no_such_xyz")
     assert code == 1 and _widest(out) <= 100
     assert "unknown model type" in out
