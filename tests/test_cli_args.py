@@ -62,8 +62,8 @@ def test_only_refuses_unknown_model_types(tmp_path: Path, capsys: pytest.Capture
     [
         (["inspect", "llama", "--timeout", "5"], "--timeout: only with --all-transformers"),
         (["inspect", "llama", "--only", "gpt2"], "--only: only with --all-transformers"),
-        (["inspect", "--all-transformers", "llama"], "drop the TARGET(s) llama"),
-        (["inspect", "--all-transformers", "--norms"], "--norms: not with --all-transformers"),
+        (["inspect", "--all-transformers", "llama", "--only", "no_such_xyz"], "drop the TARGET(s) llama"),
+        (["inspect", "--all-transformers", "--norms", "--only", "no_such_xyz"], "--norms: not with --all-transformers"),
         (["inspect", "llama", "gpt2", "--norms"], "give a single TARGET"),
         (["inspect"], "give a TARGET"),
         (["matrix", "--agreements"], "--agreements needs --check"),
