@@ -9,7 +9,6 @@ import torch
 from torch import nn
 
 from normatlas.diagnostics import Monitor, param_groups
-from normatlas.diagnostics.alarms import NonFiniteAlarm, default_alarms
 from normatlas.diagnostics.tinylm import TinyLM
 
 
@@ -34,6 +33,8 @@ def test_monitor_on_a_model_without_blocks_says_what_it_looks_for() -> None:
 
 @pytest.mark.parametrize("bad", [math.nan, math.inf, torch.tensor(math.nan)])
 def test_a_nan_or_inf_loss_raises_an_alarm_on_every_step(bad: float | torch.Tensor) -> None:
+    from normatlas.diagnostics.alarms import NonFiniteAlarm, default_alarms
+
     model = TinyLM()
     mon = Monitor(model, every=10, metrics=["grad_norm"], print_alarms=False)
     model(torch.randint(64, (2, 8)))
