@@ -111,7 +111,10 @@ def test_ctrl_c_in_process_is_exit_130_one_line(
     fake: Callable[[BaseException], None], capsys: pytest.CaptureFixture[str]
 ) -> None:
     fake(KeyboardInterrupt())
-    code, _, err = run(capsys, "_fake")
+    try:
+        code, _, err = run(capsys, "_fake")
+    except KeyboardInterrupt:  # it would also stop pytest itself
+        pytest.fail("KeyboardInterrupt escaped main()")
     assert code == 130 and err.strip() == "normatlas _fake: interrupted"
 
 
