@@ -70,7 +70,7 @@ def test_only_refuses_unknown_model_types(tmp_path: Path, capsys: pytest.Capture
         (["matrix", "--from", "sweep.json"], "--from needs --check"),
         (["matrix", "--check", "--family", "Gemma"], "--family: not with --check"),
     ],
-    ids=" ".join,
+    ids=lambda v: " ".join(v) if isinstance(v, list) else "",
 )
 def test_combinations_that_mean_nothing(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
     _cli_error(capsys, argv, message)
