@@ -72,7 +72,7 @@ def inspect_cmd(args: argparse.Namespace) -> int:
 
     _refuse_nonsense(args)
     warnings.filterwarnings("ignore")
-    with progress.phase("importing transformers"):
+    with progress.phase("loading the inspector"):
         from ..inspect import UntraceableModel, inspect_target, inspect_vision_target
 
     if args.all_transformers:

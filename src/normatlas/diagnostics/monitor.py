@@ -136,7 +136,9 @@ class Monitor:
         model: any ``nn.Module``.
         every: measure one step in ``every`` (the overhead is paid only then).
         metrics: which :class:`Metric` s (or their string values) to collect.
-        blocks: the residual blocks in depth order; found automatically if None.
+        blocks: the residual blocks in depth order; found automatically if None (the largest
+            ``ModuleList`` / ``Sequential`` of >= 2 same-class modules). A ``ValueError`` when there
+            are none and ``metrics`` asks for a per-block one (residual, massive, headroom).
         optimizer: gives the learning rate, and by its type the law, of the effective-LR metric
             (see the module docstring).
         sinks: where records go; a :class:`MemorySink` is always kept as ``history``.
