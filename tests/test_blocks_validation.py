@@ -73,3 +73,21 @@ def test_block_with_explicit_head_dim_keeps_it():
 def test_attention_sizes_are_checked(kwargs, message):
     with pytest.raises(ValueError, match=message):
         Attention(32, **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"layer": 5, "n_layers": 2}, r"layer=5 must be an integer in \[0, n_layers\) = \[0, 2\)"),
+        ({"layer": -1, "n_layers": 2}, r"layer=-1 must be an integer in \[0, n_layers\)"),
+        ({"layer": 2, "n_layers": 2}, r"layer=2 must be an integer in \[0, n_layers\)"),
+        ({"layer": 0, "n_layers": 0}, r"n_layers=0 must be an integer >= 1"),
+        ({"layer": 0, "n_layers": 1, "d_ff": 0}, r"d_ff=0 must be an integer >= 1"),
+    ],
+)
+def test_block_refuses_a_layer_outside_its_depth(kwargs, message):
+    """``Block(layer=5, n_layers=2)`` was accepted (and gave depth-scaled schemes a factor for a layer that
+    does not exist)."""
+    args = {"n_heads": 4, "d_ff": 16} | kwargs
+    with pytest.raises(ValueError, match=message):
+        Block(32, pre_ln(), RMSNorm, **args)

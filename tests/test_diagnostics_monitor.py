@@ -231,7 +231,16 @@ def test_vlm_modality_gap_through_hooks() -> None:
     model = ToyVLM()
     with torch.no_grad():
         model.proj.weight.mul_(30)
-    mon = Monitor(model, every=1, modality={"vision": model.proj, "text": model.embed}, print_alarms=False)
+    # no repeated blocks here, so none of the per-block metrics (residual, massive, headroom): refused by name
+    with pytest.raises(ValueError, match="found no repeated blocks in ToyVLM; the metrics headroom, massive, residual"):
+        Monitor(model, modality={"vision": model.proj, "text": model.embed})
+    mon = Monitor(
+        model,
+        every=1,
+        metrics=["output_norm"],
+        modality={"vision": model.proj, "text": model.embed},
+        print_alarms=False,
+    )
     pixels, ids = torch.randn(2, 4, 8), torch.randint(20, (2, 5))
     model(pixels, ids)
     mon.step()

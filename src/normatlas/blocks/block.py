@@ -105,6 +105,13 @@ class Block(nn.Module):
         rope_theta: float | None = None,
     ) -> None:
         super().__init__()
+        for name, value in (("d_model", d_model), ("n_layers", n_layers), ("n_heads", n_heads), ("d_ff", d_ff)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} must be an integer >= 1")
+        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < n_layers:
+            raise ValueError(
+                f"layer={layer!r} must be an integer in [0, n_layers) = [0, {n_layers}) (0-based, n_layers={n_layers})"
+            )
         if not isinstance(placement, Placement):
             raise TypeError(f"placement={placement!r} must be a Placement")
         if placement.has_norm and norm is None:

@@ -7,19 +7,23 @@ import json
 from pathlib import Path
 from typing import Any
 
-from . import CliError, command
-from ._format import add_format_option, format_rows
+from . import CliError, command, one_of
+from . import _progress as progress
+from ._format import Section, add_format_option, emit
 
 _TABLE_COLS = ("name", "family", "year", "operator", "placement", "qk_norm", "vision_tower_norm", "connector", "status")
+_FILTERS = ("family", "operator", "placement", "qk_norm", "search")
 
 
 def _configure_matrix(p: argparse.ArgumentParser) -> None:
+    from ..atlas import OPERATORS, PLACEMENTS, QK_NORMS
+
     p.add_argument("--family", help="family name contains this (e.g. Gemma, Qwen)")
-    p.add_argument("--operator", help="layernorm, rmsnorm, none, unclear, ...")
-    p.add_argument("--placement", help="pre, post, peri, res-post, parallel, none, mix, unclear")
-    p.add_argument("--qk-norm", dest="qk_norm", help="none, yes, per-head, flattened, unclear")
+    p.add_argument("--operator", type=one_of(OPERATORS), help=", ".join(OPERATORS))
+    p.add_argument("--placement", type=one_of(PLACEMENTS), help=", ".join(PLACEMENTS))
+    p.add_argument("--qk-norm", dest="qk_norm", type=one_of(QK_NORMS), help=", ".join(QK_NORMS))
     p.add_argument("--search", help="free-text search over every field")
-    p.add_argument("--all-fields", action="store_true", help="every field (JSON/CSV always have them)")
+    p.add_argument("--all-fields", action="store_true", help="every field in the table (JSON/CSV always have them)")
     p.add_argument(
         "--check",
         action="store_true",
@@ -35,15 +39,19 @@ def matrix(args: argparse.Namespace) -> int:
     from .. import atlas
 
     if args.check:
+        given = [f"--{f.replace('_', '-')}" for f in _FILTERS if getattr(args, f) is not None]
+        given += ["--all-fields"] if args.all_fields else []
+        if given:
+            raise CliError(f"{', '.join(given)}: not with --check (it reconciles every record of the matrix)")
         return _check(args)
+    for flag, value in (("--from", args.from_file), ("--agreements", args.agreements or None)):
+        if value is not None:
+            raise CliError(f"{flag} needs --check")
     rows = atlas.filter_models(
         family=args.family, operator=args.operator, placement=args.placement, qk_norm=args.qk_norm, query=args.search
     )
-    if args.format == "table" and not args.all_fields:
-        rows = [{k: ("-" if r[k] is None else r[k]) for k in _TABLE_COLS} for r in rows]
-    elif args.format == "csv":
-        rows = [{k: ";".join(v) if isinstance(v, list) else v for k, v in r.items()} for r in rows]
-    print(format_rows(rows, args.format, title=f"{len(rows)} models"))
+    cols = None if args.all_fields or args.format != "table" else _TABLE_COLS
+    emit([Section("models", rows, f"{len(rows)} models", cols)], args.format)
     return 0
 
 
@@ -54,22 +62,23 @@ def _check(args: argparse.Namespace) -> int:
 
     warnings.filterwarnings("ignore")
     source: Any
-    if args.from_file:
-        source = _read_sweep(args.from_file)
-    else:
-        from ..inspect import inspect_target
+    with progress.phase("inspecting transformers' code") as ph:
+        if args.from_file:
+            source = _read_sweep(args.from_file)
+        else:
+            from ..inspect import inspect_target
 
-        cache: dict[str, dict[str, Any]] = {}
+            cache: dict[str, dict[str, Any]] = {}
 
-        def source(mt: str) -> dict[str, Any]:
-            if mt not in cache:
-                cache[mt] = inspect_target(mt, probe=False).summary_row()
-            return cache[mt]
+            def source(mt: str) -> dict[str, Any]:
+                if mt not in cache:
+                    ph.update(f"{mt} ({len(cache) + 1} built)")
+                    cache[mt] = inspect_target(mt, probe=False).summary_row()
+                return cache[mt]
 
-    rows = atlas.check(source, include_agreements=args.agreements)
-    if args.format == "table":
-        rows = [{k: v for k, v in r.items() if k != "source"} for r in rows]
-    print(format_rows(rows, args.format, title="curated matrix vs inspected dataflow"))
+        rows = atlas.check(source, include_agreements=args.agreements)
+    cols = ("model", "hf_model_type", "field", "curated", "inspected", "verdict") if args.format == "table" else None
+    emit([Section("checks", rows, "curated matrix vs inspected dataflow", cols)], args.format)
     return 0
 
 
@@ -116,15 +125,9 @@ def papers(args: argparse.Namespace) -> int:
     from .. import atlas
 
     rows = atlas.filter_papers(group=args.question, query=args.search)
-    if args.format == "table":
-        rows = [
-            {
-                "group": r["group"],
-                "paper": r["named_as"][:60],
-                "year": r["year"] or "-",
-                "arXiv": r["arxiv"] or "(unverified)",
-            }
-            for r in rows
-        ]
-    print(format_rows(rows, args.format, title=f"{len(rows)} papers"))
+    section = Section("papers", rows, f"{len(rows)} papers")
+    if args.format == "table":  # each group once, as a heading over its papers
+        table = [{"group": r["group"], "paper": r["named_as"], "year": r["year"], "arXiv": r["arxiv"]} for r in rows]
+        section = Section("papers", table, section.title, group="group")
+    emit([section], args.format)
     return 0

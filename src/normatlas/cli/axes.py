@@ -6,7 +6,9 @@ import argparse
 
 from ..taxonomy import taxonomy_table
 from . import command
-from ._format import add_format_option, format_rows
+from ._format import Section, add_format_option, emit
+
+AXES_TITLE = "x[n, c, s]: n = sample (N | B), c = feature (C | D), s = position (H,W | T)"
 
 
 def _configure(p: argparse.ArgumentParser) -> None:
@@ -15,6 +17,5 @@ def _configure(p: argparse.ArgumentParser) -> None:
 
 @command("axes", "print which reduced axes name which normalization layer (vision and sequence)", _configure)
 def axes(args: argparse.Namespace) -> int:
-    title = "x[n, c, s]: n = sample (N | B), c = feature (C | D), s = position (H,W | T)"
-    print(format_rows(taxonomy_table(), args.format, title=title))
+    emit([Section("layers", taxonomy_table(), AXES_TITLE)], args.format)
     return 0

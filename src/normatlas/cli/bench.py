@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
-from . import CliError, command
-from ._format import add_format_option, format_rows
+from . import CliError, command, nonnegative_float, positive_int
+from . import _progress as progress
+from ._format import Section, add_format_option, emit, render, write_text_atomic
 
 _OPS = ("rms", "layer", "add_rms", "add_layer", "qk")
 _DTYPES = ("float32", "bfloat16", "float16")
@@ -38,8 +38,10 @@ def _configure(p: argparse.ArgumentParser) -> None:
         "(default: all that run)",
     )
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile providers (saves ~20 s each)")
-    p.add_argument("--repeats", type=int, default=15, help="interleaved rounds; the median is reported")
-    p.add_argument("--min-time", type=float, default=0.5, help="more rounds (up to 10x) until this many seconds")
+    p.add_argument("--repeats", type=positive_int, default=15, help="interleaved rounds; the median is reported")
+    p.add_argument(
+        "--min-time", type=nonnegative_float, default=0.5, help="more rounds (up to 10x) until this many seconds"
+    )
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--cache", choices=("warm", "shared"), default="warm",
                    help="shapes of at most 8 MiB in fp32 (cache-resident): warm (default) times each call right after "
@@ -49,6 +51,9 @@ def _configure(p: argparse.ArgumentParser) -> None:
     add_format_option(p)
 
 
+_TABLE = ("case", "provider", "ms", "GB/s", "vs_copy", "vs_ours", "rounds")
+
+
 @command("bench", "time the fused norm kernels against torch, HF-style eager and torch.compile", _configure)
 def bench(args: argparse.Namespace) -> int:
     import torch
@@ -56,8 +61,6 @@ def bench(args: argparse.Namespace) -> int:
     from ..kernels import build_info
     from ..kernels.bench import cache_resident, provider_names, run_bench
 
-    if args.repeats < 1:
-        raise CliError(f"--repeats={args.repeats} must be >= 1")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise CliError("--device=cuda but CUDA is not available here")
     shapes = args.shape or ([(16384, 128)] if args.op == "qk" else [(256, 4096), (2048, 4096)])
@@ -70,22 +73,26 @@ def bench(args: argparse.Namespace) -> int:
     providers = args.provider or known
     if args.no_compile:
         providers = [p for p in providers if not p.startswith("compile")]
-    info = build_info() if args.device == "cpu" else {}
-    print(f"# kernels: {info}  threads={torch.get_num_threads()}", file=sys.stderr)
+    if not providers:
+        raise CliError("--no-compile leaves no provider to time (the given ones are all torch.compile)")
+    with progress.phase("building the C++ kernels (first use only)"):
+        info = build_info() if args.device == "cpu" else {}
     rows = []
-    for shape in shapes:  # as benchmarks/bench_norms.py: warm rounds where the data can stay in cache
-        warm = args.cache == "warm" and cache_resident(shape)
-        rows += run_bench(
-            args.op, [shape], dtypes, args.mode or ["fwd", "bwd", "fwdbwd"], providers=providers,
-            repeats=args.repeats, min_time=args.min_time, device=args.device, warm=warm,
-            progress=lambda s: print(f"# {s}", file=sys.stderr),
-        )  # fmt: skip
-    print(
-        format_rows(
-            rows, args.format, f"== normatlas bench {args.op} (median of >= {args.repeats} interleaved rounds) =="
-        )
-    )
+    with progress.phase(f"timing {args.op}") as ph:
+        for shape in shapes:  # as benchmarks/bench_norms.py: warm rounds where the data can stay in cache
+            warm = args.cache == "warm" and cache_resident(shape)
+            rows += run_bench(
+                args.op, [shape], dtypes, args.mode or ["fwd", "bwd", "fwdbwd"], providers=providers,
+                repeats=args.repeats, min_time=args.min_time, device=args.device, warm=warm, progress=ph.update,
+            )  # fmt: skip
+    rows = [{k: (None if v == "" else v) for k, v in r.items()} for r in rows]  # no "ours" to compare: null
+    meta = {"op": args.op, "device": args.device, "threads": torch.get_num_threads(), "kernels": info}
+    title = f"normatlas bench {args.op}: median ms of >= {args.repeats} interleaved rounds"
+    section = Section("results", rows, title)
+    if args.format == "table":
+        table = [{"case": f"{r['shape']} {r['dtype']} {r['mode']} ({r['state']})", **r} for r in rows]
+        section = Section("results", table, title, _TABLE, group="case")
     if args.csv:
-        args.csv.parent.mkdir(parents=True, exist_ok=True)
-        args.csv.write_text(format_rows(rows, "csv") + "\n")
+        write_text_atomic(args.csv, render([Section("results", rows)], "csv") + "\n")
+    emit([section], args.format, meta=meta)
     return 0

@@ -13,8 +13,9 @@ from .. import presets
 from ..backend import Backend
 from ..modules import Norm
 from ..spec import CastOrder
+from . import _progress as progress
 from . import command
-from ._format import format_rows, format_table
+from ._format import Section, add_format_option, emit
 
 
 def _peers() -> list[tuple[str, Callable[[], nn.Module], Callable[[], nn.Module], tuple[int, ...]]]:
@@ -60,19 +61,29 @@ def check_presets(dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat
             err_default = (default(x).double() - b.double()).abs().max().item()
             rows.append({
                 "layer": name, "peer": f"{type(peer).__module__.split('.')[0]}.{type(peer).__name__}",
-                "dtype": str(dtype).removeprefix("torch."), "max |ours - peer|": f"{err:.2e}",
-                "bit-exact": "yes" if torch.equal(a, b) else "no",
+                "dtype": str(dtype).removeprefix("torch."), "reference err": err,
+                "bit-exact": torch.equal(a, b),
                 "default": default.backend_in_use().split(" (")[0].removeprefix("auto: "),
-                "default err": f"{err_default:.2e}",
+                "default err": err_default,
             })  # fmt: skip
     return rows
 
 
-@command("demo", "the taxonomy table, then every preset checked against its torch / HF peer")
+def _configure(p: argparse.ArgumentParser) -> None:
+    add_format_option(p)
+
+
+@command("demo", "the taxonomy table, then every preset checked against its torch / HF peer", _configure)
 def demo(args: argparse.Namespace) -> int:
     from ..taxonomy import taxonomy_table
 
-    print(format_table(taxonomy_table(), "== the taxonomy: which axes you reduce names the layer =="))
-    print()
-    print(format_rows(check_presets(), "table", "== presets of one core against their peers (same weights) =="))
+    with progress.phase("running every preset against its peer"):
+        checks = check_presets()
+    emit(
+        [
+            Section("taxonomy", taxonomy_table(), "== the taxonomy: which axes you reduce names the layer =="),
+            Section("presets", checks, "== presets of one core against their peers (same weights) =="),
+        ],
+        args.format,
+    )
     return 0

@@ -4,10 +4,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
 import time
+from pathlib import Path
+from typing import Any
 
-from . import CliError, command
-from ._format import format_table
+from . import CliError, command, positive_float
+from . import _progress as progress
+from ._format import Section, _jsonable, add_format_option, emit
+
+DEFAULT_TIMEOUT = 60.0
+DEFAULT_OUT = "inspect-matrix"
 
 
 def _configure(p: argparse.ArgumentParser) -> None:
@@ -17,52 +25,77 @@ def _configure(p: argparse.ArgumentParser) -> None:
         help="transformers model type (built tiny, offline), a checkpoint folder "
         "(config.json + *.safetensors), or module.path:factory",
     )
-    p.add_argument("--json", action="store_true", help="print the full report as JSON")
+    add_format_option(p)  # --format table|json|csv, and --json (json: the full report)
     p.add_argument(
         "--vision",
         action="store_true",
         help="TARGET is a vision tower model type (clip_vision_model, siglip_vision_model, vit, dinov2, ...): "
         "built tiny and run on a seeded image",
     )
-    p.add_argument("--norms", action="store_true", help="also list every normalization site")
+    p.add_argument("--norms", action="store_true", help="also list every normalization site (one TARGET)")
     p.add_argument(
         "--all-transformers",
         action="store_true",
         help="sweep every decoder-only architecture in the installed transformers",
     )
     p.add_argument("--only", default=None, help="with --all-transformers: comma-separated model types")
-    p.add_argument("--timeout", type=float, default=60.0, help="with --all-transformers: seconds per architecture")
-    p.add_argument("--out", default="inspect-matrix", help="with --all-transformers: output folder (JSON + CSV)")
+    p.add_argument(
+        "--timeout",
+        type=positive_float,
+        default=None,
+        help=f"with --all-transformers: seconds per architecture (default {DEFAULT_TIMEOUT:g})",
+    )
+    p.add_argument("--out", default=None, help=f"with --all-transformers: output folder (default {DEFAULT_OUT})")
+
+
+def _refuse_nonsense(args: argparse.Namespace) -> None:
+    sweep_args = (("--only", args.only), ("--timeout", args.timeout), ("--out", args.out))
+    sweep_only = [flag for flag, value in sweep_args if value is not None]
+    if args.all_transformers:
+        if args.target:
+            raise CliError(f"--all-transformers sweeps every architecture; drop the TARGET(s) {' '.join(args.target)}")
+        for flag, on in (("--vision", args.vision), ("--norms", args.norms)):
+            if on:
+                raise CliError(f"{flag}: not with --all-transformers")
+        return
+    if sweep_only:
+        raise CliError(f"{', '.join(sweep_only)}: only with --all-transformers")
+    if not args.target:
+        raise CliError("give a TARGET (a model type, a checkpoint folder or module:factory) or --all-transformers")
+    if args.norms and len(args.target) > 1:
+        raise CliError("--norms lists one model's normalization sites; give a single TARGET")
 
 
 @command("inspect", "report a model's normalization design, derived from its traced dataflow", _configure)
 def inspect_cmd(args: argparse.Namespace) -> int:
     import warnings
 
+    _refuse_nonsense(args)
     warnings.filterwarnings("ignore")
-    from ..inspect import UntraceableModel, inspect_target, inspect_vision_target
+    with progress.phase("loading the inspector"):
+        from ..inspect import UntraceableModel, inspect_target, inspect_vision_target
 
     if args.all_transformers:
         return _sweep(args)
-    if not args.target:
-        raise CliError("give a TARGET or --all-transformers")
     if len(args.target) > 1:
         return _compare(args)
+    target = args.target[0]
     try:
-        rep = (inspect_vision_target if args.vision else inspect_target)(args.target[0])
+        with progress.phase(f"building and tracing {target}"):
+            rep = (inspect_vision_target if args.vision else inspect_target)(target)
     except (UntraceableModel, ValueError, TypeError, FileNotFoundError, OSError) as exc:
         raise CliError(str(exc).splitlines()[0] if str(exc) else type(exc).__name__) from exc
     except Exception as exc:  # building a model can fail in many ways; one line, never a traceback
         raise CliError(
-            f"cannot build or trace {args.target[0]}: {type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}"
+            f"cannot build or trace {target}: {type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}"
         ) from exc
-    if args.json:
-        print(json.dumps(rep.to_dict(), indent=2, default=str))
+    if args.format == "json":  # the whole report, typed
+        doc = rep.to_dict()
+        doc["seconds"] = round(float(doc.get("seconds") or 0.0), 3)
+        print(json.dumps(_jsonable(doc), indent=2, allow_nan=False))
         return 0
     summary = rep.summary_row()
-    keep = {k: v for k, v in summary.items() if k not in ("model", "notes")}
-    rows = [{"field": k, "value": "-" if v in (None, "") else v} for k, v in keep.items()]
-    print(format_table(rows, title=f"{rep.model}: normalization design (from the traced dataflow)"))
+    design = [{"field": k, "value": v} for k, v in summary.items() if k not in ("model", "notes")]
     subs = [
         {
             "layer": s.layer,
@@ -71,51 +104,104 @@ def inspect_cmd(args: argparse.Namespace) -> int:
             "pre": len(s.pre),
             "out": len(s.out),
             "post": len(s.post),
-            "residual x": s.skip_scale if s.skip_scale is not None else "-",
-            "branch x": s.branch_scale or "-",
+            "residual x": s.skip_scale,
+            "branch x": s.branch_scale,
         }
         for s in rep.sublayers
     ]
-    if subs:
-        print()
-        print(format_table(subs, title="per sublayer"))
+    sections = [
+        Section("design", design, f"{rep.model}: normalization design (from the traced dataflow)"),
+        *([Section("sublayers", subs, "per sublayer")] if subs else []),
+    ]
     if args.norms:
-        print()
-        print(
-            format_table(
-                [
-                    {
-                        "#": n.index,
-                        "role": n.role,
-                        "layer": "-" if n.layer is None else n.layer,
-                        "operator": n.operator.value,
-                        "size": n.size,
-                        "eps": n.eps,
-                        "gain": n.gain_convention,
-                        "bias": n.bias,
-                        "cast": n.cast_order or "-",
-                        "probe": "-" if not n.probe else ("agrees" if n.probe.get("agrees") else "DISAGREES"),
-                        "module (label)": n.module,
-                    }
-                    for n in rep.norms
-                ],
-                title="normalization sites",
-            )
-        )
-    for note in rep.notes:
-        print(f"note: {note}")
+        sites = [
+            {
+                "#": n.index,
+                "role": n.role,
+                "layer": n.layer,
+                "operator": n.operator.value,
+                "size": n.size,
+                "eps": n.eps,
+                "gain": n.gain_convention,
+                "bias": n.bias,
+                "cast": n.cast_order,
+                "probe": None if not n.probe else ("agrees" if n.probe.get("agrees") else "DISAGREES"),
+                "module (label)": n.module,
+            }
+            for n in rep.norms
+        ]
+        sections.append(Section("norms", sites, "normalization sites"))
+    emit(sections, args.format, notes=rep.notes)
     return 0
+
+
+def _model_types(only: str) -> list[str]:
+    """``--only`` as a list of model types, each known to the installed transformers (else a CliError)."""
+    import difflib
+
+    import transformers
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    types = [t.strip() for t in only.split(",")]
+    if not all(types):
+        raise CliError(f"--only {only!r}: an empty model type; give comma-separated names like llama,gpt2")
+    known = set(CONFIG_MAPPING.keys())
+    for t in types:
+        if t not in known:
+            near = difflib.get_close_matches(t, sorted(known), n=3)
+            hint = f"; did you mean {', '.join(near)}?" if near else "; e.g. llama, gpt2, qwen3"
+            version = transformers.__version__
+            raise CliError(f"--only {t}: not a model type of the installed transformers {version}{hint}")
+    return list(dict.fromkeys(types))
+
+
+_CHILDREN_IGNORE_SIGINT = False
+
+
+def _children_ignore_sigint() -> None:
+    """Forked sweep workers ignore Ctrl-C: the parent alone reports it (once, no worker tracebacks) and
+    multiprocessing terminates its daemonic workers as it exits."""
+    global _CHILDREN_IGNORE_SIGINT
+    if not _CHILDREN_IGNORE_SIGINT and hasattr(os, "register_at_fork"):
+        import signal
+
+        os.register_at_fork(after_in_child=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+        _CHILDREN_IGNORE_SIGINT = True
 
 
 def _sweep(args: argparse.Namespace) -> int:
     from ..inspect.sweep import decoder_model_types, sweep, write_sweep
 
-    types = args.only.split(",") if args.only else decoder_model_types()
+    types = _model_types(args.only) if args.only is not None else decoder_model_types()
+    timeout = DEFAULT_TIMEOUT if args.timeout is None else args.timeout
+    out = Path(DEFAULT_OUT if args.out is None else args.out)
+    if out.exists() and not out.is_dir():
+        raise CliError(f"--out {out}: exists and is not a folder")
+    _children_ignore_sigint()
     t0 = time.perf_counter()
-    rows = sweep(types, timeout=args.timeout)
-    jp, cp = write_sweep(rows, args.out)
+    rows: list[dict[str, Any]] = []
+    for mt in progress.steps(types, "inspecting architectures"):
+        rows += sweep([mt], progress=False, timeout=timeout)
+    seconds = time.perf_counter() - t0
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = out / f".partial-{os.getpid()}"
+    try:  # both files appear together or not at all
+        written = write_sweep(rows, tmp)
+        jp, cp = (out / p.name for p in written)
+        for src, dst in zip(written, (jp, cp), strict=True):
+            os.replace(src, dst)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     ok = sum(1 for r in rows if not r["error"])
-    print(f"classified {ok}/{len(rows)} architectures in {time.perf_counter() - t0:.1f} s; wrote {jp} and {cp}")
+    failed = [{"model": r["model"], "error": r["error"]} for r in rows if r["error"]]
+    if args.format == "table":
+        print(f"classified {ok}/{len(rows)} architectures in {seconds:.1f} s; wrote {jp} and {cp}")
+        if failed:
+            print()
+            emit([Section("failed", failed, "not classified")], "table")
+        return 0
+    meta = {"classified": ok, "architectures": len(rows), "seconds": round(seconds, 1), "json": str(jp), "csv": str(cp)}
+    emit([Section("architectures", rows)], args.format, meta=meta)
     return 0
 
 
@@ -159,21 +245,15 @@ def _compare(args: argparse.Namespace) -> int:
 
     inspect_one, columns = (inspect_vision_target, _COMPARE_VISION) if args.vision else (inspect_target, _COMPARE)
     rows, failed = [], 0
-    for target in args.target:
+    for target in progress.steps(args.target, "building and tracing"):
         try:
             summ = inspect_one(target).summary_row()
             summ["model"] = target
-            rows.append({k: "-" if summ.get(k) in (None, "") else summ.get(k) for k in columns})
+            rows.append({k: summ.get(k) for k in columns} | {"error": None})
         except Exception as exc:  # one failing target must not hide the others
             failed += 1
-            rows.append({"model": target, "operator": f"error: {(str(exc).splitlines() or [''])[0][:80]}"})
-    if args.json:
-        print(json.dumps(rows, indent=2, default=str))
-    else:
-        print(
-            format_table(
-                [{k: r.get(k, "") for k in columns} for r in rows],
-                title="normalization designs (from the traced dataflow)",
-            )
-        )
+            error = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}"
+            rows.append({k: None for k in columns} | {"model": target, "error": error})
+    cols = [*columns, "error"] if failed or args.format != "table" else list(columns)
+    emit([Section("models", rows, "normalization designs (from the traced dataflow)", cols)], args.format)
     return 1 if failed else 0

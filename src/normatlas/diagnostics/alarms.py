@@ -10,6 +10,8 @@ functions of the recorded values.
 * :class:`SpikeDetector` - OLMo 2 diagnosed on gradient-norm spikes: fires when a value
   exceeds ``mean + z * std`` of the previous ``window`` values and ``ratio`` x their median.
 * :class:`ThresholdAlarm` - a fixed bound (fp16 headroom, inf/NaN activations, flagged n-gram batches).
+* :class:`NonFiniteAlarm` - a value that is NaN or infinite: by default the loss, which the
+  :class:`Monitor` checks on every step (a diverged run is never reported as "no alarms").
 * :class:`EntropyCollapseAlarm` - Zhai et al. 2023: a layer's normalized attention entropy
   (mean over heads; 1 = uniform, 0 = one-hot) falls below ``floor`` or below ``fraction`` of
   its first recorded value, i.e. the layer's attention is within 10% of one-hot by default.
@@ -25,7 +27,15 @@ from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-__all__ = ["Alarm", "AlarmEvent", "EntropyCollapseAlarm", "SpikeDetector", "ThresholdAlarm", "TrendAlarm"]
+__all__ = [
+    "Alarm",
+    "AlarmEvent",
+    "EntropyCollapseAlarm",
+    "NonFiniteAlarm",
+    "SpikeDetector",
+    "ThresholdAlarm",
+    "TrendAlarm",
+]
 
 
 @dataclass(frozen=True)
@@ -133,6 +143,20 @@ class ThresholdAlarm(Alarm):
         return None
 
 
+class NonFiniteAlarm(Alarm):
+    """Fires when a value is NaN or +-inf (a threshold cannot: every comparison with NaN is false)."""
+
+    name = "nonfinite"
+
+    def __init__(self, pattern: str = "loss", once: bool = True) -> None:
+        super().__init__(pattern, once)
+
+    def observe(self, key: str, value: float) -> str | None:
+        if math.isfinite(value):
+            return None
+        return f"{key} = {value} is not finite: the run has diverged (check the learning rate, fp16 overflow, bad data)"
+
+
 class EntropyCollapseAlarm(Alarm):
     name = "entropy-collapse"
 
@@ -160,6 +184,7 @@ class EntropyCollapseAlarm(Alarm):
 def default_alarms() -> list[Alarm]:
     """The alarms a :class:`Monitor` starts with."""
     return [
+        NonFiniteAlarm("loss"),
         TrendAlarm("output_norm"),
         SpikeDetector("grad_norm/total"),
         EntropyCollapseAlarm(),

@@ -29,6 +29,7 @@ meaningful choice; the default keeps every norm parameter undecayed.
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass
 
 from torch import nn
@@ -127,8 +128,13 @@ def param_groups(
     role and decision (see :func:`format_report`). Each group also carries its
     parameter ``names``, which torch optimizers keep and ignore.
     """
-    if isinstance(weight_decay, bool) or not isinstance(weight_decay, (int, float)) or weight_decay < 0:
-        raise ValueError(f"weight_decay={weight_decay!r} must be a number >= 0")
+    if (
+        isinstance(weight_decay, bool)
+        or not isinstance(weight_decay, (int, float))
+        or not math.isfinite(weight_decay)
+        or weight_decay < 0
+    ):
+        raise ValueError(f"weight_decay={weight_decay!r} must be a finite number >= 0")
     infos = param_roles(model, decay_embeddings=decay_embeddings, decay_one_plus_w=decay_one_plus_w)
     params = dict(model.named_parameters())
     decay = [i for i in infos if i.decay]

@@ -52,7 +52,7 @@ from torch import Tensor, nn
 
 from ..spec import parse_enum
 from . import metrics as M
-from .alarms import Alarm, AlarmEvent, default_alarms
+from .alarms import Alarm, AlarmEvent, NonFiniteAlarm, default_alarms
 from .attention import AttentionCapture
 from .health import fork_model_rng
 from .roles import Kind, find_blocks, is_batch_norm, linear_norm_pairs, module_kind
@@ -75,6 +75,9 @@ class Metric(enum.Enum):
 
 
 DEFAULT_METRICS = frozenset(Metric) - {Metric.MODALITY}
+# measured only by the hooks on the repeated blocks: a model without blocks cannot give them (attention
+# can also come from the user, through record_attention)
+_PER_BLOCK = frozenset({Metric.RESIDUAL, Metric.MASSIVE, Metric.HEADROOM})
 
 # exponent p of effective_lr = lr / ||W||^p for a scale-invariant W, by optimizer type (others: 2)
 _LR_POWER: tuple[tuple[type, int], ...] = tuple(
@@ -104,6 +107,19 @@ def _first_tensor(obj: Any, float_only: bool = True) -> Tensor | None:
     return None
 
 
+def _loss_value(loss: float | Tensor) -> float:
+    if isinstance(loss, Tensor):
+        if loss.numel() != 1:
+            raise ValueError(f"loss must be a scalar, got a tensor of shape {tuple(loss.shape)}")
+        return float(loss.detach())
+    if isinstance(loss, (bool, str, bytes)):
+        raise TypeError(f"loss must be a number or a one-element tensor, got {type(loss).__name__}")
+    try:
+        return float(loss)
+    except (TypeError, ValueError):
+        raise TypeError(f"loss must be a number or a one-element tensor, got {type(loss).__name__}") from None
+
+
 def _residual_adds(model: nn.Module) -> list[nn.Module]:
     """``normatlas.blocks.residual.ResidualAdd`` modules, when that package is present."""
     try:
@@ -120,7 +136,9 @@ class Monitor:
         model: any ``nn.Module``.
         every: measure one step in ``every`` (the overhead is paid only then).
         metrics: which :class:`Metric` s (or their string values) to collect.
-        blocks: the residual blocks in depth order; found automatically if None.
+        blocks: the residual blocks in depth order; found automatically if None (the largest
+            ``ModuleList`` / ``Sequential`` of >= 2 same-class modules). A ``ValueError`` when there
+            are none and ``metrics`` asks for a per-block one (residual, massive, headroom).
         optimizer: gives the learning rate, and by its type the law, of the effective-LR metric
             (see the module docstring).
         sinks: where records go; a :class:`MemorySink` is always kept as ``history``.
@@ -165,6 +183,20 @@ class Monitor:
         self.blocks = list(blocks) if blocks is not None else find_blocks(model)
         if modality is not None and set(modality) != {"vision", "text"}:
             raise ValueError(f"modality keys {sorted(modality)} must be exactly ['text', 'vision']")
+        needs_blocks = sorted(m.value for m in self.metrics & _PER_BLOCK)
+        if not self.blocks and needs_blocks:
+            found = (
+                "blocks=[] was given" if blocks is not None else f"found no repeated blocks in {type(model).__name__}"
+            )
+            raise ValueError(
+                f"Monitor: {found}; the metrics {', '.join(needs_blocks)} are measured per block. Blocks are found "
+                "as the largest nn.ModuleList / nn.Sequential of >= 2 modules of one class that are not linears, "
+                "norms or embeddings (e.g. HF's model.layers); pass blocks=[...] (in depth order), or metrics= "
+                "without them (e.g. ['grad_norm', 'output_norm', 'batchnorm'])"
+            )
+        for i, blk in enumerate(self.blocks):
+            if not isinstance(blk, nn.Module):
+                raise TypeError(f"blocks[{i}] must be an nn.Module, got {type(blk).__name__}")
         self.modality = dict(modality or {})
         if self.modality:
             self.metrics |= {Metric.MODALITY}
@@ -461,14 +493,18 @@ class Monitor:
     def step(self, loss: float | Tensor | None = None) -> list[AlarmEvent]:
         """Close the current step: on a measured step add gradient norms and effective LRs,
         write the record to the sinks and run the alarms. Returns the alarms that fired.
+        ``loss`` is checked on every step: a NaN or infinite loss fires the
+        :class:`~normatlas.diagnostics.alarms.NonFiniteAlarm` (one of the default alarms) also
+        between measured steps (a tensor loss costs one device sync per step for that).
         A detached monitor records nothing."""
         events: list[AlarmEvent] = []
         if not self._handles:
             return events  # detached: records nothing
+        value = None if loss is None else _loss_value(loss)
         if self.step_count % self.every == 0:
             rec = self._record
-            if loss is not None:
-                rec["loss"] = float(loss.detach()) if isinstance(loss, Tensor) else float(loss)
+            if value is not None:
+                rec["loss"] = value
             if Metric.GRAD_NORM in self.metrics:
                 self._grad_norms(rec)
             if Metric.EFFECTIVE_LR in self.metrics and self._pairs:
@@ -493,6 +529,14 @@ class Monitor:
             self.events += events
             if self.print_progress:
                 print(self.summary(), flush=True)
+        elif value is not None and not math.isfinite(value):  # a diverged loss is reported on every step
+            for a in self.alarms:
+                if isinstance(a, NonFiniteAlarm):
+                    events += a.check(self.step_count, {"step": self.step_count, "loss": value})
+            for e in events:
+                if self.print_alarms:
+                    print(e, flush=True)
+            self.events += events
         self._record = {}
         self._attn_calls = {}
         self._forward_done = False

@@ -1,0 +1,241 @@
+"""The CLI core: help, --version, one-line user errors, tracebacks only for bugs, Ctrl-C, broken pipes, progress."""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+import normatlas
+from normatlas import cli
+from normatlas.cli import main
+
+SRC = str(Path(normatlas.__file__).resolve().parents[1])  # the package under test, for subprocesses
+ROOT = str(Path(__file__).resolve().parents[1])
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([SRC, ROOT]), HF_HUB_OFFLINE="1", **extra)
+    env.pop("COLUMNS", None)
+    return env
+
+
+@pytest.fixture
+def fake(monkeypatch: pytest.MonkeyPatch) -> Callable[[BaseException], None]:
+    """Register a subcommand ``_fake`` that raises the given exception."""
+    cli.build_parser()  # registers the real commands first
+
+    def install(exc: BaseException) -> None:
+        def boom(args: argparse.Namespace) -> int:
+            raise exc
+
+        monkeypatch.setitem(cli.COMMANDS, "_fake", cli.Command("_fake", "raises", lambda p: None, boom))
+
+    return install
+
+
+def test_bare_normatlas_prints_the_help(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run(capsys)
+    assert code == 0 and err == ""
+    assert out.startswith("usage: normatlas") and "inspect" in out and "matrix" in out and "--version" in out
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out.strip() == f"normatlas {normatlas.__version__}"
+
+
+@pytest.mark.parametrize(
+    ("exc", "message"),
+    [
+        (PermissionError(errno.EACCES, "Permission denied", "/out/model.safetensors"), "Permission denied: /out/"),
+        (OSError(errno.ENOSPC, "No space left on device", "/out/x"), "No space left on device: /out/x"),
+        (OSError(errno.EROFS, "Read-only file system", "/ro/x"), "Read-only file system: /ro/x"),
+        (IsADirectoryError(errno.EISDIR, "Is a directory", "/tmp"), "Is a directory: /tmp"),
+        (NotADirectoryError(errno.ENOTDIR, "Not a directory", "/etc/passwd/x"), "Not a directory: /etc/passwd/x"),
+        (FileNotFoundError(errno.ENOENT, "No such file or directory", "cfg.json"), "No such file or directory"),
+        (json.JSONDecodeError("Expecting value", "{not json", 1), "not valid JSON (Expecting value"),
+        (ValueError("eps=-1 must be > 0\n(second line)"), "eps=-1 must be > 0 (second line)"),
+        (TypeError("model must be an nn.Module"), "model must be an nn.Module"),
+        (cli.CliError("give a TARGET"), "give a TARGET"),
+    ],
+    ids=lambda v: type(v).__name__ if isinstance(v, BaseException) else None,
+)
+def test_user_errors_are_one_line_exit_2(
+    exc: BaseException, message: str, fake: Callable[[BaseException], None], capsys: pytest.CaptureFixture[str]
+) -> None:
+    fake(exc)
+    code, out, err = run(capsys, "_fake")
+    assert code == 2 and out == ""
+    assert err.startswith("normatlas _fake: error: ") and message in err, err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    "exc", [RuntimeError("a bug"), KeyError("k"), AttributeError("x"), OSError(errno.EIO, "I/O error")]
+)
+def test_a_library_bug_still_shows_its_traceback(exc: BaseException, fake: Callable[[BaseException], None]) -> None:
+    fake(exc)
+    with pytest.raises(type(exc)):
+        main(["_fake"])
+
+
+def test_traceback_on_request(
+    fake: Callable[[BaseException], None], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    fake(ValueError("bad"))
+    monkeypatch.setenv("NORMATLAS_TRACEBACK", "1")
+    with pytest.raises(ValueError, match="bad"):
+        main(["_fake"])
+
+
+def test_ctrl_c_in_process_is_exit_130_one_line(
+    fake: Callable[[BaseException], None], capsys: pytest.CaptureFixture[str]
+) -> None:
+    fake(KeyboardInterrupt())
+    try:
+        code, _, err = run(capsys, "_fake")
+    except KeyboardInterrupt:  # it would also stop pytest itself
+        pytest.fail("KeyboardInterrupt escaped main()")
+    assert code == 130 and err.strip() == "normatlas _fake: interrupted"
+
+
+def _start(code: str, tmp_path: Path, **env: str) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        [sys.executable, "-c", code, str(tmp_path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=_env(**env),
+        cwd=tmp_path,
+        start_new_session=True,  # its own process group: Ctrl-C on a terminal signals the whole group
+    )
+
+
+def _wait_for(proc: subprocess.Popen[bytes], marker: bytes, limit: float = 120.0) -> bytes:
+    """Read stderr until ``marker`` (the child is then inside main()); returns what was read."""
+    assert proc.stderr is not None
+    seen = b""
+    deadline = time.monotonic() + limit
+    while marker not in seen:
+        chunk = os.read(proc.stderr.fileno(), 4096)
+        assert chunk and time.monotonic() < deadline, seen
+        seen += chunk
+    return seen
+
+
+_DRIVER = """
+import sys
+from normatlas.cli import main
+print("ready", file=sys.stderr, flush=True)
+sys.exit(main(sys.argv[2:] or ["inspect", "llama"]))
+"""
+
+
+def test_ctrl_c_exits_130_without_traceback(tmp_path: Path) -> None:
+    proc = _start(_DRIVER, tmp_path)
+    seen = _wait_for(proc, b"ready")
+    time.sleep(1.0)  # importing transformers / building the tiny llama
+    os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C does: the process and its workers
+    _, err = proc.communicate(timeout=60)
+    err = (seen + err).decode()
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err
+    assert err.strip().splitlines()[-1] == "normatlas inspect: interrupted"
+
+
+def test_ctrl_c_during_the_sweep_leaves_nothing_behind(tmp_path: Path) -> None:
+    """The forked workers are stopped, no worker prints a traceback, and no output file is half written."""
+    out_dir = tmp_path / "sweep-out"
+    code = _DRIVER.replace('sys.argv[2:] or ["inspect", "llama"]', '["inspect", "--all-transformers", '
+                           '"--only", "gpt2,llama,qwen3,gemma2", "--out", sys.argv[1] + "/sweep-out"]')  # fmt: skip
+    proc = _start(code, tmp_path, NORMATLAS_PROGRESS="1")
+    seen = _wait_for(proc, b"ready")
+    time.sleep(6.0)  # inside the sweep: a forked worker is building an architecture
+    os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C does: the process and its workers
+    _, err = proc.communicate(timeout=60)
+    err = (seen + err).decode()
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err
+    assert not out_dir.exists() or not any(out_dir.iterdir())
+    time.sleep(1.0)
+    marker = str(tmp_path).encode()
+    left = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if marker in Path(f"/proc/{pid}/cmdline").read_bytes():
+                left.append(pid)
+        except OSError:
+            pass
+    assert not left, f"worker processes left running: {left}"
+
+
+def test_closed_stdout_exits_quietly(tmp_path: Path) -> None:
+    """``normatlas matrix --all-fields | head -1``: the reader goes away; no traceback, the SIGPIPE status."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "normatlas", "matrix", "--all-fields"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=_env(),
+        cwd=tmp_path,
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()  # before the child has printed anything (it is still importing torch)
+    err = proc.stderr.read().decode()
+    proc.wait(timeout=120)
+    assert err == "" and proc.returncode == 141, err
+
+
+def test_progress_is_silent_when_stderr_is_not_a_terminal(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from normatlas.cli import _progress
+
+    monkeypatch.delenv("NORMATLAS_PROGRESS", raising=False)
+    monkeypatch.setattr(_progress, "DELAY", 0.0)
+    code, out, err = run(capsys, "inspect", "tests.test_inspect_cli:toy")
+    assert code == 0 and out and err == ""
+
+
+def test_progress_phases_show_and_clear_on_a_terminal(monkeypatch: pytest.MonkeyPatch) -> None:
+    from normatlas.cli import _progress
+
+    class Tty(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    monkeypatch.delenv("NORMATLAS_PROGRESS", raising=False)
+    monkeypatch.setattr(_progress, "DELAY", 0.0)
+    stream = Tty()
+    with _progress.phase("loading checkpoint", stream=stream) as ph:
+        time.sleep(0.4)  # the ticker redraws the line
+        ph.update("model.safetensors")
+    text = stream.getvalue()
+    assert "\rloading checkpoint ... 0 s" in text and "loading checkpoint: model.safetensors" in text
+    assert text.endswith("\r\x1b[K")  # erased: the result is what stays on the screen
+    quiet = io.StringIO()  # not a terminal
+    with _progress.phase("loading", stream=quiet):
+        time.sleep(0.3)
+    assert quiet.getvalue() == ""
+    monkeypatch.setenv("NORMATLAS_PROGRESS", "1")
+    assert _progress.enabled(quiet)
+    monkeypatch.setenv("NORMATLAS_PROGRESS", "0")
+    assert not _progress.enabled(stream)
+    assert list(_progress.steps([1, 2, 3], "items")) == [1, 2, 3]
