@@ -20,7 +20,7 @@ eps rstd |dy| (it enters as rstd and rstd^3), which is added to the backward's f
 The rows are the hard ones for a long sum: a common offset of +3 (every value and every square adds in one direction,
 so a running fp32 sum's rounding grows with the width) and a massive channel (one value of 3e3 among N(0, 1) ones,
 the essay's massive activations: later adds into its partial sum each lose up to half a unit of 9e6). Before the fix
-(commit 1336658) the kernels' fp32 sums ran from a row's start to its end, and from 2^16 features up the
+(commit 1336658) the kernels' fp32 sums ran from a row's start to its end, and from 2^14 features up the
 statistics failed in every dtype (docs/kernels.md, "Wide rows"). The default run covers every dtype up to 2^20
 features and fp32, the issue's dtype, up to 2^24; the rest of 2^22 and 2^24 is marked slow (~2 min).
 """
