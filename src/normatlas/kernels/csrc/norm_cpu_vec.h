@@ -111,6 +111,32 @@ inline __m256 hsum8(const __m256* v) {
   return _mm256_permutevar8x32_ps(e, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
 }
 
+// Wide rows: the statistics of a row over kWideRow elements sum it in blocks of kSumBlock, each block in fp32 lanes
+// as a short row is (32 lanes: 8 adds a lane), each block's lanes folded into fp64 lanes (`Wide`), and the row's
+// mean, rstd and d rstd / d ms computed in fp64 from those sums and rounded once. Summed in fp32 lanes from start to
+// end, each lane of a row of n added n / 32 values one after another, and the error grew with n: one fp32 row of
+// 4,194,304 values came out 5.1e-5 from float64 (torch 4.5e-7), one of 16,777,216 values offset by 3 4.6e-4 in
+// LayerNorm (torch 7.8e-7), and with one massive channel (3e3 among N(0, 1) values) each later add into its lane lost
+// up to half a unit of 9e6 (rstd 5.2e-4 from float64 at 2^24, torch 4.8e-8). Blocked, a row of any width errs about
+// as a row of one block does (docs/kernels.md, "Wide rows"). Blocks of 1024 left the massive channel's lane 32 adds
+// a block, and LayerNorm's output 3.6x torch's error at 2^22; blocks of 256 took it under 2x. Rows up to kWideRow
+// keep the fp32 sums and scale of before, bit for bit: every row whose statistics are taken 8 at a time (up to
+// 2 KiB) is one of them.
+constexpr int64_t kSumBlock = 256, kWideRow = 1024;
+
+struct Wide {  // 8 fp64 lanes: the fp32 lanes of 8 columns, block after block
+  __m256d lo = _mm256_setzero_pd(), hi = _mm256_setzero_pd();
+  inline void add(__m256 v) {
+    lo = _mm256_add_pd(lo, _mm256_cvtps_pd(_mm256_castps256_ps128(v)));
+    hi = _mm256_add_pd(hi, _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1)));
+  }
+  inline double sum() const {
+    const __m256d t = _mm256_add_pd(lo, hi);
+    const __m128d u = _mm_add_pd(_mm256_castpd256_pd128(t), _mm256_extractf128_pd(t, 1));
+    return _mm_cvtsd_f64(_mm_add_sd(u, _mm_unpackhi_pd(u, u)));
+  }
+};
+
 struct F32 {
   using raw = float;
   static constexpr bool kWide = false;  // memory-bound at either width: stays at 256 bits
@@ -463,6 +489,39 @@ inline void moments_dev(const typename V::raw* src, int64_t n, float mu0, __m256
   sq_v = _mm256_add_ps(q0, q1);
 }
 
+// The sums of one row wider than kWideRow, a block at a time into fp64 (Wide): of the squares (sumsq_v), of the
+// values (moments_sum; h written), and of the deviations about mu0 and their squares (moments_dev).
+template <class V> NORMATLAS_ROW
+inline double sumsq_wide(const typename V::raw* x, const typename V::raw* r, typename V::raw* h, int64_t n) {
+  Wide w;
+  for (int64_t j = 0; j < n; j += kSumBlock) {
+    w.add(sumsq_v<V>(x + j, r ? r + j : nullptr, r ? h + j : nullptr, std::min(kSumBlock, n - j)));
+  }
+  return w.sum();
+}
+
+template <class V> NORMATLAS_ROW
+inline double moments_sum_wide(const typename V::raw* x, const typename V::raw* r, typename V::raw* h, int64_t n) {
+  Wide w;
+  for (int64_t j = 0; j < n; j += kSumBlock) {
+    w.add(moments_sum<V>(x + j, r ? r + j : nullptr, r ? h + j : nullptr, std::min(kSumBlock, n - j)));
+  }
+  return w.sum();
+}
+
+template <class V> NORMATLAS_ROW
+inline void moments_dev_wide(const typename V::raw* src, int64_t n, float mu0, double& sq, double& sd) {
+  Wide wq, wd;
+  for (int64_t j = 0; j < n; j += kSumBlock) {
+    __m256 q, d;
+    moments_dev<V>(src + j, std::min(kSumBlock, n - j), mu0, q, d);
+    wq.add(q);
+    wd.add(d);
+  }
+  sq = wq.sum();
+  sd = wd.sum();
+}
+
 // The statistics of `rows` (1 to 8) consecutive rows, written as (mean, rstd, d rstd / d ms) to st[3 i ..]: each
 // row's lanes (moments_sum / moments_dev, sumsq_v), the horizontal sums of up to eight rows in one hsum8 and the
 // scale (rows::scale_of's arithmetic) in vector registers. Short rows come 8 at a time (write_group), so that the adds
@@ -474,7 +533,25 @@ inline void row_stats8(const typename V::raw* x, const typename V::raw* r, typen
   for (int i = 0; i < 8; ++i) a[i] = b[i] = _mm256_setzero_ps();
   const __m256 nf = _mm256_set1_ps(static_cast<float>(n));
   __m256 mean = _mm256_setzero_ps(), ss;
-  if (center) {
+  if (n > kWideRow) {  // one wide row (groups are of narrower rows): its sums and scale in fp64, each rounded once
+    const double nd = static_cast<double>(n);
+    double mu = 0, ss_d;
+    if (center) {
+      const float mu0 = static_cast<float>(moments_sum_wide<V>(x, r, h, n) / nd);
+      double sq, sd;
+      moments_dev_wide<V>(r ? h : x, n, mu0, sq, sd);
+      mu = mu0 + sd / nd;
+      ss_d = std::max(0.0, sq - sd * sd / nd);
+    } else {
+      ss_d = sumsq_wide<V>(x, r, h, n);
+    }
+    double rs_d, dr_d;
+    normatlas::rows::scale_of<double>(ss_d / static_cast<double>(div), static_cast<double>(eps), eps_mode, rs_d, dr_d);
+    st[0] = static_cast<float>(mu);
+    st[1] = static_cast<float>(rs_d);
+    st[2] = static_cast<float>(dr_d);
+    return;
+  } else if (center) {
     for (int64_t i = 0; i < rows; ++i) {
       a[i] = moments_sum<V>(x + i * n, r ? r + i * n : nullptr, r ? h + i * n : nullptr, n);
     }
@@ -715,49 +792,68 @@ inline void bwd_sums(const typename V::raw* x, const typename V::raw* dy, const 
     if (G) storef(pg + j, m, _mm256_fmadd_ps(d, gain_factor<V, G>(xc, rs), loadf(pg + j, m)));
     if (Bs) storef(pb + j, m, _mm256_add_ps(d, loadf(pb + j, m)));
   };
-  int64_t j = 0;
-  if constexpr (kLaneOrder<V>) {  // whole 16-element blocks in the lane order; s[0] sums lo, s[1] hi
-    for (; j + 16 <= n; j += 16) {
-      __m256 d[2], xc[2], sg[2], sb[2];
-      V::ld2p(dy + j, d[0], d[1]);
-      V::ld2p(x + j, xc[0], xc[1]);
-      if (G) {
-        sg[0] = _mm256_loadu_ps(pg + j);
-        sg[1] = _mm256_loadu_ps(pg + j + 8);
-      }
-      if (Bs) {
-        sb[0] = _mm256_loadu_ps(pb + j);
-        sb[1] = _mm256_loadu_ps(pb + j + 8);
-      }
-      for (int q = 0; q < 2; ++q) {
-        if (C) xc[q] = _mm256_sub_ps(xc[q], mu);
-        const __m256 dxh = _mm256_mul_ps(d[q], load<P>(gl + j + 8 * q, 0xff));
-        s[q][0] = _mm256_add_ps(s[q][0], dxh);
-        s[q][1] = _mm256_fmadd_ps(dxh, xc[q], s[q][1]);
-        if (C) s[q][2] = _mm256_add_ps(s[q][2], xc[q]);
-        if (G) sg[q] = _mm256_fmadd_ps(d[q], gain_factor<V, G>(xc[q], rs), sg[q]);
-        if (Bs) sb[q] = _mm256_add_ps(d[q], sb[q]);
-      }
-      if (G) {
-        _mm256_storeu_ps(pg + j, sg[0]);
-        _mm256_storeu_ps(pg + j + 8, sg[1]);
-      }
-      if (Bs) {
-        _mm256_storeu_ps(pb + j, sb[0]);
-        _mm256_storeu_ps(pb + j + 8, sb[1]);
+  // the row's sums over [j, je): whole 16-element blocks (bf16: in the lane order, s[0] summing lo, s[1] hi), then
+  // 8-element steps with the tail masked
+  auto span = [&](int64_t j, int64_t je) {
+    if constexpr (kLaneOrder<V>) {  // whole 16-element blocks in the lane order; s[0] sums lo, s[1] hi
+      for (; j + 16 <= je; j += 16) {
+        __m256 d[2], xc[2], sg[2], sb[2];
+        V::ld2p(dy + j, d[0], d[1]);
+        V::ld2p(x + j, xc[0], xc[1]);
+        if (G) {
+          sg[0] = _mm256_loadu_ps(pg + j);
+          sg[1] = _mm256_loadu_ps(pg + j + 8);
+        }
+        if (Bs) {
+          sb[0] = _mm256_loadu_ps(pb + j);
+          sb[1] = _mm256_loadu_ps(pb + j + 8);
+        }
+        for (int q = 0; q < 2; ++q) {
+          if (C) xc[q] = _mm256_sub_ps(xc[q], mu);
+          const __m256 dxh = _mm256_mul_ps(d[q], load<P>(gl + j + 8 * q, 0xff));
+          s[q][0] = _mm256_add_ps(s[q][0], dxh);
+          s[q][1] = _mm256_fmadd_ps(dxh, xc[q], s[q][1]);
+          if (C) s[q][2] = _mm256_add_ps(s[q][2], xc[q]);
+          if (G) sg[q] = _mm256_fmadd_ps(d[q], gain_factor<V, G>(xc[q], rs), sg[q]);
+          if (Bs) sb[q] = _mm256_add_ps(d[q], sb[q]);
+        }
+        if (G) {
+          _mm256_storeu_ps(pg + j, sg[0]);
+          _mm256_storeu_ps(pg + j + 8, sg[1]);
+        }
+        if (Bs) {
+          _mm256_storeu_ps(pb + j, sb[0]);
+          _mm256_storeu_ps(pb + j + 8, sb[1]);
+        }
       }
     }
+    for (; j + 16 <= je; j += 16) {
+      first(j, 0xff, s[0]);
+      first(j + 8, 0xff, s[1]);
+    }
+    for (; j < je; j += 8) first(j, j + 8 <= je ? static_cast<mask8>(0xff) : tail_mask(je - j), s[0]);
+  };
+  if (n <= kWideRow) {
+    span(0, n);
+    const float s_dxh = hsum(_mm256_add_ps(s[0][0], s[1][0]));
+    const float s_dxh_xc = hsum(_mm256_add_ps(s[0][1], s[1][1]));
+    const float s_xc = C ? hsum(_mm256_add_ps(s[0][2], s[1][2])) : 0.f;
+    k = drdms * 2.f / div * s_dxh_xc;
+    off = C ? (r * s_dxh + k * s_xc) / static_cast<float>(n) : 0.f;
+    return;
   }
-  for (; j + 16 <= n; j += 16) {
-    first(j, 0xff, s[0]);
-    first(j + 8, 0xff, s[1]);
+  // a wide row: each block's fp32 lanes folded into fp64 (Wide) and k, off computed in fp64, as the forward's statistics
+  Wide w[3];
+  for (int64_t jb = 0; jb < n; jb += kSumBlock) {
+    span(jb, std::min(n, jb + kSumBlock));
+    for (int t = 0; t < (C ? 3 : 2); ++t) {
+      w[t].add(_mm256_add_ps(s[0][t], s[1][t]));
+      s[0][t] = s[1][t] = _mm256_setzero_ps();
+    }
   }
-  for (; j < n; j += 8) first(j, j + 8 <= n ? static_cast<mask8>(0xff) : tail_mask(n - j), s[0]);
-  const float s_dxh = hsum(_mm256_add_ps(s[0][0], s[1][0]));
-  const float s_dxh_xc = hsum(_mm256_add_ps(s[0][1], s[1][1]));
-  const float s_xc = C ? hsum(_mm256_add_ps(s[0][2], s[1][2])) : 0.f;
-  k = drdms * 2.f / div * s_dxh_xc;
-  off = C ? (r * s_dxh + k * s_xc) / static_cast<float>(n) : 0.f;
+  const double kd = static_cast<double>(drdms) * 2.0 / static_cast<double>(div) * w[1].sum();
+  k = static_cast<float>(kd);
+  off = C ? static_cast<float>((static_cast<double>(r) * w[0].sum() + kd * w[2].sum()) / static_cast<double>(n)) : 0.f;
 }
 
 // The backward's second pass over columns [j0, j1) of a row (k, off from bwd_sums): dx = r dy g + k xc - off (+ the

@@ -17,6 +17,7 @@
 #endif
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -426,14 +427,15 @@ inline void bwd_row(const R* __restrict xr, const R* __restrict dyr, const R* __
                     const A* __restrict gp, A* __restrict pgc, A* __restrict pbc, int64_t n, A mean, A r, A drdms,
                     A div, bool center, bool before_gain) {
   // First pass (x and dy come from memory here): the row sums, and in the training case (gain after the
-  // cast) the gain / bias partial sums too, so the second pass only reads the now cached row and writes dx.
-  A s_dxh = 0, s_dxh_xc = 0, s_xc = 0;
-  auto first_pass = [&](auto acc_g, auto acc_b, auto lanes) {
+  // cast) the gain / bias partial sums too, so the second pass only reads the now cached row. A row wider than
+  // rows::kSumBlock is summed a block at a time, the block sums added pairwise in fp64 (rows::over_blocks).
+  auto first_pass = [&](auto acc_g, auto acc_b, auto lanes, int64_t jb, int64_t je) {
     constexpr bool G = decltype(acc_g)::value, B = decltype(acc_b)::value;
     constexpr int64_t K = decltype(lanes)::value;
     A a1[K] = {}, a2[K] = {}, a3[K] = {};  // K independent partial sums each, so the adds pipeline
-    int64_t j0 = 0;
-    for (; j0 + K <= n; j0 += K) {
+    A s1 = 0, s2 = 0, s3 = 0;
+    int64_t j0 = jb;
+    for (; j0 + K <= je; j0 += K) {
 #pragma omp simd
       for (int64_t k = 0; k < K; ++k) {
         const A dy = IO<T>::ld(dyr[j0 + k]);
@@ -446,29 +448,45 @@ inline void bwd_row(const R* __restrict xr, const R* __restrict dyr, const R* __
         if constexpr (B) pbc[j0 + k] += dy;
       }
     }
-    for (int64_t j = j0; j < n; ++j) {
+    for (int64_t j = j0; j < je; ++j) {
       const A dy = IO<T>::ld(dyr[j]);
       const A xc = IO<T>::ld(xr[j]) - mean;
       const A dxh = dy * gp[j];
-      s_dxh += dxh;
-      s_dxh_xc += dxh * xc;
-      s_xc += xc;
+      s1 += dxh;
+      s2 += dxh * xc;
+      s3 += xc;
       if constexpr (G) pgc[j] += dy * (xc * r);
       if constexpr (B) pbc[j] += dy;
     }
     for (int64_t k = 0; k < K; ++k) {
-      s_dxh += a1[k];
-      s_dxh_xc += a2[k];
-      s_xc += a3[k];
+      s1 += a1[k];
+      s2 += a2[k];
+      s3 += a3[k];
     }
+    return std::array<A, 3>{s1, s2, s3};
   };
   using yes = std::true_type;
   using no = std::false_type;
   const bool fused = pgc && !before_gain;
+  A s_dxh, s_dxh_xc, s_xc;
   with_lanes(n, [&](auto lanes) {  // as lane_sum: 64 lanes for rows of 256 or more, 8 below
-    if (fused && pbc) first_pass(yes{}, yes{}, lanes);
-    else if (fused) first_pass(yes{}, no{}, lanes);
-    else first_pass(no{}, no{}, lanes);
+    auto block = [&](int64_t jb, int64_t je) {
+      if (fused && pbc) return first_pass(yes{}, yes{}, lanes, jb, je);
+      if (fused) return first_pass(yes{}, no{}, lanes, jb, je);
+      return first_pass(no{}, no{}, lanes, jb, je);
+    };
+    if (n <= normatlas::rows::kSumBlock) {
+      const auto s = block(0, n);
+      s_dxh = s[0];
+      s_dxh_xc = s[1];
+      s_xc = s[2];
+    } else {
+      double s[3];
+      normatlas::rows::over_blocks<3>(n, block, s);
+      s_dxh = static_cast<A>(s[0]);
+      s_dxh_xc = static_cast<A>(s[1]);
+      s_xc = static_cast<A>(s[2]);
+    }
   });
   const A k = drdms * A(2) / div * s_dxh_xc;
   const A off = center ? (r * s_dxh + k * s_xc) / static_cast<A>(n) : A(0);

@@ -13,6 +13,7 @@
 #endif
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -87,17 +88,64 @@ inline A fold_lanes(A s, A* acc) {
   }
 }
 
+// Wide rows: a row of more than kSumBlock elements is summed a block at a time, each block in K lanes as a row of one
+// block is, and the block sums added pairwise in fp64 (Cascade). Summed in K lanes from start to end, each lane added
+// n / K values one after another and the error grew with n (the vector kernels had the same problem: norm_cpu_vec.h's
+// Wide). 4096 elements is 64 adds a lane of 64, and keeps a block's fold (the tree of halves) ~2% of its adds; rows up
+// to one block are summed as before, bit for bit.
+constexpr int64_t kSumBlock = 64 * L;
+
+// A pairwise sum of block sums, in fp64: part[l] holds the sum of 2^l blocks while bit l of `count` is set (a binary
+// counter), so each block sum passes through at most log2(blocks) adds of comparable magnitudes.
+struct Cascade {
+  double part[64];
+  int64_t count = 0;
+  inline void add(double s) {
+    int l = 0;
+    for (int64_t c = count; c & 1; c >>= 1, ++l) s = part[l] + s;
+    part[l] = s;
+    ++count;
+  }
+  inline double sum() const {
+    double s = 0;
+    for (int l = 0; l < 64; ++l) {
+      if ((count >> l) & 1) s = part[l] + s;
+    }
+    return s;
+  }
+};
+
+// Calls block(jb, je) over the blocks of a row of n and returns the Cascade of what each returns (one or more sums).
+template <int S, typename F>
+inline void over_blocks(int64_t n, F&& block, double* out) {
+  Cascade c[S];
+  for (int64_t jb = 0; jb < n; jb += kSumBlock) {
+    const auto b = block(jb, std::min(n, jb + kSumBlock));
+    for (int t = 0; t < S; ++t) c[t].add(static_cast<double>(b[t]));
+  }
+  for (int t = 0; t < S; ++t) out[t] = c[t].sum();
+}
+
+// The sum of f(j) over [j0, j1) in K lanes.
 template <int64_t K, typename A, typename F>
-inline A lane_sum_k(int64_t n, F f) {
+inline A lane_sum_range(int64_t j0, int64_t j1, F& f) {
   A acc[K] = {};
-  int64_t j = 0;
-  for (; j + K <= n; j += K) {
+  int64_t j = j0;
+  for (; j + K <= j1; j += K) {
 #pragma omp simd
     for (int64_t k = 0; k < K; ++k) acc[k] += f(j + k);
   }
   A s = 0;
-  for (; j < n; ++j) s += f(j);
+  for (; j < j1; ++j) s += f(j);
   return fold_lanes<K>(s, acc);
+}
+
+template <int64_t K, typename A, typename F>
+inline A lane_sum_k(int64_t n, F f) {
+  if (n <= kSumBlock) return lane_sum_range<K, A>(0, n, f);
+  double s;
+  over_blocks<1>(n, [&](int64_t jb, int64_t je) { return std::array<A, 1>{lane_sum_range<K, A>(jb, je, f)}; }, &s);
+  return static_cast<A>(s);
 }
 
 // Calls body(std::integral_constant<int64_t, K>{}) with the lane count for a row of n.
@@ -112,12 +160,12 @@ inline A lane_sum(int64_t n, F f) {
   return with_lanes(n, [&](auto k) { return lane_sum_k<decltype(k)::value, A>(n, f); });
 }
 
-// Two row sums at once, of e and of e^2 for e = f(j) (the deviation pass of the moments below).
+// Two row sums at once over [j0, j1), of e and of e^2 for e = f(j) (the deviation pass of the moments below).
 template <int64_t K, typename A, typename F>
-inline void lane_sum2_k(int64_t n, F f, A& s1, A& s2) {
+inline std::array<A, 2> lane_sum2_range(int64_t j0, int64_t j1, F& f) {
   A a1[K] = {}, a2[K] = {};
-  int64_t j = 0;
-  for (; j + K <= n; j += K) {
+  int64_t j = j0;
+  for (; j + K <= j1; j += K) {
 #pragma omp simd
     for (int64_t k = 0; k < K; ++k) {
       const A e = f(j + k);
@@ -125,15 +173,27 @@ inline void lane_sum2_k(int64_t n, F f, A& s1, A& s2) {
       a2[k] += e * e;
     }
   }
-  s1 = 0;
-  s2 = 0;
-  for (; j < n; ++j) {
+  A s1 = 0, s2 = 0;
+  for (; j < j1; ++j) {
     const A e = f(j);
     s1 += e;
     s2 += e * e;
   }
-  s1 = fold_lanes<K>(s1, a1);
-  s2 = fold_lanes<K>(s2, a2);
+  return {fold_lanes<K>(s1, a1), fold_lanes<K>(s2, a2)};
+}
+
+template <int64_t K, typename A, typename F>
+inline void lane_sum2_k(int64_t n, F f, A& s1, A& s2) {
+  if (n <= kSumBlock) {
+    const auto s = lane_sum2_range<K, A>(0, n, f);
+    s1 = s[0];
+    s2 = s[1];
+    return;
+  }
+  double s[2];
+  over_blocks<2>(n, [&](int64_t jb, int64_t je) { return lane_sum2_range<K, A>(jb, je, f); }, s);
+  s1 = static_cast<A>(s[0]);
+  s2 = static_cast<A>(s[1]);
 }
 
 template <typename A, typename F>
