@@ -7,7 +7,8 @@ Every module of the core (:class:`~normatlas.Norm` and the presets) and :func:`~
   allow it (see :func:`normatlas.kernels.unsupported`) and the kernels are ready; the reference path otherwise.
   It never compiles anything: when the C++ kernels are not built it runs the reference path and warns once how
   to build them (``normatlas kernels build``). Under ``torch.compile`` it traces the reference path, which the
-  compiler fuses itself.
+  compiler fuses itself, and inside :func:`reference_only` (the dataflow recorder's run, so the inspector reads
+  the norm's own arithmetic) it runs the reference path too.
 - ``Backend.REFERENCE``: the core's arithmetic in torch ops (bit for bit torch's and HF's norms where the cast
   order matches; see :mod:`normatlas.functional`).
 - ``Backend.FUSED``: the fused kernels, compiled now if they are not built yet; a spec or an input they cannot
@@ -19,11 +20,16 @@ within the per-dtype tolerances the tests hold them to.
 
 from __future__ import annotations
 
+import contextlib
 import enum
+from collections.abc import Iterator
 
 from .spec import parse_enum
 
-__all__ = ["Backend", "as_backend"]
+__all__ = ["Backend", "as_backend", "reference_only"]
+
+# how many reference_only() blocks are open (the recorder runs one model at a time; a counter keeps nesting right)
+_REFERENCE_ONLY = [0]
 
 
 class Backend(enum.Enum):
@@ -41,3 +47,14 @@ def as_backend(value: Backend | str, name: str = "backend") -> Backend:
     if not isinstance(value, str):
         raise TypeError(f"{name}={value!r} must be a Backend or one of 'auto', 'reference', 'fused'")
     return parse_enum(Backend, value, name=name)
+
+
+@contextlib.contextmanager
+def reference_only() -> Iterator[None]:
+    """Inside this block every ``Backend.AUTO`` norm runs the reference path (its torch ops, visible to a
+    TorchFunctionMode such as :func:`normatlas.dataflow.record`); ``Backend.FUSED`` ones still run the kernels."""
+    _REFERENCE_ONLY[0] += 1
+    try:
+        yield
+    finally:
+        _REFERENCE_ONLY[0] -= 1

@@ -36,6 +36,8 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
+from .backend import reference_only
+
 __all__ = [
     "PASS_THROUGH",
     "ROW_PRESERVING",
@@ -301,7 +303,7 @@ def record(model: nn.Module, example_inputs: Any, kwargs: dict[str, Any] | None 
     for t in _tensors((inputs, extra)):
         rec.nodes[rec.ref(t)].op = "input"
     try:
-        with torch.no_grad(), rec:
+        with torch.no_grad(), reference_only(), rec:  # our own norms run their torch ops, for the recorder to see
             if isinstance(inputs, dict):
                 out = model(**inputs, **extra)
             elif isinstance(inputs, (tuple, list)):

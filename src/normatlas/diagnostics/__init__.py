@@ -7,7 +7,15 @@ pure metric functions in :mod:`normatlas.diagnostics.metrics`.
 
 from __future__ import annotations
 
-from .alarms import AlarmEvent, EntropyCollapseAlarm, SpikeDetector, ThresholdAlarm, TrendAlarm, default_alarms
+from .alarms import (
+    AlarmEvent,
+    EntropyCollapseAlarm,
+    NonFiniteAlarm,
+    SpikeDetector,
+    ThresholdAlarm,
+    TrendAlarm,
+    default_alarms,
+)
 from .attention import AttentionCapture, sdpa_probs
 from .groups import ParamInfo, Role, format_report, param_groups, param_roles
 from .metrics import (
@@ -35,6 +43,7 @@ __all__ = [
     "MemorySink",
     "Metric",
     "Monitor",
+    "NonFiniteAlarm",
     "ParamInfo",
     "Role",
     "Sink",

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..backend import _REFERENCE_ONLY
 from ..functional import check_float_params, check_spec_params, normalize
 from ..spec import CastOrder, EpsPlacement, Gain, GainConvention, NormSpec, Scale
 from . import cpu
@@ -87,25 +88,16 @@ def ready(device: torch.device, build: bool = False) -> bool:
     return False
 
 
-_function_mode = getattr(torch._C, "_is_torch_function_mode_enabled", lambda: False)
-_dispatch_modes = getattr(torch._C, "_len_torch_dispatch_stack", lambda: 0)
-
-
-def _watched() -> bool:
-    """A TorchFunctionMode or TorchDispatchMode is active (a dataflow recorder, a FLOP counter, ``with
-    torch.device(...)``): under ``Backend.AUTO`` it should see the norm's own torch ops, not one opaque kernel."""
-    return bool(_function_mode() or _dispatch_modes())
-
-
 def drop_in(
     input: Tensor, spec: NormSpec, weight: Tensor | None, bias: Tensor | None, fshape: tuple[int, ...] | None,
     fused: bool,
 ) -> Tensor | None:  # fmt: skip
     """The forward of a core module or :func:`normalize` on the fused kernels, or None where the reference path
-    runs: ``fused=False`` is ``Backend.AUTO`` (kernels that are ready, outside ``torch.compile`` and torch modes),
+    runs: ``fused=False`` is ``Backend.AUTO`` (kernels that are ready, outside ``torch.compile`` and
+    :func:`normatlas.backend.reference_only`),
     ``fused=True`` ``Backend.FUSED`` (compile the kernels if needed; a spec or input they cannot serve raises)."""
-    if not fused and (torch.compiler.is_compiling() or _watched()):
-        return None  # AUTO traces the reference path (the compiler fuses it), or shows its ops to the mode
+    if not fused and (torch.compiler.is_compiling() or _REFERENCE_ONLY[0]):
+        return None  # AUTO traces the reference path (the compiler fuses it), or shows its ops to the recorder
     if (weight is not None and spec.gain is Gain.NONE) or (bias is not None and not spec.bias):
         check_float_params(("weight", weight), ("bias", bias))
         check_spec_params(spec, weight, bias)  # raises: a parameter the spec does not have
