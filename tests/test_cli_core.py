@@ -239,3 +239,24 @@ def test_progress_phases_show_and_clear_on_a_terminal(monkeypatch: pytest.Monkey
     monkeypatch.setenv("NORMATLAS_PROGRESS", "0")
     assert not _progress.enabled(stream)
     assert list(_progress.steps([1, 2, 3], "items")) == [1, 2, 3]
+
+
+def test_ctrl_c_while_the_console_script_starts_is_one_line(tmp_path: Path) -> None:
+    """The installed ``normatlas`` script imports ``normatlas.cli`` before main() runs; the package's top level is
+    lazy, so the first heavy import (torch) happens inside main()'s handler. Ctrl-C there: exit 130, one line."""
+    import shutil
+
+    script = shutil.which("normatlas", path=str(Path(sys.executable).parent))
+    if script is None:
+        pytest.skip("the console script is not installed beside this interpreter")
+    code = "import sys, normatlas; print('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                          env=_env()).stdout.strip() == "False"  # fmt: skip
+    proc = subprocess.Popen([script, "inspect", "llama"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_env(),
+                            cwd=tmp_path, start_new_session=True)  # fmt: skip
+    time.sleep(1.0)  # the interpreter is up, inside main(), importing torch
+    os.killpg(proc.pid, signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    text = err.decode()
+    assert proc.returncode == 130, text
+    assert "Traceback" not in text, text

@@ -316,3 +316,18 @@ def test_the_default_path_is_as_accurate_as_the_peer(which: str, shape: tuple[in
         floor = torch.finfo(dtype).eps * r.abs().max().item()
         err_ours, err_peer = (o - r).abs().max().item(), (p - r).abs().max().item()
         assert err_ours <= 4 * err_peer + floor, f"{which} {what}: ours {err_ours:.3g}, peer {err_peer:.3g}"
+
+
+@needs_cpp
+def test_auto_under_torch_func_transforms_runs_the_reference_ops() -> None:
+    """vmap / jacrev / grad have no rule for a C++ autograd Function: AUTO takes the reference path under them."""
+    from torch.func import functional_call, grad, jacrev, vmap
+
+    m, ref = na.RMSNorm(8), na.RMSNorm(8, backend="reference")
+    x = torch.randn(3, 5, 8)
+    torch.testing.assert_close(vmap(m)(x), ref(x), rtol=0, atol=0)
+    v = torch.randn(8)
+    torch.testing.assert_close(jacrev(m)(v), jacrev(ref)(v), rtol=0, atol=0)
+    w = m.weight.detach()
+    g = grad(lambda w: functional_call(m, {"weight": w}, (x,)).pow(2).sum())(w)
+    torch.testing.assert_close(g, grad(lambda w: functional_call(ref, {"weight": w}, (x,)).pow(2).sum())(w))

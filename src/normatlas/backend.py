@@ -7,8 +7,9 @@ Every module of the core (:class:`~normatlas.Norm` and the presets) and :func:`~
   allow it (see :func:`normatlas.kernels.unsupported`) and the kernels are ready; the reference path otherwise.
   It never compiles anything: when the C++ kernels are not built it runs the reference path and warns once how
   to build them (``normatlas kernels build``). Under ``torch.compile`` it traces the reference path, which the
-  compiler fuses itself, and inside :func:`reference_only` (the dataflow recorder's run, so the inspector reads
-  the norm's own arithmetic) it runs the reference path too.
+  compiler fuses itself; under torch.func transforms (``vmap``, ``grad``, ``jacrev``) and inside
+  :func:`reference_only` (the dataflow recorder's run, so the inspector reads the norm's own arithmetic) it runs
+  the reference path too.
 - ``Backend.REFERENCE``: the core's arithmetic in torch ops (bit for bit torch's and HF's norms where the cast
   order matches; see :mod:`normatlas.functional`).
 - ``Backend.FUSED``: the fused kernels, compiled now if they are not built yet; a spec or an input they cannot

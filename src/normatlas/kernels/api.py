@@ -88,16 +88,21 @@ def ready(device: torch.device, build: bool = False) -> bool:
     return False
 
 
+_functorch_active = getattr(torch._C, "_are_functorch_transforms_active", lambda: False)
+
+
 def drop_in(
     input: Tensor, spec: NormSpec, weight: Tensor | None, bias: Tensor | None, fshape: tuple[int, ...] | None,
     fused: bool,
 ) -> Tensor | None:  # fmt: skip
     """The forward of a core module or :func:`normalize` on the fused kernels, or None where the reference path
-    runs: ``fused=False`` is ``Backend.AUTO`` (kernels that are ready, outside ``torch.compile`` and
-    :func:`normatlas.backend.reference_only`),
+    runs: ``fused=False`` is ``Backend.AUTO`` (kernels that are ready, outside ``torch.compile``, torch.func
+    transforms and :func:`normatlas.backend.reference_only`),
     ``fused=True`` ``Backend.FUSED`` (compile the kernels if needed; a spec or input they cannot serve raises)."""
-    if not fused and (torch.compiler.is_compiling() or _REFERENCE_ONLY[0]):
-        return None  # AUTO traces the reference path (the compiler fuses it), or shows its ops to the recorder
+    if not fused and (torch.compiler.is_compiling() or _REFERENCE_ONLY[0] or _functorch_active()):
+        # AUTO traces the reference path (the compiler fuses it), shows its ops to the recorder, and under
+        # torch.func transforms (vmap, grad, jacrev) runs the ops they have rules for (a C++ autograd Function has none)
+        return None
     if (weight is not None and spec.gain is Gain.NONE) or (bias is not None and not spec.bias):
         check_float_params(("weight", weight), ("bias", bias))
         check_spec_params(spec, weight, bias)  # raises: a parameter the spec does not have
