@@ -17,6 +17,7 @@ attention entropy collapse, massive activations, bf16 and VLM interfaces):
 
 from __future__ import annotations
 
+import enum
 import math
 from collections.abc import Sequence
 
@@ -25,8 +26,12 @@ from torch import Tensor
 
 __all__ = [
     "BF16_MAX",
+    "DEFAULT_METRICS",
     "FP16_MAX",
+    "LR_POWER",
     "MASKED_LOGIT",
+    "PER_BLOCK",
+    "Metric",
     "attention_sinks",
     "attention_stats",
     "headroom",
@@ -323,3 +328,37 @@ def as_floats(values: Sequence[float] | Tensor, name: str) -> tuple[float, ...]:
     if not out:
         raise ValueError(f"{name} must not be empty")
     return out
+
+
+# ----------------------------------------------------------------------------- what a Monitor measures
+
+
+class Metric(enum.Enum):
+    OUTPUT_NORM = "output_norm"
+    GRAD_NORM = "grad_norm"
+    RESIDUAL = "residual"
+    ATTENTION = "attention"
+    MASSIVE = "massive"
+    HEADROOM = "headroom"
+    EFFECTIVE_LR = "effective_lr"
+    BATCHNORM = "batchnorm"
+    NGRAMS = "ngrams"
+    MODALITY = "modality"
+
+
+DEFAULT_METRICS = frozenset(Metric) - {Metric.MODALITY}
+# measured only by the hooks on the repeated blocks: a model without blocks cannot give them (attention
+# can also come from the user, through record_attention)
+PER_BLOCK = frozenset({Metric.RESIDUAL, Metric.MASSIVE, Metric.HEADROOM})
+
+# exponent p of effective_lr = lr / ||W||^p for a scale-invariant W, by optimizer type (others: 2)
+LR_POWER: tuple[tuple[type, int], ...] = tuple(
+    (cls, p)
+    for names, p in (
+        (("Adam", "AdamW", "Adamax", "NAdam", "RAdam", "SparseAdam", "Adagrad", "Adadelta"), 1),
+        (("RMSprop", "Muon"), 1),
+        (("Adafactor",), 0),
+    )
+    for cls in (getattr(torch.optim, n, None) for n in names)
+    if isinstance(cls, type)
+)

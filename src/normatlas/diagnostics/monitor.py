@@ -42,7 +42,6 @@ SGD law ``p = 2`` is assumed.
 
 from __future__ import annotations
 
-import enum
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -55,41 +54,11 @@ from . import metrics as M
 from .alarms import Alarm, AlarmEvent, NonFiniteAlarm, default_alarms
 from .attention import AttentionCapture
 from .health import fork_model_rng
+from .metrics import DEFAULT_METRICS, LR_POWER, PER_BLOCK, Metric
 from .roles import Kind, find_blocks, is_batch_norm, linear_norm_pairs, module_kind
 from .sinks import MemorySink, Sink
 
 __all__ = ["DEFAULT_METRICS", "Metric", "Monitor"]
-
-
-class Metric(enum.Enum):
-    OUTPUT_NORM = "output_norm"
-    GRAD_NORM = "grad_norm"
-    RESIDUAL = "residual"
-    ATTENTION = "attention"
-    MASSIVE = "massive"
-    HEADROOM = "headroom"
-    EFFECTIVE_LR = "effective_lr"
-    BATCHNORM = "batchnorm"
-    NGRAMS = "ngrams"
-    MODALITY = "modality"
-
-
-DEFAULT_METRICS = frozenset(Metric) - {Metric.MODALITY}
-# measured only by the hooks on the repeated blocks: a model without blocks cannot give them (attention
-# can also come from the user, through record_attention)
-_PER_BLOCK = frozenset({Metric.RESIDUAL, Metric.MASSIVE, Metric.HEADROOM})
-
-# exponent p of effective_lr = lr / ||W||^p for a scale-invariant W, by optimizer type (others: 2)
-_LR_POWER: tuple[tuple[type, int], ...] = tuple(
-    (cls, p)
-    for names, p in (
-        (("Adam", "AdamW", "Adamax", "NAdam", "RAdam", "SparseAdam", "Adagrad", "Adadelta"), 1),
-        (("RMSprop", "Muon"), 1),
-        (("Adafactor",), 0),
-    )
-    for cls in (getattr(torch.optim, n, None) for n in names)
-    if isinstance(cls, type)
-)
 
 
 def _first_tensor(obj: Any, float_only: bool = True) -> Tensor | None:
@@ -183,7 +152,7 @@ class Monitor:
         self.blocks = list(blocks) if blocks is not None else find_blocks(model)
         if modality is not None and set(modality) != {"vision", "text"}:
             raise ValueError(f"modality keys {sorted(modality)} must be exactly ['text', 'vision']")
-        needs_blocks = sorted(m.value for m in self.metrics & _PER_BLOCK)
+        needs_blocks = sorted(m.value for m in self.metrics & PER_BLOCK)
         if not self.blocks and needs_blocks:
             found = (
                 "blocks=[] was given" if blocks is not None else f"found no repeated blocks in {type(model).__name__}"
@@ -456,7 +425,7 @@ class Monitor:
     def effective_lr_power(self) -> int:
         """``p`` in ``effective_lr = lr / ||W||^p``: 2 for SGD (and without an optimizer or for an
         unknown type), 1 for update-normalizing optimizers (Adam family, RMSprop, ...), 0 for Adafactor."""
-        for cls, p in _LR_POWER:
+        for cls, p in LR_POWER:
             if isinstance(self.optimizer, cls):
                 return p
         return 2
