@@ -366,3 +366,21 @@ def test_an_output_that_needs_its_swaps_is_refused_as_input(gpt2_dir, tmp_path, 
     assert run(["fold", str(gain), str(tmp_path / "folded")]) == 2  # its stock structure is another model
     assert "runtime swaps" in _one_line(capsys.readouterr().err)
     assert not (tmp_path / "folded").exists()
+
+
+def test_the_slow_steps_declare_their_phases(gpt2_dir, monkeypatch, capsys) -> None:
+    """Loading, analysing and verifying each run inside a progress phase (drawn on a terminal: tests/test_cli_core.py)."""
+    import contextlib
+
+    from normatlas.cli import surgery as cli_surgery
+
+    seen: list[str] = []
+
+    @contextlib.contextmanager
+    def phase(message: str, **kw: object):  # type: ignore[no-untyped-def]
+        seen.append(message)
+        yield None
+
+    monkeypatch.setattr(cli_surgery.progress, "phase", phase)
+    assert run(["convert", "ln-rms", str(gpt2_dir), "--dry-run"]) == 0
+    assert [m.split(" ")[0] for m in seen] == ["loading", "analysing", "verifying"], seen

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 
+from . import _progress as progress
 from . import command
 from ._format import Section, add_format_option, emit
 
@@ -33,7 +34,8 @@ def _configure(p: argparse.ArgumentParser) -> None:
 def diagnose(args: argparse.Namespace) -> int:
     from ..diagnostics.report import DEFAULT_SENTENCES, diagnose_hf
 
-    result = diagnose_hf(args.model, args.sentence or DEFAULT_SENTENCES)
+    with progress.phase("loading the model and running the sentences"):
+        result = diagnose_hf(args.model, args.sentence or DEFAULT_SENTENCES)
     title = (
         f"{result['model']}: {result['sentences']} sentences, one at a time; "
         f"mean last-block output norm {result['output_norm']:.4g}"
@@ -42,7 +44,8 @@ def diagnose(args: argparse.Namespace) -> int:
     if args.groups:
         from ..diagnostics.groups import param_roles, summarize_roles
 
-        infos = param_roles(result["module"])  # the roles param_groups(model, weight_decay=0.1) uses
+        with progress.phase("reading the parameters' roles from the dataflow"):
+            infos = param_roles(result["module"])  # the roles param_groups(model, weight_decay=0.1) uses
         sections.append(Section("param_groups", summarize_roles(infos), "param_groups(model, weight_decay=0.1)"))
     meta = {"model": result["model"], "sentences": result["sentences"], "output_norm": result["output_norm"]}
     emit(sections, args.format, meta=meta if args.format == "json" else None)

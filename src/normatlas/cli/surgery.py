@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from . import CliError, command
+from . import _progress as progress
 from ._format import Section, add_format_option, emit
 
 CONVERSIONS = ("ln-rms", "gain", "eps", "bn-fold", "bn-frozen")
@@ -191,9 +192,10 @@ def _prepare(args: argparse.Namespace) -> list[str]:
 def _load(path: str) -> Any:
     from normatlas.surgery import analysis_copy, load_checkpoint, probe_inputs
 
-    model = load_checkpoint(path)
-    work, dtypes = analysis_copy(model)
-    return model, work, dtypes, probe_inputs(model)
+    with progress.phase(f"loading {path}"):
+        model = load_checkpoint(path)
+        work, dtypes = analysis_copy(model)
+        return model, work, dtypes, probe_inputs(model)
 
 
 def _tolerance(args: argparse.Namespace, model: Any) -> tuple[Any, Any, Any]:
@@ -222,7 +224,8 @@ def _finish(args: argparse.Namespace, model: Any, surgery: Any, dtypes: Any, inp
         emit([changes], args.format, meta=meta, notes=[*surgery.notes, *notes])
         return EXIT_NOTHING_TO_CHANGE
     surgery.restore_dtypes(dtypes)  # what is proven is what is written: every tensor in its stored dtype
-    run_checks(model, surgery, inputs, tolerance=tol, working_dtype=working)
+    with progress.phase("verifying (before vs after, float64 and the working dtype)"):
+        run_checks(model, surgery, inputs, tolerance=tol, working_dtype=working)
     checks = Section("checks", surgery.check_rows(), "verification (before vs after, probe inputs)")
     notes = [*surgery.notes, *notes]
     if args.dry_run or not surgery.passed:
@@ -234,9 +237,10 @@ def _finish(args: argparse.Namespace, model: Any, surgery: Any, dtypes: Any, inp
         emit([changes, checks], args.format, meta=meta, notes=notes)
         return 0 if surgery.passed else EXIT_VERIFY_FAILED
     try:
-        path = save_surgery(
-            surgery, args.output, force=args.force, inputs=inputs, source=args.checkpoint, force_hint="--force"
-        )
+        with progress.phase(f"writing {args.output} (and reading it back)"):
+            path = save_surgery(
+                surgery, args.output, force=args.force, inputs=inputs, source=args.checkpoint, force_hint="--force"
+            )
     except OSError as exc:  # a full disk, a folder made read-only meanwhile: one line, nothing left behind
         raise CliError(str(exc)) from exc
     meta.update(result="written", written=True, output=str(path))
@@ -254,7 +258,10 @@ def fold(args: argparse.Namespace) -> int:
 
     notes = _prepare(args)
     model, work, dtypes, inputs = _load(args.checkpoint)
-    surgery = cancel_pre_attention_norms(work, inputs) if args.cancel else fold_gains(work, inputs, defer=args.defer)
+    with progress.phase("analysing the dataflow and folding"):
+        surgery = (
+            cancel_pre_attention_norms(work, inputs) if args.cancel else fold_gains(work, inputs, defer=args.defer)
+        )
     return _finish(args, model, surgery, dtypes, inputs, notes)  # run_checks also proves the deferred runtime
 
 
@@ -273,18 +280,18 @@ def _convert_options(args: argparse.Namespace) -> None:
     "convert", "convert normalization: ln-rms, gain (w <-> 1+w), eps, bn-fold, bn-frozen; proven first", _convert_args
 )
 def convert(args: argparse.Namespace) -> int:
-    from normatlas.spec import EpsPlacement, GainConvention, parse_enum
-    from normatlas.surgery import (
-        change_eps,
-        convert_gain_convention,
-        fold_batchnorm,
-        freeze_batchnorm,
-        ln_to_rms,
-    )
-
     _convert_options(args)
     notes = _prepare(args)
     model, work, dtypes, inputs = _load(args.checkpoint)
+    with progress.phase(f"analysing the dataflow and converting ({args.what})"):
+        surgery = _converted(args, work, inputs)
+    return _finish(args, model, surgery, dtypes, inputs, notes)
+
+
+def _converted(args: argparse.Namespace, work: Any, inputs: Any) -> Any:
+    from normatlas.spec import EpsPlacement, GainConvention, parse_enum
+    from normatlas.surgery import change_eps, convert_gain_convention, fold_batchnorm, freeze_batchnorm, ln_to_rms
+
     if args.what == "ln-rms":
         surgery = ln_to_rms(work, inputs)
     elif args.what == "gain":
@@ -296,7 +303,7 @@ def convert(args: argparse.Namespace) -> int:
         surgery = fold_batchnorm(work, inputs)
     else:
         surgery = freeze_batchnorm(work, inputs)
-    return _finish(args, model, surgery, dtypes, inputs, notes)
+    return surgery
 
 
 @command("verify", "load a surgery output back and compare it with the original on probe inputs", _verify_args)
@@ -310,9 +317,10 @@ def verify(args: argparse.Namespace) -> int:
     _located(args.checkpoint)
     if not is_normatlas_output(Path(args.checkpoint)):
         raise CliError(f"{args.checkpoint} has no valid {MANIFEST}; it was not written by normatlas surgery")
-    original = load_checkpoint(args.original)
-    stock, runtime, manifest = load_transformed(args.checkpoint)
-    inputs = probe_inputs(original, seed=args.seed)
+    with progress.phase("loading both checkpoints"):
+        original = load_checkpoint(args.original)
+        stock, runtime, manifest = load_transformed(args.checkpoint)
+        inputs = probe_inputs(original, seed=args.seed)
     stored, working, tol = _tolerance(args, original)
     targets = [("runtime", runtime)] + ([("stock", stock)] if manifest.get("stock_equivalent") else [])
     rows: list[dict[str, object]] = []
