@@ -369,7 +369,7 @@ def test_an_output_that_needs_its_swaps_is_refused_as_input(gpt2_dir, tmp_path, 
 
 
 def test_the_slow_steps_declare_their_phases(gpt2_dir, monkeypatch, capsys) -> None:
-    """Loading, analysing and verifying each run inside a progress phase (drawn on a terminal: tests/test_cli_core.py)."""
+    """Loading, analysing and verifying each run inside a progress phase (drawn: tests/test_cli_core.py)."""
     import contextlib
 
     from normatlas.cli import surgery as cli_surgery
