@@ -143,6 +143,7 @@ def _wait_for(proc: subprocess.Popen[bytes], marker: bytes, limit: float = 120.0
 
 _DRIVER = """
 import sys
+import torch  # (the package's top level is lazy: import what the command needs, so "ready" means inside the command)
 from normatlas.cli import main
 print("ready", file=sys.stderr, flush=True)
 sys.exit(main(sys.argv[2:] or ["inspect", "llama"]))
