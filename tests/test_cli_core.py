@@ -7,6 +7,7 @@ import errno
 import io
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -261,3 +262,27 @@ def test_ctrl_c_while_the_console_script_starts_is_one_line(tmp_path: Path) -> N
     text = err.decode()
     assert proc.returncode == 130, text
     assert "Traceback" not in text, text
+
+
+def test_make_demo_echoes_no_line_over_120_columns() -> None:
+    """make prints each recipe line it runs (unless it starts with @): those lines are part of `make demo`'s output
+    too, and the MiniLM path expansion made two of them 173-190 columns wide."""
+    text = (Path(ROOT) / "Makefile").read_text()
+    recipe = text[text.index("\ndemo:") :].split("\n\n")[0].splitlines()[1:]
+    variables = dict(re.findall(r"^(\w+) [:?]?= ?(.*)$", text, re.M))  # what make substitutes into an echo
+    expand = lambda line: re.sub(r"\$\((\w+)\)", lambda m: variables.get(m.group(1), m.group(0)), line)
+    echoed = [expand(expand(line.strip())).replace("$$", "$") for line in recipe
+              if line.startswith("\t") and not line.strip().startswith("@")]  # fmt: skip
+    assert echoed, "the demo target runs commands"
+    assert all(len(line) <= 120 for line in echoed), [line for line in echoed if len(line) > 120]
+
+
+def test_third_party_progress_bars_are_off_in_the_cli(monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    """transformers' "Loading weights" tqdm bar printed a 146-column line into `make demo`'s log; the commands show
+    their own phases instead (a user who wants the bars sets HF_HUB_DISABLE_PROGRESS_BARS=0)."""
+    monkeypatch.delenv("HF_HUB_DISABLE_PROGRESS_BARS", raising=False)
+    assert cli.main([]) == 0  # bare: the help
+    assert os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] == "1"
+    monkeypatch.setenv("HF_HUB_DISABLE_PROGRESS_BARS", "0")
+    assert cli.main([]) == 0  # bare: the help
+    assert os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] == "0"

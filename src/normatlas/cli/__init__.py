@@ -183,6 +183,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     from . import _progress
 
+    # the commands show their own phases (cli/_progress.py); transformers' and the hub's tqdm bars would print
+    # beside them, and into logs as one long line (set HF_HUB_DISABLE_PROGRESS_BARS=0 to keep them)
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     argv = list(sys.argv[1:] if argv is None else argv)
     name = "normatlas"
     try:
