@@ -370,7 +370,7 @@ def analyze(g: Graph, name: str = "model", tracer: str = "torch_function") -> In
         ]
         nxt = groups[i + 1].source if i + 1 < len(groups) else None
         for s in by_input.get(strip(g, end, _THRU), []):
-            if nxt is not None and strip(g, nxt, _THRU) == s.output:
+            if nxt is not None and strip(g, nxt, _THRU) == strip(g, s.output, _THRU):  # the norm may end in a cast
                 grp.post.append(s)
         layer = _layer_of(g, end, keys)
         grp.layer = layer if layer is not None else -1
