@@ -126,7 +126,11 @@ def _check(preset: str, norm: str, qk: str, final: bool) -> None:
     assert r.layers == L
     assert r.placement_by_layer == by_layer
     kinds = [("attention+mlp",) if len(lay) == 1 else ("attention", "mlp") for lay in exp.layers]
-    want_subs = [(i, k, p) for i, (ks, lay) in enumerate(zip(kinds, exp.layers)) for k, p in zip(ks, lay)]
+    want_subs = [
+        (i, k, p)
+        for i, (ks, lay) in enumerate(zip(kinds, exp.layers, strict=True))
+        for k, p in zip(ks, lay, strict=True)
+    ]
     assert [(s.layer, s.kind, s.placement) for s in r.sublayers] == want_subs
     flat = {p for lay in exp.layers for p in lay}
     assert r.placement == (flat.pop() if len(flat) == 1 else Placement.MIX)
@@ -152,7 +156,9 @@ def _check(preset: str, norm: str, qk: str, final: bool) -> None:
     # the QK / V norms themselves: operator and eps of what wrote them
     qk_sites = [(n.layer, n.operator, n.eps) for n in r.norms if n.role == "qk"]
     qk_op = {"rms": Operator.RMSNORM}[qk_cfg.operator.value] if qk_cfg is not None else op
-    want_qk = [(i, qk_op, QK_EPS if qk_cfg is not None else eps) for i, k in enumerate(per_layer) if k is not QKNorm.NONE]
+    want_qk = [
+        (i, qk_op, QK_EPS if qk_cfg is not None else eps) for i, k in enumerate(per_layer) if k is not QKNorm.NONE
+    ]
     assert [(lay, o) for lay, o, _ in qk_sites] == [(lay, o) for lay, o, _ in want_qk for _ in (0, 1)]
     assert [e for _, _, e in qk_sites] == pytest.approx([e for _, _, e in want_qk for _ in (0, 1)])
     v_sites = [(n.layer, n.operator) for n in r.norms if n.role == "v"]
@@ -163,13 +169,17 @@ def _check(preset: str, norm: str, qk: str, final: bool) -> None:
 def _case(preset: str, norm: str, qk: str, final: bool) -> object:
     reason = MISREADS.get((preset, norm, qk, final))
     marks = [pytest.mark.xfail(strict=True, reason=reason)] if reason else []
-    return pytest.param(preset, norm, qk, final, marks=marks, id=f"{preset}-{norm}-qk_{qk}-{'final' if final else 'nofinal'}")
+    return pytest.param(
+        preset, norm, qk, final, marks=marks, id=f"{preset}-{norm}-qk_{qk}-{'final' if final else 'nofinal'}"
+    )
 
 
 # every preset x operator x final norm on/off (no QK-norm) ...
 CASES = [_case(p, n, "none", f) for p in EXPECTED for n in NORMS for f in (True, False)]
 # ... every preset with a per-head QK-norm before and after RoPE (both operators covered, final norm on) ...
-CASES += [_case(p, n, qk, True) for p in EXPECTED for n, qk in (("rmsnorm", "before-rope"), ("layernorm", "after-rope"))]
+CASES += [
+    _case(p, n, qk, True) for p in EXPECTED for n, qk in (("rmsnorm", "before-rope"), ("layernorm", "after-rope"))
+]
 # ... and the flattened (OLMo 2) QK-norm on the schemes that ship or name it
 CASES += [_case(p, "rmsnorm", "flat", True) for p in ("pre_ln", "reordered_norm", "hybridnorm", "post_ln")]
 
