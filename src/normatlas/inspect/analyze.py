@@ -401,15 +401,8 @@ def analyze(g: Graph, name: str = "model", tracer: str = "torch_function") -> In
         # norm), or when the nearest sublayer of its kind has a post-norm and otherwise the same norms (Mix-LN
         # switches scheme with depth, so a Pre-LN last layer after a Post-LN one ends in a final norm).
         chained = bool(cands) and bool(by_input.get(strip(g, cands[0].output, _THRU)))
-        like_near = (
-            near is not None
-            and bool(near.post)
-            and (bool(near.pre), bool(near.out))
-            == (
-                bool(last.pre),
-                bool(last.out),
-            )
-        )
+        same_scheme = near is not None and (bool(near.pre), bool(near.out)) == (bool(last.pre), bool(last.out))
+        like_near = near is not None and bool(near.post) and same_scheme
         if cands and (chained or like_near):
             last.post.append(cands[0])
             end_idx = cands[0].output
