@@ -20,7 +20,8 @@ Method (all structural, no names):
   normalize d_head, flattened otherwise; a RoPE add (``q*cos + rot(q)*sin``)
   between the norm and the core means the norm runs before RoPE; a ``tanh``
   between scores and softmax is logit soft-capping.
-* The **final norm** is the norm on the last stream value; **embedding** norm or
+* The **final norm** is the norm on the last stream value (after the last sublayer's post-norm, when
+  two norms follow each other there or the sublayer repeats a post-norm scheme); **embedding** norm or
   scaling is read walking back from the first stream value.
 """
 
@@ -149,6 +150,14 @@ def _linear_only(g: Graph, branch: int, source: int, norms: int) -> bool:
     return True
 
 
+def _alias_root(g: Graph, idx: int) -> int:
+    """The first node of the same value: a cast that returned its own input tensor (``x.to(x.dtype)``) re-binds
+    the stream to a new node, so uses after it and uses before it would look like different values."""
+    while (n := g.nodes[idx]).op in CASTS and n.prev is not None and n.prev in n.inputs:
+        idx = n.prev
+    return idx
+
+
 def _residual_adds(g: Graph, shape: tuple[int, ...], norms: int = 0) -> list[tuple[int, int, int, int]]:
     """(add, skip operand, branch operand, stream source) for every residual add (``norms``: the nodes inside
     norms, as :func:`_norm_bits` gives them, set aside when telling a linear side path from a sublayer)."""
@@ -162,6 +171,8 @@ def _residual_adds(g: Graph, shape: tuple[int, ...], norms: int = 0) -> list[tup
             continue
         for a, b in (n.inputs, n.inputs[::-1]):
             src = next((c for c in _components(g, a) if stream_like(g.nodes[c].shape) and g.feeds(c, b)), None)
+            if src is not None:
+                src = _alias_root(g, src)
             if src is not None and _has_compute(g, b, src):
                 if not _linear_only(g, b, src, norms):
                     found.append((n.idx, a, b, src))
@@ -370,7 +381,7 @@ def analyze(g: Graph, name: str = "model", tracer: str = "torch_function") -> In
         ]
         nxt = groups[i + 1].source if i + 1 < len(groups) else None
         for s in by_input.get(strip(g, end, _THRU), []):
-            if nxt is not None and strip(g, nxt, _THRU) == s.output:
+            if nxt is not None and strip(g, nxt, _THRU) == strip(g, s.output, _THRU):  # the norm may end in a cast
                 grp.post.append(s)
         layer = _layer_of(g, end, keys)
         grp.layer = layer if layer is not None else -1
@@ -385,7 +396,14 @@ def analyze(g: Graph, name: str = "model", tracer: str = "torch_function") -> In
         last = groups[-1]
         cands = [s for s in by_input.get(strip(g, last.adds[-1], _THRU), []) if s not in last.pre]
         same_kind = [grp for grp in groups[:-1] if grp.kind == last.kind]
-        if cands and same_kind and same_kind[-1].post:  # the nearest layer decides (Mix-LN switches with depth)
+        near = same_kind[-1] if same_kind else None
+        # A norm on the last stream value is the last sublayer's post-norm when another norm follows it (the final
+        # norm), or when the nearest sublayer of its kind has a post-norm and otherwise the same norms (Mix-LN
+        # switches scheme with depth, so a Pre-LN last layer after a Post-LN one ends in a final norm).
+        chained = bool(cands) and bool(by_input.get(strip(g, cands[0].output, _THRU)))
+        same_scheme = near is not None and (bool(near.pre), bool(near.out)) == (bool(last.pre), bool(last.out))
+        like_near = near is not None and bool(near.post) and same_scheme
+        if cands and (chained or like_near):
             last.post.append(cands[0])
             end_idx = cands[0].output
             cands = list(by_input.get(strip(g, end_idx, _THRU), []))
