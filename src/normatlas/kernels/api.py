@@ -76,11 +76,18 @@ def _fast(
     return None if plan is None else plan(input, residual, weight, bias, fshape)
 
 
-def ready(device: torch.device, build: bool = False) -> bool:
-    """Whether the fused kernels run natively on ``device``: the C++ extension (built, or built now when
-    ``build``) on CPU, Triton on CUDA. (Otherwise the fused ops run their eager transcription.)"""
+def _refuse_absent_params(spec: NormSpec, weight: Tensor | None, bias: Tensor | None) -> None:
+    """A weight for a spec without a gain, or a bias for one without a bias, raises (the C++ plan would drop it)."""
+    if (weight is not None and spec.gain is Gain.NONE) or (bias is not None and not spec.bias):
+        check_float_params(("weight", weight), ("bias", bias))
+        check_spec_params(spec, weight, bias)
+
+
+def ready(device: torch.device) -> bool:
+    """Whether the fused kernels run natively on ``device`` without compiling anything: the built C++ extension
+    on CPU, Triton on CUDA. (Otherwise the fused ops run their eager transcription.)"""
     if device.type == "cpu":
-        return (cpu.extension() if build else cpu.loaded()) is not None
+        return cpu.loaded() is not None
     if device.type == "cuda":
         from . import triton_kernels
 
@@ -103,9 +110,7 @@ def drop_in(
         # AUTO traces the reference path (the compiler fuses it), shows its ops to the recorder, and under
         # torch.func transforms (vmap, grad, jacrev) runs the ops they have rules for (a C++ autograd Function has none)
         return None
-    if (weight is not None and spec.gain is Gain.NONE) or (bias is not None and not spec.bias):
-        check_float_params(("weight", weight), ("bias", bias))
-        check_spec_params(spec, weight, bias)  # raises: a parameter the spec does not have
+    _refuse_absent_params(spec, weight, bias)
     out = _fast(spec, input, None, weight, bias, fshape, fused)  # the C++ plan checks shapes, dtypes, devices
     if out is not None:
         return out[0]
@@ -155,9 +160,7 @@ def fused_normalize(
     residual: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """``normalize(input, spec, weight, bias)`` on the fused path; with ``residual``, ``(y, input + residual)``."""
-    if (weight is not None and spec.gain is Gain.NONE) or (bias is not None and not spec.bias):
-        check_float_params(("weight", weight), ("bias", bias))
-        check_spec_params(spec, weight, bias)  # raises: a parameter the spec does not have
+    _refuse_absent_params(spec, weight, bias)
     out = _fast(spec, input, residual, weight, bias, None)
     if out is not None:
         return (out[0], out[1]) if residual is not None else out[0]
