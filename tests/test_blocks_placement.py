@@ -26,7 +26,6 @@ from normatlas.blocks import (
     QKOperator,
     QKScope,
     Rope,
-    RopeOrder,
     RopeStyle,
     Schedule,
     Sublayer,
@@ -41,6 +40,7 @@ from normatlas.blocks import (
     rope_tables,
     scaled_residual,
 )
+from normatlas.vocabulary import RopeOrder
 
 D = 48
 
@@ -148,7 +148,7 @@ def test_attention_qk_norm_before_or_after_rope():
     x = torch.randn(2, 6, D, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
     rope = (*rope_tables(Rope(), 12, torch.arange(6), torch.float64), RopeStyle.HALF)
     for gain in (QKGain.NONE, QKGain.SHARED):
-        for order in RopeOrder:
+        for order in (RopeOrder.BEFORE_ROPE, RopeOrder.AFTER_ROPE):
             torch.manual_seed(0)
             attn = Attention(D, 4, 2, qk_norm=QKNormConfig(gain=gain, order=order)).double()
             if gain is QKGain.SHARED:

@@ -1,4 +1,4 @@
-"""The shared dataflow recorder (normatlas.dataflow), read at both granularities on hand-written
+"""The shared dataflow recorder (normatlas.analysis), read at both granularities on hand-written
 modules whose graph is known: a norm, a linear reading it, a residual add, an in-place op, a view."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch import nn
 
-from normatlas.dataflow import Graph, Node, collapse, op_name, record
-from normatlas.surgery.dataflow import record as record_surgery
+from normatlas.analysis import Graph, Node, collapse, op_name, record
+from normatlas.analysis import record_flow as record_surgery
 
 
 class Net(nn.Module):

@@ -14,6 +14,7 @@ pytest.importorskip("transformers")
 
 from normatlas.inspect import InspectionReport, inspect_model
 from normatlas.inspect.build import _model_from_config, tiny_config
+from normatlas.vocabulary import GainConvention, SiteRole, SublayerKind
 
 OVERRIDES: dict[str, dict[str, Any]] = {
     "granite": {"residual_multiplier": 0.25, "embedding_multiplier": 12.0},
@@ -47,7 +48,7 @@ EXPECTED: dict[str, dict[str, Any]] = {
     ),
     "gemma3_text": dict(placement="peri", qk_norm="per-head", qk_norm_rope="before-rope", attn_softcap=None),
     # OLMo 1: LayerNorm without affine parameters
-    "olmo": dict(operator="layernorm-nonparam", placement="pre", gain_convention="none", bias=False),
+    "olmo": dict(operator="layernorm-nonparam", placement="pre", gain_convention=None, bias=False),
     # OLMo 2: norms on branch outputs (reordered / res-post), q_norm over all heads before the head split
     "olmo2": dict(
         operator="rmsnorm", placement="res-post", qk_norm="flattened", qk_norm_rope="before-rope", final_norm="rmsnorm"
@@ -71,7 +72,7 @@ EXPECTED: dict[str, dict[str, Any]] = {
     "nemotron": dict(operator="layernorm", placement="pre", gain_convention="1+w"),
     "stablelm": dict(operator="layernorm", placement="pre"),
     # swin_norm: norms on branch outputs; per-head LayerNorm (with per-head affine) on q and k before RoPE
-    "chameleon": dict(operator="rmsnorm", placement="res-post", qk_norm="per-head", qk_norm_rope="before-rope"),
+    "chameleon": dict(operator="rmsnorm", placement="res-post", qk_norm="per-head-gains", qk_norm_rope="before-rope"),
     # a learned per-channel multiplier on the residual itself
     "doge": dict(placement="pre", residual_scale="per-channel (learned)", qk_norm="per-head"),
     # MoE with a shared expert: one MLP sublayer, not a parallel block
@@ -116,17 +117,17 @@ def test_post_attention_layernorm_means_different_things() -> None:
         mt: {n.role for n in report(mt).norms if n.module.endswith("post_attention_layernorm")}
         for mt in ("llama", "olmo2")
     }
-    assert roles == {"llama": {"pre"}, "olmo2": {"out"}}
+    assert roles == {"llama": {SiteRole.PRE}, "olmo2": {SiteRole.OUT}}
 
 
 def test_chameleon_qk_norm_is_layernorm_with_affine() -> None:
-    qk = [n for n in report("chameleon").norms if n.role == "qk"]
-    assert qk and all(n.operator.value == "layernorm" and n.gain_convention == "w" and n.bias for n in qk)
+    qk = [n for n in report("chameleon").norms if n.role is SiteRole.QK]
+    assert qk and all(n.operator.value == "layernorm" and n.gain_convention is GainConvention.W and n.bias for n in qk)
 
 
 def test_every_layer_classified_and_sublayers_paired() -> None:
     rep = report("gemma2")
-    assert [s.kind for s in rep.sublayers] == ["attention", "mlp"] * 2
+    assert [s.kind for s in rep.sublayers] == [SublayerKind.ATTENTION, SublayerKind.MLP] * 2
     assert all(len(s.pre) == 1 and len(s.out) == 1 for s in rep.sublayers)
     assert {a.layer for a in rep.attention} == {0, 1}
 
@@ -153,9 +154,9 @@ def test_gemma3n_is_peri_ln_with_side_path_norms() -> None:
         operator="rmsnorm", placement="peri", qk_norm="per-head", qk_norm_rope="before-rope", v_norm=True, layers=4
     )
     assert {k: got[k] for k in want} == want and got["gain_convention"] == "w"
-    assert [s.kind for s in rep.sublayers] == ["attention", "mlp"] * 4
+    assert [s.kind for s in rep.sublayers] == [SublayerKind.ATTENTION, SublayerKind.MLP] * 4
     side = [n for n in rep.norms if n.module.endswith("post_laurel_norm")]
-    assert len(side) == 4 and {n.role for n in side} == {"other"}
+    assert len(side) == 4 and {n.role for n in side} == {SiteRole.OTHER}
 
 
 @pytest.mark.parametrize(

@@ -12,7 +12,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from normatlas.inspect import Placement, QKNorm, RopeOrder, inspect_model
+from normatlas.inspect import inspect_model
+from normatlas.vocabulary import EpsPlacement, GainConvention, QKNormKind, RopeOrder, SiteRole, SublayerKind
+from normatlas.vocabulary import PlacementKind as Placement
 
 D, H, V, T = 32, 4, 50, 6
 
@@ -236,7 +238,7 @@ def test_hybridnorm_qkv_norm_and_post_ffn() -> None:
     r = report("hybridnorm")
     assert (r.placement_attention, r.placement_mlp) == ("none", "post")
     assert r.placement is Placement.MIX
-    assert r.qk_norm is QKNorm.PER_HEAD and r.qk_norm_rope is RopeOrder.BEFORE_ROPE and r.v_norm
+    assert r.qk_norm is QKNormKind.PER_HEAD and r.qk_norm_rope is RopeOrder.BEFORE_ROPE and r.v_norm
 
 
 def test_rezero_has_no_norm_and_a_learned_scalar() -> None:
@@ -248,32 +250,32 @@ def test_rezero_has_no_norm_and_a_learned_scalar() -> None:
 def test_layerscale_with_peri_norms() -> None:
     r = report("layerscale_peri")
     assert r.placement is Placement.PERI and r.branch_scale == "per-channel"
-    assert r.gain_convention == "w" and r.cast_order is None
+    assert r.gain_convention is GainConvention.W and r.cast_order is None
 
 
 def test_parallel_single_sum_branch() -> None:
     r = report("parallel_gptj")
     assert r.placement is Placement.PARALLEL
-    assert r.sublayers[0].kind == "attention+mlp"
+    assert r.sublayers[0].kind is SublayerKind.PARALLEL
 
 
 def test_l2_qk_norm_after_rope() -> None:
     r = report("l2_qk_after_rope")
-    assert r.qk_norm is QKNorm.PER_HEAD and r.qk_norm_rope is RopeOrder.AFTER_ROPE
-    qk = [n for n in r.norms if n.role == "qk"]
-    assert qk and all(n.operator.value == "l2" and n.eps_placement == "clamp" for n in qk)
+    assert r.qk_norm is QKNormKind.PER_HEAD and r.qk_norm_rope is RopeOrder.AFTER_ROPE
+    qk = [n for n in r.norms if n.role is SiteRole.QK]
+    assert qk and all(n.operator.value == "l2" and n.eps_placement is EpsPlacement.CLAMP for n in qk)
 
 
 def test_flattened_layernorm_qk_softcap_res_post() -> None:
     r = report("flat_ln_qk_softcap")
-    assert r.placement is Placement.RES_POST and r.qk_norm is QKNorm.FLATTENED
+    assert r.placement is Placement.RES_POST and r.qk_norm is QKNormKind.FLATTENED
     assert r.attn_softcap == pytest.approx(20.0)
     assert r.branch_scale == "0.25"
 
 
 def test_eps_outside_the_root() -> None:
     r = report("eps_outside")
-    assert r.eps_placement == "outside_sqrt" and r.eps == pytest.approx(1e-4)
+    assert r.eps_placement is EpsPlacement.OUTSIDE_SQRT and r.eps == pytest.approx(1e-4)
     assert r.operator.value == "layernorm" and r.bias
 
 
@@ -281,7 +283,7 @@ def test_names_do_not_matter() -> None:
     """The QK norm module is called ``input_layernorm``; it is still found as a QK norm, not a pre-norm."""
     r = report("hybridnorm")
     labelled = [n for n in r.norms if n.module.endswith("input_layernorm")]
-    assert labelled and all(n.role == "qk" for n in labelled)
+    assert labelled and all(n.role is SiteRole.QK for n in labelled)
 
 
 def test_package_is_callable_and_aliases() -> None:

@@ -12,10 +12,12 @@ from hypothesis import strategies as st
 from torch import nn
 
 from normatlas import presets
-from normatlas.inspect import Operator, Placement, inspect_model
+from normatlas.analysis import record
+from normatlas.inspect import inspect_model
 from normatlas.inspect.norms import find_sites
 from normatlas.inspect.probe import probe_module
-from normatlas.inspect.trace import record
+from normatlas.vocabulary import Operator
+from normatlas.vocabulary import PlacementKind as Placement
 
 KINDS = {
     # name: (factory(size, eps), operator, gain convention, bias)
@@ -49,8 +51,8 @@ def test_probe_recovers_operator_gain_bias_and_eps(kind: str, size: int, eps: fl
     res = probe_module(mod, size, seed=seed)
     assert res is not None
     _, op, conv, bias = KINDS[kind]
-    assert (res["operator"], res["gain_convention"], res["bias"]) == (op, conv, bias)
-    assert res["eps"] == pytest.approx(eps, rel=0.05)
+    assert (res.as_dict()["operator"], res.as_dict()["gain_convention"], res.as_dict()["bias"]) == (op, conv, bias)
+    assert res.as_dict()["eps"] == pytest.approx(eps, rel=0.05)
 
 
 @pytest.mark.parametrize("kind", sorted(KINDS))
@@ -62,9 +64,9 @@ def test_graph_reads_the_same_design_as_the_probe(kind: str, shape: tuple[int, .
     assert len(sites) == 1
     site, probe = sites[0], probe_module(mod, size)
     assert probe is not None
-    assert site.operator.value == probe["operator"]
-    assert (site.gain_convention.value if site.gain_convention else "none") == probe["gain_convention"]
-    assert site.bias == probe["bias"] and site.size == size
+    assert site.operator is probe.operator
+    assert (site.gain_convention if site.gain else None) is probe.gain_convention
+    assert site.bias == probe.bias and site.size == size
     assert site.eps == pytest.approx(1e-6, rel=1e-12)  # the graph's constant is exact
 
 

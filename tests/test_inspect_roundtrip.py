@@ -22,8 +22,9 @@ import torch
 import normatlas
 from normatlas import blocks
 from normatlas.blocks import ModelConfig, QKGain, QKNormConfig, QKScope, TransformerLM
-from normatlas.blocks import RopeOrder as BlocksRopeOrder
-from normatlas.inspect import InspectionReport, Operator, Placement, QKNorm, RopeOrder, inspect
+from normatlas.inspect import InspectionReport, inspect
+from normatlas.vocabulary import Operator, QKNormKind, RopeOrder, SiteRole, SublayerKind
+from normatlas.vocabulary import PlacementKind as Placement
 
 L, D, H, V, T = 2, 32, 2, 64, 6
 
@@ -85,11 +86,11 @@ NORMS: dict[str, tuple[Callable[[int], torch.nn.Module], Operator, float]] = {
 }
 
 # QK-norm config -> (config, kind, RoPE order); its eps (1e-6) differs from the block norms' on purpose
-QK: dict[str, tuple[QKNormConfig | None, QKNorm, RopeOrder]] = {
-    "none": (None, QKNorm.NONE, RopeOrder.NOT_APPLICABLE),
-    "before-rope": (QKNormConfig(), QKNorm.PER_HEAD, RopeOrder.BEFORE_ROPE),
-    "after-rope": (QKNormConfig(order=BlocksRopeOrder.AFTER_ROPE), QKNorm.PER_HEAD, RopeOrder.AFTER_ROPE),
-    "flat": (QKNormConfig(scope=QKScope.FLAT, gain=QKGain.PER_HEAD), QKNorm.FLATTENED, RopeOrder.BEFORE_ROPE),
+QK: dict[str, tuple[QKNormConfig | None, QKNormKind, RopeOrder]] = {
+    "none": (None, QKNormKind.NONE, RopeOrder.NOT_APPLICABLE),
+    "before-rope": (QKNormConfig(), QKNormKind.PER_HEAD, RopeOrder.BEFORE_ROPE),
+    "after-rope": (QKNormConfig(order=RopeOrder.AFTER_ROPE), QKNormKind.PER_HEAD, RopeOrder.AFTER_ROPE),
+    "flat": (QKNormConfig(scope=QKScope.FLAT, gain=QKGain.PER_HEAD), QKNormKind.FLATTENED, RopeOrder.BEFORE_ROPE),
 }
 QK_EPS = 1e-6
 
@@ -125,7 +126,9 @@ def _check(preset: str, norm: str, qk: str, final: bool) -> None:
     by_layer = ["/".join(p.value for p in lay) for lay in exp.layers]
     assert r.layers == L
     assert r.placement_by_layer == by_layer
-    kinds = [("attention+mlp",) if len(lay) == 1 else ("attention", "mlp") for lay in exp.layers]
+    kinds = [
+        (SublayerKind.PARALLEL,) if len(lay) == 1 else (SublayerKind.ATTENTION, SublayerKind.MLP) for lay in exp.layers
+    ]
     want_subs = [
         (i, k, p)
         for i, (ks, lay) in enumerate(zip(kinds, exp.layers, strict=True))
@@ -145,25 +148,32 @@ def _check(preset: str, norm: str, qk: str, final: bool) -> None:
     assert r.branch_scale == exp.branch_scale
     assert r.depth_scaling == exp.depth_scaling
     # QK-norm per layer: the config wins over HybridNorm's own q/k norms; V is normed only by HybridNorm
-    per_layer = [qk_kind if qk_cfg is not None else QKNorm.PER_HEAD if qkv else QKNorm.NONE for qkv in exp.qkv]
+    per_layer = [qk_kind if qk_cfg is not None else QKNormKind.PER_HEAD if qkv else QKNormKind.NONE for qkv in exp.qkv]
     assert [a.qk_norm for a in r.attention] == per_layer
-    normed = [k for k in per_layer if k is not QKNorm.NONE]
-    assert r.qk_norm == (per_layer[0] if len(set(per_layer)) == 1 else QKNorm.MIXED)  # MIXED: differs by layer
+    normed = [k for k in per_layer if k is not QKNormKind.NONE]
+    assert r.qk_norm == (per_layer[0] if len(set(per_layer)) == 1 else QKNormKind.MIXED)  # MIXED: differs by layer
     rope = qk_rope if qk_cfg is not None else RopeOrder.BEFORE_ROPE  # HybridNorm: A(N(xWq), N(xWk), N(xWv))
     assert r.qk_norm_rope == (rope if normed else RopeOrder.NOT_APPLICABLE)
     assert [a.v_norm for a in r.attention] == list(exp.qkv)
     assert r.v_norm == any(exp.qkv)
     # the QK / V norms themselves: operator and eps of what wrote them
-    qk_sites = [(n.layer, n.operator, n.eps) for n in r.norms if n.role == "qk"]
+    qk_sites = [(n.layer, n.operator, n.eps) for n in r.norms if n.role is SiteRole.QK]
     qk_op = {"rms": Operator.RMSNORM}[qk_cfg.operator.value] if qk_cfg is not None else op
     want_qk = [
-        (i, qk_op, QK_EPS if qk_cfg is not None else eps) for i, k in enumerate(per_layer) if k is not QKNorm.NONE
+        (i, qk_op, QK_EPS if qk_cfg is not None else eps) for i, k in enumerate(per_layer) if k is not QKNormKind.NONE
     ]
     assert [(lay, o) for lay, o, _ in qk_sites] == [(lay, o) for lay, o, _ in want_qk for _ in (0, 1)]
     assert [e for _, _, e in qk_sites] == pytest.approx([e for _, _, e in want_qk for _ in (0, 1)])
-    v_sites = [(n.layer, n.operator) for n in r.norms if n.role == "v"]
+    v_sites = [(n.layer, n.operator) for n in r.norms if n.role is SiteRole.V]
     assert v_sites == [(i, op) for i, qkv in enumerate(exp.qkv) if qkv]
-    assert {n.role for n in r.norms} <= {"pre", "out", "post", "final", "qk", "v"}
+    assert {n.role for n in r.norms} <= {
+        SiteRole.PRE,
+        SiteRole.OUT,
+        SiteRole.POST,
+        SiteRole.FINAL,
+        SiteRole.QK,
+        SiteRole.V,
+    }
 
 
 def _case(preset: str, norm: str, qk: str, final: bool) -> object:
@@ -193,3 +203,62 @@ def test_table_covers_every_preset() -> None:
     """A preset added to blocks without a row here fails (the table, not the inspector, is the spec)."""
     named = set(blocks.PRESETS) | {"deepnorm", "scaled_residual", "mix_ln", "hybridnorm_star"}
     assert named <= set(EXPECTED)
+
+
+def _plans(design: blocks.Placement | blocks.Schedule) -> list[blocks.Placement]:
+    return [lp.placement for lp in design.layers] if isinstance(design, blocks.Schedule) else [design] * L
+
+
+@pytest.mark.parametrize("preset", sorted(EXPECTED))
+def test_table_is_the_presets_own_vocabulary(preset: str) -> None:
+    """The writer speaks the reader's words: each preset's ``Placement.kinds`` is the row above, so what the
+    inspector reads back is compared with the design the blocks declare, not with a copy of it."""
+    exp = EXPECTED[preset]
+    plans = _plans(exp.build(L))
+    assert tuple(p.kinds for p in plans) == exp.layers
+    assert tuple(p.qkv_norm for p in plans) == exp.qkv
+    kinds = {k for p in plans for k in p.kinds}
+    assert {p.kind for p in plans} <= kinds | {Placement.MIX}
+
+
+@pytest.mark.parametrize("qk", sorted(k for k in QK if k != "none"))
+def test_qk_configs_declare_the_kind_read_back(qk: str) -> None:
+    cfg, kind, rope = QK[qk]
+    assert cfg is not None and cfg.kind is kind and cfg.order is rope
+
+
+def test_qk_gain_per_head_reads_back_as_per_head_gains() -> None:
+    """One gain per head (Chameleon's ``LayerNorm((heads, head_dim))``) is told from one shared gain (Qwen 3)."""
+    cfg = QKNormConfig(gain=QKGain.PER_HEAD)
+    assert cfg.kind is QKNormKind.PER_HEAD_GAINS
+    torch.manual_seed(0)
+    model = TransformerLM(
+        ModelConfig(vocab_size=V, d_model=D, n_layers=L, n_heads=H, d_ff=2 * D, norm=normatlas.RMSNorm, qk_norm=cfg)
+    )
+    r = inspect(model, torch.randint(0, V, (1, T)), probe=False)
+    assert r.qk_norm is QKNormKind.PER_HEAD_GAINS and [a.qk_norm for a in r.attention] == [cfg.kind] * L
+
+
+VIT_PRESETS = ("pre_ln", "post_ln", "peri_ln", "res_post_norm", "layerscale", "layernorm_scaling", "deepnorm")
+
+
+@pytest.mark.parametrize("norm", sorted(NORMS))
+@pytest.mark.parametrize("preset", VIT_PRESETS)
+def test_vit_encoder_round_trip(preset: str, norm: str) -> None:
+    """``ViTEncoder`` (patch conv, class token, positions, blocks, final norm, head) read by ``inspect_vision``."""
+    from normatlas.inspect import inspect_vision
+
+    exp = EXPECTED[preset]
+    factory, op, eps = NORMS[norm]
+    torch.manual_seed(0)
+    cfg = blocks.ViTConfig(
+        vocab_size=1, d_model=D, n_layers=L, n_heads=H, d_ff=2 * D, norm=factory, placement=exp.build(L),
+        image_size=16, patch_size=8,
+    )  # fmt: skip
+    r = inspect_vision(blocks.ViTEncoder(cfg).eval(), torch.randn(1, 3, 16, 16), probe=False)
+    assert r.placement_by_layer == ["/".join(p.value for p in lay) for lay in exp.layers]
+    assert r.operator is op and r.eps == pytest.approx(eps)
+    assert r.final_norm is op and r.tokens == 1 + cfg.n_patches
+    assert (r.residual_scale, r.branch_scale, r.depth_scaling) == (
+        exp.residual_scale, exp.branch_scale, exp.depth_scaling,
+    )  # fmt: skip

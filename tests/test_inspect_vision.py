@@ -21,8 +21,9 @@ from torch import nn
 transformers = pytest.importorskip("transformers")
 
 from normatlas.inspect import UntraceableModel  # noqa: E402
-from normatlas.inspect.report import Operator, Placement  # noqa: E402
 from normatlas.inspect.vision import VisionReport, default_pixel_values, inspect_vision  # noqa: E402
+from normatlas.vocabulary import GainConvention, Operator  # noqa: E402
+from normatlas.vocabulary import PlacementKind as Placement  # noqa: E402
 
 TINY = dict(
     hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=32, patch_size=8
@@ -41,8 +42,8 @@ def _tiny(kind: str) -> nn.Module:
     return model_cls(cfg_cls(**TINY)).eval()
 
 
-def _roles(report: VisionReport) -> list[str]:
-    return [n.role for n in report.norms]
+def _roles(report: VisionReport) -> list[str]:  # the roles as the report spells them
+    return [n.role.value for n in report.norms]
 
 
 def _blocks_pre_ln(report: VisionReport, eps: float) -> None:
@@ -51,7 +52,7 @@ def _blocks_pre_ln(report: VisionReport, eps: float) -> None:
     assert report.layers == 2 and report.hidden_size == 32
     assert report.operator is Operator.LAYERNORM
     assert report.eps == pytest.approx(eps)
-    assert report.bias and report.gain_convention == "w"
+    assert report.bias and report.gain_convention is GainConvention.W
     assert _roles(report).count("pre") == 4
 
 

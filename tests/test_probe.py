@@ -1,4 +1,4 @@
-"""The shared behavioural probe (normatlas.probe): norms found and measured without names, non-norms
+"""The shared behavioural probe (normatlas.analysis.probe): norms found and measured without names, non-norms
 rejected, eps and its placement measured, and every parameter, buffer and flag restored."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from transformers.models.gemma.modeling_gemma import GemmaRMSNorm as HFGemmaRMSN
 from transformers.models.llama.modeling_llama import LlamaRMSNorm as HFLlamaRMSNorm
 
 from normatlas import presets
+from normatlas.analysis.probe import NormFacts, ParamRole, probe, restoring
 from normatlas.modules import Norm
-from normatlas.probe import NormFacts, ParamRole, probe, restoring
 from normatlas.spec import CastOrder, EpsPlacement, GainConvention, NormSpec, Scale
 
 W, OPW = GainConvention.W, GainConvention.ONE_PLUS_W

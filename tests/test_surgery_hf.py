@@ -11,6 +11,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from normatlas.analysis import record_flow as record  # noqa: E402
 from normatlas.modules import Norm  # noqa: E402
 from normatlas.spec import EpsPlacement, GainConvention  # noqa: E402
 from normatlas.surgery import (  # noqa: E402
@@ -25,7 +26,6 @@ from normatlas.surgery import (  # noqa: E402
     ln_to_rms,
     model_output,
     probe_inputs,
-    record,
     run_checks,
     save_surgery,
 )

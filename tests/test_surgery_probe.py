@@ -11,9 +11,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from normatlas.analysis import record_flow as record
 from normatlas.modules import Norm
 from normatlas.spec import CastOrder, EpsPlacement, Gain, GainConvention, NormSpec
-from normatlas.surgery import fold_batchnorm, probe_norm, record, run_checks
+from normatlas.surgery import fold_batchnorm, probe_norm, run_checks
 
 
 @settings(max_examples=25, deadline=None)

@@ -53,7 +53,7 @@ def as_backend(value: Backend | str, name: str = "backend") -> Backend:
 @contextlib.contextmanager
 def reference_only() -> Iterator[None]:
     """Inside this block every ``Backend.AUTO`` norm runs the reference path (its torch ops, visible to a
-    TorchFunctionMode such as :func:`normatlas.dataflow.record`); ``Backend.FUSED`` ones still run the kernels."""
+    TorchFunctionMode such as :func:`normatlas.analysis.record`); ``Backend.FUSED`` ones still run the kernels."""
     _REFERENCE_ONLY[0] += 1
     try:
         yield

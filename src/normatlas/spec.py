@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import enum
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, TypeVar
 
@@ -250,6 +251,54 @@ class NormSpec:
     def with_(self, **changes: object) -> NormSpec:
         """A copy with some fields changed (and validated again)."""
         return replace(self, **changes)  # type: ignore[arg-type]
+
+    def to_dict(self) -> dict[str, Any]:
+        """The spec as JSON-ready values (enums as their ``value``, ``reduce`` sorted); :meth:`from_dict` inverts it."""
+        return {
+            "layout": self.layout.value,
+            "reduce": sorted(a.value for a in self.reduce),
+            "feature_ndim": self.feature_ndim,
+            "groups": self.groups,
+            "center": self.center,
+            "scale": self.scale.value,
+            "eps": self.eps,
+            "eps_placement": self.eps_placement.value,
+            "cast_order": self.cast_order.value,
+            "gain": self.gain.value,
+            "gain_convention": self.gain_convention.value,
+            "bias": self.bias,
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> NormSpec:
+        """A spec from :meth:`to_dict`'s form (a data file, a surgery manifest); missing keys take the defaults.
+
+        Raises ``ValueError`` naming an unknown key or a value that is not one of its enum's, and
+        validates the result like the constructor.
+        """
+        if not isinstance(d, Mapping):
+            raise TypeError(f"d={d!r} must be a mapping of NormSpec fields")
+        known = {f.name for f in fields(cls) if f.init}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"unknown NormSpec field(s) {unknown}; allowed: {sorted(known)}")
+        kw: dict[str, Any] = dict(d)
+        for name, enum_type in _SPEC_ENUMS.items():
+            if name in kw:
+                kw[name] = parse_enum(enum_type, kw[name], name=name)
+        if "reduce" in kw:
+            kw["reduce"] = frozenset(parse_enum(Axis, a, name="reduce") for a in kw["reduce"])
+        return cls(**kw)
+
+
+_SPEC_ENUMS: dict[str, type[enum.Enum]] = {
+    "layout": Layout,
+    "scale": Scale,
+    "eps_placement": EpsPlacement,
+    "cast_order": CastOrder,
+    "gain": Gain,
+    "gain_convention": GainConvention,
+}
 
 
 def _axes(axes: frozenset[Axis]) -> str:

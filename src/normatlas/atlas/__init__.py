@@ -58,7 +58,7 @@ MODEL_FIELDS = (
 PAPER_FIELDS = ("key", "group", "question", "named_as", "year", "title", "arxiv", "arxiv_status", "source")
 OPERATORS = ("layernorm", "rmsnorm", "none", "unclear", "l2 (hypersphere)", "adaLN-Zero", "weight standardization")
 PLACEMENTS = ("pre", "post", "peri", "res-post", "parallel", "none", "mix", "unclear")
-QK_NORMS = ("none", "yes", "per-head", "flattened", "unclear")
+QK_NORMS = ("none", "yes", "per-head", "per-head-gains", "flattened", "unclear")
 STATUSES = ("essay", "code", "unclear")
 _DESIGN = {"operator": OPERATORS, "placement": PLACEMENTS, "qk_norm": QK_NORMS}
 

@@ -37,7 +37,7 @@ from .placement import (
     scaled_residual,
     skipinit,
 )
-from .qknorm import QKGain, QKNorm, QKNormConfig, QKOperator, QKScope, RopeOrder
+from .qknorm import QKGain, QKNorm, QKNormConfig, QKOperator, QKScope
 from .residual import DeepNormArch, DeepNormConstants, LayerScale, ResidualAdd, ReZero, SkipInit, deepnorm_constants
 
 PRESETS = {
@@ -52,7 +52,7 @@ PRESETS = {
 __all__ = [
     "KEYMAPS", "MLP", "PRESETS", "Activation", "Attention", "Block", "DeepNormArch", "DeepNormConstants",
     "DepthScale", "Gate", "KeyMap", "LayerPlan", "LayerScale", "ModelConfig", "NormFactory", "Placement",
-    "QKGain", "QKNorm", "QKNormConfig", "QKOperator", "QKScope", "ReZero", "ResidualAdd", "Rope", "RopeOrder",
+    "QKGain", "QKNorm", "QKNormConfig", "QKOperator", "QKScope", "ReZero", "ResidualAdd", "Rope",
     "RopeStyle", "Rule", "Schedule", "SkipInit", "Sublayer", "TransformerLM", "ViTConfig", "ViTEncoder", "ViTPool",
     "apply_rope", "as_factory", "deepnorm", "deepnorm_constants", "depth_scaled_sandwich", "from_hf",
     "hybridnorm", "hybridnorm_star", "keymap_for", "layernorm_scaling", "layerscale", "mix_ln", "norm_free",

@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .qknorm import QKNorm, QKNormConfig, QKScope, RopeOrder
+from ..vocabulary import RopeOrder
+from .qknorm import QKNorm, QKNormConfig, QKScope
 
 __all__ = ["Attention", "Rope", "RopeStyle", "apply_rope", "rope_tables"]
 

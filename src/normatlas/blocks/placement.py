@@ -7,7 +7,9 @@ the residual add (``post``) and on the stream after the add (``after_add``), plu
 the residual and branch scalings that DeepNorm, LayerNorm Scaling, Granite, ReZero,
 SkipInit and LayerScale add. One :class:`~normatlas.blocks.block.Block` reads it;
 there is no class per scheme. A :class:`Schedule` maps layer index to placement
-(and optionally operator), which is how Mix-LN and HybridNorm* are written.
+(and optionally operator), which is how Mix-LN and HybridNorm* are written. :attr:`Placement.kind`
+names a placement in the design vocabulary (:class:`~normatlas.vocabulary.PlacementKind`), the
+words the inspector reads a model's placement back in.
 
 Every preset's docstring draws its dataflow for one sublayer ``F`` (attention or
 FFN); ``N`` is the block's norm operator.
@@ -22,6 +24,7 @@ from dataclasses import dataclass, field, replace
 
 from torch import nn
 
+from ..vocabulary import PlacementKind
 from .residual import DeepNormArch, deepnorm_constants
 
 __all__ = [
@@ -101,6 +104,11 @@ class Sublayer:
     def slots(self) -> tuple[str, ...]:
         return tuple(n for n in ("pre", "post", "after_add") if getattr(self, n))
 
+    @property
+    def kind(self) -> PlacementKind:
+        """This sublayer's placement in the design vocabulary (what the inspector reads back)."""
+        return PlacementKind.of_slots(self.pre, self.post, self.after_add)
+
 
 def _finite(value: object, name: str, *, positive: bool = False, nonzero: bool = False) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
@@ -177,6 +185,17 @@ class Placement:
             raise ValueError(f"post_gain_init={self.post_gain_init.value!r} needs a post-branch norm slot")
         if self.gate is Gate.NONE and self.gate_init != 0.0:
             raise ValueError(f"gate_init={self.gate_init} is set but gate=Gate.NONE; choose Gate.SCALAR or VECTOR")
+
+    @property
+    def kinds(self) -> tuple[PlacementKind, ...]:
+        """Per residual add, in the design vocabulary: ``(attention, FFN)``, or ``(PARALLEL,)`` for one shared add."""
+        return (PlacementKind.PARALLEL,) if self.parallel else (self.attn.kind, self.ffn.kind)
+
+    @property
+    def kind(self) -> PlacementKind:
+        """The block's placement in the design vocabulary: the sublayers' one kind, or ``MIX`` where they differ."""
+        kinds = set(self.kinds)
+        return kinds.pop() if len(kinds) == 1 else PlacementKind.MIX
 
     @property
     def has_norm(self) -> bool:

@@ -11,7 +11,9 @@ each a field of :class:`QKNormConfig`:
   heads ``n_heads * head_dim`` before the split (OLMo 2);
 * gain: none, one shared across heads (Qwen 3), or one per head (Cohere); stored as
   ``w`` or zero-centred ``1 + w`` (Gemma 3);
-* order: before RoPE (all of the above) or after it.
+* order: before RoPE (all of the above) or after it (:class:`normatlas.vocabulary.RopeOrder`).
+
+:attr:`QKNormConfig.kind` names the result in the design vocabulary (:class:`~normatlas.vocabulary.QKNormKind`).
 
 Guaranteed property: a gain-free RMS / L2 QK-norm over the head dim commutes with
 RoPE, since a rotation preserves the norm; a per-dim gain does not commute.
@@ -30,8 +32,9 @@ from torch import Tensor, nn
 from ..backend import Backend, as_backend
 from ..functional import normalize
 from ..spec import CastOrder, EpsPlacement, Gain, NormSpec, Scale
+from ..vocabulary import QKNormKind, RopeOrder
 
-__all__ = ["QKGain", "QKNorm", "QKNormConfig", "QKOperator", "QKScope", "RopeOrder"]
+__all__ = ["QKGain", "QKNorm", "QKNormConfig", "QKOperator", "QKScope"]
 
 
 class QKOperator(enum.Enum):
@@ -49,11 +52,6 @@ class QKGain(enum.Enum):
     NONE = "none"
     SHARED = "shared"  # one (head_dim,) gain for all heads
     PER_HEAD = "per_head"  # one (n_heads, head_dim) gain; the only option for FLAT scope
-
-
-class RopeOrder(enum.Enum):
-    BEFORE_ROPE = "before_rope"
-    AFTER_ROPE = "after_rope"
 
 
 @dataclass(frozen=True)
@@ -86,12 +84,21 @@ class QKNormConfig:
                 "gain=QKGain.SHARED with scope=QKScope.FLAT: a norm over the flattened heads has one gain per "
                 "head and dim; use QKGain.PER_HEAD or QKGain.NONE"
             )
+        if self.order not in (RopeOrder.BEFORE_ROPE, RopeOrder.AFTER_ROPE):
+            raise ValueError(f"order={self.order!r} must be RopeOrder.BEFORE_ROPE or RopeOrder.AFTER_ROPE")
         if self.scope is QKScope.FLAT and self.order is RopeOrder.AFTER_ROPE:
             raise ValueError("scope=QKScope.FLAT normalizes the projection before the head split, so before RoPE")
         if self.zero_centred and self.gain is QKGain.NONE:
             raise ValueError("zero_centred=True needs a gain (gain is QKGain.NONE)")
         if self.bias and self.operator is not QKOperator.LAYERNORM:
             raise ValueError(f"bias=True is a LayerNorm option; operator={self.operator.value!r}")
+
+    @property
+    def kind(self) -> QKNormKind:
+        """This QK-norm in the design vocabulary (what the inspector reads back)."""
+        if self.scope is QKScope.FLAT:
+            return QKNormKind.FLATTENED
+        return QKNormKind.PER_HEAD_GAINS if self.gain is QKGain.PER_HEAD else QKNormKind.PER_HEAD
 
     def spec(self) -> NormSpec:
         """The gain-free core spec of the statistics."""

@@ -1,8 +1,8 @@
 """What each module and parameter *does*, found from behaviour and dataflow, never from names.
 
-* :func:`module_kind` classifies a module: known torch / normatlas types first, then the
-  shared behavioural probe (:mod:`normatlas.probe`) on synthetic inputs for anything else. A module is a **norm** when
-  its output is invariant to rescaling its input (``f(a x) == f(x)``, the essay's
+* :func:`module_kind` classifies a module: known torch / normatlas types first, then the shared
+  behavioural probe (:mod:`normatlas.analysis.probe`) on synthetic inputs for anything else. A module is a
+  **norm** when its output is invariant to rescaling its input (``f(a x) == f(x)``, the essay's
   re-scaling invariance) and still depends on the input; it is **pointwise** when each
   output feature depends only on the same input feature (DyT, LayerScale, scalings).
   The probe runs on a copy of the parameters set to random values, so zero- or
@@ -11,7 +11,7 @@
   the gain to 0 (resp. -1) makes the output independent of the input.
 * :func:`find_blocks` finds the repeated blocks of a model: the largest container of
   two or more modules of one class (the residual stack).
-* :func:`trace_linear_to_norm` records one forward (:mod:`normatlas.dataflow`) and finds
+* :func:`trace_linear_to_norm` records one forward (:mod:`normatlas.analysis`) and finds
   which linear/conv layers feed only norms (through views, reshapes and splits only, no bias
   the norm does not cancel): those weights are scale-invariant, so their effective learning
   rate is ``lr / ||W||^2`` under SGD and ``lr / ||W||`` under Adam (essay, "Scale invariance").
@@ -25,9 +25,11 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from ..dataflow import Dataflow, collapse, record
+from ..analysis.flow import Dataflow, collapse
+from ..analysis.graph import record
+from ..analysis.ops import SHAPE_ONLY, SPLITS
+from ..analysis.probe import ParamRole, param_roles, randomized, respond
 from ..modules import Norm
-from ..probe import ParamRole, param_roles, randomized, respond
 from ..spec import Axis
 
 __all__ = [
@@ -145,19 +147,15 @@ def find_blocks(model: nn.Module) -> list[nn.Module]:
     return best
 
 
-# ops whose output holds the same elements as their first input, only re-indexed (views, splits)
-_VIEWS = frozenset(
-    {"view", "view_as", "reshape", "reshape_as", "transpose", "swapaxes", "permute", "movedim", "flatten"}
-    | {"unflatten", "unsqueeze", "squeeze", "getitem", "split", "chunk", "unbind", "narrow", "expand"}
-    | {"contiguous", "detach", "alias", "get_T", "get_mT"}
-)
+# ops whose output holds the same elements as their first input, re-indexed or cast (views, splits, casts)
+_VIEWS = SHAPE_ONLY | SPLITS
 
 
 def trace_linear_to_norm(model: nn.Module, *args: Any, **kwargs: Any) -> list[tuple[nn.Module, nn.Module]]:
     """Run ``model(*args, **kwargs)`` once and return the ``(linear, norm)`` pairs whose linear weight
     is scale-invariant: the model's output does not change when that weight is multiplied by ``a > 0``.
 
-    Method: the shared dataflow recorder (:mod:`normatlas.dataflow`) with linear and norm modules
+    Method: the shared dataflow recorder (:mod:`normatlas.analysis`) with linear and norm modules
     as opaque calls. A pair is reported when the norm's input is the linear's output through
     re-indexing ops only (views, reshapes, splits) and, exactly from the recorded dataflow,
 

@@ -1,11 +1,13 @@
 """Inspect any model's normalization design from its executed dataflow.
 
 ``inspect_model(model, example_inputs)`` records the dataflow of one forward pass
-(:mod:`.trace`), finds every normalization by its arithmetic (:mod:`.norms`),
-places each relative to the residual adds and attention (:mod:`.analyze`), and
+(:mod:`normatlas.analysis`), finds every normalization by its arithmetic (:mod:`.norms`),
+places each relative to the residual adds and attention (:mod:`.analyze`, in phases:
+:mod:`.residual`, :mod:`.attention`), and
 cross-checks module-wrapped norms with a perturbation probe (:mod:`.probe`).
 ``inspect_vision(model, pixel_values)`` does the same for a vision tower (:mod:`.vision`).
-Nothing is inferred from parameter or class names.
+Nothing is inferred from parameter or class names. The report speaks the design vocabulary
+(:mod:`normatlas.vocabulary`).
 """
 
 from __future__ import annotations
@@ -17,26 +19,13 @@ from typing import Any
 
 from torch import nn
 
-from .report import (
-    AttentionInfo,
-    InspectionReport,
-    NormInfo,
-    Operator,
-    Placement,
-    QKNorm,
-    RopeOrder,
-    SublayerInfo,
-)
+from .report import AttentionInfo, InspectionReport, NormInfo, SublayerInfo
 from .vision import VisionReport, inspect_vision
 
 __all__ = [
     "AttentionInfo",
     "InspectionReport",
     "NormInfo",
-    "Operator",
-    "Placement",
-    "QKNorm",
-    "RopeOrder",
     "SublayerInfo",
     "UntraceableModel",
     "VisionReport",
@@ -62,10 +51,10 @@ def inspect_model(
     When the dataflow cannot be recorded, a hook-based probe of every module still
     classifies the norm operators (placement is then ``unknown``).
     """
+    from ..analysis.graph import record
     from .analyze import analyze
     from .build import example_inputs as default_inputs
     from .probe import check_sites, probe_report
-    from .trace import record
 
     t0 = time.perf_counter()
     if example_inputs is None:

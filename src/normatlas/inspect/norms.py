@@ -21,35 +21,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..analysis.graph import Graph, Node, Ref
+from ..analysis.ops import CASTS, SHAPE_ONLY
+from ..analysis.walk import scalar_of, strip
 from ..spec import CastOrder, EpsPlacement, GainConvention
-from .report import Operator
-from .trace import Graph, Node, Ref
+from ..vocabulary import Operator
 
-__all__ = ["CASTS", "SHAPES", "Site", "find_sites", "scalar_of", "strip"]
+__all__ = ["Site", "find_sites"]
 
-CASTS = frozenset({"to", "float", "half", "bfloat16", "double", "type", "type_as", "contiguous", "clone", "detach"})
-SHAPES = frozenset(
-    {
-        "view",
-        "reshape",
-        "transpose",
-        "permute",
-        "unsqueeze",
-        "squeeze",
-        "flatten",
-        "unflatten",
-        "expand",
-        "expand_as",
-        "get_T",
-        "get_mT",
-        "view_as",
-        "movedim",
-        "swapaxes",
-        "dropout",
-        "identity",
-    }
-)
-_VIEW = CASTS | SHAPES  # value-preserving up to a view: how parameters reach the affine map
+_VIEW = SHAPE_ONLY  # value-preserving up to a view: how parameters reach the affine map
 _REDUCE = frozenset({"mean", "sum", "var", "std", "var_mean", "std_mean", "norm", "vector_norm"})
 _SCALAR_CHAIN = frozenset(
     {
@@ -88,34 +68,10 @@ class Site:
     bias: bool
     cast_order: CastOrder | None
     output_scale: float = 1.0
+    gain_shape: tuple[int, ...] | None = None  # the stored gain's shape: (D,), or (heads, head_dim) per head
     fused: bool = False
     module: str = ""
-    role: str = "other"
     probe: dict[str, object] = field(default_factory=dict)
-
-
-def strip(g: Graph, idx: int, ops: frozenset[str] = CASTS) -> int:
-    """Follow ``idx`` back through value-preserving ops (casts; optionally shape ops)."""
-    while True:
-        n = g.nodes[idx]
-        if n.op in ops and n.inputs:
-            first = n.args[0] if n.args else None
-            idx = first.idx if isinstance(first, Ref) else n.inputs[0]
-        else:
-            return idx
-
-
-def scalar_of(g: Graph, arg: object) -> float | None:
-    """The float value of a Python number or a one-element non-parameter tensor argument."""
-    if isinstance(arg, bool):
-        return None
-    if isinstance(arg, (int, float)):
-        return float(arg)
-    if isinstance(arg, Ref):
-        n = g.nodes[strip(g, arg.idx)]
-        if n.op != "param":
-            return n.scalar
-    return None
 
 
 def _tensor_args(n: Node) -> list[int]:
@@ -174,6 +130,8 @@ def _affine(g: Graph, site: Site, start: int) -> None:
         elif u.op == "mul" and len(others) == 1 and not site.gain and not site.bias:
             o = g.nodes[strip(g, others[0], _VIEW)]
             conv = _gain_param(g, o)
+            if conv is not None:
+                site.gain_shape = _gain_shape(g, o)
             if conv is None:
                 val = scalar_of(g, Ref(others[0]))
                 if val is None:
@@ -191,6 +149,13 @@ def _affine(g: Graph, site: Site, start: int) -> None:
     site.output = cur
     if site.gain and (casts_before_gain or casts_after_gain):
         site.cast_order = CastOrder.AFTER_GAIN if casts_after_gain else CastOrder.BEFORE_GAIN
+
+
+def _gain_shape(g: Graph, o: Node) -> tuple[int, ...] | None:
+    """The stored shape of the gain parameter behind ``o`` (a parameter, or ``param + 1``)."""
+    if o.op == "param":
+        return o.shape
+    return next((p.shape for i in o.inputs if (p := g.nodes[strip(g, i, _VIEW)]).op == "param"), None)
 
 
 def _gain_param(g: Graph, o: Node) -> GainConvention | None:
@@ -216,6 +181,7 @@ def _fused(g: Graph, n: Node) -> Site | None:
     if n.op not in ("layer_norm", "rms_norm", "group_norm", "normalize") or not n.inputs or n.shape is None:
         return None
     x = strip(g, n.inputs[0])
+    w_node: Node | None = None
     if n.op == "normalize":
         p, dim, nd = arg(1, "p"), arg(2, "dim"), len(n.shape)
         p, dim = 2.0 if p is None else p, 1 if dim is None else dim  # F.normalize's defaults: p=2, dim=1
@@ -246,7 +212,8 @@ def _fused(g: Graph, n: Node) -> Site | None:
         eps = arg(e_i, "eps")
         if eps is None:
             eps = 1e-5 if n.op != "rms_norm" else None  # rms_norm's default: finfo(dtype).eps
-        conv = _gain_param(g, g.nodes[strip(g, w.idx, _VIEW)]) if isinstance(w, Ref) else None
+        w_node = g.nodes[strip(g, w.idx, _VIEW)] if isinstance(w, Ref) else None
+        conv = _gain_param(g, w_node) if w_node is not None else None
         if isinstance(w, Ref) and conv is None:
             conv = GainConvention.W
         site = Site(
@@ -264,6 +231,8 @@ def _fused(g: Graph, n: Node) -> Site | None:
             fused=True,
         )
     site.module = n.module
+    if n.op != "normalize" and w_node is not None:
+        site.gain_shape = _gain_shape(g, w_node)
     gain_before = site.gain
     _affine(g, site, n.idx)  # an affine map applied after a parameter-free fused kernel
     if gain_before:

@@ -1,49 +1,77 @@
 """Classify a norm module by perturbation, name-free (the hook-based probe).
 
-Method: the shared behavioural probe :func:`normatlas.probe.probe` (rescale invariance
+Method: the shared behavioural probe :func:`normatlas.analysis.probe` (rescale invariance
 -> it normalizes, essay §02; shift invariance -> it centres; the zeroing test -> gain
 convention ``w`` / ``1+w`` and bias; eps measured from ``mean(y^2)`` at known input
-scales), restricted to norms over the last axis of size ``size``, reported in the
-inspect vocabulary (operator, ``"w"``/``"1+w"``/``"none"``/``"other"``).
+scales), restricted to norms over the last axis of size ``size``, reported in the design
+vocabulary (:class:`ProbeResult`: operator, gain convention or none, bias, eps).
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from ..probe import ParamRole, probe
-from .report import InspectionReport, Operator, Placement, QKNorm, RopeOrder
-from .trace import Graph
+from ..analysis.graph import Graph
+from ..analysis.probe import ParamRole, probe
+from ..spec import EpsPlacement, GainConvention
+from ..vocabulary import Operator, PlacementKind, QKNormKind, RopeOrder, SiteRole
+from .report import InspectionReport, NormInfo
 
-__all__ = ["check_sites", "probe_module", "probe_report"]
+__all__ = ["ProbeResult", "check_sites", "probe_module", "probe_report"]
 
 
-def probe_module(module: nn.Module, size: int, *, seed: int = 0) -> dict[str, Any] | None:
+@dataclass(frozen=True)
+class ProbeResult:
+    """What the behavioural probe measured of the module that ran a site (``gain_convention`` None: no gain;
+    ``structured`` False: parameters other than one gain and one bias, so no convention is reported)."""
+
+    operator: Operator
+    gain_convention: GainConvention | None
+    structured: bool
+    bias: bool
+    eps: float | None
+
+    def as_dict(self) -> dict[str, Any]:
+        conv = self.gain_convention.value if self.gain_convention else "none" if self.structured else "other"
+        return {"operator": self.operator.value, "gain_convention": conv, "bias": self.bias, "eps": self.eps}
+
+
+def probe_module(module: nn.Module, size: int, *, seed: int = 0) -> ProbeResult | None:
     """Perturbation probe of a module acting on the last axis of size ``size``; None if it is no norm."""
     facts = probe(module, size, seed=seed)
     if facts is None or facts.feature_axis != -1:
         return None
-    if not any(p.is_floating_point() for p in module.parameters()):
-        conv = "none"
-    elif facts.structured and facts.gain_param is not None:
-        conv = facts.convention.value  # "w" or "1+w"
-    else:
-        conv = "other"
+    has_params = any(p.is_floating_point() for p in module.parameters())
+    structured = not has_params or (facts.structured and facts.gain_param is not None)
+    conv = facts.convention if has_params and structured else None
     bias = any(r is ParamRole.BIAS for r in facts.roles.values())
     eps = float(f"{facts.eps:.3g}") if facts.eps_measured else None
     op = Operator.LAYERNORM if facts.center else Operator.RMSNORM
-    if op is Operator.LAYERNORM and conv == "none" and not bias:
+    if op is Operator.LAYERNORM and not has_params and not bias:
         op = Operator.LAYERNORM_NONPARAM
-    return {"operator": op.value, "gain_convention": conv, "bias": bias, "eps": eps}
+    return ProbeResult(op, conv, structured, bias, eps)
+
+
+def _agrees(res: ProbeResult, info: NormInfo) -> bool:
+    agree = (
+        res.structured
+        and res.operator is info.operator
+        and res.gain_convention is info.gain_convention
+        and res.bias == info.bias
+    )
+    if res.eps and info.eps and info.eps_placement is EpsPlacement.INSIDE_SQRT:
+        agree = agree and math.isclose(res.eps, info.eps, rel_tol=0.05)
+    return agree
 
 
 def check_sites(model: nn.Module, graph: Graph, report: InspectionReport) -> None:
     """Probe the module that ran each norm site; record the probe and whether it agrees with the graph."""
-    cache: dict[tuple[str, int], dict[str, Any] | None] = {}
+    cache: dict[tuple[str, int], ProbeResult | None] = {}
     for info in report.norms:
         if not info.module:
             continue
@@ -58,35 +86,28 @@ def check_sites(model: nn.Module, graph: Graph, report: InspectionReport) -> Non
         res = cache[key]
         if res is None:
             continue
-        agree = (
-            res["operator"] == info.operator.value
-            and res["gain_convention"] == info.gain_convention
-            and res["bias"] == info.bias
-        )
-        if res["eps"] and info.eps and info.eps_placement == "inside_sqrt":
-            agree = agree and math.isclose(res["eps"], info.eps, rel_tol=0.05)
-        info.probe.update(res, agrees=agree)
+        agree = _agrees(res, info)
+        info.probe.update(res.as_dict(), agrees=agree)
         if not agree:
-            report.notes.append(f"probe disagrees with the graph at {info.module}: {res}")
+            report.notes.append(f"probe disagrees with the graph at {info.module}: {res.as_dict()}")
 
 
-def probe_report(model: nn.Module, example_inputs: Any, name: str) -> InspectionReport:
-    """Fallback when no dataflow can be recorded: probe every module seen by forward hooks."""
+def _shape_keeping_modules(model: nn.Module, example_inputs: Any) -> dict[str, int]:
+    """Every module that ran on one floating tensor and returned one of the same shape: path -> last dim."""
     seen: dict[str, int] = {}
     handles = []
+
+    def hook(path: str) -> Any:
+        def record(m: nn.Module, args: tuple[Any, ...], out: Any) -> None:
+            x = args[0] if len(args) == 1 else None
+            same = isinstance(x, torch.Tensor) and isinstance(out, torch.Tensor) and out.shape == x.shape
+            if same and x.is_floating_point():  # type: ignore[union-attr]
+                seen.setdefault(path, x.shape[-1])  # type: ignore[union-attr]
+
+        return record
+
     for path, mod in model.named_modules():
-
-        def hook(m: nn.Module, args: tuple[Any, ...], out: Any, path: str = path) -> None:
-            if (
-                len(args) == 1
-                and isinstance(args[0], torch.Tensor)
-                and isinstance(out, torch.Tensor)
-                and out.shape == args[0].shape
-                and args[0].is_floating_point()
-            ):
-                seen.setdefault(path, args[0].shape[-1])
-
-        handles.append(mod.register_forward_hook(hook))
+        handles.append(mod.register_forward_hook(hook(path)))
     try:
         with torch.no_grad():
             if isinstance(example_inputs, dict):
@@ -96,14 +117,18 @@ def probe_report(model: nn.Module, example_inputs: Any, name: str) -> Inspection
             else:
                 model(example_inputs)
     except Exception:
-        pass
+        pass  # the modules that ran before the failure are still seen
     finally:
         for h in handles:
             h.remove()
+    return seen
+
+
+def probe_report(model: nn.Module, example_inputs: Any, name: str) -> InspectionReport:
+    """Fallback when no dataflow can be recorded: probe every module seen by forward hooks."""
+    seen = _shape_keeping_modules(model, example_inputs)
     if not seen:
         raise ValueError("no module ran")
-    from .report import NormInfo
-
     norms: list[NormInfo] = []
     for path, size in seen.items():
         res = probe_module(model.get_submodule(path), size)
@@ -111,47 +136,29 @@ def probe_report(model: nn.Module, example_inputs: Any, name: str) -> Inspection
             norms.append(
                 NormInfo(
                     len(norms),
-                    "other",
+                    SiteRole.OTHER,
                     None,
                     path,
-                    Operator(res["operator"]),
+                    res.operator,
                     size,
-                    res["eps"],
+                    res.eps,
                     None,
-                    res["gain_convention"],
-                    res["bias"],
+                    res.gain_convention,
+                    res.bias,
                     None,
                     1.0,
                     False,
-                    res,
+                    res.as_dict(),
                 )
             )
     ops = {n.operator for n in norms}
     return InspectionReport(
-        name,
-        "hooks",
-        0,
-        None,
-        ops.pop() if len(ops) == 1 else Operator.MIXED if ops else Operator.NONE,
-        None,
-        None,
-        "n/a",
-        any(n.bias for n in norms),
-        None,
-        Placement.UNKNOWN,
-        "unknown",
-        "unknown",
-        [],
-        None,
-        None,
-        None,
-        QKNorm.NONE,
-        RopeOrder.NOT_APPLICABLE,
-        False,
-        None,
-        Operator.NONE,
-        None,
-        None,
-        Operator.NONE,
+        model=name, tracer="hooks", layers=0, hidden_size=None,
+        operator=ops.pop() if len(ops) == 1 else Operator.MIXED if ops else Operator.NONE,
+        eps=None, eps_placement=None, gain_convention=None, bias=any(n.bias for n in norms), cast_order=None,
+        placement=PlacementKind.UNKNOWN, placement_attention="unknown", placement_mlp="unknown",
+        placement_by_layer=[], residual_scale=None, branch_scale=None, depth_scaling=None,
+        qk_norm=QKNormKind.NONE, qk_norm_rope=RopeOrder.NOT_APPLICABLE, v_norm=False, attn_softcap=None,
+        final_norm=Operator.NONE, final_logit_softcap=None, embedding_scale=None, embedding_norm=Operator.NONE,
         norms=norms,
-    )
+    )  # fmt: skip

@@ -1,4 +1,8 @@
-"""The typed inspection report (enums inside; strings only in :meth:`InspectionReport.to_dict`)."""
+"""The typed inspection report, in the design vocabulary (:mod:`normatlas.vocabulary`, :mod:`normatlas.spec`).
+
+Enums inside; strings only in :meth:`InspectionReport.to_dict` (each enum's ``value``). A field that
+is ``None`` was not found or not measurable (a fused kernel hides its cast order; no norm has no eps).
+"""
 
 from __future__ import annotations
 
@@ -6,57 +10,10 @@ import enum
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-__all__ = [
-    "AttentionInfo",
-    "InspectionReport",
-    "NormInfo",
-    "Operator",
-    "Placement",
-    "QKNorm",
-    "RopeOrder",
-    "SublayerInfo",
-]
+from ..spec import CastOrder, EpsPlacement, GainConvention
+from ..vocabulary import Operator, PlacementKind, QKNormKind, RopeOrder, SiteRole, SublayerKind
 
-
-class Operator(enum.Enum):
-    """The normalization operator, as read from its arithmetic."""
-
-    LAYERNORM = "layernorm"
-    RMSNORM = "rmsnorm"
-    LAYERNORM_NONPARAM = "layernorm-nonparam"  # centred, no gain, no bias
-    L2 = "l2"
-    GROUPNORM = "groupnorm"
-    OTHER = "other"
-    MIXED = "mixed"
-    NONE = "none"
-
-
-class Placement(enum.Enum):
-    """Where a sublayer's norms sit relative to its residual add (essay §06)."""
-
-    PRE = "pre"  # x + F(N(x))
-    POST = "post"  # N(x + F(x))
-    PERI = "peri"  # x + N(F(N(x)))  (= Sandwich-LN)
-    RES_POST = "res-post"  # x + N(F(x))  (Swin-V2, Chameleon, OLMo 2 "reordered")
-    PARALLEL = "parallel"  # x + F1(N(x)) + F2(N(x))
-    NONE = "none"  # x + F(x)
-    PRE_POST = "pre+post"  # N(x + F(N(x)))
-    MIX = "mix"  # differs across layers or sublayers
-    UNKNOWN = "unknown"
-
-
-class QKNorm(enum.Enum):
-    NONE = "none"
-    PER_HEAD = "per-head"  # normalizes each head's d_head vector
-    FLATTENED = "flattened"  # normalizes the concatenated heads (d_model)
-    MIXED = "mixed"
-
-
-class RopeOrder(enum.Enum):
-    BEFORE_ROPE = "before-rope"  # the norm runs first, then RoPE
-    AFTER_ROPE = "after-rope"
-    NO_ROPE = "no-rope"
-    NOT_APPLICABLE = "n/a"
+__all__ = ["AttentionInfo", "InspectionReport", "NormInfo", "SublayerInfo"]
 
 
 @dataclass(frozen=True)
@@ -64,16 +21,16 @@ class NormInfo:
     """One normalization site."""
 
     index: int
-    role: str  # pre / out / post / qk / q / k / v / final / embedding / other
+    role: SiteRole
     layer: int | None
     module: str  # label only (the module that ran it); never used to classify
     operator: Operator
     size: int
     eps: float | None
-    eps_placement: str | None
-    gain_convention: str  # w / 1+w / none
+    eps_placement: EpsPlacement | None
+    gain_convention: GainConvention | None  # None: no gain
     bias: bool
-    cast_order: str | None
+    cast_order: CastOrder | None
     output_scale: float
     fused: bool
     probe: dict[str, Any] = field(default_factory=dict)
@@ -84,8 +41,8 @@ class SublayerInfo:
     """One residual add and the norms around it."""
 
     layer: int
-    kind: str  # attention / mlp / attention+mlp
-    placement: Placement
+    kind: SublayerKind
+    placement: PlacementKind
     pre: tuple[int, ...]
     out: tuple[int, ...]
     post: tuple[int, ...]
@@ -96,7 +53,7 @@ class SublayerInfo:
 @dataclass(frozen=True)
 class AttentionInfo:
     layer: int
-    qk_norm: QKNorm
+    qk_norm: QKNormKind
     qk_norm_rope: RopeOrder
     v_norm: bool
     softcap: float | None
@@ -112,18 +69,18 @@ class InspectionReport:
     hidden_size: int | None
     operator: Operator
     eps: float | None
-    eps_placement: str | None
-    gain_convention: str
+    eps_placement: EpsPlacement | None
+    gain_convention: GainConvention | None
     bias: bool
-    cast_order: str | None
-    placement: Placement
+    cast_order: CastOrder | None
+    placement: PlacementKind
     placement_attention: str
     placement_mlp: str
     placement_by_layer: list[str]
     residual_scale: str | None
     branch_scale: str | None
     depth_scaling: str | None
-    qk_norm: QKNorm
+    qk_norm: QKNormKind
     qk_norm_rope: RopeOrder
     v_norm: bool
     attn_softcap: float | None

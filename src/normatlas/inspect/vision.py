@@ -1,7 +1,7 @@
 """Inspect a vision encoder's (or a VLM vision tower's) normalization design from its dataflow.
 
 Method: one eager forward of the tower on an image tensor is recorded with the shared
-recorder (:func:`normatlas.dataflow.record`); the token-model analysis
+recorder (:func:`normatlas.analysis.record`); the token-model analysis
 (:func:`.analyze.analyze`) reads the blocks exactly as for a language model (the residual
 stream is the patch-token tensor, found as the input of the most frequent norm shape), so
 the operator, eps, block placement, LayerScale branch scales, the norm on the patch
@@ -31,14 +31,17 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..dataflow import Graph, record
-from .norms import CASTS, SHAPES, Site, find_sites, strip
-from .report import InspectionReport, NormInfo, Operator
+from ..analysis.graph import Graph, record
+from ..analysis.ops import CASTS, SHAPE_ONLY
+from ..analysis.walk import strip
+from ..vocabulary import Operator, SiteRole
+from .norms import Site, find_sites
+from .report import InspectionReport, NormInfo
 
 __all__ = ["VisionReport", "default_pixel_values", "inspect_vision"]
 
 _SELECT = frozenset({"getitem", "select", "narrow", "index_select", "squeeze", "unsqueeze"})
-_BLOCK_ROLES = frozenset({"pre", "out", "post"})
+_BLOCK_ROLES = frozenset({SiteRole.PRE, SiteRole.OUT, SiteRole.POST})
 
 
 @dataclass
@@ -99,14 +102,14 @@ def _selects_tokens(g: Graph, site: Site, stream: tuple[int, ...], last: int) ->
     cur, picked = site.input, False
     while True:
         n = g.nodes[cur]
-        if n.op in _SELECT | CASTS | SHAPES and n.inputs:
+        if n.op in _SELECT | SHAPE_ONLY and n.inputs:
             picked |= n.op in _SELECT
-            cur = strip(g, cur, CASTS | SHAPES | _SELECT)
+            cur = strip(g, cur, SHAPE_ONLY | _SELECT)
             continue
         return picked and n.shape == stream and (cur == last or g.feeds(last, cur))
 
 
-def _vision_roles(g: Graph, report: InspectionReport) -> tuple[dict[int, str], int | None, list[str]]:
+def _vision_roles(g: Graph, report: InspectionReport) -> tuple[dict[int, SiteRole], int | None, list[str]]:
     """New roles for the norms after the blocks, the stream token count, and notes."""
     sites = {s.node: s for s in find_sites(g)}
     block = [n for n in report.norms if n.role in _BLOCK_ROLES and n.index in sites]
@@ -117,22 +120,22 @@ def _vision_roles(g: Graph, report: InspectionReport) -> tuple[dict[int, str], i
     if stream is None or len(stream) < 2:
         return {}, None, [f"stream shape {stream} has no token axis"]
     last_out = sites[max(n.index for n in block)].output
-    roles: dict[int, str] = {}
+    roles: dict[int, SiteRole] = {}
     for info in report.norms:
         site = sites.get(info.index)
         if site is None or info.index <= last_out or not g.feeds(last_out, site.input):
             continue
-        if info.role not in ("final", "other"):
+        if info.role not in (SiteRole.FINAL, SiteRole.OTHER):
             continue
         if _merges_rows(g, site):
-            roles[info.index] = "merger"
-        elif info.role == "other":
-            roles[info.index] = "pooled" if _selects_tokens(g, site, stream, last_out) else "head"
+            roles[info.index] = SiteRole.MERGER
+        elif info.role is SiteRole.OTHER:
+            roles[info.index] = SiteRole.POOLED if _selects_tokens(g, site, stream, last_out) else SiteRole.HEAD
     return roles, stream[-2], []
 
 
-def _first(norms: list[NormInfo], role: str) -> Operator:
-    return next((n.operator for n in norms if n.role == role), Operator.NONE)
+def _first(norms: list[NormInfo], role: SiteRole) -> Operator:
+    return next((n.operator for n in norms if n.role is role), Operator.NONE)
 
 
 def inspect_vision(
@@ -176,14 +179,14 @@ def inspect_vision(
     norms = [dataclasses.replace(n, role=roles[n.index]) if n.index in roles else n for n in base.norms]
     fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(InspectionReport)}
     fields.update(norms=norms, notes=[*base.notes, *notes])
-    if base.final_norm is not Operator.NONE and _first(norms, "final") is Operator.NONE:
+    if base.final_norm is not Operator.NONE and _first(norms, SiteRole.FINAL) is Operator.NONE:
         fields["final_norm"] = Operator.NONE  # the only norm on the last stream merges rows: not a final norm
     report = VisionReport(
         **fields,
         tokens=tokens,
-        pooled_norm=_first(norms, "pooled"),
-        merger_norm=_first(norms, "merger"),
-        head_norm=_first(norms, "head"),
+        pooled_norm=_first(norms, SiteRole.POOLED),
+        merger_norm=_first(norms, SiteRole.MERGER),
+        head_norm=_first(norms, SiteRole.HEAD),
     )
     report.seconds = time.perf_counter() - t0
     return report

@@ -18,12 +18,11 @@ from .convert import (
     ln_foldability,
     ln_to_rms,
 )
-from .dataflow import Dataflow, record
 from .fold import DeferredNormLinear, cancel_pre_attention_norms, deferred_runtime, fold_gains, linear_consumers
 from .io import MANIFEST, load_checkpoint, load_transformed, save_surgery
 from .norms import NormFacts, find_norms, probe_norm
 from .output import OutputPlan, check_output
-from .report import Change, Check, NothingToChange, Refusal, Surgery, Swap, apply_swaps
+from .report import Change, Check, NothingToChange, Refusal, Surgery, Swap, SwapKind, apply_swaps
 from .verify import (
     DEFAULT_TOLERANCE,
     Tolerance,
@@ -40,7 +39,6 @@ __all__ = [
     "MANIFEST",
     "Change",
     "Check",
-    "Dataflow",
     "DeferredNormLinear",
     "NormFacts",
     "NothingToChange",
@@ -48,6 +46,7 @@ __all__ = [
     "Refusal",
     "Surgery",
     "Swap",
+    "SwapKind",
     "Tolerance",
     "analysis_copy",
     "apply_swaps",
@@ -71,7 +70,6 @@ __all__ = [
     "model_output",
     "probe_inputs",
     "probe_norm",
-    "record",
     "run_checks",
     "save_surgery",
 ]

@@ -27,12 +27,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..analysis.flow import Dataflow, linear_kind
+from ..analysis.flow import record_flow as record
 from ..modules import Norm
 from ..spec import EpsPlacement, GainConvention, parse_enum
-from .dataflow import Dataflow, linear_kind, record
 from .fold import _fold_norm, linear_consumers
 from .norms import NormFacts, find_norms
-from .report import Change, Refusal, Surgery, Swap, spec_to_dict
+from .report import Change, Refusal, Surgery, Swap, SwapKind
 
 __all__ = [
     "change_eps",
@@ -163,7 +164,7 @@ def ln_to_rms(model: nn.Module, example_inputs: Any) -> Surgery:
             module = model.get_submodule(n)
             has_bias = facts.bias_param is not None and bool((getattr(module, facts.bias_param) != 0).any())
             spec = facts.spec(center=False, gain=not folded, bias=has_bias)
-            surgery.swaps.append(Swap(n, "norm", spec_to_dict(spec), [facts.dim]))
+            surgery.swaps.append(Swap(n, SwapKind.NORM, spec, [facts.dim]))
             surgery.changes.append(
                 Change(n, "LN -> RMSNorm", "affine folded forward" if folded else f"affine kept in the RMSNorm ({why})")
             )
@@ -214,7 +215,7 @@ def convert_gain_convention(model: nn.Module, example_inputs: Any, to: GainConve
         p = getattr(model.get_submodule(name), f.gain_param)
         with torch.no_grad():
             p.add_(1.0 if to is GainConvention.W else -1.0)
-        surgery.swaps.append(Swap(name, "norm", spec_to_dict(f.spec(convention=to)), [f.dim]))
+        surgery.swaps.append(Swap(name, SwapKind.NORM, f.spec(convention=to), [f.dim]))
         surgery.changes.append(
             Change(
                 name,
@@ -258,7 +259,7 @@ def change_eps(
         new = Norm(spec, f.dim, dtype=next(old.parameters()).dtype)
         new.load_state_dict({k: v for k, v in old.state_dict().items() if k in new.state_dict()})
         dev = _eps_deviation(old, new, flow.tensor(flow.module_calls(name)[0].inputs[0]))
-        surgery.swaps.append(Swap(name, "norm", spec_to_dict(spec), [f.dim]))
+        surgery.swaps.append(Swap(name, SwapKind.NORM, spec, [f.dim]))
         surgery.changes.append(
             Change(
                 name,
@@ -370,13 +371,13 @@ def fold_batchnorm(model: nn.Module, example_inputs: Any) -> Surgery:
                 lin.bias.copy_(shift.to(lin.bias.dtype))
                 if bn.bias is not None:
                     bn.bias.zero_()
-                surgery.swaps.append(Swap(name, "identity"))
+                surgery.swaps.append(Swap(name, SwapKind.IDENTITY))
             else:
                 if bn.bias is not None:
                     bn.bias.copy_(shift.to(bn.bias.dtype))
                 else:
                     bn.running_mean.copy_((-shift).to(bn.running_mean.dtype))
-                surgery.swaps.append(Swap(conv, "bias_into", source=name))  # type: ignore[arg-type]
+                surgery.swaps.append(Swap(conv, SwapKind.BIAS_INTO, source=name))  # type: ignore[arg-type]
         affine = "" if bn.weight is not None and bn.bias is not None else " (BatchNorm without affine: gamma 1, beta 0)"
         surgery.changes.append(
             Change(name, "folded", f"scale -> {conv}.weight, shift -> {conv}.bias (runtime){affine}")
@@ -389,6 +390,6 @@ def freeze_batchnorm(model: nn.Module, example_inputs: Any = None) -> Surgery:
     model = copy.deepcopy(model).eval()
     surgery = Surgery("bn-frozen", model)
     for name in _batchnorms(model):
-        surgery.swaps.append(Swap(name, "frozen_batchnorm"))
+        surgery.swaps.append(Swap(name, SwapKind.FROZEN_BATCHNORM))
         surgery.changes.append(Change(name, "frozen", "statistics and affine become buffers"))
     return surgery

@@ -26,10 +26,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..analysis.flow import Dataflow, linear_kind
+from ..analysis.flow import record_flow as record
 from ..spec import EpsPlacement, Scale
-from .dataflow import Dataflow, linear_kind, record
 from .norms import NormFacts, find_norms
-from .report import Change, Refusal, Surgery, Swap, spec_to_dict
+from .report import Change, Refusal, Surgery, Swap, SwapKind
 
 __all__ = ["DeferredNormLinear", "cancel_pre_attention_norms", "fold_gains", "linear_consumers"]
 
@@ -196,7 +197,7 @@ def fold_gains(model: nn.Module, example_inputs: Any, *, defer: bool = False) ->
         module = model.get_submodule(name)
         has_bias = facts.bias_param is not None and bool((getattr(module, facts.bias_param) != 0).any())
         spec = facts.spec(gain=False, bias=has_bias)
-        surgery.swaps.append(Swap(name, "norm", spec_to_dict(spec), [facts.dim]))
+        surgery.swaps.append(Swap(name, SwapKind.NORM, spec, [facts.dim]))
         if defer:
             why = _defer_refusal(facts, has_bias)
             if why is not None:
@@ -256,7 +257,7 @@ def cancel_pre_attention_norms(model: nn.Module, example_inputs: Any) -> Surgery
             _untie(model, c, surgery)
             _fold_into(model, c, facts.multiplier(module), None)
         _set_identity(module, facts)
-        surgery.swaps.append(Swap(name, "identity"))
+        surgery.swaps.append(Swap(name, SwapKind.IDENTITY))
         surgery.changes.append(
             Change(
                 name,

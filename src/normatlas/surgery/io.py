@@ -127,7 +127,7 @@ def load_transformed(path: str | os.PathLike[str]) -> tuple[nn.Module, nn.Module
     except ValueError as exc:
         raise ValueError(f"{manifest_file} is not valid JSON ({exc})") from exc
     stock = load_checkpoint(root)
-    swaps = [Swap(**s) for s in manifest.get("swaps", [])]
+    swaps = [Swap.from_dict(s) for s in manifest.get("swaps", [])]
     runtime = apply_swaps(copy.deepcopy(stock), swaps)
     return stock, runtime, manifest
 

@@ -1,6 +1,6 @@
 """Find a model's normalization layers and measure what each one computes.
 
-Method: the shared behavioural probe (:func:`normatlas.probe.probe`): a module is a norm
+Method: the shared behavioural probe (:func:`normatlas.analysis.probe`): a module is a norm
 when, on inputs shaped like the ones it received in the recorded run, its output is
 invariant to rescaling the input (the essay's defining property); centring, which 1-D
 parameter is the gain and which the bias, the gain convention, eps and its placement and
@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from torch import nn
 
-from ..probe import NormFacts, probe
-from .dataflow import Dataflow
+from ..analysis.flow import Dataflow
+from ..analysis.probe import NormFacts, probe
 
 __all__ = ["NormFacts", "find_norms", "probe_norm"]
 

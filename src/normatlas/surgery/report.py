@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import enum
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -10,7 +11,7 @@ import torch
 from torch import nn
 
 from ..modules import Norm
-from ..spec import CastOrder, EpsPlacement, Gain, GainConvention, Layout, NormSpec, Scale, parse_enum
+from ..spec import NormSpec, parse_enum
 
 __all__ = [
     "Change",
@@ -19,9 +20,8 @@ __all__ = [
     "Refusal",
     "Surgery",
     "Swap",
+    "SwapKind",
     "apply_swaps",
-    "spec_from_dict",
-    "spec_to_dict",
 ]
 
 
@@ -57,21 +57,57 @@ class Check:
     tol: float | None = None  # the max_rel this check had to stay within
 
 
+class SwapKind(enum.Enum):
+    """What a runtime swap puts in a module's place."""
+
+    NORM = "norm"  # a normatlas Norm with the swap's spec and shape
+    IDENTITY = "identity"
+    FROZEN_BATCHNORM = "frozen_batchnorm"
+    BIAS_INTO = "bias_into"  # the module gains a bias copied from ``source`` (a BatchNorm), which becomes identity
+
+
 @dataclass
 class Swap:
     """A runtime module replacement that is exact given the transformed weights.
 
-    kind: ``norm`` (a normatlas :class:`Norm` with ``spec``), ``identity``, ``frozen_batchnorm``,
-    ``bias_into`` (``module`` gains a bias parameter copied from ``source``'s bias, or minus its running
-    mean when it has no bias; ``source`` becomes identity).
+    ``NORM``: a normatlas :class:`Norm` with ``spec`` and ``shape``; ``BIAS_INTO``: ``module`` gains a bias
+    parameter copied from ``source``'s bias, or minus its running mean when it has no bias, and ``source``
+    becomes identity. Stored in a manifest as :meth:`to_dict` (the spec by :meth:`NormSpec.to_dict`).
     """
 
     module: str
-    kind: str
-    spec: dict[str, Any] | None = None
+    kind: SwapKind
+    spec: NormSpec | None = None
     shape: list[int] | None = None
     source: str | None = None
-    eps: float | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.kind, SwapKind):
+            raise TypeError(f"kind={self.kind!r} must be a SwapKind")
+        if self.kind is SwapKind.NORM and (self.spec is None or self.shape is None):
+            raise ValueError(f"a {self.kind.value} swap of {self.module!r} needs a spec and a shape")
+        if self.kind is SwapKind.BIAS_INTO and self.source is None:
+            raise ValueError(f"a {self.kind.value} swap of {self.module!r} needs a source")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "module": self.module,
+            "kind": self.kind.value,
+            "spec": self.spec.to_dict() if self.spec is not None else None,
+            "shape": self.shape,
+            "source": self.source,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Swap:
+        spec = d.get("spec")
+        return cls(
+            str(d["module"]),
+            parse_enum(SwapKind, d["kind"], name="kind"),
+            NormSpec.from_dict(spec) if spec is not None else None,
+            list(d["shape"]) if d.get("shape") is not None else None,
+            d.get("source"),
+        )
 
 
 @dataclass
@@ -143,7 +179,7 @@ class Surgery:
             "format": "normatlas-surgery/1",
             "transform": self.transform,
             "stock_equivalent": self.stock_equivalent,
-            "swaps": [asdict(s) for s in self.swaps],
+            "swaps": [s.to_dict() for s in self.swaps],
             "changes": [asdict(c) for c in self.changes],
             "refusals": [asdict(r) for r in self.refusals],
             "notes": self.notes,
@@ -175,42 +211,6 @@ class Surgery:
         ]
 
 
-def spec_to_dict(spec: NormSpec) -> dict[str, Any]:
-    return {
-        "layout": spec.layout.value,
-        "reduce": sorted(a.value for a in spec.reduce),
-        "feature_ndim": spec.feature_ndim,
-        "groups": spec.groups,
-        "center": spec.center,
-        "scale": spec.scale.value,
-        "eps": spec.eps,
-        "eps_placement": spec.eps_placement.value,
-        "cast_order": spec.cast_order.value,
-        "gain": spec.gain.value,
-        "gain_convention": spec.gain_convention.value,
-        "bias": spec.bias,
-    }
-
-
-def spec_from_dict(d: dict[str, Any]) -> NormSpec:
-    from ..spec import Axis
-
-    return NormSpec(
-        layout=parse_enum(Layout, d["layout"], name="layout"),
-        reduce=frozenset(parse_enum(Axis, a, name="reduce") for a in d["reduce"]),
-        feature_ndim=int(d["feature_ndim"]),
-        groups=int(d["groups"]),
-        center=bool(d["center"]),
-        scale=parse_enum(Scale, d["scale"], name="scale"),
-        eps=d["eps"],
-        eps_placement=parse_enum(EpsPlacement, d["eps_placement"], name="eps_placement"),
-        cast_order=parse_enum(CastOrder, d["cast_order"], name="cast_order"),
-        gain=parse_enum(Gain, d["gain"], name="gain"),
-        gain_convention=parse_enum(GainConvention, d["gain_convention"], name="gain_convention"),
-        bias=bool(d["bias"]),
-    )
-
-
 @torch.no_grad()
 def apply_swaps(model: nn.Module, swaps: list[Swap]) -> nn.Module:
     """Replace modules in ``model`` as ``swaps`` say, carrying over parameter values."""
@@ -219,25 +219,25 @@ def apply_swaps(model: nn.Module, swaps: list[Swap]) -> nn.Module:
     for s in swaps:
         old = model.get_submodule(s.module)
         new: nn.Module
-        if s.kind == "norm":
+        if s.kind is SwapKind.NORM:
             assert s.spec is not None and s.shape is not None
-            spec = spec_from_dict(s.spec)
+            spec = s.spec
             ref = next(iter(old.parameters(recurse=False)), None)
             new = Norm(spec, tuple(s.shape), dtype=ref.dtype if ref is not None else None)
             state = {k: v for k, v in old.state_dict().items() if k in new.state_dict()}
             new.load_state_dict(state)
-        elif s.kind == "identity":
+        elif s.kind is SwapKind.IDENTITY:
             new = nn.Identity()
-        elif s.kind == "frozen_batchnorm":
+        elif s.kind is SwapKind.FROZEN_BATCHNORM:
             new = FrozenBatchNorm.from_batchnorm(old)
-        elif s.kind == "bias_into":
+        elif s.kind is SwapKind.BIAS_INTO:
             assert s.source is not None
             src: Any = model.get_submodule(s.source)
             shift = src.bias if src.bias is not None else -src.running_mean  # a BatchNorm without affine
             old.bias = nn.Parameter(shift.detach().clone().to(old.weight.dtype))
             model.set_submodule(s.source, nn.Identity())
             continue
-        else:
-            raise ValueError(f"swap kind={s.kind!r} is not one of 'norm', 'identity', 'frozen_batchnorm', 'bias_into'")
+        else:  # pragma: no cover - SwapKind is exhaustive
+            raise AssertionError(s.kind)
         model.set_submodule(s.module, new)
     return model

@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from .spec import CastOrder, EpsPlacement, Gain, GainConvention, NormSpec, Scale
+from ..spec import CastOrder, EpsPlacement, Gain, GainConvention, NormSpec, Scale
 
 __all__ = [
     "NormFacts",
@@ -375,7 +375,7 @@ def measure_eps(module: nn.Module, like: Tensor, axis: int, center: bool) -> tup
 
 def _measure_cast_order(module: nn.Module, facts: NormFacts, seed: int) -> CastOrder | None:
     """Which cast order reproduces the module most closely in bfloat16 (AFTER_GAIN on a tie)."""
-    from .modules import Norm  # lazy: modules imports functional, which is heavy
+    from ..modules import Norm  # lazy: modules imports functional, which is heavy
 
     shapes_ok = all(
         getattr(module, n).shape == (facts.dim,) for n in (facts.gain_param, facts.bias_param) if n is not None
