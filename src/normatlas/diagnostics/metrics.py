@@ -30,7 +30,6 @@ __all__ = [
     "FP16_MAX",
     "LR_POWER",
     "MASKED_LOGIT",
-    "PER_BLOCK",
     "Metric",
     "attention_sinks",
     "attention_stats",
@@ -347,9 +346,6 @@ class Metric(enum.Enum):
 
 
 DEFAULT_METRICS = frozenset(Metric) - {Metric.MODALITY}
-# measured only by the hooks on the repeated blocks: a model without blocks cannot give them (attention
-# can also come from the user, through record_attention)
-PER_BLOCK = frozenset({Metric.RESIDUAL, Metric.MASSIVE, Metric.HEADROOM})
 
 # exponent p of effective_lr = lr / ||W||^p for a scale-invariant W, by optimizer type (others: 2)
 LR_POWER: tuple[tuple[type, int], ...] = tuple(
