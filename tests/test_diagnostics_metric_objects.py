@@ -291,3 +291,29 @@ def test_gradients_are_read_once_per_step() -> None:
     mon.read_gradients()  # a second read in the same step reads nothing
     mon.step()
     assert_close(mon.last["grad_norm/total"], float(ref), rtol=1e-5, atol=0)
+
+
+def test_cross_example_check_reads_the_output_by_structure() -> None:
+    """A scalar first and the per-example tensor under any field name: the batch-leading tensor is compared."""
+    from normatlas.diagnostics.health import cross_example_dependence
+
+    class Wrapped(nn.Module):
+        def __init__(self, norm: nn.Module) -> None:
+            super().__init__()
+            self.lin, self.norm = nn.Linear(6, 8), norm
+
+        def forward(self, x: Tensor) -> dict[str, object]:
+            h = self.norm(self.lin(x))
+            return {"aux": h.mean(), "stuff": [_Out(h, (h.sum(-1), h.sum(-1)))]}
+
+    torch.manual_seed(5)
+    x = torch.randn(8, 6)
+    assert not cross_example_dependence(Wrapped(nn.BatchNorm1d(8)).train(), x).passed
+    assert cross_example_dependence(Wrapped(nn.LayerNorm(8)).train(), x).passed
+
+    class Pooled(nn.Module):
+        def forward(self, x: Tensor) -> Tensor:
+            return x.sum()  # nothing per example to compare
+
+    with pytest.raises(TypeError, match="no tensor with the batch of 8"):
+        cross_example_dependence(Pooled(), x)
