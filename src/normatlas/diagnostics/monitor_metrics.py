@@ -315,9 +315,16 @@ class Headroom(MonitorMetric):
 
 
 class EffectiveLR(MonitorMetric):
-    """``lr / ||W||^p`` of every scale-invariant linear (it feeds only norms), found from the dataflow of one extra
-    forward without gradients on the first measured step (RNG forked, buffers restored; see
-    :func:`~.roles.trace_linear_to_norm`); ``p`` from the optimizer's type (:func:`lr_power`)."""
+    """``effective_lr/<linear> = lr / ||W||^p`` of every scale-invariant linear.
+
+    A linear whose weight ``W`` feeds only norms (found from the dataflow of one extra forward without gradients on
+    the first measured step, with the RNG and buffers restored; see :func:`~.roles.trace_linear_to_norm`) is
+    scale-invariant, so what its learning rate does depends on ``||W||``: the angular step is ``~ lr / ||W||^2``
+    under SGD (the gradient shrinks as ``1 / ||W||``) and ``~ lr / ||W||`` under optimizers that normalize the
+    update (Adam, AdamW, RMSprop, ...), and does not depend on ``||W||`` under Adafactor's relative step. ``p`` is
+    chosen from the optimizer's type (:func:`lr_power`); without an optimizer (``lr`` = 1) or for an unknown type
+    the SGD law ``p = 2`` is assumed.
+    """
 
     key = Metric.EFFECTIVE_LR.value
     hooks = frozenset({Hook.MODEL_INPUT, Hook.STEP})
