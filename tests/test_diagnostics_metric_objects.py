@@ -270,6 +270,18 @@ def test_bad_metrics_and_columns_are_refused_by_name() -> None:
 
     with pytest.raises(TypeError, match=r"NoKey\.key=None"):
         make_metric(NoKey)
+
+    class Undeclared(NormSaturation):
+        hooks = frozenset({Hook.MODULE_OUTPUT})  # but on_step is overridden
+
+    with pytest.raises(ValueError, match=r"overrides on_step but its hooks lack Hook\.STEP"):
+        make_metric(Undeclared(1.0))
+
+    class Unimplemented(NormSaturation):
+        hooks = frozenset({Hook.MODULE_OUTPUT, Hook.STEP, Hook.GRADIENTS})
+
+    with pytest.raises(ValueError, match=r"holds Hook\.GRADIENTS but it overrides none of on_gradients"):
+        make_metric(Unimplemented(1.0))
     with pytest.raises(ValueError, match=r"table=True needs scope=Scope\.LAYER"):
         Column("x", "x", "an x", table=True)
     with pytest.raises(ValueError, match="worst='median'"):

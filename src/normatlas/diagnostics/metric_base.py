@@ -39,7 +39,7 @@ from torch import Tensor, nn
 if TYPE_CHECKING:
     from .monitor import Monitor
 
-__all__ = ["Column", "Hook", "MonitorMetric", "Row", "Scope", "first_tensor", "tensors"]
+__all__ = ["HOOK_METHODS", "Column", "Hook", "MonitorMetric", "Row", "Scope", "check_metric", "first_tensor", "tensors"]
 
 Row = Mapping[str, object]
 
@@ -164,6 +164,40 @@ class MonitorMetric:
 
     def release(self) -> None:
         """The Monitor detaches: drop anything still active (an attention capture)."""
+
+
+# the methods each hook calls; a metric overrides at least one of each hook it declares, and none of the others
+HOOK_METHODS: dict[Hook, tuple[str, ...]] = {
+    Hook.MODEL_INPUT: ("on_model_input",),
+    Hook.MODEL_OUTPUT: ("on_model_output",),
+    Hook.STREAM: ("on_block_start", "on_block_end", "on_block"),
+    Hook.MODULE_INPUT: ("on_module_input",),
+    Hook.MODULE_OUTPUT: ("on_module_output",),
+    Hook.GRADIENTS: ("on_gradients",),
+    Hook.STEP: ("on_step",),
+}
+
+
+def check_metric(metric: MonitorMetric) -> MonitorMetric:
+    """``metric`` if its ``key``, ``hooks`` and ``columns`` are well formed and its ``on_*`` methods match its hooks
+    (a method of an undeclared hook would never be called); else a TypeError / ValueError that says which."""
+    cls = type(metric)
+    key, hooks, columns = getattr(metric, "key", None), metric.hooks, metric.columns
+    if not isinstance(key, str) or not key:
+        raise TypeError(f"{cls.__name__}.key={key!r} must be a non-empty string naming the metric")
+    if not isinstance(hooks, frozenset) or not all(isinstance(h, Hook) for h in hooks):
+        raise TypeError(f"{cls.__name__}.hooks={hooks!r} must be a frozenset of Hook")
+    if not isinstance(columns, tuple) or not all(isinstance(c, Column) for c in columns):
+        raise TypeError(f"{cls.__name__}.columns={columns!r} must be a tuple of Column")
+    for hook, names in HOOK_METHODS.items():
+        own = [n for n in names if getattr(cls, n) is not getattr(MonitorMetric, n)]
+        if hook in hooks and not own:
+            raise ValueError(f"{cls.__name__}.hooks holds Hook.{hook.name} but it overrides none of {', '.join(names)}")
+        if hook not in hooks and own:
+            raise ValueError(
+                f"{cls.__name__} overrides {own[0]} but its hooks lack Hook.{hook.name}: it would never run"
+            )
+    return metric
 
 
 # ------------------------------------------------------------------------------ reading tensors by structure

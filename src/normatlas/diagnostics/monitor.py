@@ -43,7 +43,6 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..cli._format import format_table
 from .alarms import Alarm, AlarmEvent, NonFiniteAlarm, default_alarms
 from .metric_base import Column, Hook, MonitorMetric, Row, Scope, first_tensor, tensors
 from .metrics import DEFAULT_METRICS, Metric
@@ -456,6 +455,8 @@ class Monitor:
 
     def table(self, record: Mapping[str, Any] | None = None, width: int | None = None) -> str:
         """:meth:`layer_table` printed as a width-fitting text table, under :meth:`summary`'s line."""
+        from ..cli._format import format_table  # the one table printer (stdlib only); the CLI sits above us
+
         rec = self.last if record is None else record
         return format_table(self.layer_table(rec), title=self.summary(rec), width=width)
 

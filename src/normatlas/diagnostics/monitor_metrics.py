@@ -21,7 +21,7 @@ from ..spec import parse_enum
 from . import metrics as M
 from .attention import AttentionCapture
 from .health import fork_model_rng
-from .metric_base import Column, Hook, MonitorMetric, Row, Scope, first_tensor, tensors
+from .metric_base import Column, Hook, MonitorMetric, Row, Scope, check_metric, first_tensor, tensors
 from .metrics import LR_POWER, Metric
 from .roles import is_batch_norm, linear_norm_pairs
 
@@ -538,11 +538,4 @@ def make_metric(spec: object) -> MonitorMetric:
         raise TypeError(
             f"metrics holds {spec!r} ({type(spec).__name__}); each must be a Metric, its name, or a MonitorMetric"
         )
-    key, hooks, columns = getattr(metric, "key", None), metric.hooks, metric.columns
-    if not isinstance(key, str) or not key:
-        raise TypeError(f"{type(metric).__name__}.key={key!r} must be a non-empty string naming the metric")
-    if not isinstance(hooks, frozenset) or not all(isinstance(h, Hook) for h in hooks):
-        raise TypeError(f"{type(metric).__name__}.hooks={hooks!r} must be a frozenset of Hook")
-    if not isinstance(columns, tuple) or not all(isinstance(c, Column) for c in columns):
-        raise TypeError(f"{type(metric).__name__}.columns={columns!r} must be a tuple of Column")
-    return metric
+    return check_metric(metric)
