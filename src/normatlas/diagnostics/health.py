@@ -9,7 +9,10 @@ floating-point batching noise. Every forward runs with the same random seed (the
 the CPU and of the model's devices is forked, so the caller's RNG is left as it was), so
 dropout draws the same masks each time and a model in train mode is judged by its
 arithmetic, not by fresh dropout noise. All parameters and buffers (BN running statistics)
-are restored afterwards, so the check is safe mid-training.
+are restored afterwards, so the check is safe mid-training. The output compared is found by structure: the
+first tensor whose leading dim is the batch (logits, a last hidden state, a plain output), never by a field name.
+
+This module owns that check and :func:`fork_model_rng`, the RNG fork every diagnostic's extra forward runs under.
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+
+from .metric_base import tensors
 
 __all__ = ["Dependence", "cross_example_dependence", "fork_model_rng"]
 
@@ -63,15 +68,15 @@ def fork_model_rng(model: nn.Module, seed: int | None = None) -> Iterator[None]:
         yield
 
 
-def _outputs(out: Any) -> Tensor:
-    if isinstance(out, Tensor):
-        return out
-    for attr in ("logits", "last_hidden_state"):
-        if isinstance(getattr(out, attr, None), Tensor):
-            return getattr(out, attr)
-    if isinstance(out, (tuple, list)) and out and isinstance(out[0], Tensor):
-        return out[0]
-    raise TypeError(f"model output of type {type(out).__name__} holds no tensor to compare")
+def _outputs(out: Any, batch: int) -> Tensor:
+    """The model's per-example output, read by structure (never by attribute names): the first tensor of ``out``
+    (depth first through tuples, lists, mappings and dataclasses) whose leading dim is the batch."""
+    found = next((t for t in tensors(out, floating=None) if t.dim() >= 1 and t.shape[0] == batch), None)
+    if found is None:
+        raise TypeError(
+            f"model output of type {type(out).__name__} holds no tensor with the batch of {batch} to compare"
+        )
+    return found
 
 
 def _perturb(x: Tensor, j: int, gen: torch.Generator, vocab: int | None) -> Tensor:
@@ -116,13 +121,13 @@ def cross_example_dependence(
     try:
         with torch.no_grad():
             with fork_model_rng(model, seed):
-                base = _outputs(model(inputs)).float()
+                base = _outputs(model(inputs), inputs.shape[0]).float()
             scale = float(base.abs().max()) + 1e-12
             for j in probed:
                 model.load_state_dict(saved)
                 perturbed = _perturb(inputs, j, gen, vocab_size)
                 with fork_model_rng(model, seed):
-                    out = _outputs(model(perturbed)).float()
+                    out = _outputs(model(perturbed), inputs.shape[0]).float()
                 others = [i for i in range(base.shape[0]) if i != j]
                 leak = max(leak, float((out[others] - base[others]).abs().max()) / scale)
     finally:

@@ -12,31 +12,18 @@ from __future__ import annotations
 
 from typing import Any
 
-from .monitor import Metric, Monitor
+from .monitor import Monitor
 
 __all__ = ["hf_callback", "lightning_callback"]
 
 
 def _grads_then_step(monitor: Monitor) -> tuple[Any, Any]:
     """Split ``monitor.step`` so gradients can be read before the optimizer zeroes them."""
-    state: dict[str, Any] = {}
-
-    def read_grads() -> None:
-        if monitor.step_count % monitor.every == 0 and Metric.GRAD_NORM in monitor.metrics:
-            rec: dict[str, Any] = {}
-            monitor._grad_norms(rec)
-            state["grads"] = rec
 
     def close(loss: Any = None) -> None:
-        monitor._record.update(state.pop("grads", {}))
-        metrics = monitor.metrics
-        monitor.metrics = metrics - {Metric.GRAD_NORM}  # already read
-        try:
-            monitor.step(loss=loss)
-        finally:
-            monitor.metrics = metrics
+        monitor.step(loss=loss)  # the gradients were read already: read_gradients runs once per step
 
-    return read_grads, close
+    return monitor.read_gradients, close
 
 
 def hf_callback(monitor: Monitor) -> Any:

@@ -1,7 +1,8 @@
-"""Pure metric functions: each takes tensors and returns plain numbers or small dicts.
+"""Pure metric functions: each takes tensors and returns plain numbers or small dicts; and the names of what
+a Monitor measures (:class:`Metric`, :data:`DEFAULT_METRICS`) with its effective-LR laws (:data:`LR_POWER`).
 
-Every function here is stateless and side-effect free, so the :class:`~normatlas.diagnostics.Monitor`
-hooks, the CLI report and user code all share one definition of each quantity.
+Every function here is stateless and side-effect free, so the Monitor's metric objects
+(:mod:`~normatlas.diagnostics.monitor_metrics`), the CLI report and user code all share one definition of each quantity.
 
 The quantities and where they come from (see the essay, sections on the curse of depth,
 attention entropy collapse, massive activations, bf16 and VLM interfaces):
@@ -30,7 +31,6 @@ __all__ = [
     "FP16_MAX",
     "LR_POWER",
     "MASKED_LOGIT",
-    "PER_BLOCK",
     "Metric",
     "attention_sinks",
     "attention_stats",
@@ -334,6 +334,8 @@ def as_floats(values: Sequence[float] | Tensor, name: str) -> tuple[float, ...]:
 
 
 class Metric(enum.Enum):
+    """The built-in Monitor metrics by name (each a class in :data:`~.monitor_metrics.REGISTRY`)."""
+
     OUTPUT_NORM = "output_norm"
     GRAD_NORM = "grad_norm"
     RESIDUAL = "residual"
@@ -347,9 +349,6 @@ class Metric(enum.Enum):
 
 
 DEFAULT_METRICS = frozenset(Metric) - {Metric.MODALITY}
-# measured only by the hooks on the repeated blocks: a model without blocks cannot give them (attention
-# can also come from the user, through record_attention)
-PER_BLOCK = frozenset({Metric.RESIDUAL, Metric.MASSIVE, Metric.HEADROOM})
 
 # exponent p of effective_lr = lr / ||W||^p for a scale-invariant W, by optimizer type (others: 2)
 LR_POWER: tuple[tuple[type, int], ...] = tuple(

@@ -1,11 +1,13 @@
 """One object that watches the geometry of normalization during training, through hooks only.
 
-``Monitor(model)`` registers forward hooks on the model's repeated blocks (found by
-:func:`~normatlas.diagnostics.roles.find_blocks`, or given), on BatchNorm layers and on
-optional VLM interface modules; every ``every`` steps the next forward is measured and
-``monitor.step()`` (call it after ``backward()``, before ``zero_grad()``) adds the
-gradient norms and effective learning rates, builds one flat record, sends it to the
-sinks and runs the alarms. Between measured steps every hook returns at once.
+This module owns the :class:`Monitor`: when to measure, which hooks to register for the metric objects it drives
+(:mod:`~normatlas.diagnostics.metric_base` defines the protocol, :mod:`~normatlas.diagnostics.monitor_metrics` the
+ten built-ins), how a record is assembled, written to the sinks and checked by the alarms, and how it prints.
+
+``Monitor(model)`` finds the model's repeated blocks (:func:`~normatlas.diagnostics.roles.find_blocks`, or
+given); every ``every`` steps the next forward is measured and ``monitor.step()`` (call it after ``backward()``,
+before ``zero_grad()``) adds the gradient and step metrics, builds one flat record, sends it to the sinks and
+runs the alarms. Between measured steps every hook returns at once.
 
 Plain loop::
 
@@ -16,64 +18,41 @@ Plain loop::
         mon.step(loss=loss)
         opt.step(); opt.zero_grad()
     mon.history.series("output_norm")
+    print(mon.table())
 
-Record keys (``metric/statistic/layer``): ``output_norm``, ``grad_norm/total``,
-``grad_norm/L3``, ``residual/{rms,var,update_ratio,identity_cos}/L3``,
-``attention/{entropy,entropy_norm,entropy_norm_min,max_logit,sink_token,sink_share}/L3``,
-``attention/entropy/L3/h0``, ``massive/{max_ratio,value,token,channel,count}/L3``,
-``headroom/{bf16_log2,fp16_log2,bf16_underflow_share,nonfinite_share}`` (worst over blocks;
-``-inf`` headroom and a positive ``nonfinite_share`` once a block outputs inf or NaN),
-``headroom/{absmax,nonfinite_share}/L3``, ``effective_lr/<linear>``,
-``weight_norm/<linear>``, ``weight_growth/<linear>``, ``batchnorm/{mean_gap,var_logratio}/<bn>``,
-``ngrams/{max_repeats,flagged}``, ``modality/{vision_norm,text_norm,gap}``, and, for models
-built from ``normatlas.blocks`` (whose residual add is a module), the exact per-sublayer
-``residual_add/{branch_ratio,update_ratio}/<module>`` = RMS(branch) / RMS(stream).
+Record keys are ``metric/statistic/layer`` (``residual/rms/L3``, ``attention/entropy/L3/h0``,
+``batchnorm/mean_gap/<module name>``, ``output_norm``, ``loss``); :attr:`Monitor.columns` lists every one with
+its unit and meaning (``format_table(mon.describe_columns())`` prints them), and :meth:`Monitor.layer_table`,
+:meth:`Monitor.table` and :meth:`Monitor.summary` are derived from them.
 
-Effective learning rate: a linear whose weight ``W`` feeds only norms (found from the dataflow
-of one extra forward without gradients on the first measured step, with the RNG and buffers
-restored; see :func:`~normatlas.diagnostics.roles.trace_linear_to_norm`) is scale-invariant, so
-what its learning rate does depends on ``||W||``: the angular step is ``~ lr / ||W||^2`` under
-SGD (the gradient shrinks as ``1 / ||W||``) and ``~ lr / ||W||`` under optimizers that normalize
-the update (Adam, AdamW, RMSprop, ...), and does not depend on ``||W||`` under Adafactor's
-relative step. ``effective_lr/<linear> = lr / ||W||^p`` with ``p`` = :attr:`Monitor.effective_lr_power`
-chosen from the optimizer's type; without an optimizer (``lr`` = 1) or for an unknown type the
-SGD law ``p = 2`` is assumed.
+The model is read by structure, never by argument or attribute names (:func:`~.metric_base.tensors`): a block's
+input stream is its floating input (positional first, then keyword) with the shape of its output, its output
+stream its first floating output; token ids are what enters the largest embedding table (see
+:class:`~.monitor_metrics.Ngrams`). The loss is the ``loss`` entry of an output mapping or attribute
+(transformers' outputs), or what ``step(loss=...)`` is given.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from types import MappingProxyType
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from ..spec import parse_enum
-from . import metrics as M
 from .alarms import Alarm, AlarmEvent, NonFiniteAlarm, default_alarms
-from .attention import AttentionCapture
-from .health import fork_model_rng
-from .metrics import DEFAULT_METRICS, LR_POWER, PER_BLOCK, Metric
-from .roles import Kind, find_blocks, is_batch_norm, linear_norm_pairs, module_kind
+from .metric_base import Column, Hook, MonitorMetric, Row, Scope, first_tensor, tensors
+from .metrics import DEFAULT_METRICS, Metric
+from .monitor_metrics import Attention, EffectiveLR, Modality, lr_power, make_metric
+from .roles import Kind, find_blocks, module_kind
 from .sinks import MemorySink, Sink
 
-__all__ = ["DEFAULT_METRICS", "Metric", "Monitor"]
+__all__ = ["DEFAULT_METRICS", "LOSS", "Metric", "Monitor"]
 
-
-def _first_tensor(obj: Any, float_only: bool = True) -> Tensor | None:
-    if isinstance(obj, Tensor):
-        return obj if (obj.is_floating_point() or not float_only) else None
-    if isinstance(obj, Mapping):
-        obj = list(obj.values())
-    elif hasattr(obj, "last_hidden_state") and isinstance(obj.last_hidden_state, Tensor):
-        return obj.last_hidden_state
-    if isinstance(obj, (tuple, list)):
-        for o in obj:
-            t = _first_tensor(o, float_only)
-            if t is not None:
-                return t
-    return None
+LOSS = Column("loss", "loss", "the training loss: step(loss=...) or the model output's loss", summary="loss")
 
 
 def _loss_value(loss: float | Tensor) -> float:
@@ -89,13 +68,27 @@ def _loss_value(loss: float | Tensor) -> float:
         raise TypeError(f"loss must be a number or a one-element tensor, got {type(loss).__name__}") from None
 
 
-def _residual_adds(model: nn.Module) -> list[nn.Module]:
-    """``normatlas.blocks.residual.ResidualAdd`` modules, when that package is present."""
-    try:
-        from ..blocks.residual import ResidualAdd
-    except ImportError:
-        return []
-    return [m for m in model.modules() if isinstance(m, ResidualAdd)]
+def _output_loss(out: Any) -> Tensor | None:
+    loss = out.get("loss") if isinstance(out, Mapping) else getattr(out, "loss", None)
+    return loss if isinstance(loss, Tensor) and loss.numel() == 1 else None
+
+
+def _make_metrics(specs: Iterable[object], modality: bool) -> tuple[MonitorMetric, ...]:
+    """Metric objects: the built-ins in :class:`Metric` order, then the user's in the order given; one per key."""
+    if isinstance(specs, (str, Metric, MonitorMetric, type)):
+        specs = [specs]
+    made: dict[str, MonitorMetric] = {}
+    for spec in specs:
+        metric = make_metric(spec)
+        if metric.key in made:
+            if isinstance(spec, (str, Metric)):
+                continue  # the same built-in named twice
+            raise ValueError(f"metrics holds two metrics with key {metric.key!r}; each key may appear once")
+        made[metric.key] = metric
+    if modality and Metric.MODALITY.value not in made:
+        made[Metric.MODALITY.value] = Modality()
+    order = {m.value: i for i, m in enumerate(Metric)}
+    return tuple(sorted(made.values(), key=lambda m: order.get(m.key, len(order))))
 
 
 class Monitor:
@@ -104,12 +97,12 @@ class Monitor:
     Args:
         model: any ``nn.Module``.
         every: measure one step in ``every`` (the overhead is paid only then).
-        metrics: which :class:`Metric` s (or their string values) to collect.
+        metrics: which metrics to collect: :class:`Metric` s, their string values, and
+            :class:`~normatlas.diagnostics.metric_base.MonitorMetric` objects (or classes) of your own.
         blocks: the residual blocks in depth order; found automatically if None (the largest
             ``ModuleList`` / ``Sequential`` of >= 2 same-class modules). A ``ValueError`` when there
             are none and ``metrics`` asks for a per-block one (residual, massive, headroom).
-        optimizer: gives the learning rate, and by its type the law, of the effective-LR metric
-            (see the module docstring).
+        optimizer: gives the learning rate, and by its type the law, of the effective-LR metric.
         sinks: where records go; a :class:`MemorySink` is always kept as ``history``.
         alarms: defaults to :func:`~normatlas.diagnostics.alarms.default_alarms`.
         modality: ``{"vision": module, "text": module}`` whose outputs are the two sides
@@ -127,7 +120,7 @@ class Monitor:
         model: nn.Module,
         *,
         every: int = 10,
-        metrics: Iterable[Metric | str] = DEFAULT_METRICS,
+        metrics: Iterable[Metric | str | MonitorMetric] = DEFAULT_METRICS,
         blocks: Sequence[nn.Module] | None = None,
         optimizer: torch.optim.Optimizer | None = None,
         sinks: Sequence[Sink] = (),
@@ -145,30 +138,13 @@ class Monitor:
             raise ValueError(f"every={every!r} must be an integer >= 1")
         if max_examples < 1:
             raise ValueError(f"max_examples={max_examples!r} must be >= 1")
-        self.model, self.every, self.optimizer = model, every, optimizer
-        if isinstance(metrics, (str, Metric)):
-            metrics = [metrics]
-        self.metrics = frozenset(parse_enum(Metric, m, name="metrics") for m in metrics)
-        self.blocks = list(blocks) if blocks is not None else find_blocks(model)
         if modality is not None and set(modality) != {"vision", "text"}:
             raise ValueError(f"modality keys {sorted(modality)} must be exactly ['text', 'vision']")
-        needs_blocks = sorted(m.value for m in self.metrics & PER_BLOCK)
-        if not self.blocks and needs_blocks:
-            found = (
-                "blocks=[] was given" if blocks is not None else f"found no repeated blocks in {type(model).__name__}"
-            )
-            raise ValueError(
-                f"Monitor: {found}; the metrics {', '.join(needs_blocks)} are measured per block. Blocks are found "
-                "as the largest nn.ModuleList / nn.Sequential of >= 2 modules of one class that are not linears, "
-                "norms or embeddings (e.g. HF's model.layers); pass blocks=[...] (in depth order), or metrics= "
-                "without them (e.g. ['grad_norm', 'output_norm', 'batchnorm'])"
-            )
-        for i, blk in enumerate(self.blocks):
-            if not isinstance(blk, nn.Module):
-                raise TypeError(f"blocks[{i}] must be an nn.Module, got {type(blk).__name__}")
+        self.model, self.every, self.optimizer = model, every, optimizer
         self.modality = dict(modality or {})
-        if self.modality:
-            self.metrics |= {Metric.MODALITY}
+        self.metrics = _make_metrics(metrics, bool(self.modality))
+        self.blocks = list(blocks) if blocks is not None else find_blocks(model)
+        self._check_blocks(given=blocks is not None)
         self.history = MemorySink()
         self.sinks: list[Sink] = [self.history, *sinks]
         self.alarms = list(default_alarms() if alarms is None else alarms)
@@ -178,62 +154,115 @@ class Monitor:
         self.step_count = 0
         self._record: dict[str, Any] = {}
         self._handles: list[Any] = []
-        self._forward_done = False
-        self._capture: AttentionCapture | None = None
+        self._forward_done, self._grads_read, self._unarmed = False, False, 0
         self._attn_calls: dict[int, int] = {}
-        self._inputs: dict[int, Tensor | None] = {}
-        self._pairs: list[tuple[str, nn.Parameter]] | None = None
-        self._tracing = False
-        self._w0: dict[str, float] = {}
-        names = {m: n for n, m in model.named_modules()}
-        self._names = names
-        self._layer_of = self._param_layers()
-        self._kinds: dict[nn.Module, Kind] = {}
-        if Metric.EFFECTIVE_LR in self.metrics:  # probe before any hook exists
-            self._kinds = {m: module_kind(m) for m in model.modules()}
+        self._stream_in: dict[int, list[Tensor]] = {}
+        self._names = {m: n for n, m in model.named_modules()}
+        self._kinds: dict[nn.Module, Kind] | None = None
+        self._layers: dict[nn.Module, int] | None = None
+        self._by_hook = {h: [m for m in self.metrics if h in m.hooks] for h in Hook}
+        for metric in self.metrics:
+            metric.bind(self)
         self.attach()
 
-    # ------------------------------------------------------------------ wiring
-    def _param_layers(self) -> list[tuple[str, nn.Parameter]]:
-        owner: dict[int, str] = {}
+    def _check_blocks(self, given: bool) -> None:
+        needs_blocks = sorted(m.key for m in self.metrics if m.per_block)
+        if not self.blocks and needs_blocks:
+            found = "blocks=[] was given" if given else f"found no repeated blocks in {type(self.model).__name__}"
+            raise ValueError(
+                f"Monitor: {found}; the metrics {', '.join(needs_blocks)} are measured per block. Blocks are found "
+                "as the largest nn.ModuleList / nn.Sequential of >= 2 modules of one class that are not linears, "
+                "norms or embeddings (e.g. HF's model.layers); pass blocks=[...] (in depth order), or metrics= "
+                "without them (e.g. ['grad_norm', 'output_norm', 'batchnorm'])"
+            )
         for i, blk in enumerate(self.blocks):
-            for p in blk.parameters():
-                owner.setdefault(id(p), f"L{i}")
-        out = []
-        for name, p in self.model.named_parameters():
-            out.append((owner.get(id(p), name.split(".")[0]), p))
-        return out
+            if not isinstance(blk, nn.Module):
+                raise TypeError(f"blocks[{i}] must be an nn.Module, got {type(blk).__name__}")
+
+    # ------------------------------------------------------------------ what metrics may ask
+    def metric(self, key: Metric | str) -> MonitorMetric | None:
+        """The metric object under ``key`` (a :class:`Metric` or a metric's ``key``), or None."""
+        name = key.value if isinstance(key, Metric) else key
+        return next((m for m in self.metrics if m.key == name), None)
+
+    def kinds(self) -> Mapping[nn.Module, Kind]:
+        """:func:`~normatlas.diagnostics.roles.module_kind` of every module, probed once with the hooks off."""
+        if self._kinds is None:
+            with self.unarmed():
+                self._kinds = {m: module_kind(m) for m in self.model.modules()}
+        return self._kinds
+
+    def norms(self) -> list[nn.Module]:
+        """The model's norm modules, found by behaviour (:meth:`kinds`), in module order."""
+        return [m for m, k in self.kinds().items() if k is Kind.NORM]
+
+    def name_of(self, module: nn.Module) -> str:
+        """``module``'s qualified name in the model (its class name when it is not in the model)."""
+        return self._names.get(module, type(module).__name__)
+
+    def layer_of(self, module: nn.Module) -> int | None:
+        """The index of the block holding ``module`` (None outside every block)."""
+        if self._layers is None:
+            self._layers = {}
+            for i, blk in enumerate(self.blocks):
+                for m in blk.modules():
+                    self._layers.setdefault(m, i)
+        return self._layers.get(module)
+
+    def sample(self, t: Tensor) -> Tensor:
+        """The part of an activation the metrics read: ``max_examples`` examples; ``(N, tokens, C)`` for CNNs."""
+        if self.channels_first and t.dim() >= 3:
+            t = t.movedim(1, -1).flatten(1, -2)
+        return t[: self.max_examples] if t.dim() >= 3 else t
+
+    def lr_of(self, p: Tensor) -> float:
+        """The learning rate of ``p``'s optimizer group (1 without an optimizer)."""
+        if self.optimizer is not None:
+            for g in self.optimizer.param_groups:
+                if any(q is p for q in g["params"]):
+                    return float(g.get("lr", 1.0))
+        return 1.0
+
+    @contextlib.contextmanager
+    def unarmed(self) -> Iterator[None]:
+        """Every hook returns at once inside (for a metric's own extra forwards)."""
+        self._unarmed += 1
+        try:
+            yield
+        finally:
+            self._unarmed -= 1
 
     @property
     def armed(self) -> bool:
         """True while the current step is a measured one and its forward has not run yet."""
-        return self.step_count % self.every == 0 and not self._forward_done and not self._tracing
+        return self.step_count % self.every == 0 and not self._forward_done and not self._unarmed
 
+    # ------------------------------------------------------------------ wiring
     def attach(self) -> Monitor:
         if self._handles:
             return self
+        wiring = [(m, list(m.modules())) for m in self.metrics if m.hooks & {Hook.MODULE_INPUT, Hook.MODULE_OUTPUT}]
         h = self._handles
         h.append(self.model.register_forward_pre_hook(self._model_pre, with_kwargs=True))
         h.append(self.model.register_forward_hook(self._model_post, always_call=True))
-        for i, blk in enumerate(self.blocks):
-            h.append(blk.register_forward_pre_hook(self._block_pre(i), with_kwargs=True))
-            h.append(blk.register_forward_hook(self._block_post(i), always_call=True))
-        if Metric.BATCHNORM in self.metrics:
-            for mod in self.model.modules():
-                if is_batch_norm(mod):
-                    h.append(mod.register_forward_pre_hook(self._bn_pre))
-        for side, mod in self.modality.items():
-            h.append(mod.register_forward_hook(self._modality_post(side)))
-        if Metric.RESIDUAL in self.metrics:
-            for mod in _residual_adds(self.model):
-                h.append(mod.register_forward_hook(self._residual_add_post))
+        if self._by_hook[Hook.STREAM]:
+            for i, blk in enumerate(self.blocks):
+                h.append(blk.register_forward_pre_hook(self._block_pre(i), with_kwargs=True))
+                h.append(blk.register_forward_hook(self._block_post(i), always_call=True))
+        for metric, mods in wiring:
+            for mod in mods:
+                if Hook.MODULE_INPUT in metric.hooks:
+                    h.append(mod.register_forward_pre_hook(self._module_pre(metric)))
+                if Hook.MODULE_OUTPUT in metric.hooks:
+                    h.append(mod.register_forward_hook(self._module_post(metric)))
         return self
 
     def detach(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
-        self._stop_capture()
+        for metric in self.metrics:
+            metric.release()
 
     def close(self) -> None:
         self.detach()
@@ -247,197 +276,80 @@ class Monitor:
         self.close()
 
     # ------------------------------------------------------------------ hooks
+    def add(self, values: Row | None) -> None:
+        """Add ``values`` (``{record key: value}``) to the current step's record."""
+        if values:
+            self._record.update(values)
+
     def _model_pre(self, mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        if not self.armed:
-            return
-        if Metric.NGRAMS in self.metrics:
-            ids = kwargs.get("input_ids")
-            if ids is None:
-                ids = next((a for a in args if isinstance(a, Tensor) and not a.is_floating_point()), None)
-            if isinstance(ids, Tensor) and ids.dim() == 2 and not ids.is_floating_point() and ids.dtype != torch.bool:
-                r = M.repeated_ngrams(ids)
-                self._record["ngrams/max_repeats"] = r["max_repeats"]
-                self._record["ngrams/flagged"] = len(r["flagged"])  # type: ignore[arg-type]
-        if Metric.EFFECTIVE_LR in self.metrics and self._pairs is None:
-            self._trace(args, kwargs)
+        if self.armed:
+            for metric in self._by_hook[Hook.MODEL_INPUT]:
+                self.add(metric.on_model_input(args, kwargs))
 
     def _model_post(self, mod: nn.Module, args: Any, out: Any) -> None:
         if not self.armed:
             return
-        loss = out.get("loss") if isinstance(out, Mapping) else getattr(out, "loss", None)
-        if isinstance(loss, Tensor) and loss.numel() == 1:  # HF-style outputs carry their loss
+        loss = _output_loss(out)
+        if loss is not None:  # transformers-style outputs carry their loss
             self._record["loss"] = float(loss.detach())
-        if Metric.OUTPUT_NORM in self.metrics and "output_norm" not in self._record:
-            t = _first_tensor(out)
-            if t is not None and t.dim() >= 2:
-                self._record["output_norm"] = float(M.token_norms(t).mean())
-        self._stop_capture()
+        for metric in self._by_hook[Hook.MODEL_OUTPUT]:
+            self.add(metric.on_model_output(out))
         self._forward_done = True
-
-    def _sub(self, t: Tensor) -> Tensor:
-        if self.channels_first and t.dim() >= 3:
-            t = t.movedim(1, -1).flatten(1, -2)
-        return t[: self.max_examples] if t.dim() >= 3 else t
 
     def _block_pre(self, i: int) -> Any:
         def hook(mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-            if not self.armed:
-                return
-            if self.metrics & {Metric.RESIDUAL}:
-                t = _first_tensor(args) if args else None
-                t = t if t is not None else _first_tensor(kwargs.get("hidden_states", kwargs))
-                self._inputs[i] = t
-            if Metric.ATTENTION in self.metrics:
-                self._stop_capture()
-                self._capture = AttentionCapture(lambda p, lg: self.record_attention(i, p, lg), self.max_examples)
-                self._capture.__enter__()
+            if self.armed:
+                self._stream_in[i] = list(tensors((args, kwargs)))
+                for metric in self._by_hook[Hook.STREAM]:
+                    metric.on_block_start(i)
 
         return hook
 
     def _block_post(self, i: int) -> Any:
-        last = len(self.blocks) - 1
-
         def hook(mod: nn.Module, args: Any, out: Any) -> None:
             if not self.armed:
                 return
-            self._stop_capture()
-            t = _first_tensor(out)
-            if t is None:
+            stream = self._by_hook[Hook.STREAM]
+            for metric in stream:
+                metric.on_block_end(i)
+            inputs, y = self._stream_in.pop(i, []), first_tensor(out)
+            if y is None:
                 return
-            y = self._sub(t)
-            rec, tag = self._record, f"L{i}"
-            x = self._inputs.pop(i, None)
-            if Metric.RESIDUAL in self.metrics and x is not None and x.shape == t.shape:
-                for k, v in M.residual_stats(self._sub(x), y).items():
-                    rec[f"residual/{k}/{tag}"] = v
-            if Metric.MASSIVE in self.metrics and y.dim() >= 2:
-                ma = M.massive_activations(y)
-                top = ma["top"][0]  # type: ignore[index]
-                rec[f"massive/max_ratio/{tag}"] = ma["max_ratio"]
-                rec[f"massive/count/{tag}"] = ma["massive"]
-                for k in ("value", "token", "channel"):
-                    rec[f"massive/{k}/{tag}"] = top[k]
-            if Metric.HEADROOM in self.metrics:
-                hr = M.headroom(y)
-                rec[f"headroom/absmax/{tag}"] = hr["absmax"]
-                rec[f"headroom/nonfinite_share/{tag}"] = hr["nonfinite_share"]
-                for k, agg in (
-                    ("bf16_headroom_log2", min),
-                    ("fp16_headroom_log2", min),
-                    ("bf16_underflow_share", max),
-                    ("nonfinite_share", max),
-                ):
-                    key = "headroom/" + k.replace("_headroom", "")
-                    rec[key] = agg(rec.get(key, hr[k]), hr[k])
-            if Metric.OUTPUT_NORM in self.metrics and i == last:
-                rec["output_norm"] = float(M.token_norms(y).mean())
+            x = next((t for t in inputs if t.shape == y.shape), None)  # h_out = h_in + update: same shape
+            xs, ys = (self.sample(x) if x is not None else None), self.sample(y)
+            for metric in stream:
+                self.add(metric.on_block(i, xs, ys))
 
         return hook
 
-    def _bn_pre(self, mod: nn.Module, args: tuple[Any, ...]) -> None:
-        if not self.armed or not mod.training or not args or not isinstance(args[0], Tensor):
-            return
-        rm, rv = getattr(mod, "running_mean", None), getattr(mod, "running_var", None)
-        if not isinstance(rm, Tensor) or not isinstance(rv, Tensor):
-            return
-        x = args[0].detach().float()
-        cdim = 1 if x.dim() > 1 else 0
-        spec = getattr(mod, "spec", None)
-        if spec is not None and spec.layout.channels_last:
-            cdim = x.dim() - 1
-        dims = [d for d in range(x.dim()) if d != cdim]
-        mean, var = x.mean(dim=dims), x.var(dim=dims, unbiased=False)
-        eps = float(getattr(mod, "eps", 1e-5) or 1e-5)
-        name = self._names.get(mod, type(mod).__name__)
-        self._record[f"batchnorm/mean_gap/{name}"] = float(
-            ((mean - rm.float()).abs() / (rv.float() + eps).sqrt()).mean()
-        )
-        ratio = ((var + eps) / (rv.float() + eps)).log().abs()
-        self._record[f"batchnorm/var_logratio/{name}"] = float(ratio.mean())
-
-    def _residual_add_post(self, mod: nn.Module, args: tuple[Any, ...], out: Any) -> None:
-        """Exact per-sublayer split from a ``normatlas.blocks`` ``ResidualAdd(residual, branch)``."""
-        if not self.armed or len(args) < 2 or not isinstance(out, Tensor):
-            return
-        x, b = self._sub(args[0]).detach().float(), self._sub(args[1]).detach().float()
-        rms_x = x.pow(2).mean().sqrt().clamp_min(1e-30)
-        name = self._names.get(mod, "residual_add")
-        self._record[f"residual_add/branch_ratio/{name}"] = float(b.pow(2).mean().sqrt() / rms_x)
-        self._record[f"residual_add/update_ratio/{name}"] = float(
-            (self._sub(out).detach().float() - x).pow(2).mean().sqrt() / rms_x
-        )
-
-    def _modality_post(self, side: str) -> Any:
-        def hook(mod: nn.Module, args: Any, out: Any) -> None:
-            t = _first_tensor(out)
-            if self.armed and t is not None:
-                self._record[f"modality/{side}_norm"] = float(M.token_norms(t).mean())
+    def _module_pre(self, metric: MonitorMetric) -> Any:
+        def hook(mod: nn.Module, args: tuple[Any, ...]) -> None:
+            if self.armed:
+                self.add(metric.on_module_input(mod, args))
 
         return hook
 
-    def _stop_capture(self) -> None:
-        if self._capture is not None:
-            cap, self._capture = self._capture, None
-            cap.__exit__(None, None, None)
+    def _module_post(self, metric: MonitorMetric) -> Any:
+        def hook(mod: nn.Module, args: tuple[Any, ...], out: Any) -> None:
+            if self.armed:
+                self.add(metric.on_module_output(mod, args, out))
 
-    # ------------------------------------------------------------- effective LR
-    def _trace(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        """Find the scale-invariant linears from the dataflow of one extra forward (no gradients).
+        return hook
 
-        The RNG is forked and every buffer restored, so training is not changed; the monitor's
-        own hooks are off meanwhile. A model that cannot be recorded gets no pairs.
-        """
-        saved = [
-            (mod, name, buf, buf.detach().clone())
-            for mod in self.model.modules()
-            for name, buf in mod._buffers.items()
-            if buf is not None
-        ]
-        self._tracing = True
-        try:
-            with fork_model_rng(self.model):
-                pairs = linear_norm_pairs(self.model, args, kwargs, self._kinds)
-        except (RuntimeError, ValueError, TypeError, IndexError, KeyError, AttributeError):
-            pairs = []  # a diagnostic never breaks the forward pass
-        finally:
-            self._tracing = False
-            with torch.no_grad():
-                for mod, name, buf, old in saved:
-                    if buf.shape != old.shape:
-                        mod._buffers[name] = old
-                    else:
-                        mod._buffers[name] = buf  # undoes a reassignment
-                        if not torch.equal(buf, old):
-                            buf.copy_(old)
-        self._pairs = []
-        for lin in dict.fromkeys(lin for lin, _ in pairs):
-            w = getattr(lin, "weight", None)
-            if isinstance(w, nn.Parameter):
-                self._pairs.append((self._names.get(lin, "?"), w))
-
+    # ------------------------------------------------------------------ public
     @property
     def scale_invariant(self) -> list[str]:
         """Names of the linear layers whose weight is scale-invariant: unbiased (or biased in front of
         a BatchNorm / InstanceNorm), feeding only norms (empty before the first measured step)."""
-        return [n for n, _ in self._pairs or []]
+        lr = self.metric(Metric.EFFECTIVE_LR)
+        return [n for n, _ in lr.pairs or []] if isinstance(lr, EffectiveLR) else []
 
     @property
     def effective_lr_power(self) -> int:
         """``p`` in ``effective_lr = lr / ||W||^p``: 2 for SGD (and without an optimizer or for an
         unknown type), 1 for update-normalizing optimizers (Adam family, RMSprop, ...), 0 for Adafactor."""
-        for cls, p in LR_POWER:
-            if isinstance(self.optimizer, cls):
-                return p
-        return 2
+        return lr_power(self.optimizer)
 
-    def _lr_of(self, p: Tensor) -> float:
-        if self.optimizer is not None:
-            for g in self.optimizer.param_groups:
-                if any(q is p for q in g["params"]):
-                    return float(g.get("lr", 1.0))
-        return 1.0
-
-    # ------------------------------------------------------------------ public
     def record_attention(
         self, layer: int, probs: Tensor, logits: Tensor | None = None, allowed: Tensor | None = None
     ) -> None:
@@ -446,18 +358,15 @@ class Monitor:
         n = self._attn_calls.get(layer, 0)
         self._attn_calls[layer] = n + 1
         tag = f"L{layer}" if n == 0 else f"L{layer}.{n}"
-        st = M.attention_stats(probs, logits, allowed=allowed)
-        rec = self._record
-        for k in ("entropy", "entropy_norm", "entropy_norm_min", "max_logit"):
-            if k in st:
-                rec[f"attention/{k}/{tag}"] = st[k]
-        if self.per_head:
-            per_head: list[float] = st["entropy_per_head"]  # type: ignore[assignment]
-            for h, v in enumerate(per_head):
-                rec[f"attention/entropy/{tag}/h{h}"] = v
-        sk = M.attention_sinks(probs)
-        rec[f"attention/sink_token/{tag}"] = sk["sink_token"]
-        rec[f"attention/sink_share/{tag}"] = sk["sink_share"]
+        self.add(Attention.row(tag, probs, logits, allowed, self.per_head))
+
+    def read_gradients(self) -> None:
+        """Add the gradient metrics of a measured step now (once per step; :meth:`step` calls it too). For
+        trainers that zero the gradients before the step closes (see :mod:`~.integrations`)."""
+        if self._handles and self.step_count % self.every == 0 and not self._grads_read:
+            self._grads_read = True
+            for metric in self._by_hook[Hook.GRADIENTS]:
+                self.add(metric.on_gradients())
 
     def step(self, loss: float | Tensor | None = None) -> list[AlarmEvent]:
         """Close the current step: on a measured step add gradient norms and effective LRs,
@@ -466,111 +375,108 @@ class Monitor:
         :class:`~normatlas.diagnostics.alarms.NonFiniteAlarm` (one of the default alarms) also
         between measured steps (a tensor loss costs one device sync per step for that).
         A detached monitor records nothing."""
-        events: list[AlarmEvent] = []
         if not self._handles:
-            return events  # detached: records nothing
+            return []  # detached: records nothing
         value = None if loss is None else _loss_value(loss)
+        events: list[AlarmEvent] = []
         if self.step_count % self.every == 0:
-            rec = self._record
-            if value is not None:
-                rec["loss"] = value
-            if Metric.GRAD_NORM in self.metrics:
-                self._grad_norms(rec)
-            if Metric.EFFECTIVE_LR in self.metrics and self._pairs:
-                power = self.effective_lr_power
-                for name, w in self._pairs:
-                    wn = float(w.detach().float().norm())
-                    w0 = self._w0.setdefault(name, wn)
-                    rec[f"weight_norm/{name}"] = wn
-                    rec[f"weight_growth/{name}"] = wn / w0 if w0 > 0 else math.inf
-                    rec[f"effective_lr/{name}"] = self._lr_of(w) / wn**power if wn > 0 else math.inf
-            if "modality/vision_norm" in rec and "modality/text_norm" in rec:
-                t = rec["modality/text_norm"]
-                rec["modality/gap"] = rec["modality/vision_norm"] / t if t > 0 else math.inf
-            rec = {"step": self.step_count, **rec}
-            for s in self.sinks:
-                s.write(rec)
-            for a in self.alarms:
-                events += a.check(self.step_count, rec)
-            for e in events:
-                if self.print_alarms:
-                    print(e, flush=True)
-            self.events += events
-            if self.print_progress:
-                print(self.summary(), flush=True)
+            events = self._close(value)
         elif value is not None and not math.isfinite(value):  # a diverged loss is reported on every step
-            for a in self.alarms:
-                if isinstance(a, NonFiniteAlarm):
-                    events += a.check(self.step_count, {"step": self.step_count, "loss": value})
-            for e in events:
-                if self.print_alarms:
-                    print(e, flush=True)
-            self.events += events
-        self._record = {}
-        self._attn_calls = {}
-        self._forward_done = False
+            rec = {"step": self.step_count, "loss": value}
+            events = self._report(
+                [e for a in self.alarms if isinstance(a, NonFiniteAlarm) for e in a.check(self.step_count, rec)]
+            )
+        self._record, self._attn_calls, self._stream_in = {}, {}, {}
+        self._forward_done = self._grads_read = False
         self.step_count += 1
         return events
 
-    def _grad_norms(self, rec: dict[str, Any]) -> None:
-        labels, grads = [], []
-        for label, p in self._layer_of:
-            if p.grad is not None:
-                labels.append(label)
-                grads.append(p.grad.detach())
-        if not grads:
-            return
-        norms = torch._foreach_norm(grads)
-        sq = torch.stack([n.float() for n in norms]).pow(2)
-        rec["grad_norm/total"] = float(sq.sum().sqrt())
-        per: dict[str, float] = {}
-        for label, v in zip(labels, sq.tolist(), strict=False):
-            per[label] = per.get(label, 0.0) + v
-        for label, v in per.items():
-            rec[f"grad_norm/{label}"] = math.sqrt(v)
+    def _close(self, loss: float | None) -> list[AlarmEvent]:
+        """A measured step's record: loss, gradients, step metrics; to the sinks and through the alarms."""
+        if loss is not None:
+            self._record["loss"] = loss
+        self.read_gradients()
+        for metric in self._by_hook[Hook.STEP]:
+            self.add(metric.on_step(MappingProxyType(self._record)))
+        rec = {"step": self.step_count, **self._record}
+        for s in self.sinks:
+            s.write(rec)
+        events = self._report([e for a in self.alarms for e in a.check(self.step_count, rec)])
+        if self.print_progress:
+            print(self.summary(), flush=True)
+        return events
 
+    def _report(self, events: list[AlarmEvent]) -> list[AlarmEvent]:
+        if self.print_alarms:
+            for e in events:
+                print(e, flush=True)
+        self.events += events
+        return events
+
+    # ------------------------------------------------------------------ reading the records
     @property
     def last(self) -> dict[str, Any]:
         """The latest record (empty before the first measured step)."""
         return self.history.records[-1] if self.history.records else {}
 
-    def layer_table(self, record: Mapping[str, Any] | None = None) -> list[dict[str, object]]:
-        """One row per block of ``record`` (default: the latest) for printing."""
-        rec = self.last if record is None else record
-        rows = []
-        cols = [
-            ("rms", "residual/rms"),
-            ("update/resid", "residual/update_ratio"),
-            ("cos(in,out)", "residual/identity_cos"),
-            ("attn_entropy", "attention/entropy"),
-            ("ent_norm_min", "attention/entropy_norm_min"),
-            ("max_logit", "attention/max_logit"),
-            ("sink_tok", "attention/sink_token"),
-            ("sink_share", "attention/sink_share"),
-            ("massive_x_median", "massive/max_ratio"),
-            ("massive_tok", "massive/token"),
-            ("massive_ch", "massive/channel"),
-            ("grad_norm", "grad_norm"),
+    @property
+    def columns(self) -> tuple[Column, ...]:
+        """Every column a record may hold: the loss, then each metric's, in metric order."""
+        return (LOSS, *(c for m in self.metrics for c in m.columns))
+
+    def describe_columns(self) -> list[dict[str, object]]:
+        """One row per column: the metric, its record key (pattern), title, unit and meaning."""
+        suffix = {Scope.STEP: "", Scope.LAYER: "/L<i>", Scope.MODULE: "/<module>", Scope.HEAD: "/L<i>/h<j>"}
+        owner = {id(c): m.key for m in self.metrics for c in m.columns}
+        return [
+            {
+                "metric": owner.get(id(c), "monitor"),
+                "key": c.key + suffix[c.scope],
+                "title": c.title,
+                "unit": c.unit,
+                "description": c.description,
+            }
+            for c in self.columns
         ]
+
+    def layer_table(self, record: Mapping[str, Any] | None = None) -> list[dict[str, object]]:
+        """One row per block of ``record`` (default: the latest): the columns marked ``table``, formatted."""
+        rec = self.last if record is None else record
+        cols = [c for c in self.columns if c.table]
+        rows = []
         for i in range(len(self.blocks)):
             row: dict[str, object] = {"layer": i}
-            for title, key in cols:
-                v = rec.get(f"{key}/L{i}")
+            for col in cols:
+                v = rec.get(col.at(i))
                 if v is not None:
-                    row[title] = f"{v:.4g}" if isinstance(v, float) else v
+                    row[col.title] = col.format(v)
             rows.append(row)
         return rows
 
-    def summary(self) -> str:
-        """A one-line progress summary of the latest record."""
-        r = self.last
+    def table(self, record: Mapping[str, Any] | None = None, width: int | None = None) -> str:
+        """:meth:`layer_table` printed as a width-fitting text table, under :meth:`summary`'s line."""
+        from ..cli._format import format_table  # the one table printer (stdlib only); the CLI sits above us
+
+        rec = self.last if record is None else record
+        return format_table(self.layer_table(rec), title=self.summary(rec), width=width)
+
+    def summary(self, record: Mapping[str, Any] | None = None) -> str:
+        """A one-line progress summary of ``record`` (default: the latest): the columns with a ``summary``
+        label; a per-layer one by its worst layer."""
+        r = self.last if record is None else record
         parts = [f"step {r.get('step', '-')}"]
-        for key, label in (("loss", "loss"), ("output_norm", "out-norm"), ("grad_norm/total", "grad")):
-            if key in r:
-                parts.append(f"{label} {r[key]:.4g}")
-        ents = {k: v for k, v in r.items() if k.startswith("attention/entropy_norm_min/")}
-        if ents:
-            k = min(ents, key=ents.__getitem__)
-            parts.append(f"min attn-entropy {ents[k]:.3f} ({k.rsplit('/', 1)[1]})")
+        for col in self.columns:
+            if col.summary is None:
+                continue
+            if col.scope is Scope.STEP:
+                if col.key in r:
+                    parts.append(f"{col.summary} {col.format(float(r[col.key]))}")
+                continue
+            found = {
+                k: v for k, v in r.items() if k.startswith(col.key + "/") and k.count("/") == col.key.count("/") + 1
+            }
+            if found:
+                k = (min if col.worst == "min" else max)(found, key=found.__getitem__)
+                parts.append(f"{col.summary} {col.format(float(found[k]))} ({k.rsplit('/', 1)[1]})")
         parts.append(f"alarms {len(self.events)}")
         return " | ".join(parts)
