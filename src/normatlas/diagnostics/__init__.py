@@ -1,8 +1,11 @@
 """Diagnostics: watch the geometry of normalization during training (hooks only), and group
 parameters for the optimizer by the role each one plays.
 
-See :class:`Monitor`, :func:`param_groups`, :func:`cross_example_dependence` and the
-pure metric functions in :mod:`normatlas.diagnostics.metrics`.
+Owns: the training-time :class:`Monitor` and its metrics as objects (:class:`MonitorMetric`:
+each declares its hooks and columns; :mod:`.monitor_metrics` holds the built-in ones), alarms and
+sinks, :func:`param_groups` (optimizer groups by what each parameter does, found by behaviour
+through :mod:`normatlas.analysis`), :func:`cross_example_dependence`, and the pure metric functions
+in :mod:`normatlas.diagnostics.metrics`.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from .alarms import (
 )
 from .attention import AttentionCapture, sdpa_probs
 from .groups import ParamInfo, Role, format_report, param_groups, param_roles
+from .metric_base import Column, Hook, MonitorMetric, Scope
 from .metrics import (
     attention_sinks,
     attention_stats,
@@ -37,15 +41,19 @@ __all__ = [
     "AlarmEvent",
     "AttentionCapture",
     "CSVSink",
+    "Column",
     "EntropyCollapseAlarm",
+    "Hook",
     "JSONLSink",
     "Kind",
     "MemorySink",
     "Metric",
     "Monitor",
+    "MonitorMetric",
     "NonFiniteAlarm",
     "ParamInfo",
     "Role",
+    "Scope",
     "Sink",
     "SpikeDetector",
     "TensorBoardSink",
