@@ -229,11 +229,11 @@ def test_validate_names_the_field(field: str, value: object, message: str) -> No
 
 
 def test_unverified_records_may_not_carry_a_recalled_title_or_id() -> None:
-    rec = dict(paper("xiong2020"), title="On Layer Normalization in the Transformer Architecture")
+    rec = dict(paper("enjoy_layernorm"), title="Enjoy Your LayerNorm with the Efficiency of RMSNorm")
     with pytest.raises(ValueError, match="only where a page confirmed them"):
         validate_paper(rec)
     with pytest.raises(ValueError, match="fields are"):
-        validate_paper({k: v for k, v in paper("xiong2020").items() if k != "verification"})
+        validate_paper({k: v for k, v in paper("enjoy_layernorm").items() if k != "verification"})
 
 
 def test_arxiv_id_year_mismatch_is_refused() -> None:

@@ -80,7 +80,7 @@ def test_papers_json_carries_links_search_and_implementers(capsys: pytest.Captur
         rms["search"].startswith("https://arxiv.org/search/?query=Root+Mean+Square")
         and "normatlas.presets.RMSNorm" in rms["implemented_by"]
     )
-    assert rows["xiong2020"]["link"] is None and rows["xiong2020"]["search"] is None
+    assert rows["enjoy_layernorm"]["link"] is None and rows["enjoy_layernorm"]["search"] is None
 
 
 def test_papers_links_table(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
