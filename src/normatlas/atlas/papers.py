@@ -12,6 +12,9 @@ its source, where the essay is wrong or unsourced about the paper.
 
 :func:`paper_link` is the paper's own link (``https://arxiv.org/abs/<id>``, else ``url``, else the DOI);
 :func:`title_search_url` is the fallback that finds it by title if an id is ever stale.
+``verified`` covers the title and the id; ``first_author``, ``venue`` and the year of a confirmed
+record are curated alongside it. Import from this module by name (``from normatlas.atlas.papers
+import paper_link``): the package attribute ``normatlas.atlas.papers`` is the function :func:`papers`.
 """
 
 from __future__ import annotations
