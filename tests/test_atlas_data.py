@@ -133,20 +133,6 @@ def test_hf_model_types_exist(rec: dict) -> None:
         assert mt in mapping, mt
 
 
-@pytest.mark.parametrize("rec", PAPERS, ids=[r["key"] for r in PAPERS])
-def test_paper_record(rec: dict) -> None:
-    assert tuple(rec) == atlas.PAPER_FIELDS
-    assert len(rec["question"]) > 10 and rec["group"].endswith("?"), rec
-    assert rec["source"].startswith("essay") and rec["named_as"]
-    if rec["arxiv"] is None:
-        assert rec["arxiv_status"] == "unverified" and rec["title"] is None  # titles only where confirmed
-    else:
-        assert rec["arxiv_status"] == "confirmed" and rec["title"]
-        assert re.fullmatch(r"\d{4}\.\d{4,5}", rec["arxiv"])
-        yy, mm = int(rec["arxiv"][:2]), int(rec["arxiv"][2:4])
-        assert 1 <= mm <= 12 and (rec["year"] is None or abs(2000 + yy - rec["year"]) <= 1)
-
-
 def test_keys_and_names_unique() -> None:
     assert len({r["key"] for r in PAPERS}) == len(PAPERS)
     assert len({r["name"] for r in MODELS}) == len(MODELS)

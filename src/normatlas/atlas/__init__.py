@@ -5,9 +5,9 @@ record states what the model does: ``status`` says where its design fields come 
 (``"essay"``: as the essay states them; ``"code"``: read off the reference code, the
 ``source`` then starting ``"code:"`` with the file and class; ``"unclear"``: some field
 is not known). Where the essay says otherwise, ``essay_differs`` quotes the essay's claim
-(else ``None``); :func:`essay_differences` lists those records. An arXiv id is present
-only where it was confirmed (``arxiv_status == "confirmed"``); the rest say
-``"unverified"``. :func:`check` reconciles the matrix with the design
+(else ``None``); :func:`essay_differences` lists those records. The bibliography lives in
+:mod:`normatlas.atlas.papers` (re-exported here) and the method-to-paper registry in
+:mod:`normatlas.atlas.citations`. :func:`check` reconciles the matrix with the design
 :func:`normatlas.inspect.inspect_model` reads off transformers' reference code.
 """
 
@@ -18,6 +18,8 @@ from collections.abc import Callable, Iterable, Mapping
 from functools import cache
 from importlib import resources
 from typing import Any
+
+from .papers import PAPER_FIELDS, filter_papers, papers
 
 __all__ = [
     "MODEL_FIELDS",
@@ -55,7 +57,6 @@ MODEL_FIELDS = (
     "essay_differs",
     "notes",
 )
-PAPER_FIELDS = ("key", "group", "question", "named_as", "year", "title", "arxiv", "arxiv_status", "source")
 OPERATORS = ("layernorm", "rmsnorm", "none", "unclear", "l2 (hypersphere)", "adaLN-Zero", "weight standardization")
 PLACEMENTS = ("pre", "post", "peri", "res-post", "parallel", "none", "mix", "unclear")
 QK_NORMS = ("none", "yes", "per-head", "per-head-gains", "flattened", "unclear")
@@ -97,19 +98,9 @@ def _models() -> tuple[dict[str, Any], ...]:
     return tuple(records)
 
 
-@cache
-def _papers() -> tuple[dict[str, Any], ...]:
-    return tuple(_load("papers.json"))
-
-
 def models() -> list[dict[str, Any]]:
     """Every model / family record (copies)."""
     return [dict(r) for r in _models()]
-
-
-def papers() -> list[dict[str, Any]]:
-    """Every paper record (copies), in the essay's grouping order."""
-    return [dict(r) for r in _papers()]
 
 
 def _choice(name: str, value: str | None, allowed: Iterable[str]) -> str | None:
@@ -156,15 +147,6 @@ def essay_differences() -> list[dict[str, Any]]:
     """Records whose design differs from what the essay says: name, the design, and the essay's claim."""
     keys = ("name", "hf_model_types", "operator", "placement", "qk_norm", "essay_differs", "source")
     return [{k: r[k] for k in keys} for r in models() if r["essay_differs"] is not None]
-
-
-def filter_papers(*, group: str | None = None, query: str | None = None) -> list[dict[str, Any]]:
-    """Paper records whose group/question contains ``group`` and any field contains ``query``."""
-    return [
-        r
-        for r in papers()
-        if (group is None or group.lower() in (r["group"] + " " + r["question"]).lower()) and _matches(r, query)
-    ]
 
 
 def _same(field: str, curated: str, inspected: str) -> bool:

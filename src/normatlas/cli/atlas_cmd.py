@@ -117,17 +117,59 @@ def _read_sweep(name: str) -> dict[str, dict[str, Any]]:
 def _configure_papers(p: argparse.ArgumentParser) -> None:
     p.add_argument("--question", help="group or question contains this (e.g. 'attention', 'removed')")
     p.add_argument("--search", help="free-text search over every field")
+    status = p.add_mutually_exclusive_group()
+    status.add_argument(
+        "--verified",
+        dest="verified",
+        action="store_const",
+        const=True,
+        help="only papers whose title and id a public page confirmed",
+    )
+    status.add_argument(
+        "--unverified",
+        dest="verified",
+        action="store_const",
+        const=False,
+        help="only papers that could not be confirmed (and why)",
+    )
+    p.add_argument(
+        "--links",
+        action="store_true",
+        help="table: each paper's link and its title-search fallback (JSON/CSV always have them)",
+    )
     add_format_option(p)
+
+
+def _paper_cell(rec: dict[str, Any]) -> str:
+    """The title where confirmed, else how the essay names it, else the question it answers."""
+    return str(rec["title"] or rec["named_as"] or rec["question"])
 
 
 @command("papers", "the essay's bibliography, grouped by the question each paper answers", _configure_papers)
 def papers(args: argparse.Namespace) -> int:
-    from .. import atlas
+    from ..atlas.papers import filter_papers, paper_row
 
-    rows = atlas.filter_papers(group=args.question, query=args.search)
-    section = Section("papers", rows, f"{len(rows)} papers")
+    rows = [paper_row(r) for r in filter_papers(group=args.question, query=args.search, verified=args.verified)]
+    title = f"{len(rows)} papers, {sum(r['verified'] is not None for r in rows)} verified"
+    section = Section("papers", rows, title)
+    notes: list[str] = []
     if args.format == "table":  # each group once, as a heading over its papers
-        table = [{"group": r["group"], "paper": r["named_as"], "year": r["year"], "arXiv": r["arxiv"]} for r in rows]
-        section = Section("papers", table, section.title, group="group")
-    emit([section], args.format)
+        if args.links:
+            table = [{"group": r["group"], "paper": _paper_cell(r), "link": r["link"]} for r in rows]
+            notes.append("each link's title-search fallback is the 'search' field of --format json or csv")
+        else:
+            table = [
+                {
+                    "group": r["group"],
+                    "paper": _paper_cell(r),
+                    "year": r["year"],
+                    "arXiv": r["arxiv"],
+                    "verified": r["verified"] is not None,
+                }
+                for r in rows
+            ]
+        section = Section("papers", table, title, group="group")
+    elif args.links:
+        raise CliError("--links only changes the table (JSON and CSV always carry link and search)")
+    emit([section], args.format, notes=notes)
     return 0
