@@ -4,7 +4,8 @@
 :data:`UTILITIES` lists the public names that are the library's own machinery (sinks, reports,
 config types, I/O), each with the reason it cites no paper. :func:`public_methods` enumerates the
 public names the library exports for methods (``normatlas.presets``, ``normatlas.blocks``,
-``normatlas.longtail``, ``normatlas.diagnostics``, ``normatlas.surgery``); the tests check that each
+``normatlas.longtail``, ``normatlas.diagnostics``, ``normatlas.surgery``, ``normatlas.vocabulary``,
+``normatlas.analysis``); the tests check that each
 is in exactly one of the two tables, that every path imports and that every key is a paper.
 Paths are strings, so importing this module imports no torch code; :func:`resolve` does.
 """
@@ -22,6 +23,8 @@ METHOD_MODULES = (
     "normatlas.longtail",
     "normatlas.diagnostics",
     "normatlas.surgery",
+    "normatlas.vocabulary",
+    "normatlas.analysis",
 )
 
 
@@ -36,7 +39,7 @@ def _table(groups: Iterable[tuple[tuple[str, ...], str, tuple[str, ...]]]) -> di
     return out
 
 
-_P, _B, _L, _D, _S = METHOD_MODULES
+_P, _B, _L, _D, _S, _V, _A = METHOD_MODULES
 
 CITATIONS: dict[str, tuple[str, ...]] = _table(
     [
@@ -70,7 +73,8 @@ CITATIONS: dict[str, tuple[str, ...]] = _table(
         (("fixup2019", "rezero2020"), _B, ("norm_free",)),
         (("deepnet2022",), _B, ("scaled_residual",)),
         (("henry2020", "vit22b2023"), _B, ("QKNorm", "QKNormConfig", "QKOperator", "QKScope", "QKGain")),
-        (("roformer2021",), _B, ("Rope", "RopeOrder", "RopeStyle", "apply_rope", "rope_tables")),
+        (("roformer2021",), _B, ("Rope", "RopeStyle", "apply_rope", "rope_tables")),
+        (("roformer2021",), _V, ("RopeOrder",)),
         (("glu_variants2020",), _B, ("MLP",)),
         (("vit2020",), _B, ("ViTConfig", "ViTEncoder", "ViTPool")),
         (("gpt2_2019", "vaswani2017"), _B, ("ModelConfig",)),
@@ -191,6 +195,50 @@ UTILITIES: dict[str, str] = _reasons(
             ),
         ),
         ("the essay's bf16-range argument measured directly (§01), no paper", _D, ("headroom",)),
+        (
+            "the Monitor's metric protocol (hooks and columns a metric declares)",
+            _D,
+            ("Column", "Hook", "MonitorMetric", "Scope"),
+        ),
+        (
+            "the design vocabulary: the words blocks write and the readers report in",
+            _V,
+            (
+                "CastOrder",
+                "EpsPlacement",
+                "GainConvention",
+                "Operator",
+                "PlacementKind",
+                "QKNormKind",
+                "SiteRole",
+                "SublayerKind",
+            ),
+        ),
+        (
+            "the analysis substrate: the dataflow recorder, its coarse view and the behavioural norm probe",
+            _A,
+            (
+                "Call",
+                "Dataflow",
+                "Graph",
+                "Node",
+                "NormFacts",
+                "ParamRole",
+                "Ref",
+                "Span",
+                "collapse",
+                "linear_kind",
+                "op_name",
+                "owns_parameters",
+                "param_roles",
+                "probe",
+                "randomized",
+                "record",
+                "record_flow",
+                "respond",
+                "restoring",
+            ),
+        ),
         ("text rendering of a diagnostics report", _D, ("format_report",)),
         (
             "surgery machinery: dataflow, checks, tolerances, manifests, I/O and reports",
@@ -200,13 +248,13 @@ UTILITIES: dict[str, str] = _reasons(
                 "MANIFEST",
                 "Change",
                 "Check",
-                "Dataflow",
                 "NormFacts",
                 "NothingToChange",
                 "OutputPlan",
                 "Refusal",
                 "Surgery",
                 "Swap",
+                "SwapKind",
                 "Tolerance",
                 "analysis_copy",
                 "apply_swaps",
@@ -220,7 +268,6 @@ UTILITIES: dict[str, str] = _reasons(
                 "model_output",
                 "probe_inputs",
                 "probe_norm",
-                "record",
                 "run_checks",
                 "save_surgery",
             ),
