@@ -84,7 +84,7 @@ CITATIONS: dict[str, tuple[str, ...]] = _table(
             _L,
             ("BatchNorm", "BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "batch_moments", "batch_norm_spec"),
         ),
-        (("ioffe2015",), _L, ("FrozenBatchNorm",)),
+        (("ioffe2015",), _L, ("FrozenBatchNorm", "BatchNormState", "read_batchnorm")),
         (("batchrenorm2017",), _L, ("BatchRenorm", "Ramp", "PAPER_R_MAX", "PAPER_D_MAX")),
         (("ghostbn2017",), _L, ("GhostBatchNorm",)),
         (("megdet2018", "ioffe2015"), _L, ("SyncBatchNorm",)),

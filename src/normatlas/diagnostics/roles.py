@@ -30,7 +30,6 @@ from ..analysis.graph import record
 from ..analysis.ops import SHAPE_ONLY, SPLITS
 from ..analysis.probe import ParamRole, param_roles, randomized, respond
 from ..modules import Norm
-from ..spec import Axis
 
 __all__ = [
     "Kind",
@@ -254,7 +253,7 @@ def _feeds_norms_only(flow: Dataflow, key: int, kinds: Mapping[nn.Module, Kind],
 
 
 def is_batch_norm(module: nn.Module) -> bool:
-    """True for torch BatchNorm and for a normatlas ``Norm`` that reduces over the batch."""
-    if isinstance(module, nn.modules.batchnorm._BatchNorm):
-        return True
-    return isinstance(module, Norm) and Axis.SAMPLE in module.spec.reduce
+    """True for every BatchNorm flavour (:func:`normatlas.longtail.read_batchnorm`, the one detector)."""
+    from ..longtail.batchnorm import read_batchnorm
+
+    return read_batchnorm(module) is not None

@@ -13,12 +13,14 @@ from .batchnorm import (
     BatchNorm1d,
     BatchNorm2d,
     BatchNorm3d,
+    BatchNormState,
     BatchRenorm,
     FrozenBatchNorm,
     GhostBatchNorm,
     Ramp,
     batch_moments,
     batch_norm_spec,
+    read_batchnorm,
 )
 from .conditioning import AdaIN, AdaLNZero, adain, modulate
 from .connector import ConnectorNorm, grad_scale, text_embedding_norm
@@ -61,6 +63,7 @@ __all__ = [
     "BatchNorm1d",
     "BatchNorm2d",
     "BatchNorm3d",
+    "BatchNormState",
     "BatchNormTarget",
     "BatchRenorm",
     "Change",
@@ -99,6 +102,7 @@ __all__ = [
     "modulate",
     "ngpt_constraint",
     "power_norm",
+    "read_batchnorm",
     "remove_parametrization",
     "spectral_norm",
     "sphere",

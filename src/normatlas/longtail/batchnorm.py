@@ -38,12 +38,14 @@ __all__ = [
     "BatchNorm1d",
     "BatchNorm2d",
     "BatchNorm3d",
+    "BatchNormState",
     "BatchRenorm",
     "FrozenBatchNorm",
     "GhostBatchNorm",
     "Ramp",
     "batch_moments",
     "batch_norm_spec",
+    "read_batchnorm",
 ]
 
 Device = torch.device | str | None
@@ -368,26 +370,29 @@ class FrozenBatchNorm(nn.Module):
 
     @classmethod
     def from_batchnorm(cls, bn: nn.Module) -> FrozenBatchNorm:
-        """Freeze any BatchNorm flavour that has running statistics (torch's or ours)."""
-        rm, rv = getattr(bn, "running_mean", None), getattr(bn, "running_var", None)
-        if not isinstance(rv, Tensor) or not isinstance(rm, Tensor):
-            raise ValueError(f"{type(bn).__name__} has no running statistics to freeze (track_running_stats=False?)")
-        spec = getattr(bn, "spec", None)
-        layout = spec.layout if isinstance(spec, NormSpec) else Layout.NC_ANY
-        eps = getattr(bn, "eps", None)
-        if eps is None:
-            raise ValueError(f"{type(bn).__name__} has no eps to freeze with")
-        if not (isinstance(eps, (int, float)) and eps > 0):  # an eps of 0 used to become 1e-5: a different function
-            raise ValueError(f"{type(bn).__name__} has eps={eps!r}; FrozenBatchNorm needs eps > 0 (var + eps)")
-        frozen = cls(rv.shape[0], float(eps), device=rv.device, layout=layout)
+        """Freeze any BatchNorm flavour that has running statistics (torch's or ours; see :func:`read_batchnorm`)."""
+        state = read_batchnorm(bn)
+        if state is None:
+            raise ValueError(f"{type(bn).__name__} computes no per-channel batch statistics: not a BatchNorm")
+        return cls.from_state(state)
+
+    @classmethod
+    def from_state(cls, state: BatchNormState) -> FrozenBatchNorm:
+        """The frozen copy of a :class:`BatchNormState`: its statistics, affine and eps as buffers."""
+        rm, rv = state.running_mean, state.running_var
+        name = type(state.module).__name__
+        if rm is None or rv is None:
+            raise ValueError(f"{name} has no running statistics to freeze (track_running_stats=False?)")
+        if not state.eps > 0:  # an eps of 0 used to become 1e-5: a different function
+            raise ValueError(f"{name} has eps={state.eps!r}; FrozenBatchNorm needs eps > 0 (var + eps)")
+        frozen = cls(state.num_features, state.eps, device=rv.device, layout=state.layout)
         with torch.no_grad():
             frozen.running_mean.copy_(rm)
             frozen.running_var.copy_(rv)
-            w, b = getattr(bn, "weight", None), getattr(bn, "bias", None)
-            if isinstance(w, Tensor):
-                frozen.weight.copy_(w)
-            if isinstance(b, Tensor):
-                frozen.bias.copy_(b)
+            if state.weight is not None:
+                frozen.weight.copy_(state.weight)
+            if state.bias is not None:
+                frozen.bias.copy_(state.bias)
         return frozen
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):  # type: ignore[no-untyped-def]
@@ -406,3 +411,64 @@ class FrozenBatchNorm(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.num_features}, eps={self.eps}, layout={self.spec.layout.value!r}"
+
+
+@dataclass
+class BatchNormState:
+    """A BatchNorm of any flavour, read by what it computes (per-channel batch statistics), not by its class.
+
+    ``eps`` is the eps it computes with: torch's ``eps`` attribute, a normatlas spec's eps, or the machine
+    eps of float32 where the spec says None (statistics are computed in at least float32).
+    """
+
+    module: nn.Module
+    num_features: int
+    eps: float
+    momentum: float | None
+    layout: Layout
+    weight: Tensor | None
+    bias: Tensor | None
+    running_mean: Tensor | None
+    running_var: Tensor | None
+    num_batches_tracked: Tensor | None
+    frozen: bool
+
+    @property
+    def factory(self) -> dict[str, Any]:
+        """``device`` and ``dtype`` of its state, for building a replacement."""
+        ref = self.weight if self.weight is not None else self.running_var
+        if self.frozen:
+            return {"device": self.running_var.device if self.running_var is not None else None, "dtype": torch.float32}
+        return {"device": ref.device, "dtype": ref.dtype} if ref is not None else {}
+
+    def channel_axis(self, ndim: int) -> int:
+        """The axis of an ``ndim`` input it normalises per channel."""
+        return ndim - 1 if self.layout.channels_last else 1 % ndim
+
+
+def read_batchnorm(module: nn.Module) -> BatchNormState | None:
+    """The :class:`BatchNormState` of ``module``, or None when it computes no per-channel batch statistics.
+
+    Recognised: torch's ``_BatchNorm`` family (BatchNorm1d/2d/3d, SyncBatchNorm, lazy ones), every
+    normatlas :class:`~normatlas.Norm` whose spec reduces over the samples and not the features (our
+    BatchNorm and its subclasses), and :class:`FrozenBatchNorm`. The one BatchNorm detector of the
+    library: the converters, surgery and the diagnostics all call it.
+    """
+    if isinstance(module, FrozenBatchNorm):
+        return BatchNormState(module, module.num_features, module.eps, None, module.spec.layout, module.weight,
+                              module.bias, module.running_mean, module.running_var, None, True)  # fmt: skip
+    if isinstance(module, nn.modules.batchnorm._BatchNorm):
+        eps = float(module.eps)
+        return BatchNormState(module, module.num_features, eps, module.momentum, Layout.NC_ANY, module.weight,
+                              module.bias, module.running_mean, module.running_var, module.num_batches_tracked,
+                              False)  # fmt: skip
+    if isinstance(module, Norm) and module.shape is not None:
+        spec = module.spec
+        if Axis.SAMPLE not in spec.reduce or Axis.FEATURE in spec.reduce:
+            return None
+        eps = spec.eps if spec.eps is not None else torch.finfo(torch.float32).eps
+        buffers = {n: getattr(module, n, None) for n in ("running_mean", "running_var", "num_batches_tracked")}
+        return BatchNormState(module, module.shape[0], float(eps), getattr(module, "momentum", None), spec.layout,
+                              module.weight, module.bias, buffers["running_mean"], buffers["running_var"],
+                              buffers["num_batches_tracked"], False)  # fmt: skip
+    return None

@@ -3,9 +3,9 @@
 Essay failure modes 3 (train/eval mismatch: freeze) and 5 (per-device statistics: sync), and
 the advice for hybrid VLM towers ("freeze them, or convert to GroupNorm before you fine-tune").
 
-Recognised sources: ``torch.nn.BatchNorm1d/2d/3d`` and ``torch.nn.SyncBatchNorm``, every normatlas
-:class:`~normatlas.Norm` whose spec reduces over exactly (samples, positions) (our
-:class:`BatchNorm` and its subclasses), and :class:`FrozenBatchNorm`. What is kept:
+Recognised sources: whatever :func:`~normatlas.longtail.read_batchnorm` reads as a BatchNorm (torch's
+family, every normatlas :class:`~normatlas.Norm` with per-channel batch statistics, and
+:class:`FrozenBatchNorm`). What is kept:
 
 =========  ==========================================================================
 target     kept
@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -29,9 +28,9 @@ from torch import Tensor, nn
 
 from ..modules import Norm
 from ..presets import GroupNorm
-from ..spec import Axis, Gain, Layout, NormSpec
+from ..spec import Axis, Gain, NormSpec
 from ._report import Change, ConversionReport, set_submodule
-from .batchnorm import BatchNorm, FrozenBatchNorm, GhostBatchNorm
+from .batchnorm import BatchNorm, BatchNormState, FrozenBatchNorm, GhostBatchNorm, read_batchnorm
 from .syncbn import SyncBatchNorm
 
 __all__ = ["BatchNormTarget", "convert_batchnorm"]
@@ -48,42 +47,6 @@ class BatchNormTarget(enum.Enum):
     GHOST = "ghost"
 
 
-@dataclass
-class _BN:
-    """The state of a BatchNorm flavour, independent of its class."""
-
-    num_features: int
-    eps: float
-    momentum: float | None
-    layout: Layout
-    weight: Tensor | None
-    bias: Tensor | None
-    running_mean: Tensor | None
-    running_var: Tensor | None
-    num_batches_tracked: Tensor | None
-    frozen: bool
-    factory: dict[str, Any]
-
-
-def _read(module: nn.Module) -> _BN | None:
-    if isinstance(module, FrozenBatchNorm):
-        return _BN(module.num_features, module.eps, 0.1, module.spec.layout, module.weight, module.bias,
-                   module.running_mean, module.running_var, None, True,
-                   {"device": module.weight.device, "dtype": torch.float32})  # fmt: skip
-    if isinstance(module, nn.modules.batchnorm._BatchNorm):
-        ref: Tensor | None = module.weight if module.weight is not None else module.running_var
-        factory = {"device": ref.device, "dtype": ref.dtype} if ref is not None else {}
-        return _BN(module.num_features, module.eps, module.momentum, Layout.NC_ANY, module.weight, module.bias,
-                   module.running_mean, module.running_var, module.num_batches_tracked, False, factory)  # fmt: skip
-    if isinstance(module, Norm) and module.spec.reduce == _BATCH_AXES and module.shape is not None:
-        ref = module.weight if module.weight is not None else module.running_var
-        factory = {"device": ref.device, "dtype": ref.dtype} if ref is not None else {}
-        return _BN(module.shape[0], float(module.spec.eps or 1e-5), module.momentum, module.spec.layout,
-                   module.weight, module.bias, module.running_mean, module.running_var,
-                   module.num_batches_tracked, False, factory)  # fmt: skip
-    return None
-
-
 def _copy(dst: Tensor | None, src: Tensor | None, name: str, kept: list[str]) -> None:
     if dst is not None and src is not None:
         with torch.no_grad():
@@ -96,16 +59,17 @@ def _group_count(channels: int, wanted: int) -> int:
     return max(d for d in range(1, min(channels, wanted) + 1) if channels % d == 0)
 
 
-def _build(bn: _BN, to: BatchNormTarget, num_groups: int, vbs: int, group: Any) -> tuple[nn.Module, list[str], str]:
+def _build(
+    bn: BatchNormState, to: BatchNormTarget, num_groups: int, vbs: int, group: Any
+) -> tuple[nn.Module, list[str], str]:
     kept: list[str] = []
     note = ""
     affine = bn.weight is not None
     if to is BatchNormTarget.FROZEN:
         if bn.running_var is None:
             raise ValueError("cannot freeze a BatchNorm without running statistics (track_running_stats=False)")
-        frozen = FrozenBatchNorm(bn.num_features, bn.eps, device=bn.factory.get("device"), layout=bn.layout)
-        for name in ("running_mean", "running_var", "weight", "bias"):
-            _copy(getattr(frozen, name), getattr(bn, name), name, kept)
+        frozen = FrozenBatchNorm.from_state(bn)
+        kept = [n for n in ("running_mean", "running_var", "weight", "bias") if getattr(bn, n) is not None]
         return frozen, kept, note
     if to is BatchNormTarget.GROUP:
         g = _group_count(bn.num_features, num_groups)
@@ -180,7 +144,7 @@ def convert_batchnorm(
             continue
         if skip is not None and type(module) is skip:
             continue
-        bn = _read(module)
+        bn = read_batchnorm(module)
         if bn is None:
             continue
         try:

@@ -273,19 +273,19 @@ def change_eps(
 
 
 def _batchnorms(model: nn.Module) -> list[str]:
-    from ..longtail import BatchNorm
+    """Every BatchNorm with running statistics (not already frozen), by the one detector."""
+    from ..longtail.batchnorm import read_batchnorm
 
-    return [
-        n
-        for n, m in model.named_modules()
-        if isinstance(m, (nn.modules.batchnorm._BatchNorm, BatchNorm)) and getattr(m, "running_var", None) is not None
-    ]
+    states = ((n, read_batchnorm(m)) for n, m in model.named_modules())
+    return [n for n, s in states if s is not None and not s.frozen and s.running_var is not None]
 
 
 def _bn_channel_axis(bn: nn.Module, ndim: int) -> int:
-    spec = getattr(bn, "spec", None)
-    channels_last = spec is not None and spec.layout.channels_last
-    return ndim - 1 if channels_last else 1 % ndim
+    from ..longtail.batchnorm import read_batchnorm
+
+    state = read_batchnorm(bn)
+    assert state is not None  # one of _batchnorms
+    return state.channel_axis(ndim)
 
 
 def _bn_fold_refusal(flow: Dataflow, name: str, bn: Any) -> tuple[str | None, str | None]:
