@@ -1,9 +1,9 @@
-"""The command line: a table from subcommand to a typed, importable Python function.
+"""The command line: one explicit table (:data:`TABLE`) from subcommand to a typed, importable function.
 
-Each module in this package registers its subcommands with :func:`command`
-(every non-underscore module here is imported when the parser is built).
-Modules import their heavy dependencies inside the command function, so
-``normatlas --help`` stays fast.
+Each row names the module in this package, its ``run(args: argparse.Namespace) -> int`` and its
+``configure(parser) -> None``, and the one-line help; ``normatlas --help`` lists the rows in this order.
+A new subcommand is a function pair in a module here and one row below. Modules import their heavy
+dependencies inside the run function, so ``normatlas --help`` stays fast.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ import importlib
 import json
 import math
 import os
-import pkgutil
 import signal
 import sys
 from collections.abc import Callable, Sequence
@@ -23,9 +22,10 @@ from typing import Any
 
 __all__ = [
     "COMMANDS",
+    "TABLE",
     "CliError",
     "Command",
-    "command",
+    "Entry",
     "describe_error",
     "is_user_error",
     "main",
@@ -49,21 +49,102 @@ class Command:
     run: Callable[[argparse.Namespace], int]
 
 
-COMMANDS: dict[str, Command] = {}
+@dataclass(frozen=True)
+class Entry:
+    """One row of :data:`TABLE`: ``normatlas NAME`` runs ``normatlas.cli.MODULE.RUN``; CONFIGURE builds its options."""
+
+    name: str
+    module: str
+    run: str
+    configure: str
+    help: str
+
+    def load(self) -> Command:
+        mod = importlib.import_module(f"{__name__}.{self.module}")
+        return Command(self.name, self.help, getattr(mod, self.configure), getattr(mod, self.run))
 
 
-def command(
-    name: str, help: str, configure: Callable[[argparse.ArgumentParser], None] = lambda p: None
-) -> Callable[[Callable[[argparse.Namespace], int]], Callable[[argparse.Namespace], int]]:
-    """Register ``run(args) -> exit code`` as subcommand ``name``."""
+TABLE: tuple[Entry, ...] = (
+    Entry(
+        "demo",
+        "demo",
+        "demo",
+        "configure_demo",
+        "the taxonomy table, then every preset checked against its torch / HF peer",
+    ),
+    Entry(
+        "axes",
+        "axes",
+        "axes",
+        "configure_axes",
+        "print which reduced axes name which normalization layer (vision and sequence)",
+    ),
+    Entry(
+        "inspect",
+        "inspect_cmd",
+        "inspect_cmd",
+        "configure_inspect",
+        "report a model's normalization design, derived from its traced dataflow",
+    ),
+    Entry(
+        "matrix",
+        "atlas_cmd",
+        "matrix",
+        "configure_matrix",
+        "the essay's model matrix: operator, placement, QK-norm, VLM tower and connector",
+    ),
+    Entry(
+        "papers",
+        "atlas_cmd",
+        "papers",
+        "configure_papers",
+        "the essay's bibliography, grouped by the question each paper answers",
+    ),
+    Entry(
+        "diagnose",
+        "diagnose",
+        "diagnose",
+        "configure_diagnose",
+        "per-layer residual stats, attention entropy and massive activations on real weights",
+    ),
+    Entry(
+        "fold",
+        "surgery",
+        "fold",
+        "configure_fold",
+        "fold norm gains into their linear consumers (FlashNorm), proven before writing",
+    ),
+    Entry(
+        "convert",
+        "surgery",
+        "convert",
+        "configure_convert",
+        "convert normalization: ln-rms, gain (w <-> 1+w), eps, bn-fold, bn-frozen; proven first",
+    ),
+    Entry(
+        "verify",
+        "surgery",
+        "verify",
+        "configure_verify",
+        "load a surgery output back and compare it with the original on probe inputs",
+    ),
+    Entry(
+        "bench",
+        "bench",
+        "bench",
+        "configure_bench",
+        "time the fused norm kernels against torch, HF-style eager and torch.compile",
+    ),
+    Entry(
+        "kernels",
+        "kernels_cmd",
+        "kernels",
+        "configure_kernels",
+        "build the C++ CPU kernels once (shared by every checkout and venv), or show them",
+    ),
+)
 
-    def register(run: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
-        if name in COMMANDS:
-            raise RuntimeError(f"subcommand {name!r} registered twice")
-        COMMANDS[name] = Command(name, help, configure, run)
-        return run
-
-    return register
+COMMANDS: dict[str, Command] = {}  # the loaded table (tests may add entries)
 
 
 def _number_arg(kind: type, cond: Callable[[float], bool], rule: str) -> Callable[[str], Any]:
@@ -104,9 +185,9 @@ def one_of(allowed: Sequence[str]) -> Callable[[str], str]:
 def build_parser() -> argparse.ArgumentParser:
     from .. import __version__
 
-    for info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
-        if not info.name.startswith("_"):
-            importlib.import_module(f"{__name__}.{info.name}")
+    for entry in TABLE:
+        if entry.name not in COMMANDS:
+            COMMANDS[entry.name] = entry.load()
     parser = argparse.ArgumentParser(
         prog="normatlas",
         description="The geometry of normalization, as working software.",

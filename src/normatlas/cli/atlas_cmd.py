@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from . import CliError, command, one_of
+from . import CliError, one_of
 from . import _progress as progress
 from ._format import Section, add_format_option, emit
 
@@ -15,7 +15,7 @@ _TABLE_COLS = ("name", "family", "year", "operator", "placement", "qk_norm", "vi
 _FILTERS = ("family", "operator", "placement", "qk_norm", "search")
 
 
-def _configure_matrix(p: argparse.ArgumentParser) -> None:
+def configure_matrix(p: argparse.ArgumentParser) -> None:
     from ..atlas import OPERATORS, PLACEMENTS, QK_NORMS
 
     p.add_argument("--family", help="family name contains this (e.g. Gemma, Qwen)")
@@ -34,7 +34,6 @@ def _configure_matrix(p: argparse.ArgumentParser) -> None:
     add_format_option(p)
 
 
-@command("matrix", "the essay's model matrix: operator, placement, QK-norm, VLM tower and connector", _configure_matrix)
 def matrix(args: argparse.Namespace) -> int:
     from .. import atlas
 
@@ -114,7 +113,7 @@ def _read_sweep(name: str) -> dict[str, dict[str, Any]]:
     return rows
 
 
-def _configure_papers(p: argparse.ArgumentParser) -> None:
+def configure_papers(p: argparse.ArgumentParser) -> None:
     p.add_argument("--question", help="group or question contains this (e.g. 'attention', 'removed')")
     p.add_argument("--search", help="free-text search over every field")
     status = p.add_mutually_exclusive_group()
@@ -145,7 +144,6 @@ def _paper_cell(rec: dict[str, Any]) -> str:
     return str(rec["title"] or rec["named_as"] or rec["question"])
 
 
-@command("papers", "the essay's bibliography, grouped by the question each paper answers", _configure_papers)
 def papers(args: argparse.Namespace) -> int:
     from ..atlas.papers import filter_papers, paper_row
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from . import CliError, command, nonnegative_float, positive_int
+from . import CliError, nonnegative_float, positive_int
 from . import _progress as progress
 from ._format import Section, add_format_option, emit, render, write_text_atomic
 
@@ -24,7 +24,7 @@ def shape_arg(text: str) -> tuple[int, int]:
     return rows, cols
 
 
-def _configure(p: argparse.ArgumentParser) -> None:
+def configure_bench(p: argparse.ArgumentParser) -> None:
     p.add_argument("op", choices=_OPS, help="rms, layer, add_rms, add_layer, or qk (many short rows)")
     p.add_argument("--shape", type=shape_arg, action="append", help="ROWSxHIDDEN (repeatable); default: "
                    "256x4096 (cache-resident) and 2048x4096 (DRAM-resident); qk: 16384x128")  # fmt: skip
@@ -54,7 +54,6 @@ def _configure(p: argparse.ArgumentParser) -> None:
 _TABLE = ("case", "provider", "ms", "GB/s", "vs_copy", "vs_ours", "rounds")
 
 
-@command("bench", "time the fused norm kernels against torch, HF-style eager and torch.compile", _configure)
 def bench(args: argparse.Namespace) -> int:
     import torch
 

@@ -14,7 +14,6 @@ from ..backend import Backend
 from ..modules import Norm
 from ..spec import CastOrder
 from . import _progress as progress
-from . import command
 from ._format import Section, add_format_option, emit
 
 
@@ -69,11 +68,10 @@ def check_presets(dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat
     return rows
 
 
-def _configure(p: argparse.ArgumentParser) -> None:
+def configure_demo(p: argparse.ArgumentParser) -> None:
     add_format_option(p)
 
 
-@command("demo", "the taxonomy table, then every preset checked against its torch / HF peer", _configure)
 def demo(args: argparse.Namespace) -> int:
     from ..taxonomy import taxonomy_table
 

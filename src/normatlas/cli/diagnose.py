@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 
 from . import _progress as progress
-from . import command
 from ._format import Section, add_format_option, emit
 
 
@@ -19,7 +18,7 @@ def _sentence(text: str) -> str:
     return text
 
 
-def _configure(p: argparse.ArgumentParser) -> None:
+def configure_diagnose(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model",
         default=None,
@@ -30,7 +29,6 @@ def _configure(p: argparse.ArgumentParser) -> None:
     add_format_option(p)
 
 
-@command("diagnose", "per-layer residual stats, attention entropy and massive activations on real weights", _configure)
 def diagnose(args: argparse.Namespace) -> int:
     from ..diagnostics.report import DEFAULT_SENTENCES, diagnose_hf
 

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from . import CliError, command, positive_float
+from . import CliError, positive_float
 from . import _progress as progress
 from ._format import Section, _jsonable, add_format_option, emit
 
@@ -18,7 +18,7 @@ DEFAULT_TIMEOUT = 60.0
 DEFAULT_OUT = "inspect-matrix"
 
 
-def _configure(p: argparse.ArgumentParser) -> None:
+def configure_inspect(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "target",
         nargs="*",
@@ -66,7 +66,6 @@ def _refuse_nonsense(args: argparse.Namespace) -> None:
         raise CliError("--norms lists one model's normalization sites; give a single TARGET")
 
 
-@command("inspect", "report a model's normalization design, derived from its traced dataflow", _configure)
 def inspect_cmd(args: argparse.Namespace) -> int:
     import warnings
 

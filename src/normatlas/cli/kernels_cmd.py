@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import argparse
 
-from . import CliError, command
+from . import CliError
 from ._format import Section, add_format_option, emit
 
 
-def _configure(p: argparse.ArgumentParser) -> None:
+def configure_kernels(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "action",
         choices=("build", "info"),
@@ -18,7 +18,6 @@ def _configure(p: argparse.ArgumentParser) -> None:
     add_format_option(p)
 
 
-@command("kernels", "build the C++ CPU kernels once (shared by every checkout and venv), or show them", _configure)
 def kernels(args: argparse.Namespace) -> int:
     from ..kernels import cpu
 

@@ -26,7 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from . import CliError, command
+from . import CliError
 from . import _progress as progress
 from ._format import Section, add_format_option, emit
 
@@ -94,7 +94,7 @@ def _common(p: argparse.ArgumentParser, *, out: bool = True) -> None:
     _epilog(p)
 
 
-def _fold_args(p: argparse.ArgumentParser) -> None:
+def configure_fold(p: argparse.ArgumentParser) -> None:
     _common(p)
     p.add_argument(
         "--defer", action="store_true", help="also defer RMS normalisation past the GEMM (verified, runtime only)"
@@ -106,7 +106,7 @@ def _fold_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _convert_args(p: argparse.ArgumentParser) -> None:
+def configure_convert(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "what",
         choices=CONVERSIONS,
@@ -119,7 +119,7 @@ def _convert_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eps-placement", choices=("inside_sqrt", "outside_sqrt"), help="new eps placement (eps)")
 
 
-def _verify_args(p: argparse.ArgumentParser) -> None:
+def configure_verify(p: argparse.ArgumentParser) -> None:
     p.add_argument("original", help="the checkpoint before surgery")
     _common(p, out=False)
 
@@ -252,7 +252,6 @@ def _finish(args: argparse.Namespace, model: Any, surgery: Any, dtypes: Any, inp
     return 0
 
 
-@command("fold", "fold norm gains into their linear consumers (FlashNorm), proven before writing", _fold_args)
 def fold(args: argparse.Namespace) -> int:
     from normatlas.surgery import cancel_pre_attention_norms, fold_gains
 
@@ -276,9 +275,6 @@ def _convert_options(args: argparse.Namespace) -> None:
         raise CliError(f"--eps / --eps-placement apply to convert eps only, not convert {args.what}")
 
 
-@command(
-    "convert", "convert normalization: ln-rms, gain (w <-> 1+w), eps, bn-fold, bn-frozen; proven first", _convert_args
-)
 def convert(args: argparse.Namespace) -> int:
     _convert_options(args)
     notes = _prepare(args)
@@ -306,7 +302,6 @@ def _converted(args: argparse.Namespace, work: Any, inputs: Any) -> Any:
     return surgery
 
 
-@command("verify", "load a surgery output back and compare it with the original on probe inputs", _verify_args)
 def verify(args: argparse.Namespace) -> int:
     import torch
 

@@ -236,6 +236,88 @@ def _write_state(tmp: Path, shards: dict[str, dict[str, torch.Tensor]], indexed:
     return names
 
 
+def _refuse_unwritable(surgery: Surgery) -> None:
+    if not surgery.checks:
+        raise ValueError("refusing to write: the surgery has not been verified (run run_checks first)")
+    if not surgery.passed:
+        failed = [f"{c.model}/{c.dtype} max_rel={c.max_rel:.3g}" for c in surgery.checks if not c.passed]
+        raise ValueError(f"refusing to write: verification failed the tolerance ({'; '.join(failed)})")
+    if not surgery.changed:
+        raise NothingToChange(f"nothing to change: {surgery.transform}: {surgery.nothing_reason()}; nothing written")
+
+
+def _comparison_inputs(model: nn.Module, inputs: Any) -> Any:
+    """The inputs the written model's output is compared on: the caller's, else probe inputs from its config."""
+    from .verify import probe_inputs
+
+    if inputs is None and getattr(model, "config", None) is not None:
+        try:
+            inputs = probe_inputs(model)
+        except ValueError:
+            inputs = None
+    if inputs is None:
+        raise ValueError(
+            "refusing to write: inputs=None and the model has no transformers config to make probe inputs "
+            "from, so the written model's output cannot be compared; pass inputs="
+        )
+    return inputs
+
+
+def _write_folder(tmp: Path, surgery: Surgery, shards: dict[str, dict[str, torch.Tensor]], src: Any) -> list[str]:
+    """The weights (sharded like the source), config.json, the source's other files and the manifest, in ``tmp``;
+    returns the shard file names."""
+    model, config = surgery.stock, getattr(surgery.stock, "config", None)
+    stored = storage_dtype(t for shard in shards.values() for t in shard.values())
+    written_files = _write_state(tmp, shards, indexed=src is not None and src.sharded)
+    if config is not None:
+        config.architectures = [type(model).__name__]
+        if stored is not None:
+            config.dtype = stored  # config.json says what the weights are
+        (tmp / "config.json").write_text(config.to_json_string())
+        written_files.append("config.json")
+    copied, skipped = _copy_others(src, tmp) if src is not None else ([], [])
+    manifest = surgery.manifest()
+    manifest["dtype"] = None if stored is None else str(stored).replace("torch.", "")
+    manifest["files"] = {"weights": [f for f in written_files if f != "config.json"], "copied": copied}
+    if skipped:
+        manifest["files"]["not_copied"] = skipped
+    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, default=str))
+    for f in [*written_files, MANIFEST]:
+        os.chmod(tmp / f, file_mode())
+    return list(shards)
+
+
+def _verify_folder(
+    tmp: Path, surgery: Surgery, shard_files: list[str], ref: dict[str, torch.Tensor], inputs: Any
+) -> None:
+    """The written files hold the in-memory tensors bitwise, the model rebuilt from them too, and its runtime
+    output is bitwise the in-memory runtime model's."""
+    from safetensors.torch import load_file
+
+    from .verify import model_output
+
+    written: dict[str, torch.Tensor] = {}
+    for fname in shard_files:
+        written.update(load_file(str(tmp / fname)))
+    _check_written(ref, written)  # the files themselves
+    stock, reloaded = _rebuild(surgery, tmp, written)
+    _check_written(ref, {k: v for k, v in stock.state_dict().items() if k in written})  # what loads from it
+    if not torch.equal(model_output(reloaded, inputs)[0], model_output(surgery.runtime(), inputs)[0]):
+        raise ValueError("the reloaded runtime model does not reproduce the verified output")
+
+
+def _publish(tmp: Path, target: Path) -> None:
+    """Move the verified temp folder into place (an earlier output is replaced only after the move)."""
+    (tmp / WRITING).unlink()
+    if target.exists():
+        old = target.with_name(f".{target.name}.old-{os.getpid()}")
+        os.replace(target, old)
+        os.replace(tmp, target)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, target)
+
+
 def save_surgery(
     surgery: Surgery,
     out: str | os.PathLike[str],
@@ -256,38 +338,15 @@ def save_surgery(
     model's output must be bitwise the in-memory one's on ``inputs`` (default: :func:`.verify.probe_inputs` for a
     transformers model). A model that has neither ``inputs`` nor a transformers config is refused: its output
     could not be compared."""
-    from safetensors.torch import load_file
-
-    from .verify import model_output, probe_inputs
-
-    if not surgery.checks:
-        raise ValueError("refusing to write: the surgery has not been verified (run run_checks first)")
-    if not surgery.passed:
-        failed = [f"{c.model}/{c.dtype} max_rel={c.max_rel:.3g}" for c in surgery.checks if not c.passed]
-        raise ValueError(f"refusing to write: verification failed the tolerance ({'; '.join(failed)})")
-    if not surgery.changed:
-        raise NothingToChange(f"nothing to change: {surgery.transform}: {surgery.nothing_reason()}; nothing written")
+    _refuse_unwritable(surgery)
     plan = check_output(out, source=source, force=force, force_hint=force_hint)
     for msg in plan.removed:
         warnings.warn(msg, stacklevel=2)
     target = plan.target
     src = locate(source) if source is not None else None
-    model = surgery.stock
-    config = getattr(model, "config", None)
-    if inputs is None and config is not None:
-        try:
-            inputs = probe_inputs(model)
-        except ValueError:
-            inputs = None
-    if inputs is None:
-        raise ValueError(
-            "refusing to write: inputs=None and the model has no transformers config to make probe inputs "
-            "from, so the written model's output cannot be compared; pass inputs="
-        )
-    ref = model.state_dict()
-    state = _dedup(ref)
-    shards = _shards(state, src)
-    stored = storage_dtype(state.values())
+    inputs = _comparison_inputs(surgery.stock, inputs)
+    ref = surgery.stock.state_dict()
+    shards = _shards(_dedup(ref), src)
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -297,38 +356,9 @@ def save_surgery(
         try:
             os.chmod(tmp, dir_mode())
             (tmp / WRITING).write_text(json.dumps({"pid": os.getpid()}))
-            written_files = _write_state(tmp, shards, indexed=src is not None and src.sharded)
-            if config is not None:
-                config.architectures = [type(model).__name__]
-                if stored is not None:
-                    config.dtype = stored  # config.json says what the weights are
-                (tmp / "config.json").write_text(config.to_json_string())
-                written_files.append("config.json")
-            copied, skipped = _copy_others(src, tmp) if src is not None else ([], [])
-            manifest = surgery.manifest()
-            manifest["dtype"] = None if stored is None else str(stored).replace("torch.", "")
-            manifest["files"] = {"weights": [f for f in written_files if f != "config.json"], "copied": copied}
-            if skipped:
-                manifest["files"]["not_copied"] = skipped
-            (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, default=str))
-            for f in [*written_files, MANIFEST]:
-                os.chmod(tmp / f, file_mode())
-            written: dict[str, torch.Tensor] = {}
-            for fname in shards:
-                written.update(load_file(str(tmp / fname)))
-            _check_written(ref, written)  # the files themselves
-            stock, reloaded = _rebuild(surgery, tmp, written)
-            _check_written(ref, {k: v for k, v in stock.state_dict().items() if k in written})  # what loads from it
-            if not torch.equal(model_output(reloaded, inputs)[0], model_output(surgery.runtime(), inputs)[0]):
-                raise ValueError("the reloaded runtime model does not reproduce the verified output")
-            (tmp / WRITING).unlink()
-            if target.exists():
-                old = target.with_name(f".{target.name}.old-{os.getpid()}")
-                os.replace(target, old)
-                os.replace(tmp, target)
-                shutil.rmtree(old, ignore_errors=True)
-            else:
-                os.replace(tmp, target)
+            shard_files = _write_folder(tmp, surgery, shards, src)
+            _verify_folder(tmp, surgery, shard_files, ref, inputs)
+            _publish(tmp, target)
         except OSError as exc:
             raise OSError(f"could not write {target}: {exc.strerror or exc}; nothing was written") from exc
         finally:
