@@ -268,3 +268,16 @@ def test_live_check_against_transformers(capsys: pytest.CaptureFixture[str]) -> 
     assert set(LIVE_DISAGREEMENTS_ALLOWED) <= disagree, "an allowed disagreement is gone: drop it from the list"
     errors = [r for r in rows if r["verdict"].startswith("error") and r["hf_model_type"] not in LIVE_ERRORS_ALLOWED]
     assert errors == []
+
+
+def test_design_fields_speak_the_design_vocabulary() -> None:
+    """Every record's operator / placement / QK-norm is a value of normatlas.vocabulary (or one of the few
+    record-level additions the schema names), so the matrix and the inspector compare members, not spellings."""
+    from normatlas.spec import parse_enum
+    from normatlas.vocabulary import Operator, PlacementKind, QKNormKind
+
+    extra = {"unclear", "adaLN-Zero", "weight standardization", "yes"}
+    for rec in MODELS:
+        for field, enum_type in (("operator", Operator), ("placement", PlacementKind), ("qk_norm", QKNormKind)):
+            if rec[field] not in extra:
+                assert parse_enum(enum_type, rec[field], name=field).value == rec[field], (rec["name"], field)

@@ -19,6 +19,8 @@ from functools import cache
 from importlib import resources
 from typing import Any
 
+from ..vocabulary import Operator, PlacementKind, QKNormKind
+
 from .papers import PAPER_FIELDS, filter_papers, papers
 
 __all__ = [
@@ -57,10 +59,15 @@ MODEL_FIELDS = (
     "essay_differs",
     "notes",
 )
-OPERATORS = ("layernorm", "rmsnorm", "none", "unclear", "l2 (hypersphere)", "adaLN-Zero", "weight standardization")
-PLACEMENTS = ("pre", "post", "peri", "res-post", "parallel", "none", "mix", "unclear")
-QK_NORMS = ("none", "yes", "per-head", "per-head-gains", "flattened", "unclear")
-STATUSES = ("essay", "code", "unclear")
+UNCLEAR = "unclear"  # neither code nor paper within reach says
+# The design fields speak the design vocabulary (normatlas.vocabulary), spelled by each enum's value, plus
+# ``unclear``; a model-level operator the vocabulary has no site operator for (DiT's adaLN-Zero, NFNets'
+# weight standardization) and ``yes`` (a QK-norm whose kind the source does not give) are the only additions.
+_RECORD_OPERATORS = (Operator.LAYERNORM, Operator.RMSNORM, Operator.NONE, Operator.L2)
+OPERATORS = (*(o.value for o in _RECORD_OPERATORS), "adaLN-Zero", "weight standardization", UNCLEAR)
+PLACEMENTS = (*(p.value for p in PlacementKind if p not in (PlacementKind.UNKNOWN, PlacementKind.PRE_POST)), UNCLEAR)
+QK_NORMS = (*(q.value for q in QKNormKind if q is not QKNormKind.MIXED), "yes", UNCLEAR)
+STATUSES = ("essay", "code", UNCLEAR)
 _DESIGN = {"operator": OPERATORS, "placement": PLACEMENTS, "qk_norm": QK_NORMS}
 
 
@@ -80,7 +87,7 @@ def validate_model(rec: Mapping[str, Any]) -> None:
     source, differs = rec["source"], rec["essay_differs"]
     if not isinstance(source, str) or not source.startswith(("essay", "code:")):
         raise ValueError(f"model {name!r}: source={source!r} must start with 'essay' or 'code:'")
-    unclear = "unclear" in (rec["operator"], rec["placement"], rec["qk_norm"])
+    unclear = UNCLEAR in (rec["operator"], rec["placement"], rec["qk_norm"])
     want = "unclear" if unclear else "code" if source.startswith("code:") else "essay"
     if rec["status"] != want:
         raise ValueError(f"model {name!r}: status={rec['status']!r}, expected {want!r} (from its fields and source)")
@@ -150,10 +157,12 @@ def essay_differences() -> list[dict[str, Any]]:
 
 
 def _same(field: str, curated: str, inspected: str) -> bool:
-    if field == "operator":
-        return curated == inspected.replace("layernorm-nonparam", "layernorm")
-    if field == "qk_norm":
-        return (curated == "yes" and inspected in ("per-head", "flattened")) or curated == inspected
+    """Whether a record's value and an inspected summary's agree, compared as vocabulary members: a record's
+    ``layernorm`` covers the non-parametric LayerNorm, its ``yes`` any QK-norm kind."""
+    if field == "operator" and inspected == Operator.LAYERNORM_NONPARAM.value:
+        inspected = Operator.LAYERNORM.value
+    if field == "qk_norm" and curated == "yes":
+        return inspected not in (QKNormKind.NONE.value, UNCLEAR)
     return curated == inspected
 
 
