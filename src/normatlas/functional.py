@@ -259,23 +259,6 @@ def _resolved_eps(spec: NormSpec, dtype: torch.dtype) -> float:
     return spec.eps if spec.eps is not None else float(torch.finfo(dtype).eps)
 
 
-def _torch_serves(spec: NormSpec, x: Tensor, *params: Tensor | None) -> bool:
-    """Whether a torch kernel may compute the spec (its eps placement, gain and casts), given these parameters."""
-    if not spec.center or spec.scale is not Scale.RMS:
-        return False
-    if spec.eps_placement is not EpsPlacement.INSIDE_SQRT or spec.gain_convention is not GainConvention.W:
-        return False
-    if spec.gain is Gain.SCALAR:
-        return False
-    # torch's kernels compute half-precision inputs in fp32 and cast after the affine map
-    if spec.cast_order is not CastOrder.AFTER_GAIN and x.dtype in _HALF:
-        return False
-    for t in params:  # noqa: SIM110 (a loop, not all() over a generator: this runs on every reference call)
-        if t is not None and t.dtype != x.dtype:
-            return False
-    return True
-
-
 def _compute(
     x: Tensor,
     spec: NormSpec,
@@ -290,7 +273,17 @@ def _compute(
 ) -> Tensor:
     """Dispatch to a torch kernel that computes exactly the same function where there is one, else the generic path."""
     use_batch = training or running_var is None
-    if mask is None and _torch_serves(spec, x, weight, bias, running_mean, running_var):
+    # a torch kernel computes exactly this where the spec has its eps placement, gain and casts (it computes
+    # half-precision inputs in fp32 and casts after the affine map) and every parameter has the input's dtype
+    native = (
+        mask is None and spec.center and spec.scale is Scale.RMS and spec.eps_placement is EpsPlacement.INSIDE_SQRT
+        and spec.gain_convention is GainConvention.W and spec.gain is not Gain.SCALAR
+        and (spec.cast_order is CastOrder.AFTER_GAIN or x.dtype not in _HALF)
+    )  # fmt: skip
+    for t in (weight, bias, running_mean, running_var) if native else ():
+        if t is not None and t.dtype != x.dtype:
+            native = False
+    if native:
         eps = _resolved_eps(spec, compute_dtype(x.dtype, spec.cast_order))
         reduce = spec.reduce
         if spec.layout.channels_last and reduce == {Axis.FEATURE} and spec.groups == 1:
