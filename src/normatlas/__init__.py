@@ -15,33 +15,30 @@ from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-# name -> the submodule that defines it
-_NAMES = {
-    "Backend": "backend",
-    "normalize": "functional",
-    "Norm": "modules",
-    **dict.fromkeys(
-        [
-            "GemmaRMSNorm",
-            "GroupNorm",
-            "InstanceNorm",
-            "InstanceNorm1d",
-            "InstanceNorm2d",
-            "InstanceNorm3d",
-            "L2Norm",
-            "LayerNorm",
-            "LayerNorm2d",
-            "RMSNorm",
-            "ScaleNorm",
-        ],
-        "presets",
+# submodule -> the names the package takes from it: the one list of them (``__all__`` here and in presets.py
+# derive from it; the TYPE_CHECKING imports below repeat it for static tools, and a test holds them to it)
+_EXPORTS = {
+    "backend": ("Backend",),
+    "functional": ("normalize",),
+    "modules": ("Norm",),
+    "presets": (
+        "GemmaRMSNorm",
+        "GroupNorm",
+        "InstanceNorm",
+        "InstanceNorm1d",
+        "InstanceNorm2d",
+        "InstanceNorm3d",
+        "L2Norm",
+        "LayerNorm",
+        "LayerNorm2d",
+        "RMSNorm",
+        "ScaleNorm",
     ),
-    **dict.fromkeys(
-        ["Axis", "CastOrder", "EpsPlacement", "Gain", "GainConvention", "Layout", "NormSpec", "Scale"], "spec"
-    ),
-    "Taxon": "taxonomy",
-    "classify": "taxonomy",
+    "spec": ("Axis", "CastOrder", "EpsPlacement", "Gain", "GainConvention", "Layout", "NormSpec", "Scale"),
+    "taxonomy": ("Taxon", "classify"),
 }
+# name -> the submodule that defines it
+_NAMES = {name: module for module, names in _EXPORTS.items() for name in names}
 # the capabilities built on the core
 _SUBPACKAGES = frozenset({"atlas", "blocks", "diagnostics", "inspect", "kernels", "longtail", "surgery"})
 
@@ -61,57 +58,38 @@ def __dir__() -> list[str]:
     return sorted({*globals(), *_NAMES, *_SUBPACKAGES})
 
 
-if TYPE_CHECKING:  # what the lazy names are, for type checkers and editors
-    from . import atlas, blocks, diagnostics, inspect, kernels, longtail, surgery
-    from .backend import Backend
-    from .functional import normalize
-    from .modules import Norm
-    from .presets import (
-        GemmaRMSNorm,
-        GroupNorm,
-        InstanceNorm,
-        InstanceNorm1d,
-        InstanceNorm2d,
-        InstanceNorm3d,
-        L2Norm,
-        LayerNorm,
-        LayerNorm2d,
-        RMSNorm,
-        ScaleNorm,
-    )
-    from .spec import Axis, CastOrder, EpsPlacement, Gain, GainConvention, Layout, NormSpec, Scale
-    from .taxonomy import Taxon, classify
+# what the lazy names are, for type checkers and editors; "X as X" marks each re-exported (__all__ is computed)
+if TYPE_CHECKING:
+    from . import atlas as atlas
+    from . import blocks as blocks
+    from . import diagnostics as diagnostics
+    from . import inspect as inspect
+    from . import kernels as kernels
+    from . import longtail as longtail
+    from . import surgery as surgery
+    from .backend import Backend as Backend
+    from .functional import normalize as normalize
+    from .modules import Norm as Norm
+    from .presets import GemmaRMSNorm as GemmaRMSNorm
+    from .presets import GroupNorm as GroupNorm
+    from .presets import InstanceNorm as InstanceNorm
+    from .presets import InstanceNorm1d as InstanceNorm1d
+    from .presets import InstanceNorm2d as InstanceNorm2d
+    from .presets import InstanceNorm3d as InstanceNorm3d
+    from .presets import L2Norm as L2Norm
+    from .presets import LayerNorm as LayerNorm
+    from .presets import LayerNorm2d as LayerNorm2d
+    from .presets import RMSNorm as RMSNorm
+    from .presets import ScaleNorm as ScaleNorm
+    from .spec import Axis as Axis
+    from .spec import CastOrder as CastOrder
+    from .spec import EpsPlacement as EpsPlacement
+    from .spec import Gain as Gain
+    from .spec import GainConvention as GainConvention
+    from .spec import Layout as Layout
+    from .spec import NormSpec as NormSpec
+    from .spec import Scale as Scale
+    from .taxonomy import Taxon as Taxon
+    from .taxonomy import classify as classify
 
-__all__ = [
-    "Axis",
-    "Backend",
-    "CastOrder",
-    "EpsPlacement",
-    "Gain",
-    "GainConvention",
-    "GemmaRMSNorm",
-    "GroupNorm",
-    "InstanceNorm",
-    "InstanceNorm1d",
-    "InstanceNorm2d",
-    "InstanceNorm3d",
-    "L2Norm",
-    "LayerNorm",
-    "LayerNorm2d",
-    "Layout",
-    "Norm",
-    "NormSpec",
-    "RMSNorm",
-    "Scale",
-    "ScaleNorm",
-    "Taxon",
-    "atlas",
-    "blocks",
-    "classify",
-    "diagnostics",
-    "inspect",
-    "kernels",
-    "longtail",
-    "normalize",
-    "surgery",
-]
+__all__ = sorted([*_NAMES, *_SUBPACKAGES])

@@ -162,10 +162,7 @@ def normalize(
     _check_params(input, spec, plan, weight, bias, running_mean, running_var)
     if training or running_var is None:
         check_batch_values(input, spec, plan)
-    out = _native(input, spec, plan, weight, bias, mask, running_mean, running_var, training, momentum)
-    if out is not None:
-        return out
-    return _generic(input, spec, plan, weight, bias, mask, running_mean, running_var, training, momentum)
+    return _compute(input, spec, plan, weight, bias, mask, running_mean, running_var, training, momentum)
 
 
 def check_float_params(*named: tuple[str, Tensor | None]) -> None:
@@ -262,49 +259,7 @@ def _resolved_eps(spec: NormSpec, dtype: torch.dtype) -> float:
     return spec.eps if spec.eps is not None else float(torch.finfo(dtype).eps)
 
 
-def _native(
-    x: Tensor,
-    spec: NormSpec,
-    plan: Plan,
-    weight: Tensor | None,
-    bias: Tensor | None,
-    mask: Tensor | None,
-    running_mean: Tensor | None,
-    running_var: Tensor | None,
-    training: bool,
-    momentum: float,
-) -> Tensor | None:
-    """Dispatch to a torch kernel that computes exactly the same function, or return None."""
-    if mask is not None or not spec.center or spec.scale is not Scale.RMS:
-        return None
-    if spec.eps_placement is not EpsPlacement.INSIDE_SQRT or spec.gain_convention is not GainConvention.W:
-        return None
-    if spec.gain is Gain.SCALAR:
-        return None
-    # torch's kernels compute half-precision inputs in fp32 and cast after the affine map
-    if spec.cast_order is not CastOrder.AFTER_GAIN and x.dtype in _HALF:
-        return None
-    for t in (weight, bias, running_mean, running_var):
-        if t is not None and t.dtype != x.dtype:
-            return None
-    eps = _resolved_eps(spec, compute_dtype(x.dtype, spec.cast_order))
-    reduce = spec.reduce
-    if spec.layout.channels_last and reduce == {Axis.FEATURE} and spec.groups == 1:
-        return F.layer_norm(x, x.shape[x.ndim - spec.feature_ndim :], weight, bias, eps)
-    if spec.layout.channels_last or x.numel() == 0:
-        return None
-    if running_var is None and reduce == {Axis.FEATURE, Axis.POSITION}:
-        return F.group_norm(x, spec.groups, weight, bias, eps)
-    if reduce == {Axis.POSITION} and x.ndim > 2:
-        use_input = training or running_var is None
-        return F.instance_norm(x, running_mean, running_var, weight, bias, use_input, momentum, eps)
-    if reduce == {Axis.SAMPLE, Axis.POSITION} or (reduce == {Axis.SAMPLE} and x.ndim == 2):
-        use_batch = training or running_var is None
-        return F.batch_norm(x, running_mean, running_var, weight, bias, use_batch, momentum, eps)
-    return None
-
-
-def _generic(
+def _compute(
     x: Tensor,
     spec: NormSpec,
     plan: Plan,
@@ -316,6 +271,30 @@ def _generic(
     training: bool,
     momentum: float,
 ) -> Tensor:
+    """Dispatch to a torch kernel that computes exactly the same function where there is one, else the generic path."""
+    use_batch = training or running_var is None
+    # a torch kernel computes exactly this where the spec has its eps placement, gain and casts (it computes
+    # half-precision inputs in fp32 and casts after the affine map) and every parameter has the input's dtype
+    native = (
+        mask is None and spec.center and spec.scale is Scale.RMS and spec.eps_placement is EpsPlacement.INSIDE_SQRT
+        and spec.gain_convention is GainConvention.W and spec.gain is not Gain.SCALAR
+        and (spec.cast_order is CastOrder.AFTER_GAIN or x.dtype not in _HALF)
+    )  # fmt: skip
+    for t in (weight, bias, running_mean, running_var) if native else ():
+        if t is not None and t.dtype != x.dtype:
+            native = False
+    if native:
+        eps = _resolved_eps(spec, compute_dtype(x.dtype, spec.cast_order))
+        reduce = spec.reduce
+        if spec.layout.channels_last and reduce == {Axis.FEATURE} and spec.groups == 1:
+            return F.layer_norm(x, x.shape[x.ndim - spec.feature_ndim :], weight, bias, eps)
+        if not spec.layout.channels_last and x.numel() != 0:
+            if running_var is None and reduce == {Axis.FEATURE, Axis.POSITION}:
+                return F.group_norm(x, spec.groups, weight, bias, eps)
+            if reduce == {Axis.POSITION} and x.ndim > 2:
+                return F.instance_norm(x, running_mean, running_var, weight, bias, use_batch, momentum, eps)
+            if reduce == {Axis.SAMPLE, Axis.POSITION} or (reduce == {Axis.SAMPLE} and x.ndim == 2):
+                return F.batch_norm(x, running_mean, running_var, weight, bias, use_batch, momentum, eps)
     in_dtype = x.dtype
     cdtype = compute_dtype(in_dtype, spec.cast_order)
     eps = _resolved_eps(spec, cdtype)
@@ -327,6 +306,7 @@ def _generic(
         if plan.view is not None:
             mask = mask.reshape(plan.view)
 
+    # the generic path: the core's statistics, eps where the spec puts it, the affine map back
     if running_var is not None and not training:
         ms = running_var.to(cdtype).reshape(plan.param_view)
         xc = xf - running_mean.to(cdtype).reshape(plan.param_view) if spec.center and running_mean is not None else xf

@@ -9,26 +9,16 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
+from . import _EXPORTS
 from .backend import Backend
 from .modules import Norm, _as_shape, _count
 from .spec import Axis, CastOrder, EpsPlacement, Gain, GainConvention, Layout, NormSpec, Scale
 
-__all__ = [
-    "GemmaRMSNorm",
-    "GroupNorm",
-    "InstanceNorm",
-    "InstanceNorm1d",
-    "InstanceNorm2d",
-    "InstanceNorm3d",
-    "L2Norm",
-    "LayerNorm",
-    "LayerNorm2d",
-    "RMSNorm",
-    "ScaleNorm",
-]
+__all__ = list(_EXPORTS["presets"])  # the names the package takes from here, listed once in its __init__
 
 F_, P_, S_ = Axis.FEATURE, Axis.POSITION, Axis.SAMPLE
 Device = torch.device | str | None
@@ -44,6 +34,14 @@ def _shape(normalized_shape: int | Sequence[int]) -> tuple[int, ...]:
 
 def _affine(on: bool) -> Gain:
     return Gain.PER_FEATURE if on else Gain.NONE
+
+
+def _over_trailing(
+    normalized_shape: int | Sequence[int], elementwise_affine: bool, **fields: Any
+) -> tuple[NormSpec, tuple[int, ...]]:
+    """The spec of a norm over the trailing ``normalized_shape`` (LayerNorm, RMSNorm), and that shape."""
+    shape = _shape(normalized_shape)
+    return NormSpec(feature_ndim=len(shape), gain=_affine(elementwise_affine), **fields), shape
 
 
 class LayerNorm(Norm):
@@ -65,15 +63,10 @@ class LayerNorm(Norm):
         eps_placement: EpsPlacement = EpsPlacement.INSIDE_SQRT,
         backend: Backend | str = Backend.AUTO,
     ) -> None:
-        shape = _shape(normalized_shape)
-        spec = NormSpec(
-            feature_ndim=len(shape),
-            eps=eps,
-            eps_placement=eps_placement,
-            cast_order=cast_order,
-            gain=_affine(elementwise_affine),
-            bias=bias and elementwise_affine,
-        )
+        spec, shape = _over_trailing(
+            normalized_shape, elementwise_affine,
+            eps=eps, eps_placement=eps_placement, cast_order=cast_order, bias=bias and elementwise_affine,
+        )  # fmt: skip
         super().__init__(spec, shape, device=device, dtype=dtype, backend=backend)
 
 
@@ -99,17 +92,10 @@ class RMSNorm(Norm):
         eps_placement: EpsPlacement = EpsPlacement.INSIDE_SQRT,
         backend: Backend | str = Backend.AUTO,
     ) -> None:
-        shape = _shape(normalized_shape)
-        spec = NormSpec(
-            feature_ndim=len(shape),
-            center=False,
-            eps=eps,
-            eps_placement=eps_placement,
-            cast_order=cast_order,
-            gain=_affine(elementwise_affine),
-            gain_convention=gain_convention,
-            bias=False,
-        )
+        spec, shape = _over_trailing(
+            normalized_shape, elementwise_affine, center=False,
+            eps=eps, eps_placement=eps_placement, cast_order=cast_order, gain_convention=gain_convention, bias=False,
+        )  # fmt: skip
         super().__init__(spec, shape, device=device, dtype=dtype, backend=backend)
 
 

@@ -178,6 +178,18 @@ class _Stack(nn.Module):
 
     config: ModelConfig
     layers: nn.ModuleList
+    final_norm: nn.Module | None
+
+    def __init__(self, config: ModelConfig, kind: type[ModelConfig]) -> None:
+        super().__init__()
+        if not isinstance(config, kind):
+            raise TypeError(f"config={config!r} must be a {kind.__name__}")
+        self.config = config
+
+    def _add_layers(self, norm: NormFactory | None) -> None:
+        """The blocks and the final norm, registered after the model's own embeddings (parameter order)."""
+        self.layers = _blocks(self.config)
+        self.final_norm = norm(self.config.d_model) if self.config.final_norm and norm else None
 
     def blocks(self) -> list[Block]:
         """The blocks, typed."""
@@ -231,18 +243,13 @@ class TransformerLM(_Stack):
     """
 
     def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        if not isinstance(config, ModelConfig):
-            raise TypeError(f"config={config!r} must be a ModelConfig")
-        self.config = cfg = config
-        norm = as_factory(cfg.norm)
-        d = cfg.d_model
+        super().__init__(config, ModelConfig)
+        cfg, norm, d = config, as_factory(config.norm), config.d_model
         self.embed = nn.Embedding(cfg.vocab_size, d, padding_idx=cfg.pad_token_id)
         self.pos_embed = nn.Embedding(cfg.max_positions, d) if cfg.max_positions else None
         self.type_embed = nn.Embedding(cfg.type_vocab_size, d) if cfg.type_vocab_size else None
         self.embed_norm = norm(d) if cfg.embed_norm and norm else None
-        self.layers = _blocks(cfg)
-        self.final_norm = norm(d) if cfg.final_norm and norm else None
+        self._add_layers(norm)
         self.head_dense = nn.Linear(d, d) if cfg.head_transform else None
         self.head_norm = norm(d) if cfg.head_transform and norm else None
         self.lm_head = nn.Linear(d, cfg.vocab_size, bias=cfg.head_bias)
@@ -327,17 +334,12 @@ class ViTEncoder(_Stack):
     config: ViTConfig
 
     def __init__(self, config: ViTConfig) -> None:
-        super().__init__()
-        if not isinstance(config, ViTConfig):
-            raise TypeError(f"config={config!r} must be a ViTConfig")
-        self.config = cfg = config
-        norm = as_factory(cfg.norm)
-        d = cfg.d_model
+        super().__init__(config, ViTConfig)
+        cfg, d = config, config.d_model
         self.patch_embed = nn.Conv2d(cfg.in_chans, d, cfg.patch_size, stride=cfg.patch_size)
         self.cls_token = nn.Parameter(torch.zeros(1, 1, d))
         self.pos_embed = nn.Parameter(torch.zeros(1, cfg.n_patches + 1, d))
-        self.layers = _blocks(cfg)
-        self.final_norm = norm(d) if cfg.final_norm and norm else None
+        self._add_layers(as_factory(cfg.norm))
         self.head = nn.Linear(2 * d if cfg.pool is ViTPool.CLS_AND_MEAN else d, cfg.num_classes)
         self._init_weights()
         nn.init.normal_(self.pos_embed, std=cfg.init_std)

@@ -66,7 +66,31 @@ def deepnorm_constants(arch: DeepNormArch, n_layers: int, n_decoder_layers: int 
     return DeepNormConstants(alpha=(2 * n) ** 0.25, beta=(8 * n) ** -0.25)
 
 
-class LayerScale(nn.Module):
+class _BranchGain(nn.Module):
+    """``input * p`` for one learned tensor p filled with a finite value, at init and by ``reset_parameters``.
+
+    LayerScale and ReZero / SkipInit differ only in p's shape, p's name (``_param``: the papers' and timm's, so
+    their state dicts load) and the init argument's name (``_arg``, also the attribute that keeps the value).
+    """
+
+    _param: str
+    _arg: str
+
+    def __init__(
+        self, shape: tuple[int, ...], value: object, device: torch.device | str | None, dtype: torch.dtype | None
+    ) -> None:
+        super().__init__()
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise TypeError(f"{self._arg}={value!r} must be a finite float")
+        setattr(self, self._arg, float(value))
+        self.register_parameter(self._param, nn.Parameter(torch.full(shape, float(value), device=device, dtype=dtype)))
+
+    def reset_parameters(self) -> None:
+        with torch.no_grad():
+            getattr(self, self._param).fill_(getattr(self, self._arg))
+
+
+class LayerScale(_BranchGain):
     """LayerScale (Touvron et al., "Going deeper with Image Transformers", 2021): ``x * gamma``.
 
     ``gamma`` is one value per channel initialised at ``init_values`` (1e-5 for deep
@@ -74,18 +98,14 @@ class LayerScale(nn.Module):
     named ``gamma`` as in timm.
     """
 
+    _param, _arg = "gamma", "init_values"
+    gamma: nn.Parameter
+    init_values: float
+
     def __init__(self, dim: int, init_values: float = 1e-5, device=None, dtype=None) -> None:
-        super().__init__()
         if isinstance(dim, bool) or not isinstance(dim, int) or dim < 1:
             raise ValueError(f"dim={dim!r} must be an integer >= 1")
-        if isinstance(init_values, bool) or not isinstance(init_values, (int, float)) or not math.isfinite(init_values):
-            raise TypeError(f"init_values={init_values!r} must be a finite float")
-        self.init_values = float(init_values)
-        self.gamma = nn.Parameter(torch.full((dim,), self.init_values, device=device, dtype=dtype))
-
-    def reset_parameters(self) -> None:
-        with torch.no_grad():
-            self.gamma.fill_(self.init_values)
+        super().__init__((dim,), init_values, device, dtype)
 
     def forward(self, input: Tensor) -> Tensor:
         return input * self.gamma
@@ -94,22 +114,18 @@ class LayerScale(nn.Module):
         return f"{self.gamma.shape[0]}, init_values={self.init_values:g}"
 
 
-class ReZero(nn.Module):
+class ReZero(_BranchGain):
     """ReZero (Bachlechner et al., 2020): ``x * alpha`` with one scalar alpha initialised at 0.
 
     Applied to a residual branch, the block is exactly the identity at initialisation.
     """
 
-    def __init__(self, init_value: float = 0.0, device=None, dtype=None) -> None:
-        super().__init__()
-        if isinstance(init_value, bool) or not isinstance(init_value, (int, float)) or not math.isfinite(init_value):
-            raise TypeError(f"init_value={init_value!r} must be a finite float")
-        self.init_value = float(init_value)
-        self.alpha = nn.Parameter(torch.full((), self.init_value, device=device, dtype=dtype))
+    _param, _arg = "alpha", "init_value"
+    alpha: nn.Parameter
+    init_value: float
 
-    def reset_parameters(self) -> None:
-        with torch.no_grad():
-            self.alpha.fill_(self.init_value)
+    def __init__(self, init_value: float = 0.0, device=None, dtype=None) -> None:
+        super().__init__((), init_value, device, dtype)
 
     def forward(self, input: Tensor) -> Tensor:
         return input * self.alpha

@@ -176,6 +176,13 @@ def _defer_refusal(facts: NormFacts, has_bias: bool) -> str | None:
     return None
 
 
+def _on_a_copy(transform: str, model: nn.Module, example_inputs: Any) -> tuple[Surgery, Dataflow, dict[str, NormFacts]]:
+    """A surgery of ``transform`` on an eval copy of ``model`` (its ``stock``), the copy's dataflow and its norms."""
+    stock = copy.deepcopy(model).eval()
+    flow = record(stock, example_inputs)
+    return Surgery(transform, stock), flow, find_norms(flow)
+
+
 def fold_gains(model: nn.Module, example_inputs: Any, *, defer: bool = False) -> Surgery:
     """Fold every foldable norm's gain and bias into its linear consumers (a copy of ``model``).
 
@@ -183,10 +190,8 @@ def fold_gains(model: nn.Module, example_inputs: Any, *, defer: bool = False) ->
     and computes the same); the runtime swaps make the norms weightless, or, with ``defer``,
     move an RMS norm's division past the GEMM (:class:`DeferredNormLinear`, runtime only).
     """
-    model = copy.deepcopy(model).eval()
-    flow = record(model, example_inputs)
-    norms = find_norms(flow)
-    surgery = Surgery("fold", model)
+    surgery, flow, norms = _on_a_copy("fold", model, example_inputs)
+    model = surgery.stock
     for name, facts in norms.items():
         consumers, reason = linear_consumers(flow, name)
         if reason is None:
@@ -221,10 +226,8 @@ def deferred_runtime(surgery: Surgery) -> nn.Module:
 def cancel_pre_attention_norms(model: nn.Module, example_inputs: Any) -> Surgery:
     """Delete every norm whose consumers' outputs are all normalised again (Q, K and V), after
     folding its gain into them; refuse, with the reason, everywhere else."""
-    model = copy.deepcopy(model).eval()
-    flow = record(model, example_inputs)
-    norms = find_norms(flow)
-    surgery = Surgery("cancel", model)
+    surgery, flow, norms = _on_a_copy("cancel", model, example_inputs)
+    model = surgery.stock
     for name, facts in norms.items():
         consumers, reason = linear_consumers(flow, name)
         renormed = [c for c in consumers if flow.reaches_norm(flow.module_calls(c)[0].outputs[0], norms) is not None]

@@ -489,22 +489,17 @@ inline void moments_dev(const typename V::raw* src, int64_t n, float mu0, __m256
   sq_v = _mm256_add_ps(q0, q1);
 }
 
-// The sums of one row wider than kWideRow, a block at a time into fp64 (Wide): of the squares (sumsq_v), of the
-// values (moments_sum; h written), and of the deviations about mu0 and their squares (moments_dev).
-template <class V> NORMATLAS_ROW
-inline double sumsq_wide(const typename V::raw* x, const typename V::raw* r, typename V::raw* h, int64_t n) {
-  Wide w;
-  for (int64_t j = 0; j < n; j += kSumBlock) {
-    w.add(sumsq_v<V>(x + j, r ? r + j : nullptr, r ? h + j : nullptr, std::min(kSumBlock, n - j)));
-  }
-  return w.sum();
-}
+// The sums of one row wider than kWideRow, a block at a time into fp64 (Wide): of the squares (wide_sum over
+// sumsq_v), of the values (over moments_sum; h written), and of the deviations about mu0 and their squares
+// (moments_dev). `Lanes` is a template argument, so each instance calls it directly and flatten inlines it.
+template <class V>
+using LanesFn = __m256 (*)(const typename V::raw*, const typename V::raw*, typename V::raw*, int64_t);
 
-template <class V> NORMATLAS_ROW
-inline double moments_sum_wide(const typename V::raw* x, const typename V::raw* r, typename V::raw* h, int64_t n) {
+template <class V, LanesFn<V> Lanes> NORMATLAS_ROW
+inline double wide_sum(const typename V::raw* x, const typename V::raw* r, typename V::raw* h, int64_t n) {
   Wide w;
   for (int64_t j = 0; j < n; j += kSumBlock) {
-    w.add(moments_sum<V>(x + j, r ? r + j : nullptr, r ? h + j : nullptr, std::min(kSumBlock, n - j)));
+    w.add(Lanes(x + j, r ? r + j : nullptr, r ? h + j : nullptr, std::min(kSumBlock, n - j)));
   }
   return w.sum();
 }
@@ -537,13 +532,13 @@ inline void row_stats8(const typename V::raw* x, const typename V::raw* r, typen
     const double nd = static_cast<double>(n);
     double mu = 0, ss_d;
     if (center) {
-      const float mu0 = static_cast<float>(moments_sum_wide<V>(x, r, h, n) / nd);
+      const float mu0 = static_cast<float>(wide_sum<V, moments_sum<V>>(x, r, h, n) / nd);
       double sq, sd;
       moments_dev_wide<V>(r ? h : x, n, mu0, sq, sd);
       mu = mu0 + sd / nd;
       ss_d = std::max(0.0, sq - sd * sd / nd);
     } else {
-      ss_d = sumsq_wide<V>(x, r, h, n);
+      ss_d = wide_sum<V, sumsq_v<V>>(x, r, h, n);
     }
     double rs_d, dr_d;
     normatlas::rows::scale_of<double>(ss_d / static_cast<double>(div), static_cast<double>(eps), eps_mode, rs_d, dr_d);
