@@ -25,10 +25,9 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from normatlas.diagnostics import Monitor
-from normatlas.diagnostics.tinylm import TinyLM, bag_batches
+from normatlas.diagnostics.tinylm import TinyLM, bag_batches, lm_step
 
 
 def measure_overhead(
@@ -52,13 +51,7 @@ def measure_overhead(
     def steps(mon: Monitor | None) -> float:
         t0 = time.process_time()
         for x, y in data:
-            logits = model(x)
-            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
-            loss.backward()
-            if mon is not None:
-                mon.step(loss=loss)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+            lm_step(model, opt, x, y, mon)
         return time.process_time() - t0
 
     mon = Monitor(model, every=every, optimizer=opt, print_alarms=False)

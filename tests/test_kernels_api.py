@@ -26,7 +26,7 @@ from normatlas.kernels import (
     qk_rms_norm,
 )
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+DOCS_KERNELS = Path(__file__).resolve().parents[1] / "docs" / "kernels.md"
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -109,18 +109,11 @@ def test_double_backward_raises_on_every_eager_path(backend: str) -> None:
         torch.testing.assert_close(a, e)
 
 
-def _ratio(text: str, pattern: str) -> str:
-    m = re.search(pattern, " ".join(text.split()))
-    assert m is not None, pattern
-    return m.group(1)
-
-
-def test_qk_norm_docstring_quotes_the_readme_measurement() -> None:
-    """The one-launch speed-up quoted in qk_rms_norm's docstring is the README's current measurement."""
-    readme = _ratio(README.read_text(), r"two fused calls take (\d\.\d+-\d\.\d+)x its time")
-    assert qk_rms_norm.__doc__ is not None
-    doc = _ratio(qk_rms_norm.__doc__, r"two (?:fused )?calls take (\d\.\d+-\d\.\d+)x its time")
-    assert doc == readme
+def test_qk_norm_docstring_points_to_the_measurement_not_a_figure() -> None:
+    """Performance figures live in docs/ with their command; the docstring names the benchmark and the page."""
+    doc = qk_rms_norm.__doc__ or ""
+    assert "bench_qk.py" in doc and "docs/kernels.md" in doc and not re.search(r"\d\.\d+x", doc)
+    assert re.search(r"two fused calls take \d\.\d+-\d\.\d+x its time", " ".join(DOCS_KERNELS.read_text().split()))
 
 
 @pytest.mark.parametrize("no_grad", [True, False])

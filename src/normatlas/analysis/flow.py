@@ -15,7 +15,7 @@ never on its role.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -97,22 +97,29 @@ class Dataflow:
             return a.dim() > 0 and b.dim() > 0 and a.shape[-1] == b.shape[-1]
         return False
 
+    def reach(self, key: Key, passes: Callable[[Call], bool]) -> Iterator[tuple[Call | None, bool]]:
+        """The one forward walker: every first reader of ``key`` past the calls for which ``passes(call)`` holds,
+        with whether it reads ``key`` itself (not a passed alias); ``(None, direct)`` where a value on the way is a
+        model output. Readers, aliases and outputs are each visited once per value."""
+        stack, seen = [(key, True)], set()
+        while stack:
+            k, direct = stack.pop()
+            if k in seen:
+                continue
+            seen.add(k)
+            if k in self.outputs:
+                yield None, direct
+            for r in self.readers.get(k, []):
+                call = self.calls[r]
+                if passes(call):
+                    stack.extend((o, False) for o in call.outputs)
+                else:
+                    yield call, direct
+
     def consumers(self, key: Key, through: frozenset[str] = VALUE_PRESERVING) -> list[Call]:
         """Every call reading ``key``, looking through value-preserving, row-preserving ops."""
-        out: list[Call] = []
-        stack, seen = [key], set()
-        while stack:
-            k = stack.pop()
-            for r in self.readers.get(k, []):
-                if r in seen:
-                    continue
-                seen.add(r)
-                call = self.calls[r]
-                if self._through(call, through) or self.row_preserving(call):
-                    stack.extend(call.outputs)
-                else:
-                    out.append(call)
-        return out
+        found = (c for c, _ in self.reach(key, lambda c: self._through(c, through) or self.row_preserving(c)))
+        return list({c.idx: c for c in found if c is not None}.values())
 
     def producer_of(self, key: Key, through: frozenset[str] = VALUE_PRESERVING) -> Call | None:
         """The call that produced ``key``, looking back through value-preserving ops."""
@@ -126,36 +133,11 @@ class Dataflow:
 
     def escapes(self, key: Key) -> bool:
         """True when ``key`` (or a pass-through alias of it) is a model output."""
-        stack, seen = [key], set()
-        while stack:
-            k = stack.pop()
-            if k in self.outputs:
-                return True
-            if k in seen:
-                continue
-            seen.add(k)
-            for r in self.readers.get(k, []):
-                call = self.calls[r]
-                if self.row_preserving(call):
-                    stack.extend(call.outputs)
-        return False
+        return any(c is None for c, _ in self.reach(key, self.row_preserving))
 
-    def _shape_only_readers(self, key: Key) -> Iterable[Call | None]:
+    def _shape_only_readers(self, key: Key) -> Iterator[Call | None]:
         """Every reader past shape-only ops (None for reaching a model output)."""
-        stack, seen = [key], set()
-        while stack:
-            k = stack.pop()
-            if k in seen:
-                continue
-            seen.add(k)
-            if k in self.outputs:
-                yield None
-            for r in self.readers.get(k, []):
-                call = self.calls[r]
-                if self._through(call, SHAPE_ONLY):
-                    stack.extend(call.outputs)
-                else:
-                    yield call
+        return (c for c, _ in self.reach(key, lambda c: self._through(c, SHAPE_ONLY)))
 
     def reaches_norm(self, key: Key, norms: Iterable[str]) -> str | None:
         """The norm module ``key`` flows into through shape-only ops (view/transpose/...), if every

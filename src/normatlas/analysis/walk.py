@@ -2,18 +2,20 @@
 
 Every reader of the fine graph steps over the same things: casts and views (:func:`strip`), a
 multiply by a Python number or a one-element tensor (:func:`scalar_mul`), a multiply by a learned
-parameter (:func:`learned_mul`), and a sum's additive parts (:func:`components`). What counts as a
+parameter (:func:`learned_mul`), a sum's additive parts (:func:`components`), and what lies upstream of a
+node up to a boundary (:func:`upstream`). What counts as a
 cast or a view is the op table's (:mod:`.ops`).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterator
 
 from .graph import Graph, Node, Ref
 from .ops import CASTS, SHAPE_ONLY
 
-__all__ = ["components", "learned_mul", "scalar_mul", "scalar_of", "strip"]
+__all__ = ["components", "learned_mul", "scalar_mul", "scalar_of", "strip", "upstream"]
 
 
 def strip(g: Graph, idx: int, ops: frozenset[str] = CASTS) -> int:
@@ -84,3 +86,18 @@ def learned_mul(g: Graph, n: Node) -> tuple[int, str] | None:
     p = g.nodes[strip(g, params[0], SHAPE_ONLY)]
     kind = "learned scalar" if p.shape is not None and math.prod(p.shape) == 1 else "per-channel"
     return next(i for i in n.inputs if i != params[0]), kind
+
+
+def upstream(g: Graph, start: int, expand: Callable[[Node], bool]) -> Iterator[Node]:
+    """Every node from ``start`` backwards, each once, stepping into the inputs of the nodes ``expand`` accepts
+    (a boundary node is yielded, not crossed)."""
+    stack, seen = [start], set()
+    while stack:
+        i = stack.pop()
+        if i in seen:
+            continue
+        seen.add(i)
+        node = g.nodes[i]
+        yield node
+        if expand(node):
+            stack.extend(node.inputs)

@@ -20,7 +20,6 @@ from importlib import resources
 from typing import Any
 
 from ..vocabulary import Operator, PlacementKind, QKNormKind
-
 from .papers import PAPER_FIELDS, filter_papers, papers
 
 __all__ = [

@@ -4,8 +4,8 @@
 :data:`UTILITIES` lists the public names that are the library's own machinery (sinks, reports,
 config types, I/O), each with the reason it cites no paper. :func:`public_methods` enumerates the
 public names the library exports for methods (``normatlas.presets``, ``normatlas.blocks``,
-``normatlas.longtail``, ``normatlas.diagnostics``, ``normatlas.surgery``, ``normatlas.vocabulary``,
-``normatlas.analysis``); the tests check that each
+``normatlas.longtail``, ``normatlas.diagnostics``, ``normatlas.surgery``; the design vocabulary and the
+analysis substrate are no methods); the tests check that each
 is in exactly one of the two tables, that every path imports and that every key is a paper.
 Paths are strings, so importing this module imports no torch code; :func:`resolve` does.
 """
@@ -23,8 +23,6 @@ METHOD_MODULES = (
     "normatlas.longtail",
     "normatlas.diagnostics",
     "normatlas.surgery",
-    "normatlas.vocabulary",
-    "normatlas.analysis",
 )
 
 
@@ -39,7 +37,7 @@ def _table(groups: Iterable[tuple[tuple[str, ...], str, tuple[str, ...]]]) -> di
     return out
 
 
-_P, _B, _L, _D, _S, _V, _A = METHOD_MODULES
+_P, _B, _L, _D, _S = METHOD_MODULES
 
 CITATIONS: dict[str, tuple[str, ...]] = _table(
     [
@@ -74,7 +72,6 @@ CITATIONS: dict[str, tuple[str, ...]] = _table(
         (("deepnet2022",), _B, ("scaled_residual",)),
         (("henry2020", "vit22b2023"), _B, ("QKNorm", "QKNormConfig", "QKOperator", "QKScope", "QKGain")),
         (("roformer2021",), _B, ("Rope", "RopeStyle", "apply_rope", "rope_tables")),
-        (("roformer2021",), _V, ("RopeOrder",)),
         (("glu_variants2020",), _B, ("MLP",)),
         (("vit2020",), _B, ("ViTConfig", "ViTEncoder", "ViTPool")),
         (("gpt2_2019", "vaswani2017"), _B, ("ModelConfig",)),
@@ -200,77 +197,36 @@ UTILITIES: dict[str, str] = _reasons(
             _D,
             ("Column", "Hook", "MonitorMetric", "Scope"),
         ),
-        (
-            "the design vocabulary: the words blocks write and the readers report in",
-            _V,
-            (
-                "CastOrder",
-                "EpsPlacement",
-                "GainConvention",
-                "Operator",
-                "PlacementKind",
-                "QKNormKind",
-                "SiteRole",
-                "SublayerKind",
-            ),
-        ),
-        (
-            "the analysis substrate: the dataflow recorder, its coarse view and the behavioural norm probe",
-            _A,
-            (
-                "Call",
-                "Dataflow",
-                "Graph",
-                "Node",
-                "NormFacts",
-                "ParamRole",
-                "Ref",
-                "Span",
-                "collapse",
-                "linear_kind",
-                "op_name",
-                "owns_parameters",
-                "param_roles",
-                "probe",
-                "randomized",
-                "record",
-                "record_flow",
-                "respond",
-                "restoring",
-            ),
-        ),
         ("text rendering of a diagnostics report", _D, ("format_report",)),
         (
-            "surgery machinery: dataflow, checks, tolerances, manifests, I/O and reports",
+            "the proof a surgery carries: probe inputs, the before / after comparison and its tolerances",
             _S,
             (
-                "DEFAULT_TOLERANCE",
-                "MANIFEST",
-                "Change",
-                "Check",
-                "NormFacts",
-                "NothingToChange",
-                "OutputPlan",
-                "Refusal",
-                "Surgery",
-                "Swap",
-                "SwapKind",
-                "Tolerance",
-                "analysis_copy",
-                "apply_swaps",
-                "check_output",
-                "compare",
-                "find_norms",
-                "linear_consumers",
-                "load_checkpoint",
-                "load_transformed",
-                "model_dtype",
-                "model_output",
-                "probe_inputs",
-                "probe_norm",
                 "run_checks",
-                "save_surgery",
+                "compare",
+                "Check",
+                "Tolerance",
+                "DEFAULT_TOLERANCE",
+                "probe_inputs",
+                "model_output",
+                "model_dtype",
+                "analysis_copy",
             ),
+        ),
+        (
+            "what a surgery reports: its changes, refusals and runtime swaps",
+            _S,
+            ("Surgery", "Change", "Refusal", "Swap", "SwapKind", "NothingToChange", "apply_swaps"),
+        ),
+        (
+            "checkpoint I/O: the safe, verified write and the loaders",
+            _S,
+            ("save_surgery", "load_checkpoint", "load_transformed", "check_output", "OutputPlan", "MANIFEST"),
+        ),
+        (
+            "the analysis a surgery reads (norms found by behaviour, their linear consumers)",
+            _S,
+            ("find_norms", "probe_norm", "linear_consumers"),
         ),
         ("moves eps and its placement (the essay's §12.2 porting detail), not a published method", _S, ("change_eps",)),
     ]

@@ -71,9 +71,10 @@ def _own_params(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
 _Probe = randomized  # random own parameters for the probe; restores parameters, buffers, flags
 
 
-def _behaviour(module: nn.Module) -> tuple[Kind, Tensor | None, int]:
-    """The shared probe's response as ``(kind, probe input, feature axis)``."""
-    resp = respond(module)
+def _behaviour(module: nn.Module, dim: int | None = None) -> tuple[Kind, Tensor | None, int]:
+    """The shared probe's response as ``(kind, probe input, feature axis)`` (``dim``: the feature width, for a
+    module whose parameters do not show it)."""
+    resp = respond(module, dim)
     if resp is None:
         return Kind.OTHER, None, -1
     kind = Kind.NORM if resp.norm else Kind.POINTWISE if resp.pointwise else Kind.OTHER
@@ -226,29 +227,16 @@ _CENTRING_PER_CHANNEL: tuple[type[nn.Module], ...] = (
 
 
 def _feeds_norms_only(flow: Dataflow, key: int, kinds: Mapping[nn.Module, Kind], biased: bool) -> bool:
-    """Every reader of ``key``, past re-indexing ops, is a norm (for a biased linear: a BatchNorm or
-    InstanceNorm reading ``key`` itself); ``key`` never reaches the model output."""
-    stack: list[tuple[int, bool]] = [(key, True)]
-    seen: set[int] = set()
-    while stack:
-        k, direct = stack.pop()
-        if k in flow.outputs:
+    """Every reader of ``key``, past re-indexing ops (:meth:`Dataflow.reach`), is a norm (for a biased linear: a
+    BatchNorm or InstanceNorm reading ``key`` itself); ``key`` never reaches the model output."""
+    for call, direct in flow.reach(key, lambda c: c.module is None and c.op in _VIEWS):
+        if call is None or call.module is None:
             return False
-        if k in seen:
-            continue
-        seen.add(k)
-        for r in flow.readers.get(k, []):
-            call = flow.calls[r]
-            if call.module is None:
-                if call.op not in _VIEWS:
-                    return False
-                stack.extend((o, False) for o in call.outputs)
-                continue
-            mod = flow.submodule(call.module)
-            if kinds.get(mod) is not Kind.NORM:
-                return False
-            if biased and not (direct and isinstance(mod, _CENTRING_PER_CHANNEL)):
-                return False
+        mod = flow.submodule(call.module)
+        if kinds.get(mod) is not Kind.NORM:
+            return False
+        if biased and not (direct and isinstance(mod, _CENTRING_PER_CHANNEL)):
+            return False
     return True
 
 

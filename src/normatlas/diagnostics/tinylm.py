@@ -104,6 +104,19 @@ def bag_batches(
     return out
 
 
+def lm_step(model: nn.Module, opt: torch.optim.Optimizer, x: Tensor, y: Tensor, monitor: Any = None) -> Tensor:
+    """One next-token training step: cross-entropy of ``model(x)`` against ``y``, backward, ``monitor.step``
+    (when given, between backward and the optimizer step, where it reads gradients), optimizer step, zero grad."""
+    logits = model(x)
+    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+    loss.backward()
+    if monitor is not None:
+        monitor.step(loss=loss)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss
+
+
 def collapse_experiment(
     qk_norm: bool,
     *,
@@ -134,12 +147,7 @@ def collapse_experiment(
     losses: list[float] = []
     ema, best, spike = None, float("inf"), None
     for i, (x, y) in enumerate(bag_batches(steps, batch=batch, seed=seed)):
-        logits = model(x)
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
-        loss.backward()
-        mon.step(loss=loss)
-        opt.step()
-        opt.zero_grad()
+        loss = lm_step(model, opt, x, y, mon)
         sched.step()
         losses.append(float(loss.detach()))
         ema = losses[-1] if ema is None else 0.9 * ema + 0.1 * losses[-1]

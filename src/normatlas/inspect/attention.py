@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 from ..analysis.graph import Graph, Node
 from ..analysis.ops import PROJECTIONS, SHAPE_ONLY
-from ..analysis.walk import scalar_mul, strip
+from ..analysis.walk import scalar_mul, strip, upstream
 from ..vocabulary import QKNormKind, RopeOrder
 from .norms import Site
 
@@ -30,6 +30,7 @@ __all__ = ["Core", "find_cores", "qk_kind", "rope_order"]
 
 _TRIG = frozenset({"cos", "sin", "polar", "view_as_complex"})
 _MATMUL = frozenset({"matmul", "bmm"})
+_LEAVES = frozenset({"param", "input", "leaf", "buffer", "embedding"})
 
 
 @dataclass
@@ -170,23 +171,16 @@ def qk_kind(sites: list[Site], head_dim: int | None) -> QKNormKind:
 
 def _rope_before(g: Graph, idx: int, trig: int) -> bool:
     """A RoPE add between the projection that produced ``idx``'s operand and ``idx`` itself."""
-    stack, seen = [idx], set()
-    while stack:
-        i = stack.pop()
-        if i in seen:
-            continue
-        seen.add(i)
-        node = g.nodes[i]
-        if _is_rope_add(g, node, trig):
-            return True
-        if node.op in PROJECTIONS or node.op in ("param", "input", "leaf", "buffer", "embedding"):
-            continue
+
+    def inside(node: Node) -> bool:  # still between the projection and the norm
+        if _is_rope_add(g, node, trig) or node.op in PROJECTIONS or node.op in _LEAVES:
+            return False
         if node.op == "matmul" and _by_param(g, node):
-            continue
-        if node.op == "add" and len(node.inputs) == 2 and not any(g.nodes[j].op == "mul" for j in node.inputs):
-            continue  # a residual add: the stream, not this layer's rotation
-        stack.extend(node.inputs)
-    return False
+            return False
+        residual = node.op == "add" and len(node.inputs) == 2 and not any(g.nodes[j].op == "mul" for j in node.inputs)
+        return not residual  # a residual add: the stream, not this layer's rotation
+
+    return any(_is_rope_add(g, n, trig) for n in upstream(g, idx, inside))
 
 
 def rope_order(g: Graph, norms: list[tuple[Site, bool]], trig: int) -> RopeOrder:

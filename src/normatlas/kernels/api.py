@@ -329,10 +329,9 @@ def qk_rms_norm(
     """QK-norm (OLMo 2, Qwen3, Gemma 3): RMSNorm over the head dim of q and k, many short rows each.
 
     Without autograd (inference, decoding) on CPU, for up to 2M elements in all, the rows of q and k are
-    normalised in one launch (``norm_pair``: one parallel region split over both tensors' rows; for one decode
-    token of 32 q and 8 kv heads of 128, two fused calls take 1.06-1.09x its time in the README's four runs of
-    ``python benchmarks/bench_qk.py``); otherwise, or when q and k differ in head dim or dtype, two fused
-    calls. Both paths compute the same values, bit for bit. ``q_weight`` has shape ``(q.shape[-1],)`` and
+    normalised in one launch (``norm_pair``: one parallel region split over both tensors' rows; what it saves
+    over two calls is measured by ``python benchmarks/bench_qk.py``, in docs/kernels.md); otherwise, or when q
+    and k differ in head dim or dtype, two fused calls. Both paths compute the same values, bit for bit. ``q_weight`` has shape ``(q.shape[-1],)`` and
     ``k_weight`` ``(k.shape[-1],)``.
     """
     d = q.shape[-1]

@@ -22,6 +22,7 @@ extension on CPU, Triton on CUDA, and an eager torch fallback everywhere else.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -128,18 +129,22 @@ def fwd_impl(
     center: bool, eps_mode: int, before_gain: bool, one_plus_w: bool, l2: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     """The forward on this device's fastest implementation (C++, Triton or eager)."""
-    args = (eps, center, eps_mode, before_gain, one_plus_w, l2)
     ext = cpu.extension() if x.device.type == "cpu" else None
     if ext is None:
-        if x.device.type == "cuda":
-            from . import triton_kernels
-
-            if triton_kernels.available():
-                return triton_kernels.norm_fwd(x, residual, weight, bias, *args)
-        return eager_fwd(x, residual, weight, bias, *args)
+        return _without_cpp("fwd", x, (x, residual, weight, bias, eps, center, eps_mode, before_gain, one_plus_w, l2))
     y, h, stats = ext.norm_fwd(x, residual, weight, bias, float(eps), center, eps_mode, before_gain, one_plus_w, l2,
                                x.shape[-1])  # fmt: skip
     return y, h, stats
+
+
+def _without_cpp(op: str, x: Tensor, args: tuple[Any, ...]) -> tuple[Tensor, Tensor, Tensor]:
+    """``op`` ("fwd" / "bwd") where the C++ extension does not run: Triton on CUDA when available, else eager."""
+    if x.device.type == "cuda":
+        from . import triton_kernels
+
+        if triton_kernels.available():
+            return triton_kernels.norm_fwd(*args) if op == "fwd" else triton_kernels.norm_bwd(*args)
+    return eager_fwd(*args) if op == "fwd" else eager_bwd(*args)
 
 
 @torch.library.custom_op("normatlas::fused_norm_fwd", mutates_args=())
@@ -164,15 +169,11 @@ def bwd_impl(
     center: bool, before_gain: bool, one_plus_w: bool, l2: bool, need_dg: bool, need_db: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     """The backward on this device's fastest implementation (C++, Triton or eager)."""
-    args = (center, before_gain, one_plus_w, l2, need_dg, need_db)
     ext = cpu.extension() if x.device.type == "cpu" else None
     if ext is None:
-        if x.device.type == "cuda":
-            from . import triton_kernels
-
-            if triton_kernels.available():
-                return triton_kernels.norm_bwd(dy, x, weight, stats, dres, *args)
-        return eager_bwd(dy, x, weight, stats, dres, *args)
+        return _without_cpp(
+            "bwd", x, (dy, x, weight, stats, dres, center, before_gain, one_plus_w, l2, need_dg, need_db)
+        )
     dx, dg, db = ext.norm_bwd(dy, x, weight, stats, dres, center, before_gain, one_plus_w, l2, need_dg, need_db,
                               x.shape[-1])  # fmt: skip
     return dx, dg, db

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from torch import nn
 
-__all__ = ["Change", "ConversionReport", "set_submodule"]
+__all__ = ["Change", "ConversionReport", "replace_modules", "set_submodule"]
 
 
 @dataclass(frozen=True)
@@ -55,3 +56,27 @@ def set_submodule(model: nn.Module, path: str, new: nn.Module) -> None:
     parent_path, _, name = path.rpartition(".")
     parent = model.get_submodule(parent_path) if parent_path else model
     setattr(parent, name, new)
+
+
+Built = tuple[nn.Module, "list[str] | tuple[str, ...]", str]  # (the replacement, what it kept, a note)
+
+
+def replace_modules(
+    model: nn.Module,
+    build: Callable[[str, nn.Module], Built | None],
+    include: Callable[[str, nn.Module], bool] | None = None,
+) -> ConversionReport:
+    """The one converter walk: replace, in place, every submodule (never the root) for which ``build(path, module)``
+    returns a replacement, in the module's train / eval mode; one :class:`Change` per replacement."""
+    report = ConversionReport()
+    for path, module in list(model.named_modules()):
+        if not path or (include is not None and not include(path, module)):
+            continue
+        built = build(path, module)
+        if built is None:
+            continue
+        new, kept, note = built
+        new.train(module.training)
+        set_submodule(model, path, new)
+        report.changes.append(Change(path, type(module).__name__, type(new).__name__, tuple(kept), note))
+    return report

@@ -29,7 +29,7 @@ from torch import Tensor, nn
 from ..modules import Norm
 from ..presets import GroupNorm
 from ..spec import Axis, Gain, NormSpec
-from ._report import Change, ConversionReport, set_submodule
+from ._report import ConversionReport, replace_modules
 from .batchnorm import BatchNorm, BatchNormState, FrozenBatchNorm, GhostBatchNorm, read_batchnorm
 from .syncbn import SyncBatchNorm
 
@@ -137,21 +137,15 @@ def convert_batchnorm(
         raise ValueError(f"num_groups={num_groups!r} must be an integer >= 1")
     if isinstance(virtual_batch_size, bool) or not isinstance(virtual_batch_size, int) or virtual_batch_size < 1:
         raise ValueError(f"virtual_batch_size={virtual_batch_size!r} must be an integer >= 1")
-    report = ConversionReport()
     skip = _TARGET_TYPES.get(to)
-    for path, module in list(model.named_modules()):
-        if not path or (include is not None and not include(path, module)):
-            continue
-        if skip is not None and type(module) is skip:
-            continue
-        bn = read_batchnorm(module)
+
+    def build(path: str, module: nn.Module) -> tuple[nn.Module, list[str], str] | None:
+        bn = read_batchnorm(module) if skip is None or type(module) is not skip else None
         if bn is None:
-            continue
+            return None
         try:
-            new, kept, note = _build(bn, to, num_groups, virtual_batch_size, process_group)
+            return _build(bn, to, num_groups, virtual_batch_size, process_group)
         except ValueError as err:
             raise ValueError(f"{path}: {err}") from None
-        new.train(module.training)
-        set_submodule(model, path, new)
-        report.changes.append(Change(path, type(module).__name__, type(new).__name__, tuple(kept), note))
-    return report
+
+    return replace_modules(model, build, include)

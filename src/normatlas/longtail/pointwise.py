@@ -28,7 +28,7 @@ from torch import Tensor, nn
 
 from ..modules import Norm
 from ..spec import Axis, GainConvention
-from ._report import Change, ConversionReport, set_submodule
+from ._report import ConversionReport, replace_modules
 
 __all__ = ["Derf", "DyT", "Pointwise", "convert_norms_to_pointwise", "derf", "dyt"]
 
@@ -243,16 +243,14 @@ def convert_norms_to_pointwise(
         raise TypeError(f"kind={kind!r} must be a Pointwise (Pointwise.DYT, Pointwise.DERF)")
     _check_float(alpha_init, "alpha_init", positive=True)
     _check_float(shift_init, "shift_init")
-    report = ConversionReport()
-    for path, module in list(model.named_modules()):
-        if not path or (include is not None and not include(path, module)):
-            continue
+
+    def build(path: str, module: nn.Module) -> tuple[nn.Module, list[str], str] | None:
         found = _describe(module)
         if found is None:
-            continue
+            return None
         shape, channels_last, gain, bias, note = found
         ref = next(iter(module.parameters()), None)
-        factory = {"device": ref.device, "dtype": ref.dtype} if ref is not None else {}
+        factory: dict[str, Any] = {"device": ref.device, "dtype": ref.dtype} if ref is not None else {}
         new: _PointwiseNorm
         if kind is Pointwise.DYT:
             new = DyT(shape, alpha_init, True, True, channels_last=channels_last, **factory)
@@ -267,7 +265,6 @@ def convert_norms_to_pointwise(
                 if bias is not None and new.bias is not None:
                     new.bias.copy_(bias)
                     kept.append("bias")
-        new.train(module.training)
-        set_submodule(model, path, new)
-        report.changes.append(Change(path, type(module).__name__, type(new).__name__, tuple(kept), note))
-    return report
+        return new, kept, note
+
+    return replace_modules(model, build, include)

@@ -20,7 +20,7 @@ from .convert import (
 )
 from .fold import DeferredNormLinear, cancel_pre_attention_norms, deferred_runtime, fold_gains, linear_consumers
 from .io import MANIFEST, load_checkpoint, load_transformed, save_surgery
-from .norms import NormFacts, find_norms, probe_norm
+from .norms import find_norms, probe_norm
 from .output import OutputPlan, check_output
 from .report import Change, Check, NothingToChange, Refusal, Surgery, Swap, SwapKind, apply_swaps
 from .verify import (
@@ -40,7 +40,6 @@ __all__ = [
     "Change",
     "Check",
     "DeferredNormLinear",
-    "NormFacts",
     "NothingToChange",
     "OutputPlan",
     "Refusal",
