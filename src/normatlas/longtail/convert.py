@@ -128,7 +128,7 @@ def convert_batchnorm(
         process_group: for ``SYNC`` (None = the default group).
         include: optional filter ``(path, module) -> bool``.
 
-    Modules already of the target type are left alone. Train/eval mode is preserved.
+    Modules already of the target type (or a subclass of it) are left alone. Train/eval mode is preserved.
     """
     if not isinstance(to, BatchNormTarget):
         members = ", ".join(f"BatchNormTarget.{m.name}" for m in BatchNormTarget)
@@ -142,7 +142,7 @@ def convert_batchnorm(
     for path, module in list(model.named_modules()):
         if not path or (include is not None and not include(path, module)):
             continue
-        if skip is not None and type(module) is skip:
+        if skip is not None and isinstance(module, skip):
             continue
         bn = read_batchnorm(module)
         if bn is None:
