@@ -353,22 +353,12 @@ _SWAP_BY_KEY = pytest.mark.xfail(
         "Swap should carry the measured roles (NormFacts.gain_param / bias_param, or the multiplier and bias tensors)"
     ),
 )
-_BN_SPEC_BY_NAME = pytest.mark.xfail(
-    strict=True,
-    raises=AttributeError,
-    reason=(
-        "surgery/convert.py:286 _bn_channel_axis reads getattr(bn, 'spec', None) and uses .layout: a torch "
-        "BatchNorm2d with a buffer or parameter registered as 'spec' crashes ('torch.layout' object has no "
-        "attribute 'channels_last'); decide by isinstance(bn, Norm) (the typed field), as the longtail converter does"
-    ),
-)
 _XFAIL = {
     ("fold_gains", "gpt2"): _SWAP_BY_KEY,  # LayerNorm bias kept in the swapped Norm
     ("ln_to_rms", "gpt2"): _SWAP_BY_KEY,
     ("ln_to_rms", "bert"): _SWAP_BY_KEY,
     ("to_w", "gemma2"): _SWAP_BY_KEY,
     ("to_1pw", "qwen3"): _SWAP_BY_KEY,
-    ("fold_batchnorm", "cnn"): _BN_SPEC_BY_NAME,  # the seeded scheme registers a BatchNorm's tensor as "spec"
 }
 
 
@@ -382,6 +372,30 @@ _XFAIL = {
 )
 def test_surgery_is_rename_invariant(name: str, kind: str) -> None:
     _surgery(SURGERIES[name][0], kind)
+
+
+def test_fold_batchnorm_ignores_a_tensor_registered_as_spec() -> None:
+    """A BatchNorm's layout was read from ``getattr(bn, "spec", None)`` (fixed on main: the typed read_batchnorm);
+    a torch BatchNorm2d whose weight is registered as ``spec`` must fold as before."""
+    torch.manual_seed(0)
+    model, x = (
+        _warm_bn(nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)), torch.randn(4, 3, 8, 8)),
+        torch.randn(2, 3, 8, 8),
+    )
+    count = counter_scheme()
+
+    def scheme(module: nn.Module, kind: str, old: str, forbidden: set[str]) -> str:
+        lie = isinstance(module, nn.BatchNorm2d) and old == "weight"
+        return "spec" if lie and "spec" not in forbidden else count(module, kind, old, forbidden)
+
+    twin = renamed(model, scheme)
+    assert any(n.endswith(".spec") for n, _ in twin.named_parameters())
+    a, b = surgery.fold_batchnorm(model, x), surgery.fold_batchnorm(twin, x)
+    assert_same(
+        _surgery_view(surgery.run_checks(model, a, x)),
+        _surgery_view(surgery.run_checks(twin, b, x), old_names(model, twin)),
+    )
+    assert a.passed and a.changes
 
 
 @_SWAP_BY_KEY
@@ -563,6 +577,13 @@ def test_post_gain_init_measures_a_foreign_one_plus_w_norm() -> None:
         post = blocks.TransformerLM(cfg).layers[0].attn_post_norm
         with torch.no_grad():
             torch.testing.assert_close(post(x), 0.25 * unit, rtol=1e-4, atol=1e-5)  # c / sqrt(depth) = 0.5 / 2
+    from normatlas.longtail import DyT  # a pointwise stand-in: its per-feature gain, found by the zeroing test
+
+    cfg = blocks.ModelConfig(
+        vocab_size=VOCAB, d_model=32, n_layers=4, d_ff=64, norm=DyT, placement=blocks.depth_scaled_sandwich(0.5)
+    )
+    post = blocks.TransformerLM(cfg).layers[0].attn_post_norm
+    assert torch.equal(post.weight.detach(), torch.full((32,), 0.25)) and post.alpha.item() == 0.5
 
 
 def test_demo_peers_state_their_gain_convention() -> None:

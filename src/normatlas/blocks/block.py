@@ -73,21 +73,35 @@ def _gate(placement: Placement, d_model: int) -> nn.Module | None:
 
 
 def _gain_of(norm: nn.Module) -> tuple[Tensor, bool]:
-    """``norm``'s gain parameter and whether it multiplies as ``1 + w``: a normatlas :class:`Norm` says so in
-    its typed ``spec``; any other module is measured by the shared probe (:mod:`normatlas.analysis.probe`),
-    never read from its attribute names. Raises when ``norm`` has no gain."""
+    """``norm``'s per-feature gain parameter and whether it multiplies as ``1 + w``: a normatlas :class:`Norm` says
+    so in its typed ``spec``; any other module (a foreign norm, or a pointwise stand-in such as DyT) is measured by
+    the shared probe (:mod:`normatlas.analysis.probe`), never read from its attribute names. Raises without one."""
     if isinstance(norm, Norm):
         w: Tensor | None = norm.weight
         one_plus_w = norm.spec.gain_convention is GainConvention.ONE_PLUS_W
     else:
-        from ..analysis.probe import probe
-
-        facts = probe(norm)
-        w = getattr(norm, facts.gain_param) if facts is not None and facts.gain_param else None
-        one_plus_w = facts is not None and facts.convention is GainConvention.ONE_PLUS_W
+        name, one_plus_w = _measured_gain(norm)
+        w = getattr(norm, name) if name is not None else None
     if not isinstance(w, Tensor) or w.dim() == 0:
         raise ValueError(f"post_gain_init needs post-norms with a per-feature gain; got {type(norm).__name__}")
     return w, one_plus_w
+
+
+def _measured_gain(module: nn.Module) -> tuple[str | None, bool]:
+    """(the registered name of ``module``'s one per-feature gain, whether it is ``1 + w``), by the zeroing test."""
+    from ..analysis.probe import ParamRole, param_roles, probe, randomized, respond
+
+    facts = probe(module)
+    if facts is not None:
+        return facts.gain_param, facts.convention is GainConvention.ONE_PLUS_W
+    with randomized(module):
+        resp = respond(module)
+        roles = param_roles(module, resp.x) if resp is not None and resp.pointwise else {}
+    sizes = {n: p.numel() for n, p in module.named_parameters(recurse=False)}
+    gains = [(n, r) for n, r in roles.items() if r is not ParamRole.BIAS and sizes.get(n, 0) > 1]
+    if len(gains) != 1:
+        return None, False
+    return gains[0][0], gains[0][1] is ParamRole.GAIN_ONE_PLUS_W
 
 
 class Block(nn.Module):
