@@ -235,10 +235,10 @@ def _is_leaf(module: nn.Module) -> bool:
 
 
 def _measured(module: nn.Module) -> tuple[bool, _Described | None]:
-    """(whether ``module`` runs on a probe input, its description when it is a per-token norm over the last
-    axis): the shared probe (:mod:`normatlas.analysis.probe`) says it is a norm and measures its gain and
-    bias by their roles (so a ``1 + w`` gain is carried as ``1 + w``); each token's output must depend on
-    that token only (no batch or sequence statistics)."""
+    """(whether ``module`` maps a features-last probe input to a tensor of its shape, its description when it
+    is a per-token norm over the last axis). The shared probe (:mod:`normatlas.analysis.probe`) says it is a
+    norm and measures its gain and bias by their roles (so a ``1 + w`` gain is carried as ``1 + w``); each
+    token's output must depend on that token only (no batch or sequence statistics)."""
     from ..analysis.probe import probe, probe_inputs, randomized
 
     x = next(iter(probe_inputs(module)), None)
