@@ -417,7 +417,7 @@ def test_apply_swaps_carries_a_renamed_gain_and_bias() -> None:
     strict=True,
     raises=AttributeError,
     reason=(
-        "not a name reading: surgery/report.py:135 Surgery.mark_untied assigns config.tie_word_embeddings on "
+        "not a name reading: surgery/report.py:136 Surgery.mark_untied assigns config.tie_word_embeddings on "
         "TransformerLM's frozen ModelConfig (FrozenInstanceError), so fold_gains fails on any tied TransformerLM"
     ),
 )
