@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..modules import Norm
+from ..spec import GainConvention
 from .attention import Attention, RopeStyle, _head_dim
 from .placement import DepthScale, Gate, NormFactory, Placement
 from .qknorm import QKNormConfig
@@ -68,6 +70,38 @@ def _gate(placement: Placement, d_model: int) -> nn.Module | None:
     if placement.gate is Gate.VECTOR:
         return LayerScale(d_model, placement.gate_init)
     return None
+
+
+def _gain_of(norm: nn.Module) -> tuple[Tensor, bool]:
+    """``norm``'s per-feature gain parameter and whether it multiplies as ``1 + w``: a normatlas :class:`Norm` says
+    so in its typed ``spec``; any other module (a foreign norm, or a pointwise stand-in such as DyT) is measured by
+    the shared probe (:mod:`normatlas.analysis.probe`), never read from its attribute names. Raises without one."""
+    if isinstance(norm, Norm):
+        w: Tensor | None = norm.weight
+        one_plus_w = norm.spec.gain_convention is GainConvention.ONE_PLUS_W
+    else:
+        name, one_plus_w = _measured_gain(norm)
+        w = getattr(norm, name) if name is not None else None
+    if not isinstance(w, Tensor) or w.dim() == 0:
+        raise ValueError(f"post_gain_init needs post-norms with a per-feature gain; got {type(norm).__name__}")
+    return w, one_plus_w
+
+
+def _measured_gain(module: nn.Module) -> tuple[str | None, bool]:
+    """(the registered name of ``module``'s one per-feature gain, whether it is ``1 + w``), by the zeroing test."""
+    from ..analysis.probe import ParamRole, param_roles, probe, randomized, respond
+
+    facts = probe(module)
+    if facts is not None:
+        return facts.gain_param, facts.convention is GainConvention.ONE_PLUS_W
+    with randomized(module):
+        resp = respond(module)
+        roles = param_roles(module, resp.x) if resp is not None and resp.pointwise else {}
+    sizes = {n: p.numel() for n, p in module.named_parameters(recurse=False)}
+    gains = [(n, r) for n, r in roles.items() if r is not ParamRole.BIAS and sizes.get(n, 0) > 1]
+    if len(gains) != 1:
+        return None, False
+    return gains[0][0], gains[0][1] is ParamRole.GAIN_ONE_PLUS_W
 
 
 class Block(nn.Module):
@@ -155,11 +189,9 @@ class Block(nn.Module):
             return
         g = p.post_gain_c * p.post_gain_init.factor(self.layer, self.n_layers)
         for norm in (self.attn_post_norm, self.ffn_post_norm):
-            w = getattr(norm, "weight", None)
-            if not isinstance(w, Tensor):
-                raise ValueError(f"post_gain_init needs post-norms with a weight; got {type(norm).__name__}")
-            spec = getattr(norm, "spec", None)
-            one_plus_w = spec is not None and spec.gain_convention.value == "1+w"
+            if norm is None:
+                continue
+            w, one_plus_w = _gain_of(norm)
             with torch.no_grad():
                 w.fill_(g - 1.0 if one_plus_w else g)
 

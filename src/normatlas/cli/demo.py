@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -12,20 +13,39 @@ from torch import nn
 from .. import presets
 from ..backend import Backend
 from ..modules import Norm
-from ..spec import CastOrder
+from ..spec import CastOrder, GainConvention
 from . import _progress as progress
 from ._format import Section, add_format_option, emit
 
 
-def _peers() -> list[tuple[str, Callable[[], nn.Module], Callable[[], nn.Module], tuple[int, ...]]]:
-    """(name, ours, peer, input shape): the peer is torch.nn or HF transformers."""
+@dataclass(frozen=True)
+class Peer:
+    """One preset beside its peer (torch.nn or HF transformers): both built from nothing, run on ``shape``.
+
+    ``gain_convention`` is the peer's, stated here rather than guessed from its name: the random gains start
+    around the identity of that convention (1 for ``w``, 0 for Gemma's ``1 + w``).
+    """
+
+    name: str
+    ours: Callable[[], nn.Module]
+    peer: Callable[[], nn.Module]
+    shape: tuple[int, ...]
+    gain_convention: GainConvention = GainConvention.W
+
+    @property
+    def gain_identity(self) -> float:
+        return 0.0 if self.gain_convention is GainConvention.ONE_PLUS_W else 1.0
+
+
+def _peers() -> list[Peer]:
+    """Every preset checked against a peer (the HF ones only when transformers is installed)."""
     d, c = 257, 12
-    out: list[tuple[str, Callable[[], nn.Module], Callable[[], nn.Module], tuple[int, ...]]] = [
-        ("LayerNorm", lambda: presets.LayerNorm(d), lambda: nn.LayerNorm(d), (4, 33, d)),
-        ("RMSNorm", lambda: presets.RMSNorm(d), lambda: nn.RMSNorm(d), (4, 33, d)),
-        ("GroupNorm", lambda: presets.GroupNorm(3, c), lambda: nn.GroupNorm(3, c), (4, c, 9, 11)),
-        ("InstanceNorm2d", lambda: presets.InstanceNorm2d(c, affine=True),
-         lambda: nn.InstanceNorm2d(c, affine=True), (4, c, 9, 11)),
+    out = [
+        Peer("LayerNorm", lambda: presets.LayerNorm(d), lambda: nn.LayerNorm(d), (4, 33, d)),
+        Peer("RMSNorm", lambda: presets.RMSNorm(d), lambda: nn.RMSNorm(d), (4, 33, d)),
+        Peer("GroupNorm", lambda: presets.GroupNorm(3, c), lambda: nn.GroupNorm(3, c), (4, c, 9, 11)),
+        Peer("InstanceNorm2d", lambda: presets.InstanceNorm2d(c, affine=True),
+             lambda: nn.InstanceNorm2d(c, affine=True), (4, c, 9, 11)),
     ]  # fmt: skip
     try:
         from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
@@ -33,9 +53,10 @@ def _peers() -> list[tuple[str, Callable[[], nn.Module], Callable[[], nn.Module]
     except ImportError:
         return out
     out += [
-        ("RMSNorm(cast before gain)", lambda: presets.RMSNorm(d, 1e-6, cast_order=CastOrder.BEFORE_GAIN),
-         lambda: LlamaRMSNorm(d, 1e-6), (4, 33, d)),
-        ("GemmaRMSNorm", lambda: presets.GemmaRMSNorm(d), lambda: GemmaRMSNorm(d), (4, 33, d)),
+        Peer("RMSNorm(cast before gain)", lambda: presets.RMSNorm(d, 1e-6, cast_order=CastOrder.BEFORE_GAIN),
+             lambda: LlamaRMSNorm(d, 1e-6), (4, 33, d)),
+        Peer("GemmaRMSNorm", lambda: presets.GemmaRMSNorm(d), lambda: GemmaRMSNorm(d), (4, 33, d),
+             GainConvention.ONE_PLUS_W),
     ]  # fmt: skip
     return out
 
@@ -43,7 +64,8 @@ def _peers() -> list[tuple[str, Callable[[], nn.Module], Callable[[], nn.Module]
 def check_presets(dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16)) -> list[dict[str, Any]]:
     """Run each preset and its peer on the same random input and weights; report the max error."""
     rows = []
-    for name, ours_fn, peer_fn, shape in _peers():
+    for row in _peers():
+        name, ours_fn, peer_fn, shape = row.name, row.ours, row.peer, row.shape
         for dtype in dtypes:
             gen = torch.Generator().manual_seed(0)
             ours, peer, default = ours_fn().to(dtype), peer_fn().to(dtype), ours_fn().to(dtype)
@@ -51,7 +73,7 @@ def check_presets(dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat
             ours.backend = Backend.REFERENCE  # the bit-for-bit claims are the reference path's; default: AUTO
             with torch.no_grad():
                 for p in peer.parameters():
-                    p.copy_(torch.randn(p.shape, generator=gen) * 0.5 + (0.0 if "Gemma" in name else 1.0))
+                    p.copy_(torch.randn(p.shape, generator=gen) * 0.5 + row.gain_identity)
             ours.load_state_dict(peer.state_dict())
             default.load_state_dict(peer.state_dict())
             x = (torch.randn(shape, generator=gen) * 3 + 1).to(dtype)

@@ -331,8 +331,8 @@ def qk_rms_norm(
     Without autograd (inference, decoding) on CPU, for up to 2M elements in all, the rows of q and k are
     normalised in one launch (``norm_pair``: one parallel region split over both tensors' rows; what it saves
     over two calls is measured by ``python benchmarks/bench_qk.py``, in docs/kernels.md); otherwise, or when q
-    and k differ in head dim or dtype, two fused calls. Both paths compute the same values, bit for bit. ``q_weight`` has shape ``(q.shape[-1],)`` and
-    ``k_weight`` ``(k.shape[-1],)``.
+    and k differ in head dim or dtype, two fused calls. Both paths compute the same values, bit for bit.
+    ``q_weight`` has shape ``(q.shape[-1],)`` and ``k_weight`` ``(k.shape[-1],)``.
     """
     d = q.shape[-1]
     pair = _qk_pair(q, k, q_weight, k_weight, eps, cast_order)

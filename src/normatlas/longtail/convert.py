@@ -128,7 +128,7 @@ def convert_batchnorm(
         process_group: for ``SYNC`` (None = the default group).
         include: optional filter ``(path, module) -> bool``.
 
-    Modules already of the target type are left alone. Train/eval mode is preserved.
+    Modules already of the target type (or a subclass of it) are left alone. Train/eval mode is preserved.
     """
     if not isinstance(to, BatchNormTarget):
         members = ", ".join(f"BatchNormTarget.{m.name}" for m in BatchNormTarget)
@@ -140,7 +140,7 @@ def convert_batchnorm(
     skip = _TARGET_TYPES.get(to)
 
     def build(path: str, module: nn.Module) -> tuple[nn.Module, list[str], str] | None:
-        bn = read_batchnorm(module) if skip is None or type(module) is not skip else None
+        bn = read_batchnorm(module) if skip is None or not isinstance(module, skip) else None
         if bn is None:
             return None
         try:

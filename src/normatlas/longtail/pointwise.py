@@ -189,13 +189,18 @@ class Derf(_PointwiseNorm):
 # --------------------------------------------------------------------------- converter
 
 
-def _describe(module: nn.Module) -> tuple[tuple[int, ...], bool, Tensor | None, Tensor | None, str] | None:
+_Described = tuple[tuple[int, ...], bool, Tensor | None, Tensor | None, str]
+
+
+def _describe(module: nn.Module) -> _Described | None:
     """(shape, channels_last, multiplier, bias, note) for a per-token norm we can replace, else None.
 
-    Recognised: torch.nn.LayerNorm / RMSNorm, normatlas ``Norm`` whose statistics are over the
-    feature axis only (LayerNorm, RMSNorm, LayerNorm2d presets and friends), and modules that
-    follow the HF RMSNorm protocol (a 1-D ``weight`` and a ``variance_epsilon`` attribute), whose
-    gain convention cannot be known from the module, so their gain is never copied.
+    Recognised: torch.nn.LayerNorm / RMSNorm and normatlas ``Norm`` whose statistics are over the
+    feature axis only (LayerNorm, RMSNorm, LayerNorm2d presets and friends), by their types; any other
+    leaf module by its behaviour (:func:`_measured`), never by its attribute names. Only a module that
+    cannot be run on probe inputs at all falls back to the HF RMSNorm protocol it declares (a 1-D
+    ``weight`` and a ``variance_epsilon`` attribute); its gain convention is then unknown, so its gain
+    is never copied.
     """
     if isinstance(module, nn.LayerNorm):
         return tuple(module.normalized_shape), True, module.weight, module.bias, ""
@@ -211,10 +216,51 @@ def _describe(module: nn.Module) -> tuple[tuple[int, ...], bool, Tensor | None, 
         if gain is not None and spec.gain_convention is GainConvention.ONE_PLUS_W:
             gain = 1 + gain
         return module.shape, spec.layout.channels_last, gain, module.bias, ""
+    if isinstance(module, _PointwiseNorm) or not _is_leaf(module):
+        return None
+    runs, found = _measured(module)
+    if runs:
+        return found
     weight = getattr(module, "weight", None)
     if hasattr(module, "variance_epsilon") and isinstance(weight, Tensor) and weight.dim() == 1:
         return (weight.shape[0],), True, None, None, "HF-style RMSNorm: gain convention unknown, affine not copied"
     return None
+
+
+def _is_leaf(module: nn.Module) -> bool:
+    """Holds parameters of its own and no parameterized submodule (a layer, not a block)."""
+    if next(module.parameters(recurse=False), None) is None:
+        return False
+    return not any(next(c.parameters(), None) is not None for c in module.children())
+
+
+def _measured(module: nn.Module) -> tuple[bool, _Described | None]:
+    """(whether ``module`` maps a features-last probe input to a tensor of its shape, its description when it
+    is a per-token norm over the last axis). The shared probe (:mod:`normatlas.analysis.probe`) says it is a
+    norm and measures its gain and bias by their roles (so a ``1 + w`` gain is carried as ``1 + w``); each
+    token's output must depend on that token only (no batch or sequence statistics)."""
+    from ..analysis.probe import probe, probe_inputs, randomized
+
+    x = next(iter(probe_inputs(module)), None)
+    with randomized(module), torch.no_grad():
+        try:
+            y = module(x[0]) if x is not None else None
+        except Exception:
+            y = None
+        if not isinstance(y, Tensor) or x is None or y.shape != x[0].shape:
+            return False, None
+        xp = x[0].clone()
+        xp[0, 0].add_(1.0)
+        changed = (module(xp) - y).abs() > 1e-6 * (float(y.abs().max()) + 1e-12)
+        changed[0, 0] = False
+        if bool(changed.any()):
+            return True, None  # statistics across tokens or examples (BatchNorm in training, GroupNorm)
+    facts = probe(module)
+    if facts is None or facts.feature_axis != -1:
+        return True, None
+    if not facts.structured:
+        return True, ((facts.dim,), True, None, None, "norm with extra parameters: affine not copied")
+    return True, ((facts.dim,), True, facts.multiplier(module), facts.bias(module), "")
 
 
 def convert_norms_to_pointwise(
