@@ -187,3 +187,18 @@ def test_bad_arguments_name_the_parameter() -> None:
         probe(3)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="dim must be a positive int or None, got 0"):
         probe(nn.LayerNorm(4), 0)
+
+
+@pytest.mark.parametrize(
+    ("make", "machine"),
+    [
+        (lambda: __import__("normatlas").RMSNorm(32), True),  # eps=None: finfo(compute dtype).eps
+        (lambda: nn.RMSNorm(32), True),
+        (lambda: nn.RMSNorm(32, eps=torch.finfo(torch.float32).eps), False),  # the same number, fixed
+        (lambda: nn.LayerNorm(32, eps=1e-5), False),
+    ],
+)
+def test_machine_eps_is_told_from_a_fixed_eps_by_measuring_in_two_dtypes(make, machine: bool) -> None:  # type: ignore[no-untyped-def]
+    facts = probe(make(), 32)
+    assert facts is not None and facts.machine_eps is machine
+    assert (facts.spec().eps is None) is machine

@@ -30,6 +30,7 @@ from torch import Tensor, nn
 
 import normatlas
 from normatlas import blocks, surgery
+from normatlas.analysis import probe
 from normatlas.diagnostics import Monitor, module_kind, param_groups, trace_linear_to_norm
 from normatlas.inspect import inspect_model, inspect_vision
 
@@ -304,7 +305,11 @@ def _surgery_view(s: surgery.Surgery, back: dict[str, str] | None = None) -> dic
     if back is None:
         return m
     for swap in m["swaps"]:
-        swap["module"] = relabel(swap["module"], back)
+        module = swap["module"]
+        if swap["params"] is not None:  # parameter names local to the swapped module: map their full paths back
+            full = {ours: relabel(f"{module}.{theirs}", back) for ours, theirs in swap["params"].items()}
+            swap["params"] = {ours: path.rpartition(".")[2] for ours, path in full.items()}
+        swap["module"] = relabel(module, back)
         swap["source"] = relabel(swap["source"], back) if swap["source"] is not None else None
     for c in m["changes"]:
         c["target"], c["detail"] = relabel(c["target"], back), relabel(c["detail"], back)
@@ -342,33 +347,9 @@ SURGERIES: dict[str, tuple[Callable[[nn.Module, Any], surgery.Surgery], tuple[st
 }
 
 
-# Name readings found by this file outside the files its author could edit: strict xfails, for the lead to fix.
-_SWAP_BY_KEY = pytest.mark.xfail(
-    strict=True,
-    raises=RuntimeError,
-    reason=(
-        "surgery/report.py:227 apply_swaps (SwapKind.NORM) carries the old norm's gain and bias into the new Norm by "
-        "state_dict key ({k: v for k, v in old.state_dict().items() if k in new.state_dict()}), i.e. only when they "
-        "are registered as 'weight' / 'bias'; renamed, nothing is carried and load_state_dict raises. The probe's "
-        "Swap should carry the measured roles (NormFacts.gain_param / bias_param, or the multiplier and bias tensors)"
-    ),
-)
-_XFAIL = {
-    ("fold_gains", "gpt2"): _SWAP_BY_KEY,  # LayerNorm bias kept in the swapped Norm
-    ("ln_to_rms", "gpt2"): _SWAP_BY_KEY,
-    ("ln_to_rms", "bert"): _SWAP_BY_KEY,
-    ("to_w", "gemma2"): _SWAP_BY_KEY,
-    ("to_1pw", "qwen3"): _SWAP_BY_KEY,
-}
-
-
 @pytest.mark.parametrize(
     ("name", "kind"),
-    [
-        pytest.param(name, kind, marks=_XFAIL.get((name, kind), ()), id=f"{name}-{kind}")
-        for name, (_, kinds) in SURGERIES.items()
-        for kind in kinds
-    ],
+    [pytest.param(name, kind, id=f"{name}-{kind}") for name, (_, kinds) in SURGERIES.items() for kind in kinds],
 )
 def test_surgery_is_rename_invariant(name: str, kind: str) -> None:
     _surgery(SURGERIES[name][0], kind)
@@ -398,9 +379,9 @@ def test_fold_batchnorm_ignores_a_tensor_registered_as_spec() -> None:
     assert a.passed and a.changes
 
 
-@_SWAP_BY_KEY
 def test_apply_swaps_carries_a_renamed_gain_and_bias() -> None:
-    """The smallest case of the apply_swaps reading: a LayerNorm swapped for the same Norm, gain and bias renamed."""
+    """A LayerNorm swapped for the same Norm, gain and bias renamed: the swap carries the parameters the probe
+    measured as gain and bias (``NormFacts.params``), not the ones called weight and bias (it once did)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.LayerNorm(8))
     with torch.no_grad():
@@ -408,24 +389,22 @@ def test_apply_swaps_carries_a_renamed_gain_and_bias() -> None:
         model[0].bias.normal_()
     twin = renamed(model, counter_scheme())
     (path,) = [n for n, _ in twin.named_children()]
-    swap = surgery.Swap(path, surgery.SwapKind.NORM, normatlas.LayerNorm(8).spec, [8])
+    facts = probe(twin.get_submodule(path), 8)
+    assert facts is not None and set(facts.params().values()) == {
+        n for n, _ in twin.get_submodule(path).named_parameters()
+    }
+    swap = surgery.Swap(path, surgery.SwapKind.NORM, normatlas.LayerNorm(8).spec, [8], params=facts.params())
     x = torch.randn(3, 8)
     torch.testing.assert_close(surgery.apply_swaps(twin, [swap])(x), model(x))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AttributeError,
-    reason=(
-        "not a name reading: surgery/report.py:136 Surgery.mark_untied assigns config.tie_word_embeddings on "
-        "TransformerLM's frozen ModelConfig (FrozenInstanceError), so fold_gains fails on any tied TransformerLM"
-    ),
-)
 def test_fold_gains_on_a_tied_lm() -> None:
+    """A tied TransformerLM: untying writes tie_embeddings=False into its (frozen) ModelConfig (it once raised)."""
     torch.manual_seed(0)
     cfg = blocks.ModelConfig(vocab_size=VOCAB, d_model=32, n_layers=2, n_heads=4, d_ff=64, norm=normatlas.RMSNorm)
     model, x = blocks.TransformerLM(cfg).eval(), torch.randint(0, VOCAB, (2, 8))
-    assert surgery.run_checks(model, surgery.fold_gains(model, x), x).passed
+    done = surgery.run_checks(model, surgery.fold_gains(model, x), x)
+    assert done.passed and done.stock.config.tie_embeddings is False
 
 
 # --------------------------------------------------------------------------- diagnostics

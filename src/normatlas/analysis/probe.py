@@ -94,6 +94,7 @@ class NormFacts:
     roles: dict[str, ParamRole] = field(default_factory=dict)
     cast_measured: bool = False
     structured: bool = True  # <= one gain, <= one bias, nothing else; the zeroing cross-check held
+    machine_eps: bool = False  # eps is the compute dtype's machine eps (eps=None), measured in two dtypes
 
     def multiplier(self, module: nn.Module) -> Tensor | None:
         """The per-feature multiplier the gain parameter stands for (``w`` or ``1 + w``)."""
@@ -104,6 +105,12 @@ class NormFacts:
 
     def bias(self, module: nn.Module) -> Tensor | None:
         return None if self.bias_param is None else getattr(module, self.bias_param).detach()
+
+    def params(self) -> dict[str, str]:
+        """Our ``Norm``'s parameter -> the module's parameter it stands for: ``weight`` the measured gain,
+        ``bias`` the measured bias (whatever they are called)."""
+        pairs = (("weight", self.gain_param), ("bias", self.bias_param))
+        return {ours: theirs for ours, theirs in pairs if theirs is not None}
 
     def identity_gain_value(self) -> float:
         return 0.0 if self.convention is GainConvention.ONE_PLUS_W else 1.0
@@ -122,7 +129,7 @@ class NormFacts:
         return NormSpec(
             center=self.center if center is None else center,
             scale=self.scale,
-            eps=self.eps if eps is None else eps,
+            eps=(None if self.machine_eps else self.eps) if eps is None else eps,
             eps_placement=self.eps_placement if eps_placement is None else eps_placement,
             cast_order=self.cast_order,
             gain=Gain.PER_FEATURE if gain else Gain.NONE,
@@ -407,6 +414,17 @@ def _measure_cast_order(module: nn.Module, facts: NormFacts, seed: int) -> CastO
     return best
 
 
+def _eps_follows_dtype(module: nn.Module, x: Tensor, center: bool) -> bool:
+    """Whether an eps measured as the machine eps of ``x``'s dtype is that by definition (``eps=None``): measured
+    again on a float64 copy, it is float64's machine eps."""
+    try:
+        wide = copy.deepcopy(module).double()
+    except Exception:
+        return False
+    e64, _, _ = measure_eps(wide, x.double(), -1, center)
+    return e64 is not None and abs(e64 / torch.finfo(torch.float64).eps - 1) < 5e-2
+
+
 def _eps_attr(module: nn.Module) -> float | None:
     for a in ("eps", "variance_epsilon", "epsilon"):
         v = getattr(module, a, None)
@@ -482,6 +500,8 @@ def probe(module: nn.Module, dim: int | None = None, *, name: str = "", seed: in
             if gain_param:
                 params[gain_param].fill_(facts.identity_gain_value())
             eps, facts.eps_placement, facts.scale = measure_eps(module, x, -1, center)
+            if eps is not None and x.dtype != torch.float64 and abs(eps / torch.finfo(x.dtype).eps - 1) < 1e-2:
+                facts.machine_eps = _eps_follows_dtype(module, x, center)
     attr = _eps_attr(module)
     facts.eps_attr, facts.eps_measured = attr, eps
     if attr is not None and eps is not None and eps > 0 and abs(eps / attr - 1) < 1e-2:

@@ -164,7 +164,7 @@ def ln_to_rms(model: nn.Module, example_inputs: Any) -> Surgery:
             module = model.get_submodule(n)
             has_bias = facts.bias_param is not None and bool((getattr(module, facts.bias_param) != 0).any())
             spec = facts.spec(center=False, gain=not folded, bias=has_bias)
-            surgery.swaps.append(Swap(n, SwapKind.NORM, spec, [facts.dim]))
+            surgery.swaps.append(Swap(n, SwapKind.NORM, spec, [facts.dim], params=facts.params()))
             surgery.changes.append(
                 Change(n, "LN -> RMSNorm", "affine folded forward" if folded else f"affine kept in the RMSNorm ({why})")
             )
@@ -215,7 +215,7 @@ def convert_gain_convention(model: nn.Module, example_inputs: Any, to: GainConve
         p = getattr(model.get_submodule(name), f.gain_param)
         with torch.no_grad():
             p.add_(1.0 if to is GainConvention.W else -1.0)
-        surgery.swaps.append(Swap(name, SwapKind.NORM, f.spec(convention=to), [f.dim]))
+        surgery.swaps.append(Swap(name, SwapKind.NORM, f.spec(convention=to), [f.dim], params=f.params()))
         surgery.changes.append(
             Change(
                 name,
@@ -259,7 +259,7 @@ def change_eps(
         new = Norm(spec, f.dim, dtype=next(old.parameters()).dtype)
         new.load_state_dict({k: v for k, v in old.state_dict().items() if k in new.state_dict()})
         dev = _eps_deviation(old, new, flow.tensor(flow.module_calls(name)[0].inputs[0]))
-        surgery.swaps.append(Swap(name, SwapKind.NORM, spec, [f.dim]))
+        surgery.swaps.append(Swap(name, SwapKind.NORM, spec, [f.dim], params=f.params()))
         surgery.changes.append(
             Change(
                 name,

@@ -202,7 +202,7 @@ def fold_gains(model: nn.Module, example_inputs: Any, *, defer: bool = False) ->
         module = model.get_submodule(name)
         has_bias = facts.bias_param is not None and bool((getattr(module, facts.bias_param) != 0).any())
         spec = facts.spec(gain=False, bias=has_bias)
-        surgery.swaps.append(Swap(name, SwapKind.NORM, spec, [facts.dim]))
+        surgery.swaps.append(Swap(name, SwapKind.NORM, spec, [facts.dim], params=facts.params()))
         if defer:
             why = _defer_refusal(facts, has_bias)
             if why is not None:

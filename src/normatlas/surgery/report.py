@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import enum
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -70,7 +71,8 @@ class SwapKind(enum.Enum):
 class Swap:
     """A runtime module replacement that is exact given the transformed weights.
 
-    ``NORM``: a normatlas :class:`Norm` with ``spec`` and ``shape``; ``BIAS_INTO``: ``module`` gains a bias
+    ``NORM``: a normatlas :class:`Norm` with ``spec`` and ``shape``, its ``weight`` / ``bias`` taken from the old
+    module's parameters named in ``params`` (the probe's measured gain and bias); ``BIAS_INTO``: ``module`` gains a bias
     parameter copied from ``source``'s bias, or minus its running mean when it has no bias, and ``source``
     becomes identity. Stored in a manifest as :meth:`to_dict` (the spec by :meth:`NormSpec.to_dict`).
     """
@@ -80,6 +82,7 @@ class Swap:
     spec: NormSpec | None = None
     shape: list[int] | None = None
     source: str | None = None
+    params: dict[str, str] | None = None  # NORM: our "weight" / "bias" -> the old module's parameter, as measured
 
     def __post_init__(self) -> None:
         if not isinstance(self.kind, SwapKind):
@@ -96,6 +99,7 @@ class Swap:
             "spec": self.spec.to_dict() if self.spec is not None else None,
             "shape": self.shape,
             "source": self.source,
+            "params": self.params,
         }
 
     @classmethod
@@ -107,6 +111,7 @@ class Swap:
             NormSpec.from_dict(spec) if spec is not None else None,
             list(d["shape"]) if d.get("shape") is not None else None,
             d.get("source"),
+            dict(d["params"]) if d.get("params") is not None else None,
         )
 
 
@@ -130,8 +135,12 @@ class Surgery:
         """Record that a tied weight was given its own copy: the note, and ``tie_word_embeddings=False`` in the
         saved config and in the live model's config (and its text config, for composite VLM configs)."""
         self.notes.append(note)
-        self.config_updates["tie_word_embeddings"] = False
         config: Any = getattr(self.stock, "config", None)
+        if dataclasses.is_dataclass(config) and not isinstance(config, type):  # a normatlas ModelConfig (frozen)
+            if any(f.name == "tie_embeddings" for f in dataclasses.fields(config)):
+                self.stock.config = dataclasses.replace(config, tie_embeddings=False)  # type: ignore[assignment]
+            return
+        self.config_updates["tie_word_embeddings"] = False
         if config is not None:
             config.tie_word_embeddings = False
             text = getattr(config, "get_text_config", None)
@@ -224,7 +233,10 @@ def apply_swaps(model: nn.Module, swaps: list[Swap]) -> nn.Module:
             spec = s.spec
             ref = next(iter(old.parameters(recurse=False)), None)
             new = Norm(spec, tuple(s.shape), dtype=ref.dtype if ref is not None else None)
-            state = {k: v for k, v in old.state_dict().items() if k in new.state_dict()}
+            if s.params is not None:  # the parameters the probe measured as the gain and the bias, whatever their names
+                state = {ours: getattr(old, theirs) for ours, theirs in s.params.items() if ours in new.state_dict()}
+            else:  # a manifest written before swaps carried their parameters
+                state = {k: v for k, v in old.state_dict().items() if k in new.state_dict()}
             new.load_state_dict(state)
         elif s.kind is SwapKind.IDENTITY:
             new = nn.Identity()
