@@ -69,32 +69,59 @@ class ParamRole(enum.Enum):
 
 @dataclass
 class NormFacts:
-    """What one norm module computes, measured: ``y = m(w) * (x - [mean]) / denom(eps) + b``.
+    """What one norm module computes: the :class:`NormSpec` that reproduces it (``measured``, over the last
+    axis: ``y = m(w) * (x - [mean]) / denom(eps) + b``), plus what the measurement itself found: which of the
+    module's own parameters is the gain and which the bias, the input layouts it accepts, and how sure each
+    number is (``eps_measured`` None: eps could not be measured, for a features-first layout or a gain of
+    unknown shape; ``cast_measured`` False: the bfloat16 cast-order test could not run).
 
-    ``eps`` is always a usable number (the measured value, snapped to the module's own ``eps``
-    attribute when they agree within 1%, else that attribute, else the float32 tiny);
-    ``eps_measured`` is None when eps could not be measured (features-first layouts, gains of
-    unknown shape).
+    ``center``, ``scale``, ``eps_placement``, ``cast_order`` and ``convention`` read ``measured``; ``eps`` is always
+    a usable number (the measured value, snapped to the module's own ``eps`` attribute when they agree within 1%,
+    else that attribute, else the float32 tiny; float32's machine eps where ``measured.eps`` is None).
     """
 
     name: str
     dim: int
-    center: bool
+    measured: NormSpec
     gain_param: str | None
     bias_param: str | None
-    convention: GainConvention
-    eps: float
-    eps_placement: EpsPlacement
-    cast_order: CastOrder
     eps_attr: float | None = None
     eps_measured: float | None = None
-    scale: Scale = Scale.RMS
     feature_axis: int = -1
     accepted_shapes: tuple[tuple[int, ...], ...] = ()
     roles: dict[str, ParamRole] = field(default_factory=dict)
     cast_measured: bool = False
     structured: bool = True  # <= one gain, <= one bias, nothing else; the zeroing cross-check held
-    machine_eps: bool = False  # eps is the compute dtype's machine eps (eps=None), measured in two dtypes
+
+    @property
+    def center(self) -> bool:
+        return self.measured.center
+
+    @property
+    def scale(self) -> Scale:
+        return self.measured.scale
+
+    @property
+    def eps_placement(self) -> EpsPlacement:
+        return self.measured.eps_placement
+
+    @property
+    def cast_order(self) -> CastOrder:
+        return self.measured.cast_order
+
+    @property
+    def convention(self) -> GainConvention:
+        return self.measured.gain_convention
+
+    @property
+    def eps(self) -> float:
+        eps = self.measured.eps
+        return eps if eps is not None else torch.finfo(torch.float32).eps
+
+    @property
+    def machine_eps(self) -> bool:
+        """eps is the compute dtype's machine eps (``eps=None``), measured in two dtypes."""
+        return self.measured.eps is None
 
     def multiplier(self, module: nn.Module) -> Tensor | None:
         """The per-feature multiplier the gain parameter stands for (``w`` or ``1 + w``)."""
@@ -125,13 +152,11 @@ class NormFacts:
         eps: float | None = None,
         eps_placement: EpsPlacement | None = None,
     ) -> NormSpec:
-        """A last-dim normatlas spec computing the same thing (fields overridable for conversions)."""
-        return NormSpec(
+        """``measured``, with fields changed for a conversion (``gain=False`` drops the gain)."""
+        return self.measured.with_(
             center=self.center if center is None else center,
-            scale=self.scale,
-            eps=(None if self.machine_eps else self.eps) if eps is None else eps,
+            eps=self.measured.eps if eps is None else eps,
             eps_placement=self.eps_placement if eps_placement is None else eps_placement,
-            cast_order=self.cast_order,
             gain=Gain.PER_FEATURE if gain else Gain.NONE,
             gain_convention=(self.convention if convention is None else convention) if gain else GainConvention.W,
             bias=(self.bias_param is not None) if bias is None else bias,
@@ -398,16 +423,12 @@ def _measure_cast_order(module: nn.Module, facts: NormFacts, seed: int) -> CastO
         ref = _call(mod, x)
         if ref is None:
             return None
+        state = {ours: getattr(mod, theirs) for ours, theirs in facts.params().items()}
+        base = facts.spec(gain=facts.gain_param is not None)
         best, best_err = None, math.inf
         for order in (CastOrder.AFTER_GAIN, CastOrder.BEFORE_GAIN):
-            facts.cast_order = order
-            ours = Norm(facts.spec(gain=facts.gain_param is not None), facts.dim, dtype=torch.bfloat16)
-            sd = {}
-            if facts.gain_param:
-                sd["weight"] = getattr(mod, facts.gain_param)
-            if facts.bias_param:
-                sd["bias"] = getattr(mod, facts.bias_param)
-            ours.load_state_dict(sd)
+            ours = Norm(base.with_(cast_order=order), facts.dim, dtype=torch.bfloat16)
+            ours.load_state_dict(state)
             err = float((ours(x).float() - ref.float()).abs().max())
             if err < best_err:
                 best, best_err = order, err
@@ -447,69 +468,69 @@ def probe(module: nn.Module, dim: int | None = None, *, name: str = "", seed: in
         if resp is None or not resp.norm:
             return None
         x, axis = resp.x, resp.feature_axis
-        y = _call(module, x)
-        y_shift = _call(module, x + 1.7)
+        y, y_shift = _call(module, x), _call(module, x + 1.7)
         assert y is not None  # respond() ran it
         center = y_shift is not None and _close(y, y_shift, 1e-3)
         accepted = tuple(
             tuple(xi.shape) for xi, _ in probe_inputs(module, x.shape[axis]) if _call(module, xi) is not None
         )
         roles = param_roles(module, x)
-        gains = [n for n, r in roles.items() if r is not ParamRole.BIAS]
-        biases = [n for n, r in roles.items() if r is ParamRole.BIAS]
-        structured = len(gains) <= 1 and len(biases) <= 1
-        gain_param = gains[0] if len(gains) == 1 else None
-        bias_param = biases[0] if len(biases) == 1 else None
-        convention = (
-            GainConvention.ONE_PLUS_W
-            if gain_param and roles[gain_param] is ParamRole.GAIN_ONE_PLUS_W
-            else GainConvention.W
-        )
-        params = dict(_own_params(module))
-        if structured:  # cross-check with every parameter zeroed: 0 for w, the unit-scale input for 1 + w
-            for n in roles:
-                params[n].zero_()
-            y0 = _call(module, x)
-            if y0 is None:
-                structured = False
-            elif gain_param is None:
-                structured = True
-            elif convention is GainConvention.W:
-                structured = float(y0.abs().max()) <= 1e-6 * (1 + float(y.abs().max()))
-            else:  # 1 + w: the zeroed output is the unit-gain output, so w = 1 adds it once more
-                params[gain_param].fill_(1.0)
-                y1 = _call(module, x)
-                structured = y1 is not None and float(y0.abs().max()) > 1e-3 and _close(y1 - y0, y0, 1e-3)
-        facts = NormFacts(
-            name,
-            int(x.shape[axis]),
-            center,
-            gain_param,
-            bias_param,
-            convention,
-            0.0,
-            EpsPlacement.INSIDE_SQRT,
-            CastOrder.AFTER_GAIN,
-            feature_axis=-1 if axis == x.dim() - 1 or axis == -1 else axis,
-            accepted_shapes=accepted,
-            roles=roles,
-        )
-        facts.structured = structured
-        eps: float | None = None
-        if structured and facts.feature_axis == -1:
+        gain_param, bias_param, convention, structured = _structure(module, x, y, roles)
+        feature_axis = -1 if axis == x.dim() - 1 or axis == -1 else axis
+        eps, placement, scale, machine = None, EpsPlacement.INSIDE_SQRT, Scale.RMS, False
+        if structured and feature_axis == -1:
             if gain_param:
-                params[gain_param].fill_(facts.identity_gain_value())
-            eps, facts.eps_placement, facts.scale = measure_eps(module, x, -1, center)
+                dict(_own_params(module))[gain_param].fill_(0.0 if convention is GainConvention.ONE_PLUS_W else 1.0)
+            eps, placement, scale = measure_eps(module, x, -1, center)
             if eps is not None and x.dtype != torch.float64 and abs(eps / torch.finfo(x.dtype).eps - 1) < 1e-2:
-                facts.machine_eps = _eps_follows_dtype(module, x, center)
+                machine = _eps_follows_dtype(module, x, center)
     attr = _eps_attr(module)
-    facts.eps_attr, facts.eps_measured = attr, eps
-    if attr is not None and eps is not None and eps > 0 and abs(eps / attr - 1) < 1e-2:
-        eps = attr
-    facts.eps = eps if eps is not None and eps > 0 else (attr or torch.finfo(torch.float32).tiny)
+    usable = attr if attr is not None and eps is not None and eps > 0 and abs(eps / attr - 1) < 1e-2 else eps
+    usable = usable if usable is not None and usable > 0 else (attr or torch.finfo(torch.float32).tiny)
+    measured = NormSpec(
+        center=center, scale=scale, eps=None if machine else usable, eps_placement=placement,
+        gain=Gain.PER_FEATURE if gain_param else Gain.NONE,
+        gain_convention=convention if gain_param else GainConvention.W, bias=bias_param is not None,
+    )  # fmt: skip
+    facts = NormFacts(
+        name, int(x.shape[axis]), measured, gain_param, bias_param, attr, eps, feature_axis, accepted, roles,
+        structured=structured,
+    )  # fmt: skip
     if structured:
         with restoring(module):
             order = _measure_cast_order(module, facts, seed)
-        facts.cast_order = order or CastOrder.AFTER_GAIN
+        facts.measured = measured.with_(cast_order=order or CastOrder.AFTER_GAIN)
         facts.cast_measured = order is not None
     return facts
+
+
+def _structure(
+    module: nn.Module, x: Tensor, y: Tensor, roles: dict[str, ParamRole]
+) -> tuple[str | None, str | None, GainConvention, bool]:
+    """The gain and bias parameters, the gain convention, and whether the module is structured (at most one gain
+    and one bias, and the cross-check with every parameter zeroed holds: 0 for ``w``, the unit-scale input for
+    ``1 + w``). Leaves the module's parameters zeroed (the caller restores them)."""
+    gains = [n for n, r in roles.items() if r is not ParamRole.BIAS]
+    biases = [n for n, r in roles.items() if r is ParamRole.BIAS]
+    structured = len(gains) <= 1 and len(biases) <= 1
+    gain_param = gains[0] if len(gains) == 1 else None
+    bias_param = biases[0] if len(biases) == 1 else None
+    one_plus_w = gain_param is not None and roles[gain_param] is ParamRole.GAIN_ONE_PLUS_W
+    convention = GainConvention.ONE_PLUS_W if one_plus_w else GainConvention.W
+    if not structured:
+        return gain_param, bias_param, convention, False
+    params = dict(_own_params(module))
+    for n in roles:
+        params[n].zero_()
+    y0 = _call(module, x)
+    if y0 is None:
+        structured = False
+    elif gain_param is None:
+        structured = True
+    elif convention is GainConvention.W:
+        structured = float(y0.abs().max()) <= 1e-6 * (1 + float(y.abs().max()))
+    else:  # 1 + w: the zeroed output is the unit-gain output, so w = 1 adds it once more
+        params[gain_param].fill_(1.0)
+        y1 = _call(module, x)
+        structured = y1 is not None and float(y0.abs().max()) > 1e-3 and _close(y1 - y0, y0, 1e-3)
+    return gain_param, bias_param, convention, structured
