@@ -136,9 +136,10 @@ class Surgery:
         saved config and in the live model's config (and its text config, for composite VLM configs)."""
         self.notes.append(note)
         config: Any = getattr(self.stock, "config", None)
-        if dataclasses.is_dataclass(config) and not isinstance(config, type):  # a normatlas ModelConfig (frozen)
-            if any(f.name == "tie_embeddings" for f in dataclasses.fields(config)):
-                self.stock.config = dataclasses.replace(config, tie_embeddings=False)  # type: ignore[assignment]
+        from ..blocks.model import ModelConfig
+
+        if isinstance(config, ModelConfig):  # ours: a frozen value, replaced (it has no saved config.json)
+            self.stock.config = dataclasses.replace(config, tie_embeddings=False)  # type: ignore[assignment]
             return
         self.config_updates["tie_word_embeddings"] = False
         if config is not None:
