@@ -24,8 +24,8 @@ from torch.utils._pytree import tree_leaves
 
 __all__ = ["CollectiveCounter", "CollectiveStats", "count_collectives"]
 
-_NAMESPACES = ("c10d", "_c10d_functional", "c10d_functional", "_c10d_functional_autograd", "_dtensor")
-_NOT_COLLECTIVES = ("wait_tensor", "barrier", "monitored_barrier", "recv_", "send", "recv_any_source_")
+_NAMESPACES = ("c10d", "_c10d_functional", "c10d_functional", "_c10d_functional_autograd")
+_KINDS = ("gather", "scatter", "reduce", "all_to_all", "alltoall", "broadcast")  # not wait_tensor, barrier, send
 
 
 def _payload(args: tuple, kwargs: dict) -> int:
@@ -73,7 +73,7 @@ class CollectiveCounter(TorchDispatchMode):
         ns = getattr(getattr(func, "_schema", None), "name", "").split("::")[0]
         if ns in _NAMESPACES:
             name = _name(func)
-            if name not in {n.rstrip("_") for n in _NOT_COLLECTIVES}:
+            if any(k in name for k in _KINDS):
                 self.stats.counts[name] += 1
                 self.stats.bytes[name] += _payload(args, kwargs)
         return func(*args, **kwargs)

@@ -9,13 +9,17 @@ lets the replicas drift apart (the failure users filed against Megatron-LM and T
 * :func:`reduce_partial_grads` redistributes every pending gradient to its parameter's own placements (one
   all-reduce each, run by DTensor), so every ``.grad`` is final before anything reads it. Call it after
   ``backward()`` and before clipping / the optimizer / the monitor.
+* :func:`full_grads` lends code written for plain tensors (our ``Monitor``'s gradient norms, a hand-written
+  clipping loop) the full gradients of a sharded model for the length of a ``with`` block.
 * :func:`check_replicas` names every parameter whose gradient is still pending or whose replicas (parameter or
   gradient) differ across the ranks that should hold the same values.
 """
 
 from __future__ import annotations
 
+import contextlib
 import enum
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -23,7 +27,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
-__all__ = ["Finding", "Problem", "check_replicas", "reduce_partial_grads"]
+__all__ = ["Finding", "Problem", "check_replicas", "full_grads", "reduce_partial_grads"]
 
 
 class Problem(enum.Enum):
@@ -116,3 +120,29 @@ def check_replicas(
                 if d > atol:
                     findings.append(Finding(name, Problem.GRAD_DIFFERS, where, d))
     return findings
+
+
+@contextlib.contextmanager
+def full_grads(model: nn.Module) -> Iterator[list[str]]:
+    """Inside the block every DTensor gradient of ``model`` is its full plain tensor; the DTensors return on exit.
+
+    For code that reads ``.grad`` as plain tensors (``Monitor.step()``, ``param_groups``-driven logging) on a
+    TP / FSDP model: ``with full_grads(model): monitor.step()``. A collective call (each sharded or pending
+    gradient is gathered or reduced by DTensor); yields the names it replaced. Reduce first
+    (:func:`reduce_partial_grads`) if the optimizer is to see the reduced gradients too.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model={model!r} must be an nn.Module")
+    saved: list[tuple[nn.Parameter, Tensor]] = []
+    names = []
+    for name, p in model.named_parameters():
+        g = p.grad
+        if isinstance(g, DTensor):
+            saved.append((p, g))
+            p.grad = g.full_tensor()
+            names.append(name)
+    try:
+        yield names
+    finally:
+        for p, g in saved:
+            p.grad = g

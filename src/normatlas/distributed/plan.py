@@ -24,6 +24,7 @@ Everything runs on PyTorch's own engine (``torch.distributed.tensor.parallel``);
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,7 +40,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-__all__ = ["TensorParallelPlan", "parallelize", "tensor_parallel_plan"]
+__all__ = ["TensorParallelPlan", "parallelize", "rebind_param_groups", "tensor_parallel_plan"]
 
 _SLOTS = ("attn_pre_norm", "attn_post_norm", "attn_after_norm", "ffn_pre_norm", "ffn_post_norm", "ffn_after_norm")
 
@@ -215,3 +216,21 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, plan: TensorParallelPlan | N
         _set_param(model, alias, model.get_parameter(owner))
     return model
 
+
+
+def rebind_param_groups(groups: Sequence[dict[str, Any]], model: nn.Module) -> list[dict[str, Any]]:
+    """Optimizer groups built on the unsharded model (e.g. :func:`normatlas.diagnostics.param_groups`, which reads
+    each module's behaviour and so runs before sharding), pointed at ``model``'s sharded parameters by name.
+
+    Each group needs its ``names`` list (``param_groups`` writes one); every other key is kept. ``parallelize`` and
+    ``fully_shard`` replace parameters with DTensors under the same names, so compute the groups first::
+
+        groups = param_groups(model); parallelize(model, mesh); opt = AdamW(rebind_param_groups(groups, model))
+    """
+    out = []
+    for i, g in enumerate(groups):
+        names = g.get("names") if isinstance(g, dict) else None
+        if not isinstance(names, (list, tuple)):
+            raise ValueError(f"groups[{i}] has no 'names' list; build the groups with param_groups(model)")
+        out.append({**g, "params": [model.get_parameter(n) for n in names]})
+    return out
