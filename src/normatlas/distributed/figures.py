@@ -233,30 +233,35 @@ def syncbn_ddp_check(rank: int, world_size: int, steps: int = 2) -> dict[str, An
     return out
 
 
-def recompute_figures(d_model: int = 64, seq: int = 64, batch: int = 4) -> list[dict[str, Any]]:
+_ALL = tuple((p, n) for p in ("pre_ln", "peri_ln", "post_ln") for n in ("rms", "layernorm"))
+
+
+def recompute_figures(
+    d_model: int = 64, seq: int = 64, batch: int = 4, configs: tuple[tuple[str, str], ...] = _ALL
+) -> list[dict[str, Any]]:
     """Activation bytes per block without checkpointing and under :func:`norm_recompute_policy`, and the largest
-    gradient difference between the two, for pre / peri / post-LN x RMSNorm / LayerNorm."""
+    gradient difference between the two, for each (placement, norm) of ``configs`` (default: pre / peri / post-LN
+    x RMSNorm / LayerNorm, all with QK-norm)."""
     from normatlas.blocks import TransformerLM
     from normatlas.blocks.attention import rope_tables
 
     from .recompute import block_activation_bytes, checkpoint_blocks
 
     rows = []
-    for placement in ("pre_ln", "peri_ln", "post_ln"):
-        for norm in ("rms", "layernorm"):
-            torch.manual_seed(0)
-            cfg = lm_config(norm, placement, d_model=d_model, d_ff=4 * d_model, n_kv_heads=None)
-            model = TransformerLM(cfg)
-            ids = torch.randint(0, VOCAB, (batch, seq), generator=torch.Generator().manual_seed(1))
-            block = model.blocks()[0]
-            x = model.embed(ids).detach().requires_grad_()
-            cos, sin = rope_tables(cfg.rope, block.attn.head_dim, torch.arange(seq))
-            mask = torch.ones(seq, seq, dtype=torch.bool).tril()[None, None]
-            b = block_activation_bytes(block, x, (cos, sin, cfg.rope.style), mask)
-            ck = checkpoint_blocks(copy.deepcopy(model))
-            _loss(model(ids), ids).backward()
-            _loss(ck(ids), ids).backward()
-            diff = _max_diff([(p.grad, q.grad) for p, q in zip(ck.parameters(), model.parameters())])
-            rows.append({"model": f"{placement}/{norm}/qk", "stored": b.stored, "kept": b.kept, "saved": b.saved,
-                         "saved_fraction": b.saved / b.stored, "grad_diff": diff})  # fmt: skip
+    for placement, norm in configs:
+        torch.manual_seed(0)
+        cfg = lm_config(norm, placement, d_model=d_model, d_ff=4 * d_model, n_kv_heads=None)
+        model = TransformerLM(cfg)
+        ids = torch.randint(0, VOCAB, (batch, seq), generator=torch.Generator().manual_seed(1))
+        block = model.blocks()[0]
+        x = model.embed(ids).detach().requires_grad_()
+        cos, sin = rope_tables(cfg.rope, block.attn.head_dim, torch.arange(seq))
+        mask = torch.ones(seq, seq, dtype=torch.bool).tril()[None, None]
+        b = block_activation_bytes(block, x, (cos, sin, cfg.rope.style), mask)
+        ck = checkpoint_blocks(copy.deepcopy(model))
+        _loss(model(ids), ids).backward()
+        _loss(ck(ids), ids).backward()
+        diff = _max_diff([(p.grad, q.grad) for p, q in zip(ck.parameters(), model.parameters())])
+        rows.append({"model": f"{placement}/{norm}/qk", "stored": b.stored, "kept": b.kept, "saved": b.saved,
+                     "saved_fraction": b.saved / b.stored, "grad_diff": diff})  # fmt: skip
     return rows
