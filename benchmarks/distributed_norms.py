@@ -44,9 +44,9 @@ def four_ranks(rank: int, world: int) -> dict[str, Any]:
 def _table(title: str, rows: list[dict[str, Any]], cols: list[str]) -> None:
     print(f"\n{title}")
     widths = [max(len(c), *(len(_fmt(r[c])) for r in rows)) for c in cols]
-    print("  ".join(c.ljust(w) for c, w in zip(cols, widths)))
+    print("  ".join(c.ljust(w) for c, w in zip(cols, widths, strict=False)))
     for r in rows:
-        print("  ".join(_fmt(r[c]).ljust(w) for c, w in zip(cols, widths)))
+        print("  ".join(_fmt(r[c]).ljust(w) for c, w in zip(cols, widths, strict=False)))
 
 
 def _fmt(v: Any) -> str:

@@ -72,10 +72,11 @@ def test_plan_covers_embed_norm_and_residual_gates() -> None:
 def test_plan_rejects_what_it_cannot_shard() -> None:
     with pytest.raises(ValueError, match="max_positions=16"):
         tensor_parallel_plan(_lm(max_positions=16))
-    with pytest.raises(ValueError, match="QKGain.PER_HEAD|PER_HEAD"):
+    with pytest.raises(ValueError, match=r"QKGain\.PER_HEAD"):
         tensor_parallel_plan(TransformerLM(lm_config().with_(qk_norm=QKNormConfig(gain=QKGain.PER_HEAD))))
     with pytest.raises(ValueError, match="FLAT"):
-        tensor_parallel_plan(TransformerLM(lm_config().with_(qk_norm=QKNormConfig(scope=QKScope.FLAT, gain=QKGain.NONE))))
+        flat = QKNormConfig(scope=QKScope.FLAT, gain=QKGain.NONE)
+        tensor_parallel_plan(TransformerLM(lm_config().with_(qk_norm=flat)))
     with pytest.raises(TypeError, match="model=Linear must be"):
         tensor_parallel_plan(torch.nn.Linear(2, 2))
     with pytest.raises(TypeError, match="loss_parallel='yes' must be a bool"):
@@ -85,13 +86,13 @@ def test_plan_rejects_what_it_cannot_shard() -> None:
 
 
 def test_parallelize_and_helpers_validate_arguments() -> None:
-    with pytest.raises(TypeError, match="mesh=.* must be a torch.distributed DeviceMesh"):
+    with pytest.raises(TypeError, match=r"mesh=.* must be a torch\.distributed DeviceMesh"):
         parallelize(_lm(), "cpu")  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match="model=3 must be an nn.Module"):
+    with pytest.raises(TypeError, match=r"model=3 must be an nn\.Module"):
         reduce_partial_grads(3)  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="atol=-1 must be a float >= 0"):
+    with pytest.raises(ValueError, match=r"atol=-1 must be a float >= 0"):
         check_replicas(_lm(), atol=-1)
-    with pytest.raises(TypeError, match="model=3 must be an nn.Module"), full_grads(3):  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"model=3 must be an nn\.Module"), full_grads(3):  # type: ignore[arg-type]
         pass
     with pytest.raises(ValueError, match=r"groups\[0\] has no 'names' list"):
         rebind_param_groups([{"params": []}], _lm())
@@ -186,5 +187,5 @@ def test_convert_sync_batchnorm_keeps_state_and_function() -> None:
     torch.testing.assert_close(conv(x), ref(x), rtol=1e-5, atol=1e-6)  # world size 1: plain BatchNorm
     torch.testing.assert_close(conv[1].running_var, ref[1].running_var)
     assert isinstance(convert_sync_batchnorm(BatchNorm1d(3)), SyncBatchNorm)
-    with pytest.raises(TypeError, match="module=3 must be an nn.Module"):
+    with pytest.raises(TypeError, match=r"module=3 must be an nn\.Module"):
         convert_sync_batchnorm(3)  # type: ignore[arg-type]

@@ -42,7 +42,9 @@ def _monitor_and_groups(rank: int, world: int) -> dict[str, Any]:
     rebound = rebind_param_groups(groups, par)
     out: dict[str, Any] = {
         "groups": [[g["names"] for g in param_groups(ref)], [g["names"] for g in rebound]],
-        "rebound_to_sharded": all(p is par.get_parameter(n) for g in rebound for p, n in zip(g["params"], g["names"])),
+        "rebound_to_sharded": all(
+            p is par.get_parameter(n) for g in rebound for p, n in zip(g["params"], g["names"], strict=True)
+        ),
     }
     recs = []
     for model in (ref, par):

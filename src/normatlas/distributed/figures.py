@@ -9,6 +9,7 @@ process. Sizes are the tests' (tiny, fp32); ``benchmarks/distributed_norms.py`` 
 from __future__ import annotations
 
 import copy
+import functools
 from typing import Any
 
 import torch
@@ -20,7 +21,7 @@ from torch.distributed.tensor import DTensor
 from .counting import count_collectives
 from .fsdp import shard_model
 from .grads import Problem, check_replicas, reduce_partial_grads
-from .plan import parallelize, tensor_parallel_plan
+from .plan import parallelize
 
 __all__ = ["collectives_check", "fsdp_tp_check", "lm_config", "recompute_figures", "syncbn_ddp_check", "tp_check"]
 
@@ -56,7 +57,8 @@ def _logits(model: nn.Module, ids: Tensor) -> Tensor:
     return out.logits if hasattr(out, "logits") else out
 
 
-def _max_diff(pairs: list[tuple[Tensor, Tensor]]) -> float:
+def _max_diff(pairs: list[tuple[Any, Any]]) -> float:
+    """The largest |a - b| over pairs of tensors (DTensors gathered whole); both of a pair must be tensors."""
     return max(float((_full(a).detach() - b.detach()).abs().max()) for a, b in pairs)
 
 
@@ -87,14 +89,14 @@ def _compare_training(
             out["reduced"] = reduced
             out["logits"] = float((_full(lp.detach()) - lr_[rows].detach()).abs().max())
             out["loss"] = abs(float(_full(loss_p)) - float(_loss(lr_[rows], local_ids)))
-            pairs = [(p.grad, r.grad) for p, r in zip(par.parameters(), ref.parameters())]
+            pairs = [(p.grad, r.grad) for p, r in zip(par.parameters(), ref.parameters(), strict=False)]
             out["grads"] = _max_diff(pairs)
             out["findings_after_reduce"] = [str(f) for f in check_replicas(par)]
         opt_r.step()
         opt_p.step()
         opt_r.zero_grad()
         opt_p.zero_grad()
-    out["weights"] = _max_diff(list(zip(par.parameters(), ref.parameters())))
+    out["weights"] = _max_diff(list(zip(par.parameters(), ref.parameters(), strict=False)))
     out["findings_after_steps"] = [str(f) for f in check_replicas(par, grads=False)]
     return out
 
@@ -118,7 +120,7 @@ def _tp_models(hf: str | None) -> list[tuple[str, nn.Module]]:
 
     if hf is not None:
         return [(hf, _hf_model(hf))]
-    out = []
+    out: list[tuple[str, nn.Module]] = []
     for placement in ("pre_ln", "peri_ln", "post_ln"):
         for norm in ("rms", "layernorm"):
             torch.manual_seed(0)
@@ -179,14 +181,14 @@ def collectives_check(rank: int, world_size: int) -> dict[str, list[dict[str, An
     out = {}
     for name in ("fsdp_grouped", "fsdp_per_norm", "tp_sp"):
         torch.manual_seed(0)
-        model = TransformerLM(lm_config("rms", "pre_ln"))
+        model: nn.Module = TransformerLM(lm_config("rms", "pre_ln"))
         if name == "tp_sp":
             model = parallelize(model, flat)
         else:
             model = shard_model(model, flat, group_norms=name == "fsdp_grouped")
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         _step(model, _ids(2), opt)  # warm-up: lazy init and optimizer state
-        _, stats = count_collectives(lambda m=model, o=opt: _step(m, _ids(2), o))
+        _, stats = count_collectives(functools.partial(_step, model, _ids(2), opt))
         out[name] = stats.rows()
     return out
 
@@ -217,17 +219,18 @@ def syncbn_ddp_check(rank: int, world_size: int, steps: int = 2) -> dict[str, An
         yr, yd = ref(xr), ddp(xd)
         ((yr * c).sum() / n).backward()
         (world_size * (yd * c[start : start + sizes[rank]]).sum() / n).backward()
+        assert xd.grad is not None and xr.grad is not None
         if step == 0:
             out["output"] = float((yd - yr[start : start + sizes[rank]]).abs().max())
             out["input_grad"] = float((xd.grad / world_size - xr.grad[start : start + sizes[rank]]).abs().max())
-            pairs = [(a.grad, b.grad) for a, b in zip(ddp.module.parameters(), ref.parameters())]
+            pairs = [(a.grad, b.grad) for a, b in zip(ddp.module.parameters(), ref.parameters(), strict=False)]
             out["param_grads"] = _max_diff(pairs)
         opt_r.step()
         opt_d.step()
         opt_r.zero_grad()
         opt_d.zero_grad()
-    out["weights"] = _max_diff(list(zip(ddp.module.parameters(), ref.parameters())))
-    bufs = [(a, b) for a, b in zip(ddp.module.buffers(), ref.buffers()) if a.is_floating_point()]
+    out["weights"] = _max_diff(list(zip(ddp.module.parameters(), ref.parameters(), strict=False)))
+    bufs = [(a, b) for a, b in zip(ddp.module.buffers(), ref.buffers(), strict=False) if a.is_floating_point()]
     out["running_stats"] = _max_diff(bufs)
     out["replicas"] = [str(f) for f in check_replicas(ddp.module, group=dist.group.WORLD)]
     return out
@@ -261,7 +264,7 @@ def recompute_figures(
         ck = checkpoint_blocks(copy.deepcopy(model))
         _loss(model(ids), ids).backward()
         _loss(ck(ids), ids).backward()
-        diff = _max_diff([(p.grad, q.grad) for p, q in zip(ck.parameters(), model.parameters())])
+        diff = _max_diff([(p.grad, q.grad) for p, q in zip(ck.parameters(), model.parameters(), strict=False)])
         rows.append({"model": f"{placement}/{norm}/qk", "stored": b.stored, "kept": b.kept, "saved": b.saved,
                      "saved_fraction": b.saved / b.stored, "grad_diff": diff})  # fmt: skip
     return rows

@@ -40,7 +40,7 @@ def _record(model: nn.Module, inputs: Any, stream_norms: list[str]) -> _Flow:
 
     def pre(path: str):
         def hook(_m: nn.Module, args: tuple, kwargs: dict) -> None:
-            seen = [(i, id(a)) for i, a in enumerate(args) if isinstance(a, Tensor)]
+            seen: list[tuple[int | str, int]] = [(i, id(a)) for i, a in enumerate(args) if isinstance(a, Tensor)]
             seen += [(k, id(v)) for k, v in kwargs.items() if isinstance(v, Tensor)]
             flow.inputs.setdefault(path, seen)
             flow.keep += [a for a in (*args, *kwargs.values()) if isinstance(a, Tensor)]
@@ -75,9 +75,9 @@ def _branch_input(flow: _Flow, model: nn.Module, norm: str, cols: list[str]) -> 
         if isinstance(model.get_submodule(path), nn.Linear) or not path:
             continue
         for where, tid in seen:
-            if flow.norm_out.get(tid) == norm and all(c.startswith(path + ".") for c in cols):
-                if best is None or len(path) > len(best[0]):
-                    best = (path, where)
+            fed = flow.norm_out.get(tid) == norm and all(c.startswith(path + ".") for c in cols)
+            if fed and (best is None or len(path) > len(best[0])):
+                best = (path, where)
     return best
 
 
@@ -124,7 +124,7 @@ def _path_of(model: nn.Module, module: nn.Module | None, what: str) -> str:
     raise ValueError(f"the model's {what} is not one of its submodules")
 
 
-def hf_plan(model: nn.Module, example_inputs: Any, loss_parallel: bool) -> TensorParallelPlan:
+def hf_plan(model: Any, example_inputs: Any, loss_parallel: bool) -> TensorParallelPlan:
     """The plan of a transformers decoder (see the module docstring); restores the model's train / eval mode."""
     from ..inspect import QKNorm, inspect_model
 
@@ -132,7 +132,8 @@ def hf_plan(model: nn.Module, example_inputs: Any, loss_parallel: bool) -> Tenso
     try:
         inputs = example_inputs if example_inputs is not None else _default_inputs(model)
         report = inspect_model(model, inputs, probe=False)
-        stream, qk = [], []
+        stream: list[str] = []
+        qk: list[str] = []
         for n in report.norms:
             if not n.module or n.fused:
                 raise ValueError(f"norm #{n.index} ({n.role}, layer {n.layer}) is not run by a module; no style fits")
@@ -165,7 +166,7 @@ def hf_plan(model: nn.Module, example_inputs: Any, loss_parallel: bool) -> Tenso
     return TensorParallelPlan(styles, tuple(stream + qk), (), tied, n_heads, kv)
 
 
-def _default_inputs(model: nn.Module) -> dict[str, Tensor]:
+def _default_inputs(model: Any) -> dict[str, Tensor]:
     """Eight seeded token ids (the same on every rank)."""
     vocab = int(model.config.vocab_size)
     gen = torch.Generator().manual_seed(0)

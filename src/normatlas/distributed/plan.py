@@ -210,12 +210,11 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, plan: TensorParallelPlan | N
             raise ValueError(f"{name}={n} is not divisible by the tensor-parallel size {tp}; allowed: a divisor of {n}")
     parallelize_module(model, mesh, plan.styles)
     for path in plan.heads:
-        attn = model.get_submodule(path)
+        attn: Any = model.get_submodule(path)
         attn.n_heads, attn.n_kv_heads = attn.n_heads // tp, attn.n_kv_heads // tp
     for owner, alias in plan.tied:
         _set_param(model, alias, model.get_parameter(owner))
     return model
-
 
 
 def rebind_param_groups(groups: Sequence[dict[str, Any]], model: nn.Module) -> list[dict[str, Any]]:

@@ -29,20 +29,22 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
-__all__ = ["ActivationBytes", "SAVE_OPS", "block_activation_bytes", "checkpoint_blocks", "norm_recompute_policy"]
+__all__ = ["SAVE_OPS", "ActivationBytes", "block_activation_bytes", "checkpoint_blocks", "norm_recompute_policy"]
 
 _aten = torch.ops.aten
 SAVE_OPS = frozenset(
     op for op in (
         _aten.mm, _aten.addmm, _aten.bmm, _aten.baddbmm, _aten._scaled_dot_product_flash_attention,
-        _aten._scaled_dot_product_efficient_attention, getattr(_aten, "_scaled_dot_product_flash_attention_for_cpu", None),
+        _aten._scaled_dot_product_efficient_attention,
+        getattr(_aten, "_scaled_dot_product_flash_attention_for_cpu", None),
         getattr(_aten, "_scaled_dot_product_cudnn_attention", None),
     ) if op is not None
 )  # fmt: skip
 """Op packets whose outputs the policy stores: the matrix products and fused attention kernels."""
 
 NORM_OPS = frozenset(
-    op for op in (_aten.native_layer_norm, getattr(_aten, "_fused_rms_norm", None), _aten.native_group_norm)
+    op
+    for op in (_aten.native_layer_norm, getattr(_aten, "_fused_rms_norm", None), _aten.native_group_norm)
     if op is not None
 )
 """Op packets the policy always recomputes (plus the ``normatlas::`` fused ops)."""
@@ -63,7 +65,9 @@ def _context_fn(policy: Callable[..., CheckpointPolicy]) -> Any:
 
 
 def checkpoint_blocks(
-    model: nn.Module, policy: Callable[..., CheckpointPolicy] = norm_recompute_policy, blocks: Sequence[str] | None = None
+    model: nn.Module,
+    policy: Callable[..., CheckpointPolicy] = norm_recompute_policy,
+    blocks: Sequence[str] | None = None,
 ) -> nn.Module:
     """Checkpoint every block of ``model`` in place with ``policy`` (default :func:`norm_recompute_policy`).
 
@@ -100,7 +104,7 @@ def _nbytes(tensors: list[Tensor]) -> int:
     seen: dict[tuple[int, int], int] = {}
     for t in tensors:
         try:
-            key = (t.untyped_storage().data_ptr(), t.storage_offset())
+            key = (int(t.untyped_storage().data_ptr()), int(t.storage_offset()))
         except (RuntimeError, NotImplementedError):
             key = (id(t), 0)
         seen[key] = max(seen.get(key, 0), t.numel() * t.element_size())

@@ -23,8 +23,9 @@ _CONVERTIBLE = (BatchNorm, BatchNorm1d, BatchNorm2d, BatchNorm3d)
 
 def _sync(bn: BatchNorm, process_group: Any) -> SyncBatchNorm:
     w = bn.weight if bn.weight is not None else bn.bias
+    assert bn.shape is not None  # a BatchNorm always has its channel count
     sync = SyncBatchNorm(
-        bn.num_features if hasattr(bn, "num_features") else int(bn.shape[0]), eps=float(bn.spec.eps or 1e-5),
+        int(bn.shape[0]), eps=float(bn.spec.eps or 1e-5),
         momentum=bn.momentum, affine=bn.weight is not None, track_running_stats=bn.track_running_stats,
         process_group=process_group, device=None if w is None else w.device, dtype=None if w is None else w.dtype,
         layout=bn.spec.layout,

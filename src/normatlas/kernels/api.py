@@ -107,9 +107,11 @@ def drop_in(
     transforms and :func:`normatlas.backend.reference_only`),
     ``fused=True`` ``Backend.FUSED`` (compile the kernels if needed; a spec or input they cannot serve raises)."""
     if type(input) is not Tensor and torch._C._dispatch_keys(input).has(torch._C.DispatchKey.Python):
-        # a subclass with its own dispatch (DTensor, FakeTensor): no storage for the C++ plan; its ops run the reference
+        # a subclass with its own dispatch (DTensor, FakeTensor) has no storage for the C++ plan: the reference runs
         if fused:
-            raise ValueError(f"backend='fused' cannot run on a {type(input).__name__}; use backend='auto' or 'reference'")
+            raise ValueError(
+                f"backend='fused' cannot run on a {type(input).__name__}; use backend='auto' or 'reference'"
+            )
         return None
     if not fused and (torch.compiler.is_compiling() or _REFERENCE_ONLY[0] or _functorch_active()):
         # AUTO traces the reference path (the compiler fuses it), shows its ops to the recorder, and under
