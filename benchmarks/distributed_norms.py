@@ -71,7 +71,7 @@ def _collective_rows(coll: dict[str, list[dict[str, Any]]]) -> list[dict[str, An
     rows = []
     for layout, kinds in coll.items():
         for k in kinds:
-            rows.append({"layout": layout, **k})
+            rows.append({"layout": layout, **k, "comm_debug_mode": ""})
         rows.append({"layout": layout, "collective": "total", "count": sum(k["count"] for k in kinds),
                      "bytes": sum(k["bytes"] for k in kinds)})  # fmt: skip
     return rows
@@ -88,9 +88,13 @@ def main() -> None:
     tp_rows = r["tp"] + r["llama"]
     _table("TP + SP on 2 gloo ranks vs one process (fp32; max |diff|; pending = Partial norm grads before the "
            "reduction; weights after 5 AdamW steps; findings = replicas that differ)", tp_rows, eq_cols)  # fmt: skip
+    cdm = r["collectives"].pop("comm_debug_mode")
     coll = _collective_rows(r["collectives"])
+    for row in coll:
+        if row["collective"] == "total":
+            row["comm_debug_mode"] = cdm[row["layout"]]
     _table("Collectives in one training step on 2 ranks (counts, payload bytes per rank)", coll,
-           ["layout", "collective", "count", "bytes"])  # fmt: skip
+           ["layout", "collective", "count", "bytes", "comm_debug_mode"])  # fmt: skip
     sb = {**r["syncbn"], "sizes": "+".join(str(n) for n in r["syncbn"]["sizes"])}
     _table("SyncBatchNorm (converted) under DDP, uneven batches, vs one process", [sb],
            ["sizes", "output", "input_grad", "param_grads", "running_stats", "weights"])  # fmt: skip

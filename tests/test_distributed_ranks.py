@@ -165,7 +165,8 @@ def test_fsdp_norm_grouping_cuts_collectives(ranks: list[dict[str, Any]]) -> Non
     # 9 norms as units of their own: each adds an all-gather in forward and backward and a reduce-scatter
     assert u_ag > 3 * g_ag and u_rs > 3 * g_rs
     assert math.isclose(u_ag_b, g_ag_b, rel_tol=0.01)  # the same bytes, in many more messages
-    assert c["collectives" if False else "tp_sp"], "TP + SP issues collectives"
+    for layout in ("fsdp_grouped", "fsdp_per_norm", "tp_sp"):  # the counter agrees with torch's CommDebugMode
+        assert sum(r["count"] for r in c[layout]) == c["comm_debug_mode"][layout], (layout, c)
 
 
 def test_syncbn_ddp_uneven_batches(ranks: list[dict[str, Any]]) -> None:

@@ -172,13 +172,17 @@ def fsdp_tp_check(rank: int, world_size: int, steps: int = 3) -> dict[str, Any]:
     return _compare_training(ref, par, ids, slice(2 * dp, 2 * dp + 2), steps)
 
 
-def collectives_check(rank: int, world_size: int) -> dict[str, list[dict[str, Any]]]:
+def collectives_check(rank: int, world_size: int) -> dict[str, Any]:
     """The collectives of one training step (forward, backward, gradient reduction, AdamW): FSDP2 over all ranks
-    with the norms grouped into their blocks' units and with a unit per norm, and TP + SP over all ranks."""
+    with the norms grouped into their blocks' units and with a unit per norm, and TP + SP over all ranks; rows of
+    :class:`CollectiveStats` per layout, and under ``"comm_debug_mode"`` the total count that torch's own
+    ``CommDebugMode`` gives for another such step (a cross-check of the counter)."""
+    from torch.distributed.tensor.debug import CommDebugMode
+
     from normatlas.blocks import TransformerLM
 
     flat = init_device_mesh("cpu", (world_size,))
-    out = {}
+    out: dict[str, Any] = {"comm_debug_mode": {}}
     for name in ("fsdp_grouped", "fsdp_per_norm", "tp_sp"):
         torch.manual_seed(0)
         model: nn.Module = TransformerLM(lm_config("rms", "pre_ln"))
@@ -190,6 +194,9 @@ def collectives_check(rank: int, world_size: int) -> dict[str, list[dict[str, An
         _step(model, _ids(2), opt)  # warm-up: lazy init and optimizer state
         _, stats = count_collectives(functools.partial(_step, model, _ids(2), opt))
         out[name] = stats.rows()
+        with CommDebugMode() as cdm:
+            _step(model, _ids(2), opt)
+        out["comm_debug_mode"][name] = cdm.get_total_counts()
     return out
 
 
