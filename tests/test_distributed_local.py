@@ -189,3 +189,26 @@ def test_convert_sync_batchnorm_keeps_state_and_function() -> None:
     assert isinstance(convert_sync_batchnorm(BatchNorm1d(3)), SyncBatchNorm)
     with pytest.raises(TypeError, match=r"module=3 must be an nn\.Module"):
         convert_sync_batchnorm(3)  # type: ignore[arg-type]
+
+
+def test_llama_plan_from_the_inspector_and_one_recorded_forward() -> None:
+    from tests.tiny_hf import tiny_model
+
+    model = tiny_model("llama").train()
+    plan = tensor_parallel_plan(model)
+    assert model.training  # the inspector's eval() is undone
+    layers = [f"model.layers.{i}" for i in range(2)]
+    assert set(plan.norms) == {f"{p}.{n}" for p in layers for n in ("input_layernorm", "post_attention_layernorm")} | {
+        "model.norm"
+    }
+    for p in layers:
+        for lin in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"):
+            assert type(plan.styles[f"{p}.{lin}"]) is ColwiseParallel, lin
+        for lin in ("self_attn.o_proj", "mlp.down_proj"):
+            assert type(plan.styles[f"{p}.{lin}"]) is RowwiseParallel, lin
+        attn = plan.styles[f"{p}.self_attn"]
+        assert isinstance(attn, PrepareModuleInput) and attn.input_kwarg_layouts.keys() == {"hidden_states"}
+        assert isinstance(plan.styles[f"{p}.mlp"], PrepareModuleInput)
+    assert type(plan.styles["model.embed_tokens"]) is RowwiseParallel
+    assert type(plan.styles["lm_head"]) is ColwiseParallel
+    assert (plan.n_heads, plan.n_kv_heads) == (4, 2)

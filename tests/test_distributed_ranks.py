@@ -74,6 +74,19 @@ def _fused_on_dtensor(rank: int, world: int) -> str:
     return "no error"
 
 
+def _indivisible_heads(rank: int, world: int) -> str:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from normatlas.blocks import TransformerLM
+    from normatlas.distributed import parallelize
+
+    try:
+        parallelize(TransformerLM(figures.lm_config(n_kv_heads=1)), init_device_mesh("cpu", (world,)))
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
 def two_rank_checks(rank: int, world: int) -> dict[str, Any]:
     """Everything this module asserts, computed on one rank of the 2-process group."""
     import time
@@ -87,6 +100,7 @@ def two_rank_checks(rank: int, world: int) -> dict[str, Any]:
         ("collectives", lambda: figures.collectives_check(rank, world)),
         ("monitor", lambda: _monitor_and_groups(rank, world)),
         ("fused", lambda: _fused_on_dtensor(rank, world)),
+        ("heads", lambda: _indivisible_heads(rank, world)),
     ):
         t0 = time.process_time()
         out[key] = fn()
@@ -184,3 +198,7 @@ def test_print_worker_cpu_seconds(ranks: list[dict[str, Any]]) -> None:
 
 def test_fused_backend_refuses_dtensor(ranks: list[dict[str, Any]]) -> None:
     assert "backend='fused' cannot run on a DTensor" in ranks[0]["fused"]
+
+
+def test_parallelize_refuses_head_counts_the_mesh_does_not_divide(ranks: list[dict[str, Any]]) -> None:
+    assert "n_kv_heads=1 is not divisible by the tensor-parallel size 2" in ranks[0]["heads"]
