@@ -106,6 +106,13 @@ def drop_in(
     runs: ``fused=False`` is ``Backend.AUTO`` (kernels that are ready, outside ``torch.compile``, torch.func
     transforms and :func:`normatlas.backend.reference_only`),
     ``fused=True`` ``Backend.FUSED`` (compile the kernels if needed; a spec or input they cannot serve raises)."""
+    if type(input) is not Tensor and torch._C._dispatch_keys(input).has(torch._C.DispatchKey.Python):
+        # a subclass with its own dispatch (DTensor, FakeTensor) has no storage for the C++ plan: the reference runs
+        if fused:
+            raise ValueError(
+                f"backend='fused' cannot run on a {type(input).__name__}; use backend='auto' or 'reference'"
+            )
+        return None
     if not fused and (torch.compiler.is_compiling() or _REFERENCE_ONLY[0] or _functorch_active()):
         # AUTO traces the reference path (the compiler fuses it), shows its ops to the recorder, and under
         # torch.func transforms (vmap, grad, jacrev) runs the ops they have rules for (a C++ autograd Function has none)

@@ -1,0 +1,235 @@
+"""Tensor + sequence parallel plans as data: ``{module path: ParallelStyle}`` for ``parallelize_module``.
+
+The essay's operational rule 8: a LayerNorm / RMSNorm needs the whole hidden dimension, so every norm is a
+sequence-parallel region. The residual stream between the projections is a DTensor sharded on the sequence
+(``Shard(1)``); each branch (attention, FFN) all-gathers it at its input (``PrepareModuleInput``), runs its
+column-parallel projections (q, k, v, gate, up) and its row-parallel one (o, down) on local heads / columns, and the
+row-parallel output is reduce-scattered back onto the sequence. The norms, the residual adds and any learned
+residual gates run on the sequence shards with the whole hidden dim (``SequenceParallel``), so their arithmetic is
+local and exact; their weights are replicated and their gradients come back ``Partial`` (see
+:mod:`normatlas.distributed.grads`). A QK-norm over the head dim runs on the local heads
+(``SequenceParallel(sequence_dim=2)``: dim 2 of ``(B, T, H, Dh)`` is the head dim, as in TorchTitan).
+
+The plan is derived from the model's own structure, never from module names:
+
+* a :class:`~normatlas.blocks.TransformerLM` is read through its typed attributes (blocks, their norm slots,
+  attention and MLP projections);
+* a transformers Llama-family model (Llama, Mistral, Qwen 2 / 3, Gemma 2 / 3) gets its norm sites from the inspector
+  (:func:`normatlas.inspect.inspect_model`) and its projections' roles from one recorded forward: a Linear fed by a
+  norm's output is column-parallel, the branch module that received the norm's output gets the all-gather, and a
+  Linear inside that branch writing ``hidden_size`` features is row-parallel.
+
+Everything runs on PyTorch's own engine (``torch.distributed.tensor.parallel``); nothing here communicates.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+__all__ = ["TensorParallelPlan", "parallelize", "rebind_param_groups", "tensor_parallel_plan"]
+
+_SLOTS = ("attn_pre_norm", "attn_post_norm", "attn_after_norm", "ffn_pre_norm", "ffn_post_norm", "ffn_after_norm")
+
+
+@dataclass(frozen=True)
+class TensorParallelPlan:
+    """A tensor + sequence parallel plan and what applying it needs besides ``parallelize_module``.
+
+    ``styles``: module path -> ParallelStyle (the argument of ``parallelize_module``). ``norms``: the paths of the
+    sequence-parallel norm regions (stream norms first per layer, then QK-norms). ``heads``: attention modules whose
+    ``n_heads`` / ``n_kv_heads`` attributes become the local head counts (a normatlas model reshapes by them; a
+    transformers model reshapes with ``-1`` and needs none). ``tied``: (owner, alias) parameter paths tied in the
+    model, re-tied after sharding. ``n_heads`` / ``n_kv_heads``: the head counts the mesh size must divide.
+    """
+
+    styles: dict[str, ParallelStyle]
+    norms: tuple[str, ...]
+    heads: tuple[str, ...]
+    tied: tuple[tuple[str, str], ...]
+    n_heads: int
+    n_kv_heads: int
+
+    def sequence_parallel_params(self, model: nn.Module) -> list[str]:
+        """The parameter paths of the norm regions (and residual gates): replicated, gradients ``Partial``."""
+        out = []
+        for path, style in self.styles.items():
+            if isinstance(style, SequenceParallel):
+                out += [f"{path}.{n}" for n, _ in model.get_submodule(path).named_parameters()]
+        return out
+
+
+def _stream() -> SequenceParallel:
+    return SequenceParallel()  # input (and output) Shard(1): sequence-sharded, whole hidden dim
+
+
+def _heads() -> SequenceParallel:
+    return SequenceParallel(sequence_dim=2, use_local_output=True)  # (B, T, H, Dh) sharded over H
+
+
+def _row_to_sequence() -> RowwiseParallel:
+    return RowwiseParallel(output_layouts=Shard(1), use_local_output=False)  # reduce-scatter onto the sequence
+
+
+def _embedding() -> RowwiseParallel:
+    return RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1), use_local_output=False)
+
+
+def _head(loss_parallel: bool) -> ColwiseParallel:
+    out = Shard(-1) if loss_parallel else Replicate()
+    return ColwiseParallel(input_layouts=Shard(1), output_layouts=out, use_local_output=not loss_parallel)
+
+
+def tensor_parallel_plan(
+    model: nn.Module, example_inputs: Any = None, *, loss_parallel: bool = False
+) -> TensorParallelPlan:
+    """The tensor + sequence parallel plan of ``model`` (a TransformerLM or a transformers Llama-family model).
+
+    ``example_inputs`` (a transformers model only): the inputs of the recorded forward (default: a short
+    ``input_ids`` batch). ``loss_parallel=True`` leaves the logits sharded on the vocabulary (``Shard(-1)``
+    DTensors, for ``torch.distributed.tensor.parallel.loss_parallel``); otherwise they are gathered whole.
+    Raises a ValueError naming what the plan does not cover.
+    """
+    if not isinstance(loss_parallel, bool):
+        raise TypeError(f"loss_parallel={loss_parallel!r} must be a bool")
+    from ..blocks import TransformerLM
+
+    if isinstance(model, TransformerLM):
+        if example_inputs is not None:
+            raise ValueError("example_inputs is read for transformers models only; a TransformerLM's plan is static")
+        return _lm_plan(model, loss_parallel)
+    if isinstance(model, nn.Module) and hasattr(model, "config") and hasattr(model, "get_input_embeddings"):
+        from .hf_plan import hf_plan
+
+        return hf_plan(model, example_inputs, loss_parallel)
+    raise TypeError(
+        f"model={type(model).__name__} must be a normatlas TransformerLM or a transformers PreTrainedModel "
+        "(Llama, Mistral, Qwen2/3, Gemma2/3)"
+    )
+
+
+def _check_lm(model: Any) -> None:
+    from ..blocks.qknorm import QKGain, QKScope
+
+    cfg = model.config
+    for name in ("max_positions", "type_vocab_size"):
+        if getattr(cfg, name):
+            raise ValueError(f"{name}={getattr(cfg, name)} (learned positions / token types) is not in the plan; use 0")
+    if cfg.head_transform:
+        raise ValueError("head_transform=True (the MLM head transform) is not in the plan; use False")
+    qk = cfg.qk_norm
+    if qk is not None and qk.scope is QKScope.FLAT:
+        raise ValueError("qk_norm.scope=QKScope.FLAT normalizes all heads together; the plan shards heads, use HEAD")
+    if qk is not None and qk.gain is QKGain.PER_HEAD:
+        raise ValueError("qk_norm.gain=QKGain.PER_HEAD holds one gain row per head; allowed: SHARED, NONE")
+
+
+def _lm_plan(model: Any, loss_parallel: bool) -> TensorParallelPlan:
+    _check_lm(model)
+    path = {id(m): n for n, m in model.named_modules()}
+    styles: dict[str, ParallelStyle] = {"embed": _embedding()}
+    norms: list[str] = []
+
+    def region(m: nn.Module | None, style: ParallelStyle, is_norm: bool = True) -> None:
+        if m is not None:
+            styles[path[id(m)]] = style
+            if is_norm:
+                norms.append(path[id(m)])
+
+    region(model.embed_norm, _stream())
+    heads = []
+    for block in model.blocks():
+        for slot in _SLOTS:
+            region(getattr(block, slot), _stream())
+        for res in (block.attn_residual, block.ffn_residual):
+            region(None if res is None else res.gate, _stream(), is_norm=False)
+        attn, mlp = block.attn, block.mlp
+        region(attn, PrepareModuleInput(
+            input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None),
+            use_local_output=True), is_norm=False)  # fmt: skip
+        for lin in (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj):
+            region(lin, ColwiseParallel(), is_norm=False)
+        region(attn.o_proj, _row_to_sequence(), is_norm=False)
+        region(mlp.down_proj, _row_to_sequence(), is_norm=False)
+        region(mlp, PrepareModuleInput(
+            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True),
+            is_norm=False)  # fmt: skip
+        for qn in (attn.q_norm, attn.k_norm, attn.v_norm):
+            region(qn, _heads())
+        heads.append(path[id(attn)])
+    region(model.final_norm, _stream())
+    styles["lm_head"] = _head(loss_parallel)
+    tied = (("embed.weight", "lm_head.weight"),) if model.lm_head.weight is model.embed.weight else ()
+    cfg = model.config
+    kv = cfg.n_heads if cfg.n_kv_heads is None else cfg.n_kv_heads
+    return TensorParallelPlan(styles, tuple(norms), tuple(heads), tied, cfg.n_heads, kv)
+
+
+def _set_param(model: nn.Module, path: str, value: nn.Parameter) -> None:
+    owner, _, leaf = path.rpartition(".")
+    setattr(model.get_submodule(owner) if owner else model, leaf, value)
+
+
+def _tp_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"mesh={mesh!r} must be a torch.distributed DeviceMesh (init_device_mesh)")
+    if mesh.ndim != 1:
+        raise ValueError(f"mesh has {mesh.ndim} dims {mesh.mesh_dim_names}; pass the 1-D tensor-parallel sub-mesh")
+    return mesh
+
+
+def parallelize(model: nn.Module, mesh: DeviceMesh, plan: TensorParallelPlan | None = None) -> nn.Module:
+    """Shard ``model`` in place for tensor + sequence parallelism over the 1-D ``mesh`` and return it.
+
+    ``plan`` defaults to :func:`tensor_parallel_plan` ``(model)``. Owns: the divisibility checks (the mesh size
+    must divide the query and key/value head counts), ``parallelize_module``, the local head counts of a normatlas
+    attention module, and re-tying tied weights (an embedding tied to the LM head stays one ``Shard(0)`` DTensor).
+    Every rank must hold the same initial weights (seed them alike): norm weights are replicated from the local
+    copy, as ``SequenceParallel`` does.
+    """
+    mesh = _tp_mesh(mesh)
+    plan = tensor_parallel_plan(model) if plan is None else plan
+    if not isinstance(plan, TensorParallelPlan):
+        raise TypeError(f"plan={plan!r} must be a TensorParallelPlan (from tensor_parallel_plan) or None")
+    tp = mesh.size()
+    for name, n in (("n_heads", plan.n_heads), ("n_kv_heads", plan.n_kv_heads)):
+        if n % tp:
+            raise ValueError(f"{name}={n} is not divisible by the tensor-parallel size {tp}; allowed: a divisor of {n}")
+    parallelize_module(model, mesh, plan.styles)
+    for path in plan.heads:
+        attn: Any = model.get_submodule(path)
+        attn.n_heads, attn.n_kv_heads = attn.n_heads // tp, attn.n_kv_heads // tp
+    for owner, alias in plan.tied:
+        _set_param(model, alias, model.get_parameter(owner))
+    return model
+
+
+def rebind_param_groups(groups: Sequence[dict[str, Any]], model: nn.Module) -> list[dict[str, Any]]:
+    """Optimizer groups built on the unsharded model (e.g. :func:`normatlas.diagnostics.param_groups`, which reads
+    each module's behaviour and so runs before sharding), pointed at ``model``'s sharded parameters by name.
+
+    Each group needs its ``names`` list (``param_groups`` writes one); every other key is kept. ``parallelize`` and
+    ``fully_shard`` replace parameters with DTensors under the same names, so compute the groups first::
+
+        groups = param_groups(model); parallelize(model, mesh); opt = AdamW(rebind_param_groups(groups, model))
+    """
+    out = []
+    for i, g in enumerate(groups):
+        names = g.get("names") if isinstance(g, dict) else None
+        if not isinstance(names, (list, tuple)):
+            raise ValueError(f"groups[{i}] has no 'names' list; build the groups with param_groups(model)")
+        out.append({**g, "params": [model.get_parameter(n) for n in names]})
+    return out
