@@ -58,6 +58,12 @@ def batch_norm_eps(module: nn.Module, dtype: torch.dtype) -> float | None:
     return float(eps)
 
 
+def _full(t: Tensor) -> Tensor:
+    """A plain tensor of ``t``'s full value (a DTensor is reduced / gathered; anything else is itself)."""
+    full = getattr(t, "full_tensor", None)
+    return full() if callable(full) else t
+
+
 def lr_power(optimizer: object) -> int:
     """``p`` in ``effective_lr = lr / ||W||^p`` for ``optimizer``'s type (:data:`~.metrics.LR_POWER`; else 2)."""
     for cls, p in LR_POWER:
@@ -130,7 +136,9 @@ class GradNorm(MonitorMetric):
                 grads.append(p.grad.detach())
         if not grads:
             return None
-        sq = torch.stack([n.float() for n in torch._foreach_norm(grads)]).pow(2)
+        norms = torch._foreach_norm(grads)
+        # a sharded gradient's norm is a DTensor (a Partial sum of squares under sequence parallelism): its full value
+        sq = torch.stack([_full(n).float() for n in norms]).pow(2)
         row: dict[str, object] = {"grad_norm/total": float(sq.sum().sqrt())}
         per: dict[str, float] = {}
         for label, v in zip(labels, sq.tolist(), strict=True):

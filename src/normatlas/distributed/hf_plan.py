@@ -18,11 +18,12 @@ from torch import Tensor, nn
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, PrepareModuleInput
 
+from ..vocabulary import QKNormKind, SiteRole
 from .plan import TensorParallelPlan, _embedding, _head, _heads, _row_to_sequence, _stream
 
 __all__ = ["hf_plan"]
 
-_QK_ROLES = ("qk", "q", "k", "v")
+_QK_ROLES = frozenset({SiteRole.QK, SiteRole.V})  # norms inside attention, on local heads
 
 
 @dataclass
@@ -126,7 +127,7 @@ def _path_of(model: nn.Module, module: nn.Module | None, what: str) -> str:
 
 def hf_plan(model: Any, example_inputs: Any, loss_parallel: bool) -> TensorParallelPlan:
     """The plan of a transformers decoder (see the module docstring); restores the model's train / eval mode."""
-    from ..inspect import QKNorm, inspect_model
+    from ..inspect import inspect_model
 
     training = model.training
     try:
@@ -136,9 +137,10 @@ def hf_plan(model: Any, example_inputs: Any, loss_parallel: bool) -> TensorParal
         qk: list[str] = []
         for n in report.norms:
             if not n.module or n.fused:
-                raise ValueError(f"norm #{n.index} ({n.role}, layer {n.layer}) is not run by a module; no style fits")
+                where = f"norm #{n.index} ({n.role.value}, layer {n.layer})"
+                raise ValueError(f"{where} is not run by a module; no style fits")
             (qk if n.role in _QK_ROLES else stream).append(n.module)
-        if qk and report.qk_norm is not QKNorm.PER_HEAD:
+        if qk and report.qk_norm is not QKNormKind.PER_HEAD:
             raise ValueError(f"qk_norm={report.qk_norm.value!r}: only a per-head QK-norm runs on local heads")
         hidden = report.hidden_size
         if hidden is None:
