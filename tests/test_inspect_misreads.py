@@ -148,3 +148,63 @@ def test_scalar_buffer_is_a_constant_not_a_learned_gain() -> None:
     assert all(not s.post for s in rep.sublayers)
     final = [n for n in rep.norms if n.role is SiteRole.FINAL]
     assert len(final) == 1 and final[0].layer is None
+
+
+def _tiny(mt: str):  # type: ignore[no-untyped-def]
+    pytest.importorskip("transformers")
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    from normatlas.inspect.build import tiny_config
+
+    if mt not in CONFIG_MAPPING:
+        pytest.skip(f"no {mt} in this transformers")
+    return tiny_config(mt)
+
+
+def test_dory_sections_shrink_with_the_stack() -> None:
+    """Dory (36 layers: 8 input, 20 recurrent, 8 output) ran its 2 tiny layers twice with the sections left at
+    8 / 20 / 8, and its config's own check refused it; the sections are cut with the depth, one layer each."""
+    cfg = _tiny("dory")
+    sections = (cfg.n_input_layers, cfg.n_recurrent_layers, cfg.n_output_layers)
+    assert cfg.num_hidden_layers == 3 and sections == (1, 1, 1) and len(cfg.layer_types) == 3
+    cfg.validate_architecture()
+
+
+def test_dory_final_norm_is_found() -> None:
+    """DoryModel.forward ends in ``self.norm(hidden_states)`` (an L2 norm) after the last layer, whose layers each
+    begin by normalizing the stream (``input_layernorm``): the last norm is that layer's post-norm and the final
+    norm; it was read as the post-norm only (final norm ``none``)."""
+    from normatlas.inspect.build import _model_from_config
+
+    rep = inspect_model(_model_from_config(_tiny("dory")), name="dory")
+    assert rep.operator is Operator.L2 and rep.final_norm is Operator.L2
+    final = [n for n in rep.norms if n.role is SiteRole.FINAL]
+    assert len(final) == 1 and final[0].index in rep.sublayers[-1].post
+    assert rep.qk_norm is QKNormKind.PER_HEAD and rep.qk_norm_rope is RopeOrder.BEFORE_ROPE
+
+
+def test_nested_expert_config_shrinks_with_the_model() -> None:
+    """DBRX keeps its experts in a nested ``ffn_config`` whose ``hidden_size`` must mirror the model's (6144 / 10752
+    in the 132B model): it stayed at the default width beside a 64-wide model. A sub-config of the model's width
+    with no layer stack of its own is part of each layer and shrinks with it; a tower of its own keeps its sizes."""
+    cfg = _tiny("dbrx")
+    ffn = cfg.ffn_config
+    assert (cfg.hidden_size, ffn.hidden_size, ffn.ffn_hidden_size, ffn.moe_num_experts) == (64, 64, 128, 4)
+
+
+def test_depth_behind_a_property_is_shrunk() -> None:
+    """LongCat-Flash derives ``num_hidden_layers`` (two attention sublayers per layer) from ``num_layers`` through a
+    property with a setter, absent from ``to_dict``: the tiny model kept all 28 MoE layers (33 M parameters, past
+    the sweep's time limit once traced). The property is set like any size."""
+    from normatlas.inspect.build import _model_from_config
+
+    cfg = _tiny("longcat_flash")
+    assert (cfg.num_layers, cfg.num_hidden_layers, cfg.n_routed_experts) == (1, 2, 4)
+    model = _model_from_config(cfg)
+    assert sum(p.numel() for p in model.parameters()) < 2_000_000
+
+
+def test_towers_keep_their_sizes() -> None:
+    """GIT's vision tower has the text model's width (768) but a layer stack of its own: not shrunk as a part."""
+    cfg = _tiny("git")
+    assert cfg.hidden_size == 64 and cfg.vision_config.hidden_size == 768
