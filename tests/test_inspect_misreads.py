@@ -208,3 +208,20 @@ def test_towers_keep_their_sizes() -> None:
     """GIT's vision tower has the text model's width (768) but a layer stack of its own: not shrunk as a part."""
     cfg = _tiny("git")
     assert cfg.hidden_size == 64 and cfg.vision_config.hidden_size == 768
+
+
+@pytest.mark.parametrize(
+    ("mt", "placement"),
+    [
+        # Gemma4TextDecoderLayer ends in ``hidden_states *= self.layer_scalar`` (a one-element buffer), then
+        # Gemma4TextModel.norm
+        ("gemma4_text", PlacementKind.MIX),
+        # MiniMaxDecoderLayer normalizes the stream first (its post-norms are the next layer's), MiniMaxModel.norm last
+        ("minimax", PlacementKind.POST),
+    ],
+)
+def test_final_norm_of_held_out_models(mt: str, placement: PlacementKind) -> None:
+    from normatlas.inspect.build import _model_from_config
+
+    rep = inspect_model(_model_from_config(_tiny(mt)), name=mt)
+    assert rep.final_norm is Operator.RMSNORM and rep.placement is placement
