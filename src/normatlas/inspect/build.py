@@ -32,6 +32,7 @@ TINY: dict[str, Any] = {
     "n_positions": 64,
     "n_inner": 128,
     "ffn_dim": 128,
+    "ffn_hidden_size": 128,
     "moe_intermediate_size": 32,
     "shared_expert_intermediate_size": 32,
     "num_experts": 4,
@@ -72,8 +73,7 @@ def tiny_config(model_type: str, **overrides: Any) -> Any:
             f"unknown model type {model_type!r}: not a transformers model type, a folder or module:factory"
         )
     cfg = AutoConfig.for_model(model_type)
-    text = getattr(cfg, "text_config", None)
-    for c in [cfg] + ([text] if text is not None and text is not cfg else []):
+    for c in _parts(cfg):
         _shrink(c, {**TINY, **overrides})
         if "qk_rope_head_dim" in c.to_dict() and "head_dim" in c.to_dict():  # MLA: rotary part sets head_dim
             with contextlib.suppress(Exception):
@@ -92,6 +92,23 @@ def tiny_config(model_type: str, **overrides: Any) -> Any:
     return cfg
 
 
+def _parts(cfg: Any) -> list[Any]:
+    """The configs to shrink: the model's, its ``text_config``, and every nested sub-config that is a part of each
+    layer: the same width (its ``hidden_size`` mirrors the model's: DBRX's ``ffn_config``, the experts reading
+    and writing the stream) and no layer stack of its own. A tower (a vision or audio encoder) keeps its sizes."""
+    text = getattr(cfg, "text_config", None)
+    parts = [cfg] + ([text] if text is not None and text is not cfg else [])
+    for base in list(parts):
+        width = getattr(base, "hidden_size", None)
+        for key in getattr(base, "sub_configs", None) or {}:
+            sub = getattr(base, key, None)
+            if sub is None or any(sub is p for p in parts) or not isinstance(width, int):
+                continue
+            if getattr(sub, "hidden_size", None) == width and getattr(sub, "num_hidden_layers", None) is None:
+                parts.append(sub)
+    return parts
+
+
 def _shrink(c: Any, sizes: dict[str, Any]) -> None:
     """Set ``sizes`` where ``c`` has them, then fit its per-layer schedules to the shrunk depth: every list with
     one entry per original layer is cut to the new depth (a size set above becomes one entry per layer), a hybrid
@@ -99,10 +116,10 @@ def _shrink(c: Any, sizes: dict[str, Any]) -> None:
     before = c.to_dict()
     depth = getattr(c, "num_hidden_layers", None)
     for key, val in sizes.items():
-        if key in before or key in getattr(c, "attribute_map", {}):
+        if key in before or key in getattr(c, "attribute_map", {}) or _settable_property(c, key):
             with contextlib.suppress(Exception):  # some configs guard their attributes
                 setattr(c, key, val)
-    n = getattr(c, "num_hidden_layers", None)
+    n = _fit_sections(c, depth, getattr(c, "num_hidden_layers", None))
     types = getattr(c, "layer_types", None)
     if isinstance(types, list):
         n = n if isinstance(n, int) else len(types)
@@ -123,6 +140,36 @@ def _shrink(c: Any, sizes: dict[str, Any]) -> None:
             now = getattr(c, key, None)
             with contextlib.suppress(Exception):
                 setattr(c, key, now[:n] if isinstance(now, list) else [now] * n)
+
+
+def _settable_property(c: Any, key: str) -> bool:
+    """A size the config derives from another field through a property with a setter (LongCat-Flash's
+    ``num_hidden_layers``, twice its ``num_layers``): not in ``to_dict``, still the size to shrink."""
+    prop = getattr(type(c), key, None)
+    return isinstance(prop, property) and prop.fset is not None
+
+
+def _fit_sections(c: Any, depth: Any, n: Any) -> Any:
+    """Layer counts that partition the stack into sections (they sum to the original depth: Dory's input /
+    recurrent / output layers, 8 + 20 + 8 of 36) are cut with it, one layer each at least (the depth grows to the
+    number of sections where it must); the new depth is returned. Read off the attributes, not ``to_dict`` (which
+    may serialise another layout)."""
+    if not (isinstance(depth, int) and isinstance(n, int) and n < depth):
+        return n
+    counts = {
+        k: v
+        for k, v in vars(c).items()
+        if k.endswith("_layers") and k != "num_hidden_layers" and type(v) is int and 0 < v < depth
+    }
+    if len(counts) < 2 or sum(counts.values()) != depth:
+        return n
+    n = max(n, len(counts))
+    widest = max(counts, key=lambda k: counts[k])
+    with contextlib.suppress(Exception):
+        c.num_hidden_layers = n
+        for k in counts:
+            setattr(c, k, 1 + (n - len(counts) if k == widest else 0))
+    return n
 
 
 def _fit_mrope(c: Any) -> None:

@@ -277,7 +277,9 @@ def final_norm(g: Graph, stream: Stream) -> Site | None:
     """Phase 4: the norm on the last stream value. A norm there is the last sublayer's post-norm when another
     norm follows it (the final norm), or when the nearest sublayer of its kind has a post-norm and otherwise
     the same norms (Mix-LN switches scheme with depth, so a Pre-LN last layer after a Post-LN one ends in a
-    final norm); the post-norm is then appended to the last sublayer."""
+    final norm); the post-norm is then appended to the last sublayer. A post-norm run outside the layer list
+    after a last layer that runs inside it (nGPT's Dory: each layer's post-norm is the next layer's first norm, the
+    last one the model's) is both the last sublayer's post-norm and the final norm."""
     if not stream.sublayers:
         return None
     last = stream.sublayers[-1]
@@ -289,8 +291,15 @@ def final_norm(g: Graph, stream: Stream) -> Site | None:
     like_near = near is not None and bool(near.post) and same_scheme
     if cands and (chained or like_near):
         last.post.append(cands[0])
+        if not chained and _in_layer(g, last.adds[-1]) and not _in_layer(g, cands[0].node):
+            return cands[0]  # the stack's own norm, run after its last layer: that layer's post-norm and the final norm
         cands = list(stream.reading(g, cands[0].output))
     return cands[0] if cands else None
+
+
+def _in_layer(g: Graph, idx: int) -> bool:
+    """Whether node ``idx`` runs inside an element of a layer list (an ``nn.ModuleList`` child)."""
+    return any(path in g.list_children for path in g.nodes[idx].scope)
 
 
 def embedding(g: Graph, stream: Stream) -> tuple[float | None, Site | None]:
