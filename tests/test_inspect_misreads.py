@@ -19,6 +19,8 @@ from torch import nn
 from normatlas.inspect import InspectionReport, inspect_model
 from normatlas.vocabulary import Operator, PlacementKind, QKNormKind, RopeOrder, SiteRole, SublayerKind
 
+from .test_inspect_designs import rope  # the one hand-written RoPE of the toy designs
+
 D, H, V, T = 32, 4, 50, 6
 HD = D // H
 
@@ -30,13 +32,6 @@ class RMS(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
-
-
-def rope(x: torch.Tensor) -> torch.Tensor:
-    t = torch.arange(x.shape[-2], dtype=x.dtype)[:, None] * torch.ones(x.shape[-1] // 2)
-    cos, sin = torch.cat([t.cos(), t.cos()], -1), torch.cat([t.sin(), t.sin()], -1)
-    x1, x2 = x.chunk(2, -1)
-    return x * cos + torch.cat([-x2, x1], -1) * sin
 
 
 class Attn(nn.Module):

@@ -85,13 +85,18 @@ def test_probe_measures_known_norms(name: str) -> None:
     dim = D if all(p.dim() == 0 or p.numel() == 1 for p in mod.parameters()) else None
     facts = probe(mod, dim, name=name)
     assert isinstance(facts, NormFacts) and facts.name == name and facts.structured
-    assert (facts.center, facts.gain_param, facts.bias_param, facts.convention) == (center, gain, bias, conv)
+    assert (facts.measured.center, facts.gain_param, facts.bias_param, facts.measured.gain_convention) == (
+        center,
+        gain,
+        bias,
+        conv,
+    )
     assert facts.feature_axis == axis
     if eps is None:  # features-first: eps is not measured, only the attribute is reported
         assert facts.eps_measured is None and facts.eps == facts.eps_attr
     else:
         assert facts.eps_measured is not None and math.isclose(facts.eps_measured, eps, rel_tol=1e-2)
-        assert (facts.eps_placement.value, facts.scale.value) == (placement, scale)
+        assert (facts.measured.eps_placement.value, facts.measured.scale.value) == (placement, scale)
     _assert_restored(mod, before, True)
 
 
@@ -99,14 +104,14 @@ def test_cast_orders_of_llama_gemma_and_torch_are_measured_in_bf16() -> None:
     llama, gemma, rms = (probe(m) for m in (HFLlamaRMSNorm(D), HFGemmaRMSNorm(D), nn.RMSNorm(D, eps=1e-6)))
     assert llama is not None and gemma is not None and rms is not None
     assert llama.cast_measured and gemma.cast_measured and rms.cast_measured
-    assert llama.cast_order is CastOrder.BEFORE_GAIN  # weight * x_hat.to(bf16)
-    assert gemma.cast_order is CastOrder.AFTER_GAIN and rms.cast_order is CastOrder.AFTER_GAIN
+    assert llama.measured.cast_order is CastOrder.BEFORE_GAIN  # weight * x_hat.to(bf16)
+    assert gemma.measured.cast_order is CastOrder.AFTER_GAIN and rms.measured.cast_order is CastOrder.AFTER_GAIN
 
 
 @pytest.mark.parametrize("cast", [CastOrder.AFTER_GAIN, CastOrder.BEFORE_GAIN])
 def test_cast_order_of_our_norm_is_recovered(cast: CastOrder) -> None:
     facts = probe(presets.RMSNorm(64, eps=1e-6, cast_order=cast))
-    assert facts is not None and facts.cast_order is cast
+    assert facts is not None and facts.measured.cast_order is cast
 
 
 @pytest.mark.parametrize(
@@ -133,7 +138,7 @@ def test_training_batchnorm_is_a_channels_first_norm_and_its_running_stats_survi
     bn.running_mean.fill_(0.3)
     before = _snapshot(bn)
     facts = probe(bn)
-    assert facts is not None and facts.center and facts.feature_axis == 1
+    assert facts is not None and facts.measured.center and facts.feature_axis == 1
     assert facts.roles == {"weight": ParamRole.GAIN, "bias": ParamRole.BIAS}
     _assert_restored(bn, before, True)
     assert int(bn.num_batches_tracked) == 0
@@ -152,15 +157,15 @@ def test_eps_and_placement_are_measured(center: bool, log_eps: float, placement:
     eps = 10.0**log_eps
     spec = NormSpec(center=center, eps=eps, eps_placement=placement, bias=center)
     facts = probe(Norm(spec, dim))
-    assert facts is not None and facts.eps_placement is placement
+    assert facts is not None and facts.measured.eps_placement is placement
     assert facts.eps_measured is not None and math.isclose(facts.eps_measured, eps, rel_tol=2e-2)
-    assert facts.scale is Scale.RMS and facts.center is center
+    assert facts.measured.scale is Scale.RMS and facts.measured.center is center
 
 
 def test_l2_norm_without_parameters_needs_dim() -> None:
     facts = probe(presets.L2Norm(), 19)
     assert facts is not None and facts.gain_param is None and facts.dim == 19
-    assert facts.scale is Scale.L2 and facts.eps_placement is EpsPlacement.CLAMP
+    assert facts.measured.scale is Scale.L2 and facts.measured.eps_placement is EpsPlacement.CLAMP
     assert facts.eps_measured is not None and math.isclose(facts.eps_measured, 1e-12, rel_tol=2e-2)
 
 

@@ -125,7 +125,7 @@ def test_ln_to_rms_exact_on_pre_ln(family: str) -> None:
     assert s.passed and not s.refusals, (s.check_rows(), s.refusals)
     runtime = s.runtime()
     norms = find_norms(record(model, x))
-    assert all(f.center for f in norms.values())
+    assert all(f.measured.center for f in norms.values())
     for name in norms:
         swapped = runtime.get_submodule(name)
         assert isinstance(swapped, Norm) and not swapped.spec.center
@@ -203,7 +203,7 @@ def test_gain_convention_measured_and_converted_both_ways(family: str, code: Gai
     model = tiny(family)
     x = probe_inputs(model)
     norms = find_norms(record(model, x))
-    assert {f.convention for f in norms.values()} == {code}
+    assert {f.measured.gain_convention for f in norms.values()} == {code}
     other = GainConvention.W if code is GainConvention.ONE_PLUS_W else GainConvention.ONE_PLUS_W
     s = convert_gain_convention(model, x, other)
     run_checks(model, s, x, tolerance=Tolerance(TOL64, 1e-5))

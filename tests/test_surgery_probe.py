@@ -46,10 +46,10 @@ def test_probe_recovers_the_spec(center, log_eps, placement, convention, bias, d
     before = {k: v.clone() for k, v in layer.state_dict().items()}
     facts = probe_norm(layer, "n", dim)
     assert facts is not None
-    assert facts.center is center
-    assert facts.convention is convention
+    assert facts.measured.center is center
+    assert facts.measured.gain_convention is convention
     assert (facts.bias_param is not None) is spec.bias
-    assert facts.eps_placement is placement
+    assert facts.measured.eps_placement is placement
     assert math.isclose(facts.eps, eps, rel_tol=2e-2)
     for k, v in layer.state_dict().items():  # the probe restores the layer
         assert torch.equal(v, before[k])
@@ -72,7 +72,7 @@ def test_probe_rejects_non_norms() -> None:
 
 def test_probe_reads_cast_order_of_torch_rmsnorm() -> None:
     facts = probe_norm(torch.nn.RMSNorm(16, eps=1e-6), "rms", 16)
-    assert facts is not None and facts.cast_order is CastOrder.AFTER_GAIN and not facts.center
+    assert facts is not None and facts.measured.cast_order is CastOrder.AFTER_GAIN and not facts.measured.center
     assert facts.eps == 1e-6 and facts.eps_attr == 1e-6
 
 

@@ -75,7 +75,7 @@ class NormFacts:
     number is (``eps_measured`` None: eps could not be measured, for a features-first layout or a gain of
     unknown shape; ``cast_measured`` False: the bfloat16 cast-order test could not run).
 
-    ``center``, ``scale``, ``eps_placement``, ``cast_order`` and ``convention`` read ``measured``; ``eps`` is always
+    Read the design off ``measured`` (``facts.measured.center``, ``.gain_convention``, ...); ``eps`` is always
     a usable number (the measured value, snapped to the module's own ``eps`` attribute when they agree within 1%,
     else that attribute, else the float32 tiny; float32's machine eps where ``measured.eps`` is None).
     """
@@ -94,26 +94,6 @@ class NormFacts:
     structured: bool = True  # <= one gain, <= one bias, nothing else; the zeroing cross-check held
 
     @property
-    def center(self) -> bool:
-        return self.measured.center
-
-    @property
-    def scale(self) -> Scale:
-        return self.measured.scale
-
-    @property
-    def eps_placement(self) -> EpsPlacement:
-        return self.measured.eps_placement
-
-    @property
-    def cast_order(self) -> CastOrder:
-        return self.measured.cast_order
-
-    @property
-    def convention(self) -> GainConvention:
-        return self.measured.gain_convention
-
-    @property
     def eps(self) -> float:
         eps = self.measured.eps
         return eps if eps is not None else torch.finfo(torch.float32).eps
@@ -128,7 +108,7 @@ class NormFacts:
         if self.gain_param is None:
             return None
         w = getattr(module, self.gain_param).detach()
-        return w + 1 if self.convention is GainConvention.ONE_PLUS_W else w
+        return w + 1 if self.measured.gain_convention is GainConvention.ONE_PLUS_W else w
 
     def bias(self, module: nn.Module) -> Tensor | None:
         return None if self.bias_param is None else getattr(module, self.bias_param).detach()
@@ -140,7 +120,7 @@ class NormFacts:
         return {ours: theirs for ours, theirs in pairs if theirs is not None}
 
     def identity_gain_value(self) -> float:
-        return 0.0 if self.convention is GainConvention.ONE_PLUS_W else 1.0
+        return 0.0 if self.measured.gain_convention is GainConvention.ONE_PLUS_W else 1.0
 
     def spec(
         self,
@@ -154,11 +134,13 @@ class NormFacts:
     ) -> NormSpec:
         """``measured``, with fields changed for a conversion (``gain=False`` drops the gain)."""
         return self.measured.with_(
-            center=self.center if center is None else center,
+            center=self.measured.center if center is None else center,
             eps=self.measured.eps if eps is None else eps,
-            eps_placement=self.eps_placement if eps_placement is None else eps_placement,
+            eps_placement=self.measured.eps_placement if eps_placement is None else eps_placement,
             gain=Gain.PER_FEATURE if gain else Gain.NONE,
-            gain_convention=(self.convention if convention is None else convention) if gain else GainConvention.W,
+            gain_convention=(self.measured.gain_convention if convention is None else convention)
+            if gain
+            else GainConvention.W,
             bias=(self.bias_param is not None) if bias is None else bias,
         )
 

@@ -93,7 +93,7 @@ def _measured_gain(module: nn.Module) -> tuple[str | None, bool]:
 
     facts = probe(module)
     if facts is not None:
-        return facts.gain_param, facts.convention is GainConvention.ONE_PLUS_W
+        return facts.gain_param, facts.measured.gain_convention is GainConvention.ONE_PLUS_W
     with randomized(module):
         resp = respond(module)
         roles = param_roles(module, resp.x) if resp is not None and resp.pointwise else {}

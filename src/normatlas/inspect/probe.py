@@ -48,10 +48,10 @@ def probe_module(module: nn.Module, size: int, *, seed: int = 0) -> ProbeResult 
         return None
     has_params = any(p.is_floating_point() for p in module.parameters())
     structured = not has_params or (facts.structured and facts.gain_param is not None)
-    conv = facts.convention if has_params and structured else None
+    conv = facts.measured.gain_convention if has_params and structured else None
     bias = any(r is ParamRole.BIAS for r in facts.roles.values())
     eps = float(f"{facts.eps:.3g}") if facts.eps_measured else None
-    op = Operator.LAYERNORM if facts.center else Operator.RMSNORM
+    op = Operator.LAYERNORM if facts.measured.center else Operator.RMSNORM
     if op is Operator.LAYERNORM and not has_params and not bias:
         op = Operator.LAYERNORM_NONPARAM
     return ProbeResult(op, conv, structured, bias, eps)

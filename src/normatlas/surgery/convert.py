@@ -108,7 +108,7 @@ def _stream_reasons(
 
 def ln_foldability(flow: Dataflow, norms: dict[str, NormFacts]) -> list[tuple[list[str], dict[str, str], list[str]]]:
     """For each residual stream read by LayerNorms: (norms, centrable writers, reasons it cannot be converted)."""
-    lns = {n: f for n, f in norms.items() if f.center}
+    lns = {n: f for n, f in norms.items() if f.measured.center}
     out = []
     for names, tensors, leaves in _components(flow, lns):
         reasons, writers = _stream_reasons(flow, norms, names, tensors, leaves)
@@ -179,12 +179,12 @@ def gain_offset_warnings(model: nn.Module, norms: dict[str, NormFacts]) -> list[
             continue
         w = getattr(model.get_submodule(name), f.gain_param).detach().double()
         mean = float(w.mean())
-        if f.convention is GainConvention.ONE_PLUS_W and mean > 0.5:
+        if f.measured.gain_convention is GainConvention.ONE_PLUS_W and mean > 0.5:
             out.append(
                 f"{name}: the code computes (1 + w) but w averages {mean:.3f}, so the multiplier averages "
                 f"{1 + mean:.3f}: the +1 offset looks already baked into the weights (double offset)"
             )
-        elif f.convention is GainConvention.W and float(w.abs().mean()) < 0.1:
+        elif f.measured.gain_convention is GainConvention.W and float(w.abs().mean()) < 0.1:
             out.append(
                 f"{name}: the code computes w but |w| averages {float(w.abs().mean()):.3f}, so the layer "
                 "nearly zeroes its output: these look like (1 + w) weights missing their offset"
@@ -210,7 +210,7 @@ def convert_gain_convention(model: nn.Module, example_inputs: Any, to: GainConve
         "convention on top, so load with normatlas.surgery.load_transformed (the manifest swaps the norms)"
     )
     for name, f in norms.items():
-        if f.gain_param is None or f.convention is to:
+        if f.gain_param is None or f.measured.gain_convention is to:
             continue
         p = getattr(model.get_submodule(name), f.gain_param)
         with torch.no_grad():
@@ -219,9 +219,9 @@ def convert_gain_convention(model: nn.Module, example_inputs: Any, to: GainConve
         surgery.changes.append(
             Change(
                 name,
-                f"{f.convention.value} -> {to.value}",
+                f"{f.measured.gain_convention.value} -> {to.value}",
                 "measured: zero weight gives "
-                + ("identity scale" if f.convention is GainConvention.ONE_PLUS_W else "zero output"),
+                + ("identity scale" if f.measured.gain_convention is GainConvention.ONE_PLUS_W else "zero output"),
             )
         )
     return surgery
@@ -264,7 +264,7 @@ def change_eps(
             Change(
                 name,
                 "eps",
-                f"{f.eps:g} {f.eps_placement.value} -> {spec.eps:g} "
+                f"{f.eps:g} {f.measured.eps_placement.value} -> {spec.eps:g} "
                 f"{spec.eps_placement.value}; max deviation on probes {dev:.3g}",
             )
         )

@@ -158,19 +158,19 @@ class DeferredNormLinear(nn.Module):
 
 def _defer_refusal(facts: NormFacts, has_bias: bool) -> str | None:
     """Why :class:`DeferredNormLinear` cannot stand in for this (weightless) norm, or None when it can."""
-    if facts.center or has_bias:
+    if facts.measured.center or has_bias:
         return (
             "centring/bias is not a per-token scalar, so the normalisation cannot move past the GEMM "
             "(convert LN->RMS first)"
         )
-    if facts.scale is not Scale.RMS:
+    if facts.measured.scale is not Scale.RMS:
         return (
-            f"it divides by the {facts.scale.value} statistic (measured), but the deferred linear computes "
+            f"it divides by the {facts.measured.scale.value} statistic (measured), but the deferred linear computes "
             "rsqrt(mean(x^2)): only an RMS norm can be deferred"
         )
-    if facts.eps_placement not in _DEFERRABLE:
+    if facts.measured.eps_placement not in _DEFERRABLE:
         return (
-            f"its eps placement is {facts.eps_placement.value} (measured), but the deferred linear supports "
+            f"its eps placement is {facts.measured.eps_placement.value} (measured), but the deferred linear supports "
             "only inside_sqrt and outside_sqrt"
         )
     return None
@@ -218,7 +218,7 @@ def deferred_runtime(surgery: Surgery) -> nn.Module:
     model = surgery.runtime()
     for name, consumers, facts in surgery.deferred:
         for c in consumers:
-            model.set_submodule(c, DeferredNormLinear(model.get_submodule(c), facts.eps, facts.eps_placement))
+            model.set_submodule(c, DeferredNormLinear(model.get_submodule(c), facts.eps, facts.measured.eps_placement))
         model.set_submodule(name, nn.Identity())
     return model
 
@@ -246,7 +246,7 @@ def cancel_pre_attention_norms(model: nn.Module, example_inputs: Any) -> Surgery
                 + ". That path still needs the 1/rms(x) scale"
                 + (" (the value path, when only Q and K have norms)" if len(missing) < len(consumers) else "")
             )
-        elif facts.center:
+        elif facts.measured.center:
             reason = "it centres (LayerNorm); the downstream norms cancel a scale, not the mean"
         elif facts.bias_param is not None and bool((getattr(module, facts.bias_param) != 0).any()):
             reason = "it has a bias, which does not scale with 1/rms(x)"
