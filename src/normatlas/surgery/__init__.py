@@ -1,7 +1,9 @@
 """Surgery: fold, convert and port normalization in real checkpoints, proving every result.
 
-Every transformation reads the model's recorded dataflow (:mod:`.dataflow`) and
-measured norm behaviour (:mod:`.norms`), never parameter names; returns a
+Owns the transforms (:mod:`.fold`, :mod:`.convert`), their proof (:mod:`.verify`) and the safe checkpoint
+write (:mod:`.io`, :mod:`.output`). Every transformation reads the model's recorded dataflow
+(:func:`normatlas.analysis.record_flow`) and measured norm behaviour (:func:`normatlas.analysis.probe`,
+through :mod:`.norms`), never parameter names; returns a
 :class:`Surgery` (the transformed model, runtime swaps, changes and refusals with
 reasons); is proven by :func:`run_checks` (before vs after on probes, float64 and the
 working dtype); and is written only when the proof passes (:func:`save_surgery`).
