@@ -60,6 +60,7 @@ def test_essay_differences_are_the_code_checked_corrections() -> None:
         "Chameleon (7B)",
         "Gemma 3n",
         "Kimi",
+        "SAM",  # the neck is a channels-first LayerNorm, not BatchNorm-family (tests/test_atlas_vision.py)
     }
     assert (diff["Phi-1 / Phi-1.5 / Phi-2"]["operator"], diff["Phi-1 / Phi-1.5 / Phi-2"]["placement"]) == (
         "layernorm",

@@ -1,0 +1,55 @@
+"""The vision records the atlas reads from code: each agrees with what ``inspect_vision`` reads off the tiny tower.
+
+Before this file these records were ``unclear`` (CLIP ViT-L/14, SigLIP-SO400M, DINOv2, SAM) or BatchNorm-family
+(SAM's neck, Mini-Gemini's ConvNeXt branch) although transformers' code says otherwise (issue 20's list).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("transformers")
+
+import normatlas.atlas as atlas
+from normatlas.inspect import inspect_vision_target
+from normatlas.vocabulary import Operator
+
+RECORDS = {r["name"]: r for r in atlas.models()}
+TOWERS = {  # record -> the transformers vision model type its source names
+    "CLIP ViT-L/14": "clip_vision_model",
+    "SigLIP-SO400M": "siglip_vision_model",
+    "DINOv2": "dinov2",
+    "SAM": "sam_vision_model",
+}
+
+
+@pytest.mark.parametrize(("name", "model_type"), sorted(TOWERS.items()))
+def test_vision_record_is_what_inspect_vision_reads(name: str, model_type: str) -> None:
+    rec, r = RECORDS[name], inspect_vision_target(model_type, probe=False)
+    assert rec["status"] == "code" and model_type in rec["source"]
+    assert (rec["operator"], rec["placement"], rec["qk_norm"]) == (r.operator.value, r.placement.value, r.qk_norm.value)
+    if rec["residual"] == "LayerScale":
+        assert r.branch_scale == "per-channel"
+
+
+def test_sam_neck_normalises_with_layernorm_not_batch_statistics() -> None:
+    rec, r = RECORDS["SAM"], inspect_vision_target("sam_vision_model", probe=False)
+    assert rec["vision_tower_norm"] == "layernorm" and r.head_norm is Operator.LAYERNORM
+    assert rec["essay_differs"] and "BatchNorm" in rec["essay_differs"]
+
+
+def test_convnext_branch_has_no_batch_statistics() -> None:
+    """Mini-Gemini's high-res branch is a ConvNeXt: no module of a tiny ConvNeXt computes batch statistics, and its
+    norms are LayerNorms over the channels (found by behaviour, not by class name)."""
+    import torch
+    from transformers import ConvNextConfig, ConvNextModel
+
+    from normatlas.analysis import probe
+    from normatlas.longtail import read_batchnorm
+
+    torch.manual_seed(0)
+    model = ConvNextModel(ConvNextConfig(hidden_sizes=[8, 16], depths=[1, 1], num_stages=2, image_size=32)).eval()
+    assert all(read_batchnorm(m) is None for m in model.modules())
+    facts = [f for m in model.modules() if not list(m.children()) if (f := probe(m)) is not None]
+    assert facts and all(f.measured.center for f in facts)  # centred: LayerNorms, over channels first or last
+    assert RECORDS["Mini-Gemini"]["vision_tower_norm"] == "layernorm"
