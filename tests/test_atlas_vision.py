@@ -53,3 +53,13 @@ def test_convnext_branch_has_no_batch_statistics() -> None:
     facts = [f for m in model.modules() if not list(m.children()) if (f := probe(m)) is not None]
     assert facts and all(f.measured.center for f in facts)  # centred: LayerNorms, over channels first or last
     assert RECORDS["Mini-Gemini"]["vision_tower_norm"] == "layernorm"
+
+
+def test_paligemma_gain_convention_is_read_from_code() -> None:
+    """The record's gain convention was empty although the inspector reads PaliGemma's Gemma as (1 + w)."""
+    from normatlas.inspect import inspect_target
+    from normatlas.spec import GainConvention
+
+    r = inspect_target("paligemma", probe=False)
+    assert r.gain_convention is GainConvention.ONE_PLUS_W and RECORDS["PaliGemma"]["gain_convention"] == "1+w"
+    assert RECORDS["PaliGemma"]["hf_model_types"] == ["paligemma"]  # so `matrix --check` keeps it true
