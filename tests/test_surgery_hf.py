@@ -154,7 +154,17 @@ def test_cancel_refused_without_qk_norm() -> None:
     model = tiny("llama")
     s = cancel_pre_attention_norms(model, probe_inputs(model))
     assert not s.changes and not s.refusals
-    assert "nothing to cancel" in s.notes[0]
+    assert "nothing to cancel" in s.notes[0] and "(no QK-norm)" in s.notes[0]
+
+
+def test_cancel_on_olmo2_names_the_missing_pre_attention_norm() -> None:
+    """OLMo 2 has a QK-norm (over the flattened heads) but no norm before q / k / v (res-post): the note says so,
+    not "no QK-norm" (issue 20)."""
+    model = tiny("olmo2")
+    s = cancel_pre_attention_norms(model, probe_inputs(model))
+    assert not s.changes and not s.refusals
+    note = s.notes[0]
+    assert "(QK-norm)" in note and "no pre-attention norm" in note and "q_proj" in note and "no QK-norm" not in note
 
 
 class QKVNormAttention(torch.nn.Module):

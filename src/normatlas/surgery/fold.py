@@ -270,7 +270,25 @@ def cancel_pre_attention_norms(model: nn.Module, example_inputs: Any) -> Surgery
             )
         )
     if not surgery.changes and not surgery.refusals:
-        surgery.notes.append(
-            "no norm feeds linear layers whose outputs are normalised again (no QK-norm): nothing to cancel"
-        )
+        surgery.notes.append(_nothing_to_cancel(flow, norms))
     return surgery
+
+
+def _nothing_to_cancel(flow: Dataflow, norms: dict[str, NormFacts]) -> str:
+    """Why no norm could be cancelled: no projection output is normalised again (no QK-norm), or it is, but what
+    feeds those projections is no norm (the stream itself, as in a norm-after placement)."""
+    renormed = sorted(
+        {
+            c.module
+            for c in flow.calls
+            if c.module is not None and c.outputs and linear_kind(flow.submodule(c.module)) is not None
+            and flow.reaches_norm(c.outputs[0], norms) is not None
+        }
+    )  # fmt: skip
+    if not renormed:
+        return "no linear layer's output is normalised again (no QK-norm): nothing to cancel"
+    shown = ", ".join(renormed[:4]) + (f" and {len(renormed) - 4} more" if len(renormed) > 4 else "")
+    return (
+        f"the outputs of {shown} are normalised again (QK-norm), but no norm feeds those projections: they read "
+        "the un-normalised stream (no pre-attention norm, as in a res-post placement), so there is nothing to cancel"
+    )
