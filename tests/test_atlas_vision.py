@@ -63,3 +63,34 @@ def test_paligemma_gain_convention_is_read_from_code() -> None:
     r = inspect_target("paligemma", probe=False)
     assert r.gain_convention is GainConvention.ONE_PLUS_W and RECORDS["PaliGemma"]["gain_convention"] == "1+w"
     assert RECORDS["PaliGemma"]["hf_model_types"] == ["paligemma"]  # so `matrix --check` keeps it true
+
+
+@pytest.mark.parametrize("version", ["qwen2_vl", "qwen2_5_vl"])
+def test_qwen_vl_connector_norm_is_the_patch_mergers(version: str) -> None:
+    """Qwen2-VL / Qwen2.5-VL normalise each patch token in the patch merger (``ln_q``: LayerNorm / RMSNorm)
+    before 2x2 rows are merged into the connector MLP; the records had no connector norm."""
+    import torch
+
+    from normatlas.inspect import inspect_vision
+
+    if version == "qwen2_vl":
+        from transformers.models.qwen2_vl.configuration_qwen2_vl import Qwen2VLVisionConfig as Cfg
+        from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel as Tower
+
+        cfg = Cfg(depth=2, embed_dim=32, hidden_size=48, num_heads=2, mlp_ratio=2, patch_size=8)
+        name, op = "Qwen2-VL", Operator.LAYERNORM
+    else:
+        from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLVisionConfig as Cfg
+        from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel as Tower
+
+        cfg = Cfg(depth=2, hidden_size=32, out_hidden_size=48, num_heads=2, intermediate_size=64, patch_size=8,
+                  fullatt_block_indexes=[1], window_size=16)  # fmt: skip
+        name, op = "Qwen2.5-VL", Operator.RMSNORM
+    torch.manual_seed(0)
+    tower = Tower._from_config(cfg).eval()
+    patches = torch.randn(16, 3 * cfg.temporal_patch_size * 8 * 8)
+    r = inspect_vision(tower, patches, grid_thw=torch.tensor([[1, 4, 4]]), probe=False)
+    rec = RECORDS[name]
+    assert r.placement.value == "pre" and r.operator is op and r.merger_norm is op
+    assert (rec["vision_tower_norm"], rec["connector_norm"]) == (op.value, op.value)
+    assert rec["hf_model_types"] == [version] and rec["status"] == "code"
