@@ -94,3 +94,33 @@ def test_qwen_vl_connector_norm_is_the_patch_mergers(version: str) -> None:
     assert r.placement.value == "pre" and r.operator is op and r.merger_norm is op
     assert (rec["vision_tower_norm"], rec["connector_norm"]) == (op.value, op.value)
     assert rec["hf_model_types"] == [version] and rec["status"] == "code"
+
+
+def test_pixtral_tower_is_pre_rmsnorm() -> None:
+    r = inspect_vision_target("pixtral", probe=False)
+    rec = RECORDS["Pixtral"]
+    assert (r.operator, r.placement.value) == (Operator.RMSNORM, "pre") and rec["vision_tower_norm"] == "rmsnorm"
+    assert rec["hf_model_types"] == ["mistral3"] and rec["status"] == "code"
+
+
+def test_swin_v2_normalises_q_and_k_per_head_and_each_branch_output() -> None:
+    """Swin-V2 (res-post-norm, cosine attention): L2 norms over each head's q and k, LayerNorms on the branch
+    outputs, read from one recorded forward of a tiny Swinv2Model (``inspect --vision swinv2`` cannot place its
+    windowed stream yet)."""
+    import torch
+    from transformers import Swinv2Config, Swinv2Model
+
+    from normatlas.analysis import record
+    from normatlas.inspect.norms import find_sites
+
+    torch.manual_seed(0)
+    cfg = Swinv2Config(image_size=32, patch_size=4, embed_dim=16, depths=[1, 1], num_heads=[2, 2], window_size=4)
+    model = Swinv2Model(cfg).eval()
+    sites = find_sites(record(model, (torch.randn(1, 3, 32, 32),)))
+    head_dims = {16 // 2, 32 // 2}
+    assert {s.size for s in sites if s.operator is Operator.L2} <= head_dims and any(
+        s.operator is Operator.L2 for s in sites
+    )
+    assert any(s.operator is Operator.LAYERNORM for s in sites)
+    rec = RECORDS["Swin-V2"]
+    assert (rec["operator"], rec["placement"], rec["qk_norm"]) == ("layernorm", "res-post", "per-head")
