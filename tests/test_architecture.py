@@ -16,9 +16,9 @@ LAYER = {
     "longtail": 2, "blocks": 2,
     "analysis": 3,
     "inspect": 4, "surgery": 4, "diagnostics": 4, "checkpoint": 4,
-    "distributed": 5,
+    "distributed": 5, "experiments": 5,
     "atlas": 6, "data": 6,
-    "cli": 7, "__init__": 7, "__main__": 7,
+    "cli": 7, "web": 7, "__init__": 7, "__main__": 7,
 }  # fmt: skip
 # layers that may be imported at module level (beyond one's own): the table's last column
 MAY_IMPORT = {0: {0}, 1: {0, 1}, 2: {0, 1}, 3: {0, 1}, 4: {0, 1, 3, 4}, 5: {0, 1, 2, 3, 4}, 6: {0}, 7: set(range(8))}
