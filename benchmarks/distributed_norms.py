@@ -31,6 +31,9 @@ def two_ranks(rank: int, world: int) -> dict[str, Any]:
     return {
         "tp": figures.tp_check(rank, world, steps=5),
         "llama": figures.tp_check(rank, world, steps=5, hf="llama"),
+        "olmo2": figures.tp_check(rank, world, steps=5, hf="olmo2"),
+        "loss_parallel": figures.loss_parallel_check(rank, world),
+        "reduce": figures.reduce_check(rank, world),
         "collectives": figures.collectives_check(rank, world),
         "syncbn": figures.syncbn_ddp_check(rank, world),
     }
@@ -85,9 +88,24 @@ def main() -> None:
     t0 = time.perf_counter()
     r = spawn(two_ranks, 2, timeout=900)[0]
     eq_cols = ["model", "logits", "loss", "grads", "pending", "weights", "findings_after_steps"]
-    tp_rows = r["tp"] + r["llama"]
+    tp_rows = r["tp"] + r["llama"] + r["olmo2"]
     _table("TP + SP on 2 gloo ranks vs one process (fp32; max |diff|; pending = Partial norm grads before the "
            "reduction; weights after 5 AdamW steps; findings = replicas that differ)", tp_rows, eq_cols)  # fmt: skip
+    lp = r["loss_parallel"]
+    _table("loss_parallel: logits left vocabulary-sharded, cross-entropy under torch's loss_parallel(), vs one "
+           "process (peri_ln / rms / qk)", [lp], ["placements", "local_vocab", "loss", "grads"])  # fmt: skip
+    red = [
+        {
+            "model": f"peri_ln/{k}/qk",
+            "pending": v["pending"],
+            "collectives": sum(c["count"] for c in v["collectives"]),
+            "bytes": sum(c["bytes"] for c in v["collectives"]),
+            "grads": v["grads"],
+        }
+        for k, v in r["reduce"].items()
+    ]
+    _table("reduce_partial_grads: the pending norm gradients of one step, bucketed (collectives and bytes per rank)",
+           red, ["model", "pending", "collectives", "bytes", "grads"])  # fmt: skip
     cdm = r["collectives"].pop("comm_debug_mode")
     coll = _collective_rows(r["collectives"])
     for row in coll:
@@ -102,7 +120,9 @@ def main() -> None:
     _table("Activation bytes of one block (d_model 64, 64 tokens, batch 4): stored without checkpointing, kept "
            "under the norm-recompute policy", rec, ["model", "stored", "kept", "saved", "saved_fraction",
                                                    "grad_diff"])  # fmt: skip
-    for name, rows in (("tp_equality", tp_rows), ("collectives", coll), ("recompute", rec), ("syncbn", [sb])):
+    tables = (("tp_equality", tp_rows), ("collectives", coll), ("recompute", rec), ("syncbn", [sb]),
+              ("loss_parallel", [lp]), ("reduce", red))  # fmt: skip
+    for name, rows in tables:
         _write(args.csv, name, rows)
     if args.four:
         f = spawn(four_ranks, 4, timeout=900)

@@ -69,14 +69,24 @@ def test_plan_covers_embed_norm_and_residual_gates() -> None:
     assert isinstance(plan.styles["layers.0.attn_residual.gate"], SequenceParallel)
 
 
+@pytest.mark.parametrize(
+    "qk", [QKNormConfig(gain=QKGain.PER_HEAD), QKNormConfig(scope=QKScope.FLAT, gain=QKGain.NONE)],
+    ids=["per-head-gains", "flattened"],
+)
+def test_plan_gives_head_owned_qk_norms_their_heads(qk: QKNormConfig) -> None:
+    from normatlas.distributed import HeadShardedNorm
+
+    plan = tensor_parallel_plan(TransformerLM(lm_config().with_(qk_norm=qk)))
+    for i in range(2):
+        for site in ("q_norm", "k_norm"):
+            assert isinstance(plan.styles[f"layers.{i}.attn.{site}"], HeadShardedNorm)
+    shared = tensor_parallel_plan(TransformerLM(lm_config()))
+    assert isinstance(shared.styles["layers.0.attn.q_norm"], SequenceParallel)
+
+
 def test_plan_rejects_what_it_cannot_shard() -> None:
     with pytest.raises(ValueError, match="max_positions=16"):
         tensor_parallel_plan(_lm(max_positions=16))
-    with pytest.raises(ValueError, match=r"QKGain\.PER_HEAD"):
-        tensor_parallel_plan(TransformerLM(lm_config().with_(qk_norm=QKNormConfig(gain=QKGain.PER_HEAD))))
-    with pytest.raises(ValueError, match="FLAT"):
-        flat = QKNormConfig(scope=QKScope.FLAT, gain=QKGain.NONE)
-        tensor_parallel_plan(TransformerLM(lm_config().with_(qk_norm=flat)))
     with pytest.raises(TypeError, match="model=Linear must be"):
         tensor_parallel_plan(torch.nn.Linear(2, 2))
     with pytest.raises(TypeError, match="loss_parallel='yes' must be a bool"):

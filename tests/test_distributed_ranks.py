@@ -5,7 +5,9 @@ returns plain data, and each test below asserts on its part. Checks: TP + SP for
 LayerNorm with QK-norm and a tiny transformers Llama (logits, loss, every gradient within 1e-5 in fp32; after 5
 AdamW steps every replica identical), the norm-gradient pitfall named and reduced, Monitor and param_groups on the
 sharded model, the collective counts with and without the norm grouping, SyncBatchNorm under DDP with uneven
-batches, and a DTensor reaching a fused-backend norm.
+batches, the fused kernels on sequence shards, QK-norms whose gains belong to heads (per-head gains, OLMo 2's
+flattened norm, on our model and on transformers' OLMo 2), the logits kept vocabulary-sharded under loss_parallel,
+and the pending norm gradients reduced in one collective.
 """
 
 from __future__ import annotations
@@ -60,18 +62,39 @@ def _monitor_and_groups(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
-def _fused_on_dtensor(rank: int, world: int) -> str:
+def _fused_on_dtensor(rank: int, world: int) -> dict[str, Any]:
+    """backend='fused' on DTensors: sequence-sharded (the kernels run on the local shard) against the whole tensor
+    on one rank, forward and the weight's gradient; sharded on the normalized dim (refused)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
     import normatlas
+    from normatlas.distributed.plan import SequenceParallel, parallelize_module
 
-    x = distribute_tensor(torch.randn(2, 4, 8), init_device_mesh("cpu", (world,)), [Shard(1)])
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(0)
+    whole = torch.randn(2, 6, 8)
+    ref = normatlas.RMSNorm(8)
+    with torch.no_grad():
+        ref.weight.add_(torch.randn(8))
+    norm = parallelize_module(normatlas.RMSNorm(8, backend="fused"), mesh, SequenceParallel(use_local_output=False))
+    with torch.no_grad():
+        norm.weight.to_local().copy_(ref.weight)
+    x = distribute_tensor(whole, mesh, [Shard(1)])
+    y = norm(x)
+    (y.full_tensor() * torch.arange(8.0)).sum().backward()
+    (ref(whole) * torch.arange(8.0)).sum().backward()
+    out: dict[str, Any] = {
+        "forward": float((y.full_tensor() - ref(whole)).abs().max()),
+        "weight_grad": float((norm.weight.grad.full_tensor() - ref.weight.grad).abs().max()),
+        "grad_placements": str(norm.weight.grad.placements),
+    }
     try:
-        normatlas.RMSNorm(8, backend="fused")(x)
+        normatlas.RMSNorm(8, backend="fused")(distribute_tensor(whole, mesh, [Shard(2)]))
+        out["feature_sharded"] = "no error"
     except ValueError as e:
-        return str(e)
-    return "no error"
+        out["feature_sharded"] = str(e)
+    return out
 
 
 def _indivisible_heads(rank: int, world: int) -> str:
@@ -100,6 +123,9 @@ def two_rank_checks(rank: int, world: int) -> dict[str, Any]:
         ("collectives", lambda: figures.collectives_check(rank, world)),
         ("monitor", lambda: _monitor_and_groups(rank, world)),
         ("fused", lambda: _fused_on_dtensor(rank, world)),
+        ("olmo2", lambda: figures.tp_check(rank, world, steps=5, hf="olmo2")[0]),
+        ("loss_parallel", lambda: figures.loss_parallel_check(rank, world)),
+        ("reduce", lambda: figures.reduce_check(rank, world)),
         ("heads", lambda: _indivisible_heads(rank, world)),
     ):
         t0 = time.process_time()
@@ -196,8 +222,50 @@ def test_print_worker_cpu_seconds(ranks: list[dict[str, Any]]) -> None:
     print("worker CPU seconds:", ranks[0]["seconds"])
 
 
-def test_fused_backend_refuses_dtensor(ranks: list[dict[str, Any]]) -> None:
-    assert "backend='fused' cannot run on a DTensor" in ranks[0]["fused"]
+def test_fused_kernels_run_on_sequence_shards(ranks: list[dict[str, Any]]) -> None:
+    for rank in (0, 1):
+        f = ranks[rank]["fused"]
+        assert f["forward"] <= 1e-6 and f["weight_grad"] <= 1e-5, f
+        assert "Partial" in f["grad_placements"]  # each rank's rows: pending until reduce_partial_grads
+        assert "backend='fused' cannot run on this DTensor" in f["feature_sharded"]
+
+
+QK_VARIANTS = ("pre_ln/rms/qk-per-head-gains", "pre_ln/rms/qk-flattened", "pre_ln/rms-fused/qk")
+
+
+@pytest.mark.parametrize("model", QK_VARIANTS)
+def test_tp_sp_head_owned_qk_norms_and_fused_kernels(ranks: list[dict[str, Any]], model: str) -> None:
+    for rank in (0, 1):
+        (row,) = [r for r in ranks[rank]["tp"] if r["model"] == model]
+        assert row["logits"] <= TOL and row["loss"] <= TOL and row["grads"] <= TOL, row
+        assert row["findings_after_steps"] == [] and row["weights"] <= 1e-4, row
+        qk_pending = [n for n in row["pending"] if ".attn.q_norm." in n or ".attn.k_norm." in n]
+        # a gain per head / over the flattened heads is Shard(0): final on its rank; a shared gain is Partial
+        assert bool(qk_pending) is (model == "pre_ln/rms-fused/qk"), row["pending"]
+
+
+def test_olmo2_flattened_qk_norm_tp_sp_matches_one_process(ranks: list[dict[str, Any]]) -> None:
+    for rank in (0, 1):
+        row = ranks[rank]["olmo2"]
+        assert row["logits"] <= TOL and row["loss"] <= TOL and row["grads"] <= TOL, row
+        assert row["findings_after_steps"] == [] and row["weights"] <= 1e-4, row
+        # OLMo 2: post-branch norms (2 per layer) + final pending; its q / k norms own their heads' rows
+        assert len(row["pending"]) == 5 and not any("norm" in n and "attn" in n for n in row["pending"]), row
+
+
+def test_loss_parallel_keeps_logits_sharded_on_the_vocabulary(ranks: list[dict[str, Any]]) -> None:
+    for rank in (0, 1):
+        lp = ranks[rank]["loss_parallel"]
+        assert lp["placements"] == ["S(2)"] and lp["local_vocab"] == figures.VOCAB // 2, lp
+        assert lp["loss"] <= TOL and lp["grads"] <= TOL, lp
+
+
+@pytest.mark.parametrize("norm", NORMS)
+def test_pending_norm_grads_reduced_in_one_collective(ranks: list[dict[str, Any]], norm: str) -> None:
+    r = ranks[0]["reduce"][norm]
+    assert r["pending"] == {"rms": 13, "layernorm": 22}[norm]  # peri-LN, 2 layers, QK-norm
+    assert sum(row["count"] for row in r["collectives"]) == 1, r["collectives"]
+    assert r["grads"] <= TOL
 
 
 def test_parallelize_refuses_head_counts_the_mesh_does_not_divide(ranks: list[dict[str, Any]]) -> None:

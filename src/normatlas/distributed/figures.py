@@ -23,7 +23,10 @@ from .fsdp import shard_model
 from .grads import Problem, check_replicas, reduce_partial_grads
 from .plan import parallelize
 
-__all__ = ["collectives_check", "fsdp_tp_check", "lm_config", "recompute_figures", "syncbn_ddp_check", "tp_check"]
+__all__ = [
+    "collectives_check", "fsdp_tp_check", "lm_config", "loss_parallel_check", "recompute_figures", "reduce_check",
+    "syncbn_ddp_check", "tp_check",
+]  # fmt: skip
 
 VOCAB = 64
 
@@ -125,14 +128,47 @@ def _tp_models(hf: str | None) -> list[tuple[str, nn.Module]]:
         for norm in ("rms", "layernorm"):
             torch.manual_seed(0)
             out.append((f"{placement}/{norm}/qk", TransformerLM(lm_config(norm, placement))))
+    for name, cfg in _qk_variants().items():
+        torch.manual_seed(0)
+        out.append((name, _perturb_norms(TransformerLM(cfg))))
     return out
+
+
+def _qk_variants() -> dict[str, Any]:
+    """The QK-norms whose parameters belong to heads (a gain per head; one norm over the flattened heads, OLMo
+    2's), and the fused CPU kernels on the sequence shards (``backend="fused"`` raises where they cannot run)."""
+    import normatlas
+    from normatlas.blocks.qknorm import QKGain, QKNormConfig, QKScope
+
+    return {
+        "pre_ln/rms/qk-per-head-gains": lm_config(qk_norm=False).with_(qk_norm=QKNormConfig(gain=QKGain.PER_HEAD)),
+        "pre_ln/rms/qk-flattened": lm_config(qk_norm=False).with_(
+            qk_norm=QKNormConfig(scope=QKScope.FLAT, gain=QKGain.PER_HEAD)
+        ),
+        "pre_ln/rms-fused/qk": lm_config().with_(norm=functools.partial(normatlas.RMSNorm, backend="fused")),
+    }
+
+
+def _perturb_norms(model: nn.Module) -> nn.Module:
+    """Every QK-norm gain moved off its init, so a gain row on the wrong rank shows in the logits."""
+    from normatlas.blocks.qknorm import QKNorm
+
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, QKNorm) and m.weight is not None:
+                m.weight.add_(0.2 * torch.randn(m.weight.shape, generator=gen))
+    return model
 
 
 def _hf_model(model_type: str) -> nn.Module:
     """A tiny transformers model: 2 layers, 32 wide, 4 heads (2 kv), gains and biases off their init."""
     import transformers
 
-    classes = {"llama": "LlamaConfig", "qwen3": "Qwen3Config", "mistral": "MistralConfig", "gemma2": "Gemma2Config"}
+    classes = {
+        "llama": "LlamaConfig", "qwen3": "Qwen3Config", "mistral": "MistralConfig", "gemma2": "Gemma2Config",
+        "olmo2": "Olmo2Config",
+    }  # fmt: skip
     if model_type not in classes:
         raise ValueError(f"model_type={model_type!r} must be one of {sorted(classes)}")
     cfg = getattr(transformers, classes[model_type])(
@@ -197,6 +233,58 @@ def collectives_check(rank: int, world_size: int) -> dict[str, Any]:
         with CommDebugMode() as cdm:
             _step(model, _ids(2), opt)
         out["comm_debug_mode"][name] = cdm.get_total_counts()
+    return out
+
+
+def loss_parallel_check(rank: int, world_size: int) -> dict[str, Any]:
+    """The LM head column-parallel with the logits left sharded on the vocabulary (``loss_parallel=True``) and the
+    cross-entropy computed under torch's ``loss_parallel()`` (no rank ever holds the whole logits), vs one
+    process: the loss, every gradient, and the logits' placements."""
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    from normatlas.blocks import TransformerLM
+
+    from .plan import tensor_parallel_plan
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    torch.manual_seed(0)
+    ref = TransformerLM(lm_config("rms", "peri_ln"))
+    par = copy.deepcopy(ref)
+    parallelize(par, mesh, tensor_parallel_plan(par, loss_parallel=True))
+    ids = _ids(1)
+    logits = par(ids)
+    with loss_parallel():
+        loss = _loss(logits, ids)
+        loss.backward()
+    reduce_partial_grads(par)
+    loss_r = _loss(ref(ids), ids)
+    loss_r.backward()
+    pairs = [(p.grad, r.grad) for p, r in zip(par.parameters(), ref.parameters(), strict=False)]
+    return {
+        "placements": [str(p) for p in logits.placements] if isinstance(logits, DTensor) else ["plain"],
+        "local_vocab": int(logits.to_local().shape[-1]) if isinstance(logits, DTensor) else int(logits.shape[-1]),
+        "loss": abs(float(_full(loss)) - float(loss_r)),
+        "grads": _max_diff(pairs),
+    }
+
+
+def reduce_check(rank: int, world_size: int) -> dict[str, Any]:
+    """The collectives :func:`reduce_partial_grads` issues for the pending norm gradients of a TP + SP model
+    (RMSNorm: weights; LayerNorm: weights and biases), and the reduced gradients against one process."""
+    from normatlas.blocks import TransformerLM
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    out: dict[str, Any] = {}
+    for norm in ("rms", "layernorm"):
+        torch.manual_seed(0)
+        ref = TransformerLM(lm_config(norm, "peri_ln"))
+        par = parallelize(copy.deepcopy(ref), mesh)
+        ids = _ids(1)
+        _loss(par(ids), ids).backward()
+        _loss(ref(ids), ids).backward()
+        names, stats = count_collectives(functools.partial(reduce_partial_grads, par))
+        pairs = [(p.grad, r.grad) for p, r in zip(par.parameters(), ref.parameters(), strict=False)]
+        out[norm] = {"pending": len(names), "collectives": stats.rows(), "grads": _max_diff(pairs)}
     return out
 
 

@@ -7,7 +7,8 @@ fused optimizers, a monitor's gradient norms) then sees the wrong numbers, and a
 lets the replicas drift apart (the failure users filed against Megatron-LM and TransformerEngine).
 
 * :func:`reduce_partial_grads` redistributes every pending gradient to its parameter's own placements (one
-  all-reduce each, run by DTensor), so every ``.grad`` is final before anything reads it. Call it after
+  all-reduce per bucket of same-mesh, same-dtype gradients, run by DTensor), so every ``.grad`` is final before
+  anything reads it. Call it after
   ``backward()`` and before clipping / the optimizer / the monitor.
 * :func:`full_grads` lends code written for plain tensors (our ``Monitor``'s gradient norms, a hand-written
   clipping loop) the full gradients of a sharded model for the length of a ``with`` block.
@@ -21,13 +22,14 @@ import contextlib
 import enum
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor, Partial, Replicate
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate
 
-__all__ = ["Finding", "Problem", "check_replicas", "full_grads", "reduce_partial_grads"]
+__all__ = ["Finding", "Problem", "check_replicas", "coalesce_partial", "full_grads", "reduce_partial_grads"]
 
 
 class Problem(enum.Enum):
@@ -58,18 +60,48 @@ def reduce_partial_grads(model: nn.Module) -> list[str]:
     """Reduce every pending (``Partial``) gradient of ``model`` to its parameter's placements, in place.
 
     Returns the names of the parameters it reduced (the sequence-parallel norm weights and residual gates, under
-    :func:`~normatlas.distributed.parallelize`). Gradients already final are left alone (no collective).
+    :func:`~normatlas.distributed.parallelize`). Gradients already final are left alone (no collective). The
+    pending gradients are tiny (a norm weight is one row), so they are reduced in buckets: every gradient with
+    the same mesh, placements and dtype is flattened into one buffer that DTensor all-reduces once, and the
+    buffer's slices become the gradients (:func:`coalesce_partial`); a gradient that is also sharded on some mesh
+    dim is redistributed alone.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model={model!r} must be an nn.Module")
+    buckets: dict[tuple[Any, ...], list[tuple[str, DTensor]]] = {}
     done = []
     for name, p in model.named_parameters():
         g = p.grad
         if _is_partial(g) and isinstance(p, DTensor):
             assert isinstance(g, DTensor)
-            p.grad = g.redistribute(p.device_mesh, p.placements)
             done.append(name)
+            if all(isinstance(pl, (Partial, Replicate)) for pl in (*g.placements, *p.placements)):
+                buckets.setdefault((g.device_mesh, g.placements, p.placements, g.dtype), []).append((name, p))
+            else:
+                p.grad = g.redistribute(p.device_mesh, p.placements)
+    for (_mesh, _gp, placements, _dt), members in buckets.items():
+        coalesce_partial([p for _, p in members], placements)
     return done
+
+
+def coalesce_partial(params: list[DTensor], placements: tuple[Placement, ...]) -> None:
+    """Reduce the ``Partial`` gradients of ``params`` (one mesh, placements and dtype, no Shard) with one
+    collective: their local pieces concatenated into one DTensor with the same placements, redistributed to
+    ``placements`` by DTensor, and split back (each gradient keeps its shape and becomes ``placements``)."""
+    grads = [p.grad for p in params]
+    assert all(isinstance(g, DTensor) for g in grads)
+    first = grads[0]
+    assert isinstance(first, DTensor)
+    flat = torch.cat([g.to_local().reshape(-1) for g in grads if isinstance(g, DTensor)])
+    whole = DTensor.from_local(flat, first.device_mesh, first.placements, run_check=False)
+    reduced = whole.redistribute(first.device_mesh, placements).to_local()
+    offset = 0
+    for p, g in zip(params, grads, strict=True):
+        assert isinstance(g, DTensor)
+        n = g.to_local().numel()
+        piece = reduced[offset : offset + n].view(g.to_local().shape)
+        p.grad = DTensor.from_local(piece, p.device_mesh, placements, run_check=False, shape=g.shape, stride=g.stride())
+        offset += n
 
 
 def _spread(local: Tensor, group: dist.ProcessGroup) -> float:

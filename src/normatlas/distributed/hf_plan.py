@@ -1,10 +1,12 @@
 """The tensor + sequence parallel plan of a transformers Llama-family model, from its dataflow.
 
 Norm sites come from the inspector (:func:`normatlas.inspect.inspect_model`: every norm found by its arithmetic,
-with its role and the module that ran it). One recorded forward then gives each projection its role by what feeds
-it: a Linear whose input *is* a stream norm's output is column-parallel; the branch module that received that
-output (attention, MLP) gets the all-gather at its input; a Linear inside the branch that writes ``hidden_size``
-features and is not fed by a norm is row-parallel. The embedding and the LM head are the model's own
+with its role and the module that ran it). One recorded forward then gives each projection its role by what it
+reads: a Linear whose input *is* the input of the branch module above it (attention, MLP: the residual stream, or
+a pre-norm's output of it) is column-parallel, and that branch gets the all-gather at its input; every other Linear
+inside the branch must write ``hidden_size`` features and is row-parallel. So a pre-norm model (Llama) and a
+model whose branches read the raw stream and normalise their outputs (OLMo 2) get the same rule.
+The embedding and the LM head are the model's own
 ``get_input_embeddings()`` / ``get_output_embeddings()``. No module name is read.
 """
 
@@ -19,7 +21,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, PrepareModuleInput
 
 from ..vocabulary import QKNormKind, SiteRole
-from .plan import TensorParallelPlan, _embedding, _head, _heads, _row_to_sequence, _stream
+from .plan import TensorParallelPlan, _embedding, _head, _qk_style, _row_to_sequence, _stream
 
 __all__ = ["hf_plan"]
 
@@ -28,14 +30,13 @@ _QK_ROLES = frozenset({SiteRole.QK, SiteRole.V})  # norms inside attention, on l
 
 @dataclass
 class _Flow:
-    """What one recorded forward saw: norm outputs, and the tensor inputs of every module."""
+    """What one recorded forward saw: the tensor inputs of every module."""
 
-    norm_out: dict[int, str] = field(default_factory=dict)  # id(output tensor) -> norm path
     inputs: dict[str, list[tuple[int | str, int]]] = field(default_factory=dict)  # path -> [(arg pos / kwarg, id)]
     keep: list[Tensor] = field(default_factory=list)  # every recorded tensor, alive so that no id is reused
 
 
-def _record(model: nn.Module, inputs: Any, stream_norms: list[str]) -> _Flow:
+def _record(model: nn.Module, inputs: Any) -> _Flow:
     flow = _Flow()
     handles = []
 
@@ -48,18 +49,8 @@ def _record(model: nn.Module, inputs: Any, stream_norms: list[str]) -> _Flow:
 
         return hook
 
-    def post(path: str):
-        def hook(_m: nn.Module, _args: tuple, out: Any) -> None:
-            if isinstance(out, Tensor):
-                flow.norm_out[id(out)] = path
-                flow.keep.append(out)
-
-        return hook
-
     for path, m in model.named_modules():
         handles.append(m.register_forward_pre_hook(pre(path), with_kwargs=True))
-        if path in stream_norms:
-            handles.append(m.register_forward_hook(post(path)))
     try:
         with torch.no_grad():
             model(**inputs) if isinstance(inputs, dict) else model(*inputs)
@@ -67,19 +58,6 @@ def _record(model: nn.Module, inputs: Any, stream_norms: list[str]) -> _Flow:
         for h in handles:
             h.remove()
     return flow
-
-
-def _branch_input(flow: _Flow, model: nn.Module, norm: str, cols: list[str]) -> tuple[str, int | str] | None:
-    """The deepest non-Linear module that received ``norm``'s output and holds every Linear it feeds."""
-    best: tuple[str, int | str] | None = None
-    for path, seen in flow.inputs.items():
-        if isinstance(model.get_submodule(path), nn.Linear) or not path:
-            continue
-        for where, tid in seen:
-            fed = flow.norm_out.get(tid) == norm and all(c.startswith(path + ".") for c in cols)
-            if fed and (best is None or len(path) > len(best[0])):
-                best = (path, where)
-    return best
 
 
 def _prepare(where: int | str) -> PrepareModuleInput:
@@ -93,27 +71,46 @@ def _prepare(where: int | str) -> PrepareModuleInput:
     return PrepareModuleInput(input_layouts=lay, desired_input_layouts=want, use_local_output=True)
 
 
-def _branches(model: nn.Module, flow: _Flow, hidden: int) -> dict[str, ParallelStyle]:
-    linears = {p: m for p, m in model.named_modules() if isinstance(m, nn.Linear)}
-    feeds: dict[str, list[str]] = {}
-    for p in linears:
-        for _, tid in flow.inputs.get(p, []):
-            if tid in flow.norm_out:
-                feeds.setdefault(flow.norm_out[tid], []).append(p)
+def _first_input(flow: _Flow, path: str) -> int | None:
+    seen = flow.inputs.get(path, [])
+    return seen[0][1] if seen else None
+
+
+def _branch_of(flow: _Flow, model: nn.Module, linear: str, skip: set[str]) -> tuple[str, int | str] | None:
+    """The deepest non-Linear module above ``linear`` that received ``linear``'s own input, and where (argument
+    position or keyword): the branch (attention, MLP) whose input the projection reads, or None."""
+    tid = _first_input(flow, linear)
+    parts = linear.split(".")
+    for depth in range(len(parts) - 1, 0, -1):
+        path = ".".join(parts[:depth])
+        if path in skip or isinstance(model.get_submodule(path), nn.Linear):
+            continue
+        for where, seen in flow.inputs.get(path, []):
+            if seen == tid:
+                return path, where
+    return None
+
+
+def _branches(model: nn.Module, flow: _Flow, hidden: int, skip: set[str]) -> dict[str, ParallelStyle]:
+    """Column-parallel: every Linear that reads its branch's own input (the residual stream, or a pre-norm's output
+    of it); the branch gets the all-gather of that input. Row-parallel: every other Linear of a branch, which must
+    write ``hidden_size`` features (the stream). Linears outside every branch (the head) are placed elsewhere."""
+    linears = [p for p, m in model.named_modules() if isinstance(m, nn.Linear) and p not in skip]
     styles: dict[str, ParallelStyle] = {}
-    for norm, cols in feeds.items():
-        found = _branch_input(flow, model, norm, cols)
-        if found is None:
-            raise ValueError(f"the norm at {norm!r} feeds {cols} but no branch module received its output")
-        branch, where = found
+    branches: dict[str, int | str] = {}
+    for p in linears:
+        found = _branch_of(flow, model, p, skip)
+        if found is not None:
+            branches[found[0]] = found[1]
+            styles[p] = ColwiseParallel()
+    for branch, where in branches.items():
         styles[branch] = _prepare(where)
-        for c in cols:
-            styles[c] = ColwiseParallel()
-        for p, lin in linears.items():
-            if p.startswith(branch + ".") and p not in cols:
+        for p in linears:
+            if p.startswith(branch + ".") and p not in styles:
+                lin = model.get_submodule(p)
                 if lin.out_features != hidden:
-                    raise ValueError(f"Linear {p!r} in branch {branch!r} is neither fed by a norm nor writes "
-                                     f"hidden_size={hidden} features; the plan cannot place it")  # fmt: skip
+                    raise ValueError(f"Linear {p!r} in branch {branch!r} neither reads the branch's input nor "
+                                     f"writes hidden_size={hidden} features; the plan cannot place it")  # fmt: skip
                 styles[p] = _row_to_sequence()
     return styles
 
@@ -140,24 +137,24 @@ def hf_plan(model: Any, example_inputs: Any, loss_parallel: bool) -> TensorParal
                 where = f"norm #{n.index} ({n.role.value}, layer {n.layer})"
                 raise ValueError(f"{where} is not run by a module; no style fits")
             (qk if n.role in _QK_ROLES else stream).append(n.module)
-        if qk and report.qk_norm is not QKNormKind.PER_HEAD:
-            raise ValueError(f"qk_norm={report.qk_norm.value!r}: only a per-head QK-norm runs on local heads")
+        if qk and report.qk_norm is QKNormKind.MIXED:
+            raise ValueError("qk_norm='mixed' (its kind differs across layers): one style per model is planned")
         hidden = report.hidden_size
         if hidden is None:
             raise ValueError("the inspector found no hidden size; the plan needs it to place row-parallel Linears")
-        flow = _record(model, inputs, stream)
+        flow = _record(model, inputs)
     finally:
         model.train(training)
     styles: dict[str, ParallelStyle] = {}
     embed = _path_of(model, model.get_input_embeddings(), "input embedding")
     styles[embed] = _embedding()
-    styles.update(_branches(model, flow, hidden))
+    head_mod = model.get_output_embeddings()
+    head = _path_of(model, head_mod, "output embedding")
+    styles.update(_branches(model, flow, hidden, {head, ""}))
     for p in stream:
         styles[p] = _stream()
     for p in qk:
-        styles[p] = _heads()
-    head_mod = model.get_output_embeddings()
-    head = _path_of(model, head_mod, "output embedding")
+        styles[p] = _qk_style(report.qk_norm)
     styles[head] = _head(loss_parallel)
     tied: tuple[tuple[str, str], ...] = ()
     if head_mod is not None and head_mod.weight is model.get_input_embeddings().weight:

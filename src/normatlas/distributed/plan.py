@@ -30,7 +30,7 @@ from typing import Any
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -40,7 +40,9 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-__all__ = ["TensorParallelPlan", "parallelize", "rebind_param_groups", "tensor_parallel_plan"]
+from ..vocabulary import QKNormKind
+
+__all__ = ["HeadShardedNorm", "TensorParallelPlan", "parallelize", "rebind_param_groups", "tensor_parallel_plan"]
 
 _SLOTS = ("attn_pre_norm", "attn_post_norm", "attn_after_norm", "ffn_pre_norm", "ffn_post_norm", "ffn_after_norm")
 
@@ -78,6 +80,41 @@ def _stream() -> SequenceParallel:
 
 def _heads() -> SequenceParallel:
     return SequenceParallel(sequence_dim=2, use_local_output=True)  # (B, T, H, Dh) sharded over H
+
+
+class HeadShardedNorm(ParallelStyle):
+    """A QK-norm whose parameters belong to heads, on this rank's heads: a gain per head (``(H, Dh)``, Chameleon)
+    or a norm over the flattened heads (``(H * Dh,)``, OLMo 2).
+
+    The column-parallel q / k projection leaves each rank its own heads, so the norm's input is local on dim 2 (the
+    head dim of ``(B, T, H, Dh)``, or the flattened ``H * Dh`` of ``(B, T, H * Dh)``): it becomes a ``Shard(2)``
+    DTensor and the parameters ``Shard(0)`` DTensors (each rank holds its heads' rows). A per-head statistic is then
+    local; a statistic over the flattened heads reduces over the sharded dim, and DTensor's sharding propagation
+    inserts the all-reduce of the partial sums (PyTorch's engine; nothing here communicates). The output goes back
+    to this rank's heads as a plain tensor. The parameters' gradients are ``Shard(0)`` and final (each rank owns
+    its heads' rows), so :func:`~normatlas.distributed.reduce_partial_grads` has nothing to do for them.
+    """
+
+    @staticmethod
+    def _shard_params(_name: str, module: nn.Module, mesh: DeviceMesh) -> None:
+        for p_name, param in list(module.named_parameters(recurse=False)):
+            module.register_parameter(p_name, nn.Parameter(distribute_tensor(param.detach(), mesh, [Shard(0)])))
+
+    @staticmethod
+    def _input(_mod: nn.Module, inputs: tuple[Any, ...], mesh: DeviceMesh) -> tuple[Any, ...]:
+        x = inputs[0]
+        if isinstance(x, DTensor):
+            raise ValueError(
+                f"HeadShardedNorm expects this rank's heads as a plain tensor, got a DTensor {x.placements}"
+            )
+        return (DTensor.from_local(x, mesh, [Shard(2)], run_check=False), *inputs[1:])
+
+    @staticmethod
+    def _output(_mod: nn.Module, out: Any, mesh: DeviceMesh) -> Any:
+        return out.redistribute(mesh, [Shard(2)]).to_local()
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        return distribute_module(module, device_mesh, self._shard_params, self._input, self._output)  # type: ignore[arg-type]
 
 
 def _row_to_sequence() -> RowwiseParallel:
@@ -122,19 +159,20 @@ def tensor_parallel_plan(
 
 
 def _check_lm(model: Any) -> None:
-    from ..blocks.qknorm import QKGain, QKScope
-
     cfg = model.config
     for name in ("max_positions", "type_vocab_size"):
         if getattr(cfg, name):
             raise ValueError(f"{name}={getattr(cfg, name)} (learned positions / token types) is not in the plan; use 0")
     if cfg.head_transform:
         raise ValueError("head_transform=True (the MLM head transform) is not in the plan; use False")
-    qk = cfg.qk_norm
-    if qk is not None and qk.scope is QKScope.FLAT:
-        raise ValueError("qk_norm.scope=QKScope.FLAT normalizes all heads together; the plan shards heads, use HEAD")
-    if qk is not None and qk.gain is QKGain.PER_HEAD:
-        raise ValueError("qk_norm.gain=QKGain.PER_HEAD holds one gain row per head; allowed: SHARED, NONE")
+
+
+def _qk_style(kind: QKNormKind | None) -> ParallelStyle:
+    """A norm inside attention on this rank's heads: replicated parameters (one gain shared by the heads, or none)
+    or parameters that belong to heads (a gain per head, a norm over the flattened heads)."""
+    if kind in (QKNormKind.PER_HEAD_GAINS, QKNormKind.FLATTENED):
+        return HeadShardedNorm()
+    return _heads()
 
 
 def _lm_plan(model: Any, loss_parallel: bool) -> TensorParallelPlan:
@@ -167,8 +205,10 @@ def _lm_plan(model: Any, loss_parallel: bool) -> TensorParallelPlan:
         region(mlp, PrepareModuleInput(
             input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True),
             is_norm=False)  # fmt: skip
-        for qn in (attn.q_norm, attn.k_norm, attn.v_norm):
-            region(qn, _heads())
+        kind = None if attn.qk_config is None else attn.qk_config.kind
+        for qn in (attn.q_norm, attn.k_norm):
+            region(qn, _qk_style(kind))
+        region(attn.v_norm, _heads())
         heads.append(path[id(attn)])
     region(model.final_norm, _stream())
     styles["lm_head"] = _head(loss_parallel)

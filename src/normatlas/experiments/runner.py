@@ -11,6 +11,7 @@ written to a temporary name first and renamed, so a crashed run never leaves a h
 from __future__ import annotations
 
 import csv
+import functools
 import json
 import math
 import os
@@ -60,13 +61,17 @@ def _jsonable(value: Any) -> Any:
     raise TypeError(f"measured value {value!r} of type {type(value).__name__} is not a JSON scalar or list")
 
 
-def _atomic_write(path: Path, write: Callable[[Path], None]) -> None:
+def _atomic_write(path: Path, write: Callable[[Path], object]) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     try:
         write(tmp)
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def _save_figure(figure: Any, ext: str, path: Path) -> None:
+    figure.savefig(path, format=ext, dpi=120, bbox_inches="tight")
 
 
 def _write_csv(path: Path, columns: tuple[str, ...], rows: Any) -> None:
@@ -101,11 +106,11 @@ def run_experiment(
     files = []
     for key, series in outcome.series.items():
         name = f"{key}.csv"
-        _atomic_write(folder / name, lambda p, s=series: _write_csv(p, s.columns, s.rows))
+        _atomic_write(folder / name, functools.partial(_write_csv, columns=series.columns, rows=series.rows))
         files.append(name)
     for ext in ("png", "svg"):
         name = f"figure.{ext}"
-        _atomic_write(folder / name, lambda p, e=ext: outcome.figure.savefig(p, format=e, dpi=120, bbox_inches="tight"))
+        _atomic_write(folder / name, functools.partial(_save_figure, outcome.figure, ext))
         files.append(name)
     plt.close(outcome.figure)
     record = {

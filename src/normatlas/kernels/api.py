@@ -98,6 +98,72 @@ def ready(device: torch.device) -> bool:
 _functorch_active = getattr(torch._C, "_are_functorch_transforms_active", lambda: False)
 
 
+def _waited(t: Tensor) -> Tensor:
+    """A plain tensor for the C++ kernels: an ``AsyncCollectiveTensor`` (DTensor's pending collective) waited on."""
+    wait = getattr(t, "wait", None) if type(t) is not Tensor else None
+    return wait() if callable(wait) else t
+
+
+class _Plain(torch.autograd.Function):
+    """Identity whose forward and backward hand the C++ kernels plain tensors: a DTensor's local shard, or the
+    gradient flowing back into it, can be a pending collective's wrapper with no storage of its own."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor) -> Tensor:  # type: ignore[override]
+        return _waited(x).view_as(_waited(x))
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:  # type: ignore[override]
+        return _waited(grad)
+
+
+def _on_local_shards(
+    input: Tensor, spec: NormSpec, weight: Tensor | None, bias: Tensor | None, fshape: tuple[int, ...] | None,
+    fused: bool,
+) -> Tensor | None:  # fmt: skip
+    """The kernels on a DTensor's local shard, or None (not a DTensor, or one they cannot serve locally).
+
+    A norm reduces over its trailing (feature) dims only, so on a DTensor sharded on leading dims (batch,
+    sequence: the sequence-parallel regions of :mod:`normatlas.distributed`) with replicated weight and bias the
+    global result's local shard is the kernel's result on the local shard. The weight and bias enter as local
+    views whose gradients are ``Partial`` over the mesh dims the input is sharded on (each rank saw its own rows)
+    and ``Replicate`` elsewhere: the gradients DTensor's reference path would give. Nothing communicates here.
+    """
+    if not torch.distributed.is_available():
+        return None
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+    if not isinstance(input, DTensor):
+        return None
+    lead = input.dim() - spec.feature_ndim
+    for p in input.placements:
+        if not (isinstance(p, Replicate) or (isinstance(p, Shard) and p.dim % input.dim() < lead)):
+            return None  # a Partial input, or one sharded on the normalized dims: the statistics need the engine
+    grad_placements = [Partial() if isinstance(p, Shard) else Replicate() for p in input.placements]
+    local: list[Tensor | None] = []
+    for t in (weight, bias):
+        if t is None:
+            local.append(None)
+            continue
+        if not isinstance(t, DTensor) or t.device_mesh != input.device_mesh:
+            return None
+        if not all(isinstance(p, Replicate) for p in t.placements):
+            return None
+        local.append(t.to_local(grad_placements=grad_placements))
+    x = input.to_local()
+    if type(x) is not Tensor:
+        x = _Plain.apply(x)
+    if type(x) is not Tensor:
+        return None
+    out = drop_in(x, spec, local[0], local[1], fshape, fused)
+    if out is None:
+        return None
+    return DTensor.from_local(
+        _Plain.apply(out), input.device_mesh, input.placements, run_check=False, shape=input.shape,
+        stride=input.stride(),
+    )  # fmt: skip
+
+
 def drop_in(
     input: Tensor, spec: NormSpec, weight: Tensor | None, bias: Tensor | None, fshape: tuple[int, ...] | None,
     fused: bool,
@@ -107,12 +173,15 @@ def drop_in(
     transforms and :func:`normatlas.backend.reference_only`),
     ``fused=True`` ``Backend.FUSED`` (compile the kernels if needed; a spec or input they cannot serve raises)."""
     if type(input) is not Tensor and torch._C._dispatch_keys(input).has(torch._C.DispatchKey.Python):
-        # a subclass with its own dispatch (DTensor, FakeTensor) has no storage for the C++ plan: the reference runs
-        if fused:
+        # a subclass with its own dispatch (DTensor, FakeTensor) has no storage for the C++ plan: a DTensor sharded
+        # only on the leading dims runs the kernels on its local shard, anything else the reference path
+        local = _on_local_shards(input, spec, weight, bias, fshape, fused)
+        if local is None and fused:
             raise ValueError(
-                f"backend='fused' cannot run on a {type(input).__name__}; use backend='auto' or 'reference'"
+                f"backend='fused' cannot run on this {type(input).__name__} (the kernels take a DTensor sharded only "
+                "on its leading dims, with replicated weight and bias); use backend='auto' or 'reference'"
             )
-        return None
+        return local
     if not fused and (torch.compiler.is_compiling() or _REFERENCE_ONLY[0] or _functorch_active()):
         # AUTO traces the reference path (the compiler fuses it), shows its ops to the recorder, and under
         # torch.func transforms (vmap, grad, jacrev) runs the ops they have rules for (a C++ autograd Function has none)
