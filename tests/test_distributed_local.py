@@ -70,7 +70,8 @@ def test_plan_covers_embed_norm_and_residual_gates() -> None:
 
 
 @pytest.mark.parametrize(
-    "qk", [QKNormConfig(gain=QKGain.PER_HEAD), QKNormConfig(scope=QKScope.FLAT, gain=QKGain.NONE)],
+    "qk",
+    [QKNormConfig(gain=QKGain.PER_HEAD), QKNormConfig(scope=QKScope.FLAT, gain=QKGain.NONE)],
     ids=["per-head-gains", "flattened"],
 )
 def test_plan_gives_head_owned_qk_norms_their_heads(qk: QKNormConfig) -> None:

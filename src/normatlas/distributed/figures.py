@@ -167,7 +167,7 @@ def _hf_model(model_type: str) -> nn.Module:
 
     classes = {
         "llama": "LlamaConfig", "qwen3": "Qwen3Config", "mistral": "MistralConfig", "gemma2": "Gemma2Config",
-        "olmo2": "Olmo2Config",
+        "olmo2": "Olmo2Config", "qwen2": "Qwen2Config", "gemma3_text": "Gemma3TextConfig",
     }  # fmt: skip
     if model_type not in classes:
         raise ValueError(f"model_type={model_type!r} must be one of {sorted(classes)}")
