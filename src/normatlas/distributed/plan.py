@@ -8,16 +8,17 @@ row-parallel output is reduce-scattered back onto the sequence. The norms, the r
 residual gates run on the sequence shards with the whole hidden dim (``SequenceParallel``), so their arithmetic is
 local and exact; their weights are replicated and their gradients come back ``Partial`` (see
 :mod:`normatlas.distributed.grads`). A QK-norm over the head dim runs on the local heads
-(``SequenceParallel(sequence_dim=2)``: dim 2 of ``(B, T, H, Dh)`` is the head dim, as in TorchTitan).
+(``SequenceParallel(sequence_dim=2)``: dim 2 of ``(B, T, H, Dh)`` is the head dim, as in TorchTitan); a QK-norm whose
+parameters belong to heads (a gain per head, a norm over the flattened heads) gets :class:`HeadShardedNorm`.
 
 The plan is derived from the model's own structure, never from module names:
 
 * a :class:`~normatlas.blocks.TransformerLM` is read through its typed attributes (blocks, their norm slots,
   attention and MLP projections);
 * a transformers Llama-family model (Llama, Mistral, Qwen 2 / 3, Gemma 2 / 3) gets its norm sites from the inspector
-  (:func:`normatlas.inspect.inspect_model`) and its projections' roles from one recorded forward: a Linear fed by a
-  norm's output is column-parallel, the branch module that received the norm's output gets the all-gather, and a
-  Linear inside that branch writing ``hidden_size`` features is row-parallel.
+  (:func:`normatlas.inspect.inspect_model`) and its projections' roles from one recorded forward: a Linear that
+  reads its branch module's own input (the stream, or a pre-norm's output of it) is column-parallel, the branch
+  gets the all-gather, and the other Linears inside it write ``hidden_size`` features and are row-parallel.
 
 Everything runs on PyTorch's own engine (``torch.distributed.tensor.parallel``); nothing here communicates.
 """
