@@ -164,7 +164,7 @@ def normalize_view(body: Mapping[str, Any]) -> dict[str, Any]:
     xv = x.view(plan.view) if plan.view else x
     mean, _, ms, count = moments(xv, spec, plan.reduce_dims, None)
     y = normalize(x, spec, backend="reference")
-    lone = normalize(x[:1], spec, backend="reference") if shape[0] > 1 else y[:1]
+    effect, effect_note = _batch_effect(x, y, spec)
     out: dict[str, Any] = {
         "layout": layout.value,
         "reduce": sorted(a.value for a in axes),
@@ -176,7 +176,8 @@ def normalize_view(body: Mapping[str, Any]) -> dict[str, Any]:
         "per": taxon.per,
         "batch_dependent": taxon.batch_dependent,
         # measured: how far sample 0's output moves when it is normalised alone instead of in the batch
-        "batch_effect": float((lone - y[:1]).abs().max()),
+        "batch_effect": effect,
+        "batch_effect_note": effect_note,
         "shape": list(shape),
         "stat_shape": list(stat_shape),
         "statistics": int(math.prod(stat_shape)),
@@ -193,6 +194,15 @@ def normalize_view(body: Mapping[str, Any]) -> dict[str, Any]:
     if explicit:
         out |= _output_and_grad(x, spec, body.get("upstream"), layout)
     return out
+
+
+def _batch_effect(x: torch.Tensor, y: torch.Tensor, spec: NormSpec) -> tuple[float | None, str]:
+    """How far sample 0's output moves when it is normalised alone instead of in the batch (measured)."""
+    try:
+        lone = normalize(x[:1], spec, backend="reference")
+    except ValueError as exc:  # e.g. statistics over the batch axis alone need two samples
+        return None, f"undefined for a single sample: {exc}"
+    return float((lone - y[:1]).abs().max()), "max |y(sample 0 alone) - y(sample 0 in the batch)|"
 
 
 def _output_and_grad(x: torch.Tensor, spec: NormSpec, upstream: Any, layout: Layout) -> dict[str, Any]:

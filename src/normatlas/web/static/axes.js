@@ -93,7 +93,8 @@ function drawPanel(panel, layout, res, state) {
       fact("one statistic per", res.per),
       fact("statistics", `${res.statistics} of ${res.per_statistic} values each`),
       fact("sample tensor", `(${res.shape.join(", ")}), seed ${res.seed}`),
-      fact("batch effect", `sample 0 alone vs in the batch: max |Δy| = ${fmt(res.batch_effect)}`)),
+      fact("batch effect", res.batch_effect === null ? "sample 0 alone: undefined (one value per statistic)"
+        : `sample 0 alone vs in the batch: max |Δy| = ${fmt(res.batch_effect)}`)),
     h("ol", {class: "arith"}, res.arithmetic.map((line) => h("li", {},
       h("span", {class: "step"}, line.step), h("code", {}, line.expr),
       line.shape ? h("span", {class: "shape"}, `→ (${line.shape.join(", ")})`) : null))),
@@ -137,7 +138,7 @@ function cuboid(layout, state) {
   ...cells,
   lab("sample", ox + (N * cw) / 2, oy + S * ch + 24, {"text-anchor": "middle"}),
   lab("position", ox - 10, oy + (S * ch) / 2 + 5, {"text-anchor": "end"}),
-  lab("feature", ox + N * cw + (C * kx) / 2 + 10, oy - (C * ky) / 2 - 6));
+  lab("feature", ox + (C * kx) / 2 - 8, oy - (C * ky) / 2 - 4, {"text-anchor": "end"}));
 }
 
 function taxonomyTable(tax) {

@@ -61,7 +61,7 @@ const dot = (a, b) => a.reduce((acc, v, i) => acc + v * b[i], 0);
 const norm = (a) => Math.sqrt(dot(a, a));
 
 function fill(el, sc) {
-  const row = (k, v) => [h("dt", {}, k), h("dd", {class: "mono"}, v)];
+  const row = (k, v) => [h("dt", {}, k), h("dd", {class: "mono", "data-k": k}, v)];
   const vec = (v) => `(${v.map(fmt).join(", ")})`;
   mount(el,
     row("x", vec(sc.x)), row("RMSNorm(x)", `${vec(sc.rms)}, |·| = ${fmt(norm(sc.rms))} (√3 = ${fmt(R)})`),

@@ -55,14 +55,15 @@ function badge(kind) {
 }
 
 function row(m) {
-  const cells = COLUMNS.map((c) => h("td", {},
+  const cells = COLUMNS.map((c) => h("td", {class: "design"},
     m[c] === null ? h("span", {class: "muted"}, "–") : [h("span", {class: "val"}, String(m[c])), " ", badge(m.provenance[c])]));
   const inspect = m.hf_model_types.map((t) => h("a", {href: `#/inspect?model_type=${encodeURIComponent(t)}`, class: "chip"}, t));
+  const file = m.source_link ? m.source_link.split("/src/transformers/")[1] : null;
   const source = h("td", {class: "source"},
-    m.source_link ? extLink(m.source_link, m.source) : m.source,
-    inspect.length ? h("div", {class: "chips"}, "inspect: ", inspect) : null,
+    file ? extLink(m.source_link, file) : h("span", {}, m.source.split(":")[0].slice(0, 60)),
+    h("details", {}, h("summary", {}, "source"), h("p", {}, m.source), m.notes ? h("p", {class: "muted"}, m.notes) : null),
     m.essay_differs ? h("details", {class: "differs"}, h("summary", {}, "differs from the guide"), h("p", {}, m.essay_differs)) : null,
-    m.notes ? h("p", {class: "muted small"}, m.notes) : null);
+    inspect.length ? h("div", {class: "chips"}, "inspect: ", inspect) : null);
   return h("tr", {class: m.essay_differs ? "has-differs" : null},
     h("th", {scope: "row"}, m.name), h("td", {}, m.family), h("td", {}, m.kind), h("td", {}, m.year ?? "–"), cells, source);
 }

@@ -21,7 +21,7 @@ export function drawPlacement(p, {label = "placement"} = {}) {
   const width = x + 40, height = STREAM_Y + rows * ROW + 24;
   const defs = s("defs", {}, s("marker", {id: "arr", viewBox: "0 0 8 8", refX: 7, refY: 4, markerWidth: 6, markerHeight: 6,
     orient: "auto"}, s("path", {d: "M0,0 L8,4 L0,8 z", class: "arrowhead"})));
-  return s("svg", {viewBox: `0 0 ${width} ${height}`, class: "diagram", role: "img", "aria-label": label}, defs,
+  return s("svg", {viewBox: `0 0 ${width} ${height}`, width, height, class: "diagram", role: "img", "aria-label": label}, defs,
     s("line", {x1: 12, x2: x, y1: STREAM_Y, y2: STREAM_Y, class: "stream"}), ...items);
 }
 
