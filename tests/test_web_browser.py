@@ -19,7 +19,13 @@ import pytest
 from tests.web_helpers import running, write_experiments
 
 CHROMIUM = "/usr/bin/chromium"
-ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
 ARTIFACTS = Path(__file__).resolve().parent / "artifacts" / "web"
 VIEWS = ("axes", "placements", "matrix", "papers", "inspect", "experiments", "geometry")
 
@@ -43,7 +49,9 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
         page.on("console", lambda m: m.type == "error" and log["errors"].append(m.text))
         page.on("pageerror", lambda e: log["errors"].append(str(e)))
         ctx.on("request", lambda r: log["hosts"].add(urlsplit(r.url).hostname))
-        ctx.on("response", lambda r: r.status >= 400 and log["failed"].append(f"{r.status} {r.url} {r.request.post_data}"))
+        ctx.on(
+            "response", lambda r: r.status >= 400 and log["failed"].append(f"{r.status} {r.url} {r.request.post_data}")
+        )
         yield {"page": page, "url": server.url, "log": log}
         ctx.close()
 

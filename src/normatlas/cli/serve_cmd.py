@@ -18,7 +18,9 @@ def configure_serve(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--allow-remote", action="store_true", help="allow a --host other than loopback (the API is unauthenticated)"
     )
-    p.add_argument("--root", default=".", help="the only folder whose checkpoints the Inspect page may read (default .)")
+    p.add_argument(
+        "--root", default=".", help="the only folder whose checkpoints the Inspect page may read (default .)"
+    )
     p.add_argument(
         "--experiments",
         default=None,
@@ -53,7 +55,9 @@ def serve(args: argparse.Namespace) -> int:
     except OSError as exc:
         raise CliError(f"cannot listen on {args.host}:{args.port}: {exc.strerror or exc}") from exc
     server.quiet = not args.verbose
-    print(f"normatlas: serving {server.url}  (root {root}; experiments {experiments or 'none'}); Ctrl-C stops", flush=True)
+    print(
+        f"normatlas: serving {server.url}  (root {root}; experiments {experiments or 'none'}); Ctrl-C stops", flush=True
+    )
     if args.open:
         import webbrowser
 

@@ -90,7 +90,9 @@ class Inspector:
     def target(self, body: Any) -> tuple[str, str]:
         """(cache key, CLI target) of a request body ``{"model_type": ...}`` or ``{"folder": ...}``."""
         if not isinstance(body, dict) or len(set(body) & _KEYS) != 1 or set(body) - _KEYS:
-            raise ValueError(f"the body must be one of {{'model_type': TYPE}} or {{'folder': PATH}}; got {body!r}"[:300])
+            raise ValueError(
+                f"the body must be one of {{'model_type': TYPE}} or {{'folder': PATH}}; got {body!r}"[:300]
+            )
         if "folder" in body:
             path = self.resolve_folder(body["folder"])
             return f"folder:{path}", str(path)

@@ -142,6 +142,7 @@ class Handler(BaseHTTPRequestHandler):
     server_version = "normatlas"
     sys_version = ""
     protocol_version = "HTTP/1.1"
+    default_request_version = "HTTP/1.0"  # so an error to a garbled request line still has a status line
 
     def log_message(self, format: str, *args: Any) -> None:
         if not self.server.quiet:
@@ -229,7 +230,7 @@ class Handler(BaseHTTPRequestHandler):
             self._figure(m.group(1), m.group(2))
         else:
             name = "index.html" if path in ("/", "/index.html") else path.removeprefix("/static/")
-            if not path.startswith("/static/") and name != "index.html" or name not in self.server.files:
+            if (not path.startswith("/static/") and name != "index.html") or name not in self.server.files:
                 raise HTTPError(HTTPStatus.NOT_FOUND, f"no page or file at {path}")
             self._send(HTTPStatus.OK, self.server.files[name], _TYPES[Path(name).suffix])
 
@@ -271,7 +272,9 @@ class Handler(BaseHTTPRequestHandler):
 
     def _not_allowed(self) -> None:
         self._error(
-            HTTPStatus.METHOD_NOT_ALLOWED, f"method {self.command} is not allowed; use GET or POST", {"Allow": "GET, HEAD, POST"}
+            HTTPStatus.METHOD_NOT_ALLOWED,
+            f"method {self.command} is not allowed; use GET or POST",
+            {"Allow": "GET, HEAD, POST"},
         )
 
     do_PUT = do_DELETE = do_PATCH = do_OPTIONS = do_TRACE = do_CONNECT = _not_allowed

@@ -41,7 +41,7 @@ export async function render(root, params) {
   async function load() {
     writeHash("geometry", {seed});
     const r = rng(seed);
-    const x = [r() * 4 + 1.2, r() * 4 - 0.3, r() * 4 + 0.4];
+    const x = [r() * 3 + 1.6, r() * 3 + 0.6, r() * 3 - 0.2];  // a clear mean, so the two images differ
     const g = [r(), r(), r()];
     try {
       const [ln, rms] = await Promise.all([true, false].map((center) => api("/api/normalize", {
@@ -93,7 +93,7 @@ function drag(canvas, view, redraw) {
 
 function projector(canvas, view) {
   const cy = Math.cos(view.yaw), sy = Math.sin(view.yaw), cp = Math.cos(view.pitch), sp = Math.sin(view.pitch);
-  const scale = Math.min(canvas.width, canvas.height) / 7.5;
+  const scale = Math.min(canvas.width, canvas.height) / 6;
   return ([x, y, z]) => {
     const x1 = cy * x + sy * z, z1 = -sy * x + cy * z;   // yaw about the vertical axis
     const y2 = cp * y - sp * z1, z2 = sp * y + cp * z1;  // pitch about the horizontal axis
@@ -132,23 +132,23 @@ function draw(canvas, view, sc) {
     const t = (lon * Math.PI) / 180;
     curve(circle([Math.cos(t), 0, Math.sin(t)], [0, 1, 0], R), sphere, 1, true);
   }
-  for (const axis of [[1, 0, 0], [0, 1, 0], [0, 0, 1]]) curve([axis.map((v) => -2.4 * v), axis.map((v) => 2.4 * v)], css("--muted"), 1, false);
+  for (const axis of [[1, 0, 0], [0, 1, 0], [0, 0, 1]]) curve([axis.map((v) => -2.4 * v), axis.map((v) => 2.4 * v)], css("--line"), 1, false);
   const u = [1, -1, 0].map((v) => v / Math.SQRT2), w = [1, 1, -2].map((v) => v / Math.sqrt(6));
   curve(circle(u, w, R), css("--circle"), 3, false);  // the LayerNorm image: sphere ∩ {sum = 0}
   const ones = [1, 1, 1].map((v) => v / Math.sqrt(3));
   curve([[0, 0, 0], ones.map((v) => 2.6 * v)], css("--ones"), 2, false);
   if (!sc) return;
-  const pt = (p, color, r, label) => {
+  const pt = (p, color, r, label, dy = -8) => {
     const q = P(p);
     ctx.fillStyle = color; ctx.beginPath(); ctx.arc(q[0], q[1], r, 0, 2 * Math.PI); ctx.fill();
-    ctx.fillStyle = css("--text"); ctx.font = "13px system-ui, sans-serif"; ctx.fillText(label, q[0] + 8, q[1] - 8);
+    ctx.fillStyle = css("--text"); ctx.font = "13px system-ui, sans-serif"; ctx.fillText(label, q[0] + 8, q[1] + dy);
   };
   const scaleX = 1.6 / Math.max(...sc.x.map(Math.abs));
   const xs = sc.x.map((v) => v * scaleX);
   curve([[0, 0, 0], xs], css("--muted"), 1, false);
   pt(xs, css("--muted"), 4, "x (scaled)");
   pt(sc.rms, css("--sphere-strong"), 5, "RMSNorm(x)");
-  pt(sc.ln, css("--circle"), 5, "LayerNorm(x)");
+  pt(sc.ln, css("--circle"), 5, "LayerNorm(x)", 16);
   const gs = 1.2 / Math.max(1e-9, norm(sc.grad));
   curve([sc.ln, sc.ln.map((v, i) => v + gs * sc.grad[i])], css("--grad"), 3, false);
 }
