@@ -260,3 +260,38 @@ def test_no_asset_refers_to_another_origin() -> None:
 def test_package_data_ships_the_static_files() -> None:
     text = (Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
     assert '"web/static/*"' in text
+
+
+def test_serve_refuses_a_remote_host_without_allow_remote(capsys: pytest.CaptureFixture[str]) -> None:
+    from normatlas.cli import main
+
+    assert main(["serve", "--host", "0.0.0.0", "--port", "0"]) == 2
+    assert "--allow-remote" in capsys.readouterr().err
+    assert main(["serve", "--root", "/no/such/folder", "--port", "0"]) == 2
+
+
+def test_serve_prints_its_url_answers_and_exits_0_on_ctrl_c(tmp_path: Path) -> None:
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")}
+    cmd = [sys.executable, "-m", "normatlas", "serve", "--port", "0", "--root", str(tmp_path)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
+    try:
+        line = proc.stdout.readline() if proc.stdout else ""
+        url = next(word for word in line.split() if word.startswith("http://127.0.0.1:"))
+        port = int(url.rstrip("/").rsplit(":", 1)[1])
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+        conn.request("GET", "/api/health")
+        assert conn.getresponse().status == 200
+        conn.close()
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=10) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    with pytest.raises(OSError):  # the port is released
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
