@@ -195,3 +195,11 @@ def test_geometry_shows_the_librarys_gradient_orthogonal_to_ones_and_x_hat(site:
     page.keyboard.press("ArrowLeft")
     page.screenshot(path=str(ARTIFACTS / "geometry-rotated.png"))
     assert site["log"]["errors"] == []
+
+
+def test_inspect_draws_a_models_placement(site: dict[str, Any]) -> None:
+    page = _open(site, "inspect", "model_type=gpt2")
+    page.wait_for_selector("#inspect-out .report svg.diagram", timeout=30_000)
+    assert "layernorm" in page.inner_text("#inspect-out")
+    page.screenshot(path=str(ARTIFACTS / "inspect-gpt2.png"), full_page=True)
+    assert site["log"]["errors"] == [] and site["log"]["failed"] == []

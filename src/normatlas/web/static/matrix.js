@@ -56,7 +56,7 @@ function badge(kind) {
 
 function row(m) {
   const cells = COLUMNS.map((c) => h("td", {class: "design"},
-    m[c] === null ? h("span", {class: "muted"}, "–") : [h("span", {class: "val"}, String(m[c])), " ", badge(m.provenance[c])]));
+    m[c] === null ? h("span", {class: "muted"}, "–") : h("span", {class: "pair"}, h("span", {class: "val"}, String(m[c])), " ", badge(m.provenance[c]))));
   const inspect = m.hf_model_types.map((t) => h("a", {href: `#/inspect?model_type=${encodeURIComponent(t)}`, class: "chip"}, t));
   const file = m.source_link ? m.source_link.split("/src/transformers/")[1] : null;
   const source = h("td", {class: "source"},
