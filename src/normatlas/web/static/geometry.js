@@ -143,10 +143,9 @@ function draw(canvas, view, sc) {
     ctx.fillStyle = color; ctx.beginPath(); ctx.arc(q[0], q[1], r, 0, 2 * Math.PI); ctx.fill();
     ctx.fillStyle = css("--text"); ctx.font = "13px system-ui, sans-serif"; ctx.fillText(label, q[0] + 8, q[1] + dy);
   };
-  const scaleX = 1.6 / Math.max(...sc.x.map(Math.abs));
-  const xs = sc.x.map((v) => v * scaleX);
+  const xs = sc.x.map((v) => (v * 2.8) / norm(sc.x));  // x's ray, beyond the sphere: RMSNorm only rescales along it
   curve([[0, 0, 0], xs], css("--muted"), 1, false);
-  pt(xs, css("--muted"), 4, "x (scaled)");
+  pt(xs, css("--muted"), 4, "x (ray)");
   pt(sc.rms, css("--sphere-strong"), 5, "RMSNorm(x)");
   pt(sc.ln, css("--circle"), 5, "LayerNorm(x)", 16);
   const gs = 1.2 / Math.max(1e-9, norm(sc.grad));
