@@ -14,6 +14,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from ..vocabulary import PlacementKind, SublayerKind
+
 __all__ = ["MAX_CONCURRENT", "Busy", "Forbidden", "Inspector"]
 
 MAX_CONCURRENT = 1
@@ -40,7 +42,7 @@ def drawing(report: Any) -> dict[str, Any] | None:
     first = [s for s in report.sublayers if s.layer == report.sublayers[0].layer] if report.sublayers else []
     if not first:
         return None
-    parallel = report.placement.value == "parallel" or len(first) == 1
+    parallel = report.placement is PlacementKind.PARALLEL or first[0].kind is SublayerKind.PARALLEL
     attn = first[0]
     ffn = first[1] if len(first) > 1 else first[0]
     return {
@@ -51,7 +53,9 @@ def drawing(report: Any) -> dict[str, Any] | None:
         "qkv_norm": False,
         "residual_alpha": attn.skip_scale if attn.skip_scale is not None else 1.0,
         "branch_scale": 1.0,
-        "gate": "none" if attn.branch_scale is None else "scalar",
+        "gate": "none",
+        "branch_label": attn.branch_scale
+        or report.branch_scale,  # the inspector's words: a constant, "learned scalar", "per-channel"
         "pre_norm_scale": "none",
         "name": report.model,
         "kind": report.placement.value,

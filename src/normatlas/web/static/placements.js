@@ -47,6 +47,7 @@ function branchItems(p, name, slots) {
   if (p.gate === "scalar") out.push(["×α", "scale"]);
   if (p.gate === "vector") out.push(["×diag(g)", "scale"]);
   if (p.branch_scale !== undefined && p.branch_scale !== 1) out.push([`×${fmt(p.branch_scale)}`, "scale"]);
+  if (p.branch_label) out.push([`×${p.branch_label}`, "scale"]);  // an inspected model's branch scaling
   return out;
 }
 
