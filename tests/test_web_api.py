@@ -38,6 +38,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     (base / "secret").mkdir()
     (base / "secret" / "config.json").write_text("{}")
     write_experiments(out)
+    (out / "broken").mkdir()
+    (out / "broken" / "result.json").write_text('{"name": "broken"}')  # lacks the runner's fields
     with running(root, out) as srv:
         yield srv
 
@@ -158,6 +160,7 @@ def test_papers_grouped_with_links(server: Any) -> None:
 def test_experiments_read_the_runners_result_and_serve_its_figures(server: Any) -> None:
     _, _, doc = call(server, "GET", "/api/experiments")
     (result,) = doc["results"]
+    assert [e["name"] for e in doc["errors"]] == ["broken"] and "lacks the fields" in doc["errors"][0]["error"]
     assert set(RESULT_FIELDS) <= set(result) and result["name"] == "variance-with-depth"
     status, res, svg = call(server, "GET", result["figures"]["svg"])
     assert status == 200 and res.getheader("Content-Type") == "image/svg+xml" and svg.startswith(b"<?xml")
@@ -184,6 +187,16 @@ def test_inspect_a_model_type_then_from_the_cache(server: Any) -> None:
     t0 = time.perf_counter()
     again = call(server, "POST", "/api/inspect", {"model_type": "llama"})[2]
     assert again["cached"] is True and time.perf_counter() - t0 < 0.5
+
+
+def test_inspection_is_bounded_to_one_at_a_time(server: Any) -> None:
+    slots = server.inspector._slots
+    assert slots.acquire(timeout=1)  # as if another inspection were running
+    try:
+        status, res, doc = call(server, "POST", "/api/inspect", {"model_type": "gpt2"})
+    finally:
+        slots.release()
+    assert status == 503 and res.getheader("Retry-After") == "2" and "another inspection" in doc["error"]
 
 
 def test_malformed_requests_get_json_errors_and_the_server_keeps_answering(server: Any) -> None:

@@ -35,7 +35,7 @@ pytestmark = pytest.mark.skipif(not Path(CHROMIUM).exists(), reason=f"{CHROMIUM}
 @pytest.fixture(scope="module")
 def site(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     """A server (with one experiment result) and a fresh headless Chromium; records console errors and hosts."""
-    sync_api = pytest.importorskip("playwright.sync_api")
+    from playwright import sync_api
     out = tmp_path_factory.mktemp("experiments")
     write_experiments(out)
     profile = tmp_path_factory.mktemp("chromium-profile")
@@ -49,6 +49,8 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
         page.on("console", lambda m: m.type == "error" and log["errors"].append(m.text))
         page.on("pageerror", lambda e: log["errors"].append(str(e)))
         ctx.on("request", lambda r: log["hosts"].add(urlsplit(r.url).hostname))
+        # belt and braces: anything not addressed to the server is aborted (and still recorded above)
+        ctx.route(lambda url: urlsplit(url).hostname != "127.0.0.1", lambda route: route.abort())
         ctx.on(
             "response", lambda r: r.status >= 400 and log["failed"].append(f"{r.status} {r.url} {r.request.post_data}")
         )

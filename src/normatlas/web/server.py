@@ -143,6 +143,7 @@ class Handler(BaseHTTPRequestHandler):
     sys_version = ""
     protocol_version = "HTTP/1.1"
     default_request_version = "HTTP/1.0"  # so an error to a garbled request line still has a status line
+    timeout = 30  # seconds a client may stall mid-request before its thread lets go
 
     def log_message(self, format: str, *args: Any) -> None:
         if not self.server.quiet:

@@ -31,7 +31,7 @@ export async function render(root, params) {
       h("section", {class: "card canvas-card"}, canvas,
         h("p", {class: "legend"}, h("span", {class: "key sphere"}, "RMSNorm image (sphere)"),
           h("span", {class: "key circle"}, "LayerNorm image (circle)"), h("span", {class: "key ones"}, "ones vector"),
-          h("span", {class: "key grad"}, "∂L/∂x (LayerNorm)")),
+          h("span", {class: "key grad"}, "upstream g (dashed) and σ·∂L/∂x, its projection")),
         h("div", {class: "controls"}, again, h("span", {class: "muted small"}, "drag to rotate · arrow keys when focused"))),
       h("section", {class: "card"}, h("h2", {}, "computed by the library"), readout)));
   let scene = null;
@@ -145,9 +145,20 @@ function draw(canvas, view, sc) {
   };
   const xs = sc.x.map((v) => (v * 2.8) / norm(sc.x));  // x's ray, beyond the sphere: RMSNorm only rescales along it
   curve([[0, 0, 0], xs], css("--muted"), 1, false);
-  pt(xs, css("--muted"), 4, "x (ray)");
+  pt(xs, css("--muted"), 4, "x (ray)", 18);
   pt(sc.rms, css("--sphere-strong"), 5, "RMSNorm(x)");
   pt(sc.ln, css("--circle"), 5, "LayerNorm(x)", 16);
-  const gs = 1.2 / Math.max(1e-9, norm(sc.grad));
-  curve([sc.ln, sc.ln.map((v, i) => v + gs * sc.grad[i])], css("--grad"), 3, false);
+  // sigma from the library's own output: x_hat = (x - mean) / sigma, so sigma * dL/dx = P g, the upstream
+  // gradient with its components along the ones vector and along x_hat removed (the tangent of the circle)
+  const mean = sc.x.reduce((a, b) => a + b, 0) / 3;
+  const sigma = norm(sc.x.map((v) => v - mean)) / norm(sc.ln);
+  const k = 1.4 / Math.max(1e-9, norm(sc.g));
+  const gTip = sc.ln.map((v, i) => v + k * sc.g[i]);
+  const pTip = sc.ln.map((v, i) => v + k * sigma * sc.grad[i]);
+  ctx.setLineDash([5, 4]);
+  curve([sc.ln, gTip], css("--grad"), 1.5, false);
+  curve([gTip, pTip], css("--muted"), 1, false);
+  ctx.setLineDash([]);
+  curve([sc.ln, pTip], css("--grad"), 3, false);
+  pt(gTip, css("--grad"), 2.5, "g (upstream)");
 }
