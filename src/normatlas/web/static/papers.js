@@ -47,8 +47,10 @@ function paper(p) {
     h("p", {class: "paper-title"}, title, p.title ? null : h("span", {class: "badge unclear"}, "unconfirmed")),
     who ? h("p", {class: "muted small"}, who) : null,
     h("p", {class: "small"}, p.question),
-    h("p", {class: "links small"},
-      p.search ? extLink(p.search, "arXiv title search") : null,
-      p.implemented_by && p.implemented_by.length ? h("span", {class: "muted"}, ` · in normatlas: ${p.implemented_by.join(", ")}`) : null),
+    h("p", {class: "links small"}, p.search ? extLink(p.search, "arXiv title search") : null),
+    p.implemented_by && p.implemented_by.length
+      ? h("details", {class: "small"}, h("summary", {}, `in normatlas (${p.implemented_by.length})`),
+        h("p", {class: "mono muted"}, p.implemented_by.join(", ")))
+      : null,
     p.essay_differs ? h("details", {class: "differs"}, h("summary", {}, "differs from the guide"), h("p", {}, p.essay_differs)) : null);
 }
