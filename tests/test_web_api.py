@@ -283,6 +283,21 @@ def test_serve_refuses_a_remote_host_without_allow_remote(capsys: pytest.Capture
     assert main(["serve", "--root", "/no/such/folder", "--port", "0"]) == 2
 
 
+def test_make_server_binds_ipv6_loopback_and_refuses_bad_ports() -> None:
+    from normatlas.web import Config, make_server
+
+    if socket.has_ipv6:
+        try:
+            srv = make_server("::1", 0, Config(Path.cwd(), None))
+        except OSError as exc:  # a machine without IPv6 loopback
+            pytest.skip(f"no IPv6 loopback: {exc}")
+        assert srv.url.startswith("http://[::1]:")
+        srv.server_close()
+    for port in (-1, 70000, True, "80"):
+        with pytest.raises(ValueError, match="port="):
+            make_server("127.0.0.1", port)  # type: ignore[arg-type]
+
+
 def test_serve_prints_its_url_answers_and_exits_0_on_ctrl_c(tmp_path: Path) -> None:
     import os
     import signal

@@ -36,6 +36,7 @@ pytestmark = pytest.mark.skipif(not Path(CHROMIUM).exists(), reason=f"{CHROMIUM}
 def site(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     """A server (with one experiment result) and a fresh headless Chromium; records console errors and hosts."""
     from playwright import sync_api
+
     out = tmp_path_factory.mktemp("experiments")
     write_experiments(out)
     profile = tmp_path_factory.mktemp("chromium-profile")

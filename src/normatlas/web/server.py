@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import socket
 import sys
 import time
 from collections.abc import Callable
@@ -87,6 +88,8 @@ class AtlasServer(ThreadingHTTPServer):
     allow_reuse_address = True
 
     def __init__(self, address: tuple[str, int], config: Config, quiet: bool = True) -> None:
+        if ":" in address[0]:  # an IPv6 address such as ::1
+            self.address_family = socket.AF_INET6
         super().__init__(address, Handler)
         self.config = config
         self.quiet = quiet
