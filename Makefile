@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 PIP_INDEX ?= --index-url https://download.pytorch.org/whl/cpu --extra-index-url https://pypi.org/simple
 
-.PHONY: demo test test-slow lint typecheck setup setup-test kernels clean
+.PHONY: demo test test-slow lint typecheck setup setup-test kernels chromium clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -58,7 +58,12 @@ lint: setup-test
 typecheck: setup-test
 	$(BIN)/mypy
 
-test: lint typecheck kernels
+# the browser tests (tests/test_web_browser.py) drive Debian's Chromium; install it when absent (sudo unless root)
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+chromium:
+	@command -v chromium >/dev/null || ($(SUDO) apt-get update && $(SUDO) apt-get install -y chromium)
+
+test: lint typecheck kernels chromium
 	$(BIN)/python -m pytest -q -m "not slow"
 
 test-slow: setup-test kernels

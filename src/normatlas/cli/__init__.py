@@ -136,6 +136,13 @@ TABLE: tuple[Entry, ...] = (
         "time the fused norm kernels against torch, HF-style eager and torch.compile",
     ),
     Entry(
+        "serve",
+        "serve_cmd",
+        "serve",
+        "configure_serve",
+        "the atlas as a local web page: axes, placements, matrix, papers, inspect, experiments",
+    ),
+    Entry(
         "kernels",
         "kernels_cmd",
         "kernels",

@@ -1,0 +1,135 @@
+// Placements: every preset drawn from its Placement value (GET /api/placements), with its equation,
+// its docstring drawing and, where the depth experiments ran, its measured profile by depth.
+// drawPlacement is also what the Inspect view draws an inspected model with.
+import {fmt, h, mount, once, s, status, writeHash} from "./util.js";
+
+const BW = 46, BH = 26, GAP = 14, STREAM_Y = 34, ROW = 52;
+
+/** A block diagram of one block from drawing data: {attn, ffn: {pre, post, after_add}, parallel, ...}. */
+export function drawPlacement(p, {label = "placement"} = {}) {
+  const items = [];
+  let x = 16;
+  items.push(s("text", {x: 4, y: STREAM_Y - 10, class: "d-label"}, "x"));
+  const subs = p.parallel ? [["A", "F"]] : [["A"], ["F"]];
+  let rows = 1;
+  for (const names of subs) {
+    const r = sublayer(items, x, names, p);
+    x = r.x;
+    rows = Math.max(rows, names.length);
+  }
+  items.push(arrowLine(x, STREAM_Y, x + 18, STREAM_Y), s("text", {x: x + 22, y: STREAM_Y + 4, class: "d-label"}, "x′"));
+  const width = x + 40, height = STREAM_Y + rows * ROW + 24;
+  const defs = s("defs", {}, s("marker", {id: "arr", viewBox: "0 0 8 8", refX: 7, refY: 4, markerWidth: 6, markerHeight: 6,
+    orient: "auto"}, s("path", {d: "M0,0 L8,4 L0,8 z", class: "arrowhead"})));
+  return s("svg", {viewBox: `0 0 ${width} ${height}`, width, height, class: "diagram", role: "img", "aria-label": label}, defs,
+    s("line", {x1: 12, x2: x, y1: STREAM_Y, y2: STREAM_Y, class: "stream"}), ...items);
+}
+
+function box(items, x, y, text, cls) {
+  const w = Math.max(BW, text.length * 7 + 12);
+  items.push(s("rect", {x, y: y - BH / 2, width: w, height: BH, rx: 6, class: `d-box ${cls}`}),
+    s("text", {x: x + w / 2, y: y + 4, class: "d-text", "text-anchor": "middle"}, text));
+  return x + w;
+}
+
+function arrowLine(x1, y1, x2, y2, cls = "wire") {
+  return s("line", {x1, y1, x2, y2, class: cls, "marker-end": "url(#arr)"});
+}
+
+function branchItems(p, name, slots) {
+  const out = [];
+  if (slots.pre) {
+    out.push(["N", "norm"]);
+    if (p.pre_norm_scale && p.pre_norm_scale !== "none") out.push([`×${p.pre_norm_scale}`, "scale"]);
+  }
+  out.push([name === "A" && p.qkv_norm ? "A (QKV-N)" : name, "fn"]);
+  if (slots.post) out.push([p.post_gain_init && p.post_gain_init !== "none" ? `N·c/√L` : "N", "norm"]);
+  if (p.gate === "scalar") out.push(["×α", "scale"]);
+  if (p.gate === "vector") out.push(["×diag(g)", "scale"]);
+  if (p.branch_scale !== undefined && p.branch_scale !== 1) out.push([`×${fmt(p.branch_scale)}`, "scale"]);
+  if (p.branch_label) out.push([`×${p.branch_label}`, "scale"]);  // an inspected model's branch scaling
+  return out;
+}
+
+/** One residual add: branches from a fork on the stream, joining at (+); the after-add norm on the stream. */
+function sublayer(items, x0, names, p) {
+  const fork = x0 + 8;
+  items.push(s("circle", {cx: fork, cy: STREAM_Y, r: 3, class: "dot"}));
+  let end = fork;
+  const ends = [];
+  names.forEach((name, row) => {
+    const slots = name === "A" ? p.attn : p.ffn;
+    const y = STREAM_Y + ROW * (row + 1);
+    let x = fork + 16;
+    items.push(s("polyline", {points: `${fork},${STREAM_Y} ${fork},${y} ${x},${y}`, class: "wire"}));
+    for (const [text, cls] of branchItems(p, name, slots)) {
+      const nx = box(items, x, y, text, cls);
+      items.push(arrowLine(nx, y, nx + GAP, y));
+      x = nx + GAP;
+    }
+    ends.push([x, y]);
+    end = Math.max(end, x);
+  });
+  let add = end + 16;
+  if (p.residual_alpha !== undefined && p.residual_alpha !== 1) {
+    const bx = fork + 18;
+    items.push(s("rect", {x: bx, y: STREAM_Y - BH / 2, width: BW + 8, height: BH, rx: 6, class: "d-box scale"}),
+      s("text", {x: bx + (BW + 8) / 2, y: STREAM_Y + 4, class: "d-text", "text-anchor": "middle"}, `×${fmt(p.residual_alpha)}`));
+    add = Math.max(add, bx + BW + 30);
+  }
+  for (const [x, y] of ends) items.push(s("polyline", {points: `${x},${y} ${add},${y} ${add},${STREAM_Y + 10}`, class: "wire"}));
+  items.push(s("circle", {cx: add, cy: STREAM_Y, r: 10, class: "add"}),
+    s("text", {x: add, y: STREAM_Y + 5, class: "d-text", "text-anchor": "middle"}, "+"));
+  let x = add + 10;
+  const after = names.some((n) => (n === "A" ? p.attn : p.ffn).after_add);
+  if (after) x = box(items, x + 12, STREAM_Y, "N", "norm on-stream");
+  return {x: x + 14};
+}
+
+function lineChart(points, columns, title) {
+  const W = 260, H = 130, pad = {l: 40, r: 8, t: 18, b: 24};
+  const xs = points.map((q) => q[0]);
+  const ys = points.flatMap((q) => q.slice(1));
+  const [x0, x1] = [Math.min(...xs), Math.max(...xs)], [y0, y1] = [Math.min(...ys), Math.max(...ys)];
+  const X = (v) => pad.l + ((v - x0) / (x1 - x0 || 1)) * (W - pad.l - pad.r);
+  const Y = (v) => pad.t + (1 - (v - y0) / (y1 - y0 || 1)) * (H - pad.t - pad.b);
+  const lines = columns.map((c, i) => s("polyline", {class: `series s${i % 4}`,
+    points: points.map((q) => `${X(q[0])},${Y(q[i + 1])}`).join(" ")}));
+  return s("svg", {viewBox: `0 0 ${W} ${H}`, class: "chart", role: "img", "aria-label": title},
+    s("text", {x: pad.l, y: 12, class: "hist-title"}, `${title}: ${columns.join(", ")}`), ...lines,
+    s("text", {x: pad.l - 4, y: pad.t + 6, class: "tick end"}, fmt(y1)),
+    s("text", {x: pad.l - 4, y: H - pad.b, class: "tick end"}, fmt(y0)),
+    s("text", {x: pad.l, y: H - 6, class: "tick"}, fmt(x0)),
+    s("text", {x: W - pad.r, y: H - 6, class: "tick end"}, `${fmt(x1)} (layer)`));
+}
+
+function card(p) {
+  const profiles = Object.entries(p.profiles || {});
+  return h("article", {class: "card placement", id: `placement-${p.preset}`},
+    h("div", {class: "panel-head"}, h("h2", {}, p.preset), h("span", {class: "pill"}, p.kinds.join(" / "))),
+    drawPlacement(p, {label: `${p.preset} block diagram`}),
+    h("p", {}, h("code", {class: "equation"}, p.equation)),
+    p.parallel ? h("p", {class: "muted"}, p.shared_pre_norm ? "one shared pre-norm feeds both branches" : "each branch has its own pre-norm") : null,
+    profiles.length
+      ? h("div", {class: "profiles"}, profiles.map(([exp, prof]) => h("figure", {},
+        lineChart(prof.points, prof.columns, exp),
+        h("figcaption", {}, `${exp} (${prof.series}.csv); claim ${prof.holds ? "holds" : "does not hold"}`))))
+      : h("p", {class: "muted small"}, "no depth profile measured (run the variance-with-depth / gradients-with-depth experiments)"),
+    h("details", {}, h("summary", {}, "docstring"), h("pre", {class: "doc"}, p.doc)));
+}
+
+export async function render(root, params) {
+  mount(root, status("loading placements…"));
+  const data = await once("/api/placements");
+  const legend = h("p", {class: "legend"},
+    h("span", {class: "key norm"}, "N norm"), h("span", {class: "key fn"}, "A / F attention, FFN"),
+    h("span", {class: "key scale"}, "× scaling"), h("span", {class: "key add"}, "+ residual add"));
+  mount(root,
+    h("header", {class: "view-head"}, h("h1", {}, "Where does the norm sit?"),
+      h("p", {class: "lede"}, `${data.placements.length} schemes, each drawn from its Placement value: the same data the `,
+        "Block reads, the docstring draws and the inspector reads back."), legend),
+    h("div", {class: "cards"}, data.placements.map(card)));
+  const focus = params.get("focus");
+  if (focus) document.getElementById(`placement-${focus}`)?.scrollIntoView();
+  writeHash("placements", {focus: focus || ""});
+}

@@ -1,0 +1,76 @@
+"""A normatlas web server in a thread, for the API and browser tests."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from normatlas.experiments import Experiment, Outcome, RunContext, Series
+from normatlas.experiments.runner import run_experiment, use_agg
+from normatlas.functional import normalize
+from normatlas.spec import Axis, Layout, NormSpec
+from normatlas.web import AtlasServer, Config, make_server
+
+
+@contextlib.contextmanager
+def running(root: Path, experiments: Path | None = None) -> Iterator[AtlasServer]:
+    """A server on a free loopback port, serving until the block ends; its socket is closed after."""
+    server = make_server("127.0.0.1", 0, Config(root, experiments))
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    thread.start()
+    try:
+        yield server
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=5)
+
+
+def _depth_run(ctx: RunContext) -> Outcome:
+    """The stream's variance by depth under Pre-LN (x + F(N(x))) and Post-LN (N(x + F(x))), F a random linear map."""
+    plt = use_agg()
+    g = ctx.generator()
+    d, depth = 32, 6
+    spec = NormSpec(layout=Layout.BTD, reduce=frozenset({Axis.FEATURE}), bias=False)
+    rows = []
+    for name in ("pre_ln", "post_ln"):
+        x = torch.randn(4, 8, d, generator=g)
+        for layer in range(1, depth + 1):
+            w = torch.randn(d, d, generator=g) / d**0.5
+            x = x + normalize(x, spec) @ w if name == "pre_ln" else normalize(x + x @ w, spec)
+            rows.append((name, layer, float(x.var())))
+    pre = [v for n, _, v in rows if n == "pre_ln"]
+    post = [v for n, _, v in rows if n == "post_ln"]
+    fig, ax = plt.subplots(figsize=(4, 3))
+    for name, ys in (("pre_ln", pre), ("post_ln", post)):
+        ax.plot(range(1, depth + 1), ys, label=name)
+    ax.set(title="Pre-LN's stream variance grows with depth", xlabel="layer", ylabel="variance")
+    ax.legend()
+    measured = {"pre_last": pre[-1], "post_last": post[-1]}
+    series = {"variance": Series(("placement", "layer", "variance"), rows)}
+    return Outcome(measured, pre[-1] > pre[0] and abs(post[-1] - 1) < 0.1, series, fig, notes="test fixture")
+
+
+DEPTH_EXPERIMENT = Experiment(
+    name="variance-with-depth",
+    number=1,
+    title="stream variance by depth",
+    claim="Pre-LN's residual stream grows with depth; Post-LN's stays at one",
+    guide_words="the residual stream grows with depth",
+    anchor="xiong2020",
+    anchor_reports="(test fixture)",
+    expected="pre_last > pre_first and post_last ~ 1",
+    estimate_s=1.0,
+    quick_estimate_s=1.0,
+    run=_depth_run,
+)
+
+
+def write_experiments(out: Path) -> dict[str, Any]:
+    """``out/variance-with-depth/`` written by the real runner from the tiny experiment above."""
+    return run_experiment(DEPTH_EXPERIMENT, out, quick=True, seed=0)
