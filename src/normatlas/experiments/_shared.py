@@ -10,10 +10,40 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..blocks import TransformerLM
-from .lm import residual_stream
+from ..blocks import Placement, Schedule, TransformerLM
+from ..presets import LayerNorm
+from .base import RunContext
+from .data import ByteBatches, stdlib_bytes
+from .lm import TrainConfig, TrainLog, residual_stream, tiny_lm, train_lm
 
-__all__ = ["figure", "stream_variance", "without_layer"]
+__all__ = ["byte_data", "figure", "smooth", "stream_variance", "trained", "without_layer"]
+
+
+def byte_data(ctx: RunContext) -> ByteBatches:
+    """The standard library's first 2 MB of sources as seeded train / held-out windows."""
+    return ByteBatches(stdlib_bytes(2_000_000), seed=ctx.seed)
+
+
+def trained(
+    ctx: RunContext, placement: Placement | Schedule, cfg: TrainConfig, data: ByteBatches, label: str, **model: Any
+) -> tuple[TransformerLM, TransformerLM, TrainLog]:
+    """A tiny byte LM with ``placement`` and LayerNorm (seeded from ``ctx.seed``): its state at init (a copy)
+    and after :func:`~.lm.train_lm` with ``cfg``, and the training log."""
+    import copy
+
+    lm = tiny_lm(placement, LayerNorm, seed=ctx.seed, **model)
+    init = copy.deepcopy(lm)
+    log = train_lm(lm, data, cfg, progress=lambda msg: ctx.progress(f"{label}: {msg}"))
+    return init, lm, log
+
+
+def smooth(v: list[float], k: int = 20) -> list[float]:
+    """A trailing moving average over ``k`` values (the first ones over what there is)."""
+    out, acc = [], 0.0
+    for i, x in enumerate(v):
+        acc += x - (v[i - k] if i >= k else 0.0)
+        out.append(acc / min(i + 1, k))
+    return out
 
 
 def figure(ncols: int, title: str, caption: str) -> tuple[Any, list[Any]]:
