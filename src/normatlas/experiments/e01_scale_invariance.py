@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..presets import LayerNorm
-from ._shared import figure
+from ._shared import figure, smooth
 from .base import Experiment, Outcome, RunContext, Series
 from .data import digits
 
@@ -179,7 +179,7 @@ def _figure(ctx: RunContext, flat: dict[str, list[float]], decay: dict[str, list
     for log, label, color in ((flat, "no weight decay", "C0"), (decay, f"weight decay {WD}", "C3")):
         a.plot(t, log["w_norm"], color=color, label=label)
         b.plot(t, log["eff_lr"], color=color, label=label)
-        c.plot(t, _smooth(log["angle"]), color=color, label=label)
+        c.plot(t, smooth(log["angle"], 25), color=color, label=label)
     a.set(xlabel="SGD step", ylabel="||W|| (Frobenius)", title="weight norm")
     b.set(xlabel="SGD step", ylabel="eta / ||W||^2", title="effective learning rate", yscale="log")
     c.set(xlabel="SGD step", ylabel="angle W turns per step (rad, smoothed)", title="angular update", yscale="log")
@@ -188,14 +188,6 @@ def _figure(ctx: RunContext, flat: dict[str, list[float]], decay: dict[str, list
         ax.grid(alpha=0.3)
     fig.tight_layout()
     return fig
-
-
-def _smooth(v: list[float], k: int = 25) -> list[float]:
-    out, acc = [], 0.0
-    for i, x in enumerate(v):
-        acc += x - (v[i - k] if i >= k else 0.0)
-        out.append(acc / min(i + 1, k))
-    return out
 
 
 EXPERIMENT = Experiment(

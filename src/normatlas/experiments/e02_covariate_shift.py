@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..longtail import BatchNorm1d
-from ._shared import figure
+from ._shared import figure, smooth
 from .base import Experiment, Outcome, RunContext, Series
 from .data import digits
 
@@ -29,7 +29,8 @@ VARIANTS = ("no BN", "BN", "noisy BN")
 
 class NoisyShift(nn.Module):
     """``s * x + m + 0.1 * noise`` with ``s ~ U(1, 2)`` and ``m ~ U(-1, 1)`` per unit, redrawn every training
-    step (:meth:`redraw`), so the next layer's input distribution moves all the time. Identity in eval mode."""
+    step (:meth:`redraw`), so the next layer's input distribution moves all the time. In eval mode the noise's
+    expectation, ``1.5 * x`` (as dropout evaluates at its mean), so the test sees the scale training saw."""
 
     def __init__(self, width: int, gen: torch.Generator) -> None:
         super().__init__()
@@ -42,7 +43,7 @@ class NoisyShift(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         if not self.training:
-            return x
+            return 1.5 * x
         return self.s * x + self.m + 0.1 * torch.randn(x.shape, generator=self.gen)
 
 
@@ -117,7 +118,7 @@ def train(ctx: RunContext, variant: str, steps: int, probe_every: int) -> dict[s
 
 
 def run(ctx: RunContext) -> Outcome:
-    steps, every = ctx.size(1200, 100), ctx.size(60, 25)
+    steps, every = ctx.size(1200, 60), ctx.size(60, 20)
     logs = {}
     for v in VARIANTS:
         ctx.progress(f"training {v}")
@@ -127,6 +128,9 @@ def run(ctx: RunContext) -> Outcome:
         return sum(p[key] for p in logs[v]["probes"]) / len(logs[v]["probes"])
 
     measured: dict[str, Any] = {f"test_accuracy_{v.replace(' ', '_')}": logs[v]["accuracy"] for v in VARIANTS}
+    tail = max(1, steps // 10)
+    for v in VARIANTS:
+        measured[f"final_train_loss_{v.replace(' ', '_')}"] = sum(logs[v]["losses"][-tail:]) / tail
     for key in ("loss_range", "grad_change", "beta"):
         for v in ("no BN", "BN"):
             measured[f"mean_{key}_{v.replace(' ', '_')}"] = mean(v, key)
@@ -160,7 +164,7 @@ def _figure(ctx: RunContext, logs: dict[str, Any], steps: int) -> Any:
     colors = dict(zip(VARIANTS, ("C3", "C0", "C2"), strict=True))
     for v in VARIANTS:
         label = f"{v} (test acc {logs[v]['accuracy']:.3f})"
-        a.plot(range(steps), _smooth(logs[v]["losses"]), color=colors[v], label=label)
+        a.plot(range(steps), smooth(logs[v]["losses"]), color=colors[v], label=label)
         steps_p = [p["step"] for p in logs[v]["probes"]]
         b.plot(steps_p, [p["loss_range"] for p in logs[v]["probes"]], "o-", ms=3, color=colors[v], label=v)
         c.plot(steps_p, [p["beta"] for p in logs[v]["probes"]], "o-", ms=3, color=colors[v], label=v)
@@ -172,14 +176,6 @@ def _figure(ctx: RunContext, logs: dict[str, Any], steps: int) -> Any:
         ax.grid(alpha=0.3)
     fig.tight_layout()
     return fig
-
-
-def _smooth(v: list[float], k: int = 20) -> list[float]:
-    out, acc = [], 0.0
-    for i, x in enumerate(v):
-        acc += x - (v[i - k] if i >= k else 0.0)
-        out.append(acc / min(i + 1, k))
-    return out
 
 
 EXPERIMENT = Experiment(
