@@ -32,9 +32,11 @@ def ablation(lm: Any, x: Any, y: Any) -> list[float]:
 
 
 def late_over_early(deltas: list[float]) -> float:
-    """Mean loss increase from removing a layer of the deeper half over that of the shallower half."""
+    """Mean loss increase from removing a layer of the deeper half over that of the shallower half (NaN when the
+    shallower half's mean is not positive: then the ratio means nothing and the verdict fails)."""
     h = len(deltas) // 2
-    return (sum(deltas[h:]) / (len(deltas) - h)) / (sum(deltas[:h]) / h)
+    early = sum(deltas[:h]) / h
+    return (sum(deltas[h:]) / (len(deltas) - h)) / early if early > 0 else float("nan")
 
 
 def run(ctx: RunContext) -> Outcome:
