@@ -34,8 +34,8 @@ def growth(var: list[float]) -> float:
 
 
 def run(ctx: RunContext) -> Outcome:
-    n_layers, d_model = ctx.size(12, 6), ctx.size(64, 32)
-    cfg = TrainConfig(steps=ctx.size(300, 15), batch=ctx.size(16, 8), seq=ctx.size(64, 32), lr=3e-3)
+    n_layers, d_model = ctx.size(8, 6), ctx.size(64, 32)
+    cfg = TrainConfig(steps=ctx.size(200, 15), batch=ctx.size(16, 8), seq=ctx.size(64, 32), lr=3e-3)
     data = byte_data(ctx)
     x, _ = data.held_out(8, cfg.seq)
     var: dict[str, dict[str, list[float]]] = {}

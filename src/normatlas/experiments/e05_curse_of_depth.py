@@ -40,8 +40,8 @@ def late_over_early(deltas: list[float]) -> float:
 
 
 def run(ctx: RunContext) -> Outcome:
-    n_layers, d_model = ctx.size(12, 6), ctx.size(64, 32)
-    cfg = TrainConfig(steps=ctx.size(400, 20), batch=ctx.size(16, 8), seq=ctx.size(64, 32), lr=3e-3)
+    n_layers, d_model = ctx.size(8, 6), ctx.size(64, 32)
+    cfg = TrainConfig(steps=ctx.size(300, 20), batch=ctx.size(16, 8), seq=ctx.size(64, 32), lr=3e-3)
     data = byte_data(ctx)
     x, y = data.held_out(ctx.size(32, 8), cfg.seq)
     deltas, held = {}, {}

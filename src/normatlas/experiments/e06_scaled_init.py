@@ -45,9 +45,9 @@ def trajectory(ctx: RunContext, kind: str, cfg: TrainConfig, n_layers: int, d_mo
 
 
 def run(ctx: RunContext) -> Outcome:
-    n_layers, d_model = ctx.size(12, 6), ctx.size(64, 32)
-    cfg = TrainConfig(steps=ctx.size(400, 20), batch=ctx.size(16, 8), seq=ctx.size(64, 32), lr=3e-3)
-    every = ctx.size(40, 5)
+    n_layers, d_model = ctx.size(8, 6), ctx.size(64, 32)
+    cfg = TrainConfig(steps=ctx.size(300, 20), batch=ctx.size(16, 8), seq=ctx.size(64, 32), lr=3e-3)
+    every = ctx.size(30, 5)
     runs = {kind: trajectory(ctx, kind, cfg, n_layers, d_model, every) for kind in KINDS}
     measured: dict[str, Any] = {}
     for kind in KINDS:

@@ -85,7 +85,7 @@ def sensitivity(finals: list[float]) -> float:
 
 def run(ctx: RunContext) -> Outcome:
     sizes = {
-        "steps": ctx.size(300, 40), "batch": ctx.size(16, 8), "seq": ctx.size(64, 32), "warmup": ctx.size(20, 5),
+        "steps": ctx.size(200, 40), "batch": ctx.size(16, 8), "seq": ctx.size(64, 32), "warmup": ctx.size(20, 5),
         "layers": ctx.size(4, 2), "d_model": ctx.size(64, 32), "every": ctx.size(5, 4),
     }  # fmt: skip
     lrs = [1e-3, 3e-3, 1e-2, 3e-2, 1e-1] if not ctx.quick else [3e-3, 1e-1]
