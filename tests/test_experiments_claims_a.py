@@ -10,11 +10,12 @@ docs/experiments.md.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 from .experiment_runs import quick_run
 
 
-def measured(name: str) -> dict[str, object]:
+def measured(name: str) -> dict[str, Any]:
     return quick_run(name).record["measured"]
 
 

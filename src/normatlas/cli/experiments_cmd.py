@@ -31,7 +31,9 @@ def configure_experiments(p: argparse.ArgumentParser) -> None:
     run.add_argument("--seed", type=nonnegative_int, default=0, help="the seed of every generator (default 0)")
     add_format_option(run)
     rep = sub.add_parser("report", help="write DIR/report.md and DIR/report.html from the result.json files")
-    rep.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"the folder of the results (default: ./{DEFAULT_OUT})")
+    rep.add_argument(
+        "--out", type=Path, default=DEFAULT_OUT, help=f"the folder of the results (default: ./{DEFAULT_OUT})"
+    )
     add_format_option(rep)
 
 
@@ -79,9 +81,7 @@ def _run(args: argparse.Namespace) -> int:
         command += f" --out {shlex.quote(str(args.out))}"
         with progress.phase(f"experiment {i}/{len(names)}: {name}") as ph:
             rec = run_experiment(exp, args.out, quick=args.quick, seed=args.seed, progress=ph.update, command=command)
-        rows.append(
-            {"name": name, "holds": rec["holds"], "seconds": rec["seconds"], "folder": str(args.out / name)}
-        )
+        rows.append({"name": name, "holds": rec["holds"], "seconds": rec["seconds"], "folder": str(args.out / name)})
         if args.format == "table":
             progress.clear()
             verdict = "holds" if rec["holds"] else "does NOT hold"

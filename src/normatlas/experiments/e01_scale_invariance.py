@@ -76,9 +76,11 @@ def train(ctx: RunContext, weight_decay: float, steps: int) -> dict[str, list[fl
     x, y, xt, yt = digits(ctx.seed)
     torch.manual_seed(ctx.seed)
     net = NormedNet()
-    opt = torch.optim.SGD(
-        [{"params": [net.w.weight], "weight_decay": weight_decay}, {"params": net.head.parameters()}], lr=LR
-    )
+    groups: list[dict[str, Any]] = [
+        {"params": [net.w.weight], "weight_decay": weight_decay},
+        {"params": list(net.head.parameters())},
+    ]
+    opt = torch.optim.SGD(groups, lr=LR)
     gen = ctx.generator(1)
     log: dict[str, list[float]] = {k: [] for k in ("w_norm", "angle", "eff_lr", "predicted", "loss")}
     for _ in range(steps):
@@ -153,26 +155,31 @@ def run(ctx: RunContext) -> Outcome:
     series = {
         "training": Series.of(
             step=list(range(steps)),
-            w_norm_no_decay=flat["w_norm"], w_norm_decay=decay["w_norm"],
-            eff_lr_no_decay=flat["eff_lr"], eff_lr_decay=decay["eff_lr"],
-            angle_no_decay=flat["angle"], angle_decay=decay["angle"],
-            loss_no_decay=flat["loss"], loss_decay=decay["loss"],
-        )  # fmt: skip
+            w_norm_no_decay=flat["w_norm"],
+            w_norm_decay=decay["w_norm"],
+            eff_lr_no_decay=flat["eff_lr"],
+            eff_lr_decay=decay["eff_lr"],
+            angle_no_decay=flat["angle"],
+            angle_decay=decay["angle"],
+            loss_no_decay=flat["loss"],
+            loss_decay=decay["loss"],
+        )
     }
     fig = _figure(ctx, flat, decay, steps)
     notes = (
         f"Linear(64->{WIDTH}, no bias) -> LayerNorm (no affine) -> ReLU -> Linear(10) on sklearn digits, SGD lr {LR} "
         f"flat, batch {BATCH}, {steps} steps, weight decay {WD} on W only. The papers study full CNNs with BN; this "
-        "isolates one scale-invariant layer. The invariance verdict uses a float64 copy with eps = machine epsilon; with "
-        "the trained net's eps = 1e-5 the gap at a = 0.1 is reported beside it (eps breaks the invariance once a^2 "
-        "Var(Wx) nears eps). 'end' values are means over the last 10% of steps."
+        "isolates one scale-invariant layer. The invariance verdict uses a float64 copy with eps = machine epsilon; "
+        "with the trained net's eps = 1e-5 the gap at a = 0.1 is reported beside it (eps breaks the invariance "
+        "once a^2 Var(Wx) nears eps). 'end' values are means over the last 10% of steps."
     )
     return Outcome(measured, holds, series, fig, notes)
 
 
 def _figure(ctx: RunContext, flat: dict[str, list[float]], decay: dict[str, list[float]], steps: int) -> Any:
     fig, (a, b, c) = figure(
-        3, "A normalised layer's weight norm sets its learning rate: decay shrinks ||W|| and raises eta/||W||^2",
+        3,
+        "A normalised layer's weight norm sets its learning rate: decay shrinks ||W|| and raises eta/||W||^2",
         f"seed {ctx.seed}; normatlas experiments run scale-invariance{' --quick' if ctx.quick else ''}",
     )
     t = list(range(steps))
@@ -194,12 +201,12 @@ EXPERIMENT = Experiment(
     name="scale-invariance",
     number=1,
     title="Scale invariance and the implicit learning rate",
-    claim="A norm after a linear layer makes ||W|| a learning-rate control: eta/||W||^2; decay raises it, growth lowers it",
+    claim="A norm after a linear layer makes ||W|| an LR control: eta/||W||^2; decay raises it, growth lowers it",
     guide_words=(
         "So the weight's magnitude is a free parameter that the forward pass ignores but the gradient sees. The "
         "effective step size in angular terms is η / ‖W‖². [...] Weight decay becomes a learning-rate control. "
         "Decay shrinks ‖W‖, which raises the effective LR. [...] Weight norms drift up during training, effective "
-        "LR drifts down, and you get the \"automatic LR decay\" that normalized nets exhibit even with a flat schedule."
+        'LR drifts down, and you get the "automatic LR decay" that normalized nets exhibit even with a flat schedule.'
     ),
     anchor="vanlaarhoven2017",
     anchor_reports=(
@@ -207,9 +214,10 @@ EXPERIMENT = Experiment(
         "it only shrinks the weight scale and so raises the effective learning rate, which scales as 1/||W||^2"
     ),
     expected=(
-        "float64, eps = machine epsilon: |Norm(aWx)-Norm(Wx)| < 1e-9, |a grad(aW) - grad(W)|/|grad(W)| < 1e-6, cos(grad, W) < 1e-6; "
-        "without decay ||W|| ends above its start and eta/||W||^2 ends below its start; with decay eta/||W||^2 and "
-        "the per-step angle end above the no-decay run's; measured angle / (eta ||g|| / ||W||) has median within 5% of 1"
+        "float64, eps = machine epsilon: |Norm(aWx)-Norm(Wx)| < 1e-9, |a grad(aW) - grad(W)|/|grad(W)| < 1e-6, "
+        "cos(grad, W) < 1e-6; without decay ||W|| ends above its start and eta/||W||^2 ends below its start; with "
+        "decay eta/||W||^2 and the per-step angle end above the no-decay run's; measured angle / "
+        "(eta ||g|| / ||W||) has median within 5% of 1"
     ),
     estimate_s=6.0,
     quick_estimate_s=1.5,

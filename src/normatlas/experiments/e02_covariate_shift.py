@@ -83,8 +83,8 @@ def landscape(model: nn.Module, x: Tensor, y: Tensor) -> dict[str, float]:
     losses, changes, betas = [loss0], [], []
     for scale in STEP_SCALES:
         with torch.no_grad():
-            for p, w, g in zip(probe.parameters(), start, g0, strict=True):
-                p.copy_(w - LR * scale * g)
+            for p, w, gp in zip(probe.parameters(), start, g0, strict=True):
+                p.copy_(w - LR * scale * gp)
         loss, g = _grad(probe, x, y)
         change = sum(float((a - b).pow(2).sum()) for a, b in zip(g, g0, strict=True)) ** 0.5
         step = LR * scale * sum(float(a.pow(2).sum()) for a in g0) ** 0.5
@@ -142,7 +142,9 @@ def run(ctx: RunContext) -> Outcome:
         and m["mean_beta_BN"] < m["mean_beta_no_BN"]
     )
     series = {
-        "training": Series.of(step=list(range(steps)), **{f"loss_{v.replace(' ', '_')}": logs[v]["losses"] for v in VARIANTS}),
+        "training": Series.of(
+            step=list(range(steps)), **{f"loss_{v.replace(' ', '_')}": logs[v]["losses"] for v in VARIANTS}
+        ),
         "landscape": Series(
             ("variant", "step", "loss_range", "grad_change", "beta"),
             [(v, p["step"], p["loss_range"], p["grad_change"], p["beta"]) for v in VARIANTS for p in logs[v]["probes"]],
@@ -158,7 +160,8 @@ def run(ctx: RunContext) -> Outcome:
 
 def _figure(ctx: RunContext, logs: dict[str, Any], steps: int) -> Any:
     fig, (a, b, c) = figure(
-        3, "Covariate shift put back after BN trains about as well; BN's win is a smoother loss landscape",
+        3,
+        "Covariate shift put back after BN trains about as well; BN's win is a smoother loss landscape",
         f"seed {ctx.seed}; normatlas experiments run covariate-shift{' --quick' if ctx.quick else ''}",
     )
     colors = dict(zip(VARIANTS, ("C3", "C0", "C2"), strict=True))
@@ -170,7 +173,9 @@ def _figure(ctx: RunContext, logs: dict[str, Any], steps: int) -> Any:
         c.plot(steps_p, [p["beta"] for p in logs[v]["probes"]], "o-", ms=3, color=colors[v], label=v)
     a.set(xlabel="SGD step", ylabel="training loss (nats, smoothed)", title="training", yscale="log")
     b.set(xlabel="SGD step", ylabel="loss spread along the gradient (nats)", title="loss landscape", yscale="log")
-    c.set(xlabel="SGD step", ylabel="max ||g(w - s g) - g(w)|| / ||s g||", title="effective beta-smoothness", yscale="log")
+    c.set(
+        xlabel="SGD step", ylabel="max ||g(w - s g) - g(w)|| / ||s g||", title="effective beta-smoothness", yscale="log"
+    )
     for ax in (a, b, c):
         ax.legend(fontsize=8)
         ax.grid(alpha=0.3)

@@ -70,7 +70,8 @@ def run(ctx: RunContext) -> Outcome:
 
 def _figure(ctx: RunContext, var: dict[str, dict[str, list[float]]], n_layers: int) -> Any:
     fig, (a, b) = figure(
-        2, "Pre-LN's residual variance grows with depth; LNS and Peri-LN damp it, Post-LN / DeepNorm keep it flat",
+        2,
+        "Pre-LN's residual variance grows with depth; LNS and Peri-LN damp it, Post-LN / DeepNorm keep it flat",
         f"seed {ctx.seed}; normatlas experiments run variance-depth{' --quick' if ctx.quick else ''}",
     )
     depth = list(range(1, n_layers + 1))

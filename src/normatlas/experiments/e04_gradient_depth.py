@@ -12,7 +12,6 @@ from __future__ import annotations
 import math
 from typing import Any
 
-import torch
 import torch.nn.functional as F
 
 from ..blocks import Activation, TransformerLM, post_ln, pre_ln
@@ -60,7 +59,8 @@ def run(ctx: RunContext) -> Outcome:
     n_layers, d_model, batches = ctx.size(24, 8), ctx.size(64, 32), ctx.size(8, 2)
     depths = [4, 8, 16, 32] if not ctx.quick else [2, 4, 8]
     seq = ctx.size(64, 32)
-    profile, last = {}, {k: [] for k in KINDS}
+    profile: dict[str, list[float]] = {}
+    last: dict[str, list[float]] = {k: [] for k in KINDS}
     for kind in KINDS:
         ctx.progress(f"{kind}: per-layer gradients")
         data = byte_data(ctx)
@@ -81,20 +81,24 @@ def run(ctx: RunContext) -> Outcome:
         and abs(m["last_layer_grad_slope_vs_depth_post_ln"]) < 0.25
     )
     series = {
-        "per_layer": Series.of(layer=list(range(1, n_layers + 1)), post_ln=profile["Post-LN"], pre_ln=profile["Pre-LN"]),
+        "per_layer": Series.of(
+            layer=list(range(1, n_layers + 1)), post_ln=profile["Post-LN"], pre_ln=profile["Pre-LN"]
+        ),
         "last_layer_vs_depth": Series.of(depth=depths, post_ln=last["Post-LN"], pre_ln=last["Pre-LN"]),
     }
     notes = (
-        f"byte LMs, d_model {d_model}, ReLU FFN of 4 d_model, LayerNorm, init std 1/sqrt(d_model) (Xavier's scale, as the theorem assumes), "
-        f"gradient of the next-byte loss averaged over {batches} batches of 16x{seq}; per-layer profile at "
-        f"{n_layers} layers, last layer at depths {depths}. Expected slopes: Pre-LN about -0.5 (1/sqrt(L)), Post-LN 0."
+        f"byte LMs, d_model {d_model}, ReLU FFN of 4 d_model, LayerNorm, init std 1/sqrt(d_model) (Xavier's "
+        f"scale, as the theorem assumes), gradient of the next-byte loss averaged over {batches} batches of "
+        f"16x{seq}; per-layer profile at {n_layers} layers, last layer at depths {depths}. Expected slopes: Pre-LN "
+        "about -0.5 (1/sqrt(L)), Post-LN 0."
     )
     return Outcome(measured, holds, series, _figure(ctx, profile, last, depths), notes)
 
 
 def _figure(ctx: RunContext, profile: dict[str, list[float]], last: dict[str, list[float]], depths: list[int]) -> Any:
     fig, (a, b) = figure(
-        2, "At init Post-LN's gradients shrink toward the input; Pre-LN's are level and fall as 1/sqrt(L) overall",
+        2,
+        "At init Post-LN's gradients shrink toward the input; Pre-LN's are level and fall as 1/sqrt(L) overall",
         f"seed {ctx.seed}; normatlas experiments run gradient-depth{' --quick' if ctx.quick else ''}",
     )
     for i, kind in enumerate(KINDS):
@@ -116,7 +120,7 @@ EXPERIMENT = Experiment(
     name="gradient-depth",
     number=4,
     title="Gradients with depth",
-    claim="At init Post-LN's gradients shrink toward the input; Pre-LN's are level, its last layer's falls as 1/sqrt(L)",
+    claim="At init Post-LN's gradients shrink toward the input; Pre-LN's are level, its last layer's falls with depth",
     guide_words=(
         "Post-LN puts a normalization in the gradient's way at every single block. Gradient magnitude at layer ℓ "
         "decays roughly as O(1/√ℓ) going backwards, which is why the original transformer needed a learning-rate "

@@ -69,7 +69,8 @@ def run(ctx: RunContext) -> Outcome:
 
 def _figure(ctx: RunContext, deltas: dict[str, list[float]], n_layers: int) -> Any:
     fig, (a, b) = figure(
-        2, "Curse of depth: removing a deep Pre-LN layer costs little; LayerNorm Scaling makes deep layers matter",
+        2,
+        "Curse of depth: removing a deep Pre-LN layer costs little; LayerNorm Scaling makes deep layers matter",
         f"seed {ctx.seed}; normatlas experiments run curse-of-depth{' --quick' if ctx.quick else ''}",
     )
     layers = list(range(1, n_layers + 1))

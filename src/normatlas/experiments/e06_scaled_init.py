@@ -79,7 +79,8 @@ def run(ctx: RunContext) -> Outcome:
 
 def _figure(ctx: RunContext, runs: dict[str, Any], n_layers: int) -> Any:
     fig, (a, b) = figure(
-        2, "Scaled init only sets the start: Pre-LN's deep-layer variance regrows in training, LNS keeps it lower",
+        2,
+        "Scaled init only sets the start: Pre-LN's deep-layer variance regrows in training, LNS keeps it lower",
         f"seed {ctx.seed}; normatlas experiments run scaled-init{' --quick' if ctx.quick else ''}",
     )
     for i, kind in enumerate(KINDS):

@@ -49,7 +49,9 @@ def spike_step(losses: list[float], after: int) -> int | None:
 
 
 def one_run(ctx: RunContext, qk: bool, lr: float, sizes: dict[str, int]) -> dict[str, Any]:
-    cfg = TrainConfig(steps=sizes["steps"], batch=sizes["batch"], seq=sizes["seq"], lr=lr, warmup=sizes["warmup"], clip=None)
+    cfg = TrainConfig(
+        steps=sizes["steps"], batch=sizes["batch"], seq=sizes["seq"], lr=lr, warmup=sizes["warmup"], clip=None
+    )
     lm = tiny_lm(
         pre_ln(), LayerNorm, n_layers=sizes["layers"], d_model=sizes["d_model"], seed=ctx.seed,
         qk_norm=QKNormConfig(operator=QKOperator.LAYERNORM) if qk else None,
@@ -112,16 +114,20 @@ def run(ctx: RunContext) -> Outcome:
         and m["min_norm_entropy_top_lr_no_qk_norm"] < m["min_norm_entropy_top_lr_qk_norm"]
         and m["lr_sensitivity_no_qk_norm"] > m["lr_sensitivity_qk_norm"]
     )
+    sweep = [
+        (v, lr, r["final"], max(r["max_logit"]), min(r["min_entropy"]))
+        for v in VARIANTS
+        for lr, r in zip(lrs, runs[v], strict=True)
+    ]
+    trace = [
+        (v, s, hi, lo, top[v]["losses"][s])
+        for v in VARIANTS
+        for s, hi, lo in zip(top[v]["steps"], top[v]["max_logit"], top[v]["min_entropy"], strict=True)
+    ]
     series = {
-        "sweep": Series(
-            ("variant", "lr", "final_loss", "max_attention_logit", "min_norm_entropy"),
-            [(v, lr, r["final"], max(r["max_logit"]), min(r["min_entropy"])) for v in VARIANTS for lr, r in zip(lrs, runs[v], strict=True)],
-        ),
-        "top_lr": Series(
-            ("variant", "step", "max_attention_logit", "min_norm_entropy", "loss"),
-            [(v, s, hi, lo, top[v]["losses"][s]) for v in VARIANTS for s, hi, lo in zip(top[v]["steps"], top[v]["max_logit"], top[v]["min_entropy"], strict=True)],
-        ),
-    }  # fmt: skip
+        "sweep": Series(("variant", "lr", "final_loss", "max_attention_logit", "min_norm_entropy"), sweep),
+        "top_lr": Series(("variant", "step", "max_attention_logit", "min_norm_entropy", "loss"), trace),
+    }
     notes = (
         f"{sizes['layers']} Pre-LN layers, d_model {sizes['d_model']}, LayerNorm; QK-norm = LayerNorm per head on q "
         f"and k before RoPE. AdamW (betas 0.9/0.95), warm-up {sizes['warmup']} then constant, no clipping, "
@@ -134,14 +140,15 @@ def run(ctx: RunContext) -> Outcome:
 
 def _figure(ctx: RunContext, runs: dict[str, list[dict[str, Any]]], lrs: list[float], top: dict[str, Any]) -> Any:
     fig, (a, b, c) = figure(
-        3, "Without QK-norm, high learning rates grow attention logits and collapse entropy; QK-norm bounds both",
+        3,
+        "Without QK-norm, high learning rates grow attention logits and collapse entropy; QK-norm bounds both",
         f"seed {ctx.seed}; normatlas experiments run qk-norm{' --quick' if ctx.quick else ''}",
     )
     for i, v in enumerate(VARIANTS):
         a.plot(lrs, [r["final"] for r in runs[v]], "o-", color=f"C{i}", label=v)
         b.plot(top[v]["steps"], top[v]["max_logit"], color=f"C{i}", label=v)
         c.plot(top[v]["steps"], top[v]["min_entropy"], color=f"C{i}", label=v)
-        for ax, ys in ((b, top[v]["max_logit"]), (c, top[v]["min_entropy"])):
+        for ax in (b, c):
             if top[v]["first_alarm"] is not None:
                 ax.axvline(top[v]["first_alarm"], color=f"C{i}", ls=":", lw=1, label=f"{v}: first alarm")
             if top[v]["spike"] is not None:

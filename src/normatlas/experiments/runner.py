@@ -11,6 +11,7 @@ written to a temporary name first and renamed, so a crashed run never leaves a h
 from __future__ import annotations
 
 import csv
+import functools
 import json
 import math
 import os
@@ -60,7 +61,7 @@ def _jsonable(value: Any) -> Any:
     raise TypeError(f"measured value {value!r} of type {type(value).__name__} is not a JSON scalar or list")
 
 
-def _atomic_write(path: Path, write: Callable[[Path], None]) -> None:
+def _atomic_write(path: Path, write: Callable[[Path], object]) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     try:
         write(tmp)
@@ -101,11 +102,13 @@ def run_experiment(
     files = []
     for key, series in outcome.series.items():
         name = f"{key}.csv"
-        _atomic_write(folder / name, lambda p, s=series: _write_csv(p, s.columns, s.rows))
+        _atomic_write(folder / name, functools.partial(_write_csv, columns=series.columns, rows=series.rows))
         files.append(name)
     for ext in ("png", "svg"):
         name = f"figure.{ext}"
-        _atomic_write(folder / name, lambda p, e=ext: outcome.figure.savefig(p, format=e, dpi=120, bbox_inches="tight"))
+        _atomic_write(
+            folder / name, functools.partial(outcome.figure.savefig, format=ext, dpi=120, bbox_inches="tight")
+        )
         files.append(name)
     plt.close(outcome.figure)
     record = {
