@@ -7,6 +7,8 @@ experiment returned (captured by wrapping its ``run``), so the files can be chec
 
 from __future__ import annotations
 
+import atexit
+import shutil
 import tempfile
 from dataclasses import dataclass, replace
 from functools import cache
@@ -17,6 +19,7 @@ from normatlas.experiments import Outcome, RunContext, experiment
 from normatlas.experiments.runner import run_experiment
 
 _ROOT = Path(tempfile.mkdtemp(prefix="normatlas-experiments-"))
+atexit.register(shutil.rmtree, _ROOT, ignore_errors=True)
 
 
 @dataclass(frozen=True)

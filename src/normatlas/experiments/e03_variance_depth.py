@@ -49,6 +49,8 @@ def run(ctx: RunContext) -> Outcome:
         key = name.lower().replace("-", "_")
         measured[f"growth_init_{key}"] = growth(var[name]["init"])
         measured[f"growth_trained_{key}"] = growth(var[name]["trained"])
+        measured[f"first_block_variance_trained_{key}"] = var[name]["trained"][1]
+        measured[f"last_block_variance_trained_{key}"] = var[name]["trained"][-1]
         measured[f"final_train_loss_{key}"] = finals[name]
     g = {n: growth(var[n]["trained"]) for n in PLACEMENTS}
     holds = g["Pre-LN"] > g["LNS"] and g["Pre-LN"] > g["Peri-LN"] and g["Post-LN"] < g["Pre-LN"] > g["DeepNorm"]

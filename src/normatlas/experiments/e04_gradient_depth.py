@@ -109,6 +109,8 @@ def _figure(ctx: RunContext, profile: dict[str, list[float]], last: dict[str, li
     a.set(xlabel="layer index", ylabel="||dL/dW2|| (Frobenius)", title="per layer, at init", yscale="log")
     b.set(xlabel="depth L (layers)", ylabel="last layer's ||dL/dW2||", title="last layer vs depth", xscale="log")
     b.set_yscale("log")
+    b.set_xticks(depths, [str(d) for d in depths])
+    b.minorticks_off()
     for ax in (a, b):
         ax.legend(fontsize=8)
         ax.grid(alpha=0.3)

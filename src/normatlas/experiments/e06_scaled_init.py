@@ -55,6 +55,7 @@ def run(ctx: RunContext) -> Outcome:
         cps = runs[kind]["checkpoints"]
         measured[f"growth_init_{key}"] = growth(cps[0][1])
         measured[f"growth_end_{key}"] = growth(cps[-1][1])
+        measured[f"last_block_variance_init_{key}"] = cps[0][1][-1]
         measured[f"last_block_variance_end_{key}"] = cps[-1][1][-1]
     m = measured
     holds = (
