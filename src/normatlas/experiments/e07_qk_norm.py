@@ -70,11 +70,11 @@ def one_run(ctx: RunContext, qk: bool, lr: float, sizes: dict[str, int]) -> dict
     tail = [v for v in losses[-10:] if math.isfinite(v)]
     final = sum(tail) / len(tail) if log.diverged_at is None and tail else UNIFORM_LOSS
     steps, logit_hi, _ = _layer_values(mon, "attention/max_logit/")
-    _, _, ent_lo = _layer_values(mon, "attention/entropy_norm_min/")
+    ent_steps, _, ent_lo = _layer_values(mon, "attention/entropy_norm_min/")
     alarms = sorted(e.step for e in mon.events if e.alarm in ("entropy-collapse", "trend"))
     return {
         "final": min(final, UNIFORM_LOSS), "losses": losses, "steps": steps, "max_logit": logit_hi,
-        "min_entropy": ent_lo, "first_alarm": alarms[0] if alarms else None,
+        "entropy_steps": ent_steps, "min_entropy": ent_lo, "first_alarm": alarms[0] if alarms else None,
         "spike": spike_step(losses, sizes["warmup"]), "diverged_at": log.diverged_at,
     }  # fmt: skip
 
@@ -102,8 +102,8 @@ def run(ctx: RunContext) -> Outcome:
         key = v.lower().replace("-", "_").replace(" ", "_")
         measured[f"final_loss_{key}"] = [r["final"] for r in runs[v]]
         measured[f"lr_sensitivity_{key}"] = sensitivity([r["final"] for r in runs[v]])
-        measured[f"max_attention_logit_top_lr_{key}"] = max(top[v]["max_logit"])
-        measured[f"min_norm_entropy_top_lr_{key}"] = min(top[v]["min_entropy"])
+        measured[f"max_attention_logit_top_lr_{key}"] = max(top[v]["max_logit"], default=math.nan)
+        measured[f"min_norm_entropy_top_lr_{key}"] = min(top[v]["min_entropy"], default=math.nan)
         measured[f"first_alarm_step_top_lr_{key}"] = top[v]["first_alarm"]
         measured[f"loss_spike_step_top_lr_{key}"] = top[v]["spike"]
         alarm, spike = top[v]["first_alarm"], top[v]["spike"]
@@ -115,15 +115,17 @@ def run(ctx: RunContext) -> Outcome:
         and m["lr_sensitivity_no_qk_norm"] > m["lr_sensitivity_qk_norm"]
     )
     sweep = [
-        (v, lr, r["final"], max(r["max_logit"]), min(r["min_entropy"]))
+        (v, lr, r["final"], max(r["max_logit"], default=math.nan), min(r["min_entropy"], default=math.nan))
         for v in VARIANTS
         for lr, r in zip(lrs, runs[v], strict=True)
     ]
-    trace = [
-        (v, s, hi, lo, top[v]["losses"][s])
-        for v in VARIANTS
-        for s, hi, lo in zip(top[v]["steps"], top[v]["max_logit"], top[v]["min_entropy"], strict=True)
-    ]
+    trace = []
+    for v in VARIANTS:
+        entropy = dict(zip(top[v]["entropy_steps"], top[v]["min_entropy"], strict=True))
+        trace += [
+            (v, s, hi, entropy.get(s, math.nan), top[v]["losses"][s])
+            for s, hi in zip(top[v]["steps"], top[v]["max_logit"], strict=True)
+        ]
     series = {
         "sweep": Series(("variant", "lr", "final_loss", "max_attention_logit", "min_norm_entropy"), sweep),
         "top_lr": Series(("variant", "step", "max_attention_logit", "min_norm_entropy", "loss"), trace),
@@ -147,7 +149,7 @@ def _figure(ctx: RunContext, runs: dict[str, list[dict[str, Any]]], lrs: list[fl
     for i, v in enumerate(VARIANTS):
         a.plot(lrs, [r["final"] for r in runs[v]], "o-", color=f"C{i}", label=v)
         b.plot(top[v]["steps"], top[v]["max_logit"], color=f"C{i}", label=v)
-        c.plot(top[v]["steps"], top[v]["min_entropy"], color=f"C{i}", label=v)
+        c.plot(top[v]["entropy_steps"], top[v]["min_entropy"], color=f"C{i}", label=v)
         for ax in (b, c):
             if top[v]["first_alarm"] is not None:
                 ax.axvline(top[v]["first_alarm"], color=f"C{i}", ls=":", lw=1, label=f"{v}: first alarm")

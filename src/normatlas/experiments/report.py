@@ -35,6 +35,11 @@ def _value(v: Any) -> str:
     return str(v)
 
 
+def _cell(text: str) -> str:
+    """Text for a Markdown table cell: a '|' (as in ||W||) would end the cell."""
+    return text.replace("|", "\\|")
+
+
 def _verdict(rec: dict[str, Any]) -> str:
     mode = "quick mode" if rec["quick"] else "full mode"
     return f"{'holds' if rec['holds'] else 'does NOT hold'} ({mode}, seed {rec['seed']}, {rec['seconds']} s)"
@@ -45,13 +50,13 @@ def render_markdown(records: list[dict[str, Any]]) -> str:
     held = sum(bool(r["holds"]) for r in records)
     lines = ["# normatlas experiments", "", f"{held} of {len(records)} claims hold.", ""]
     lines += ["| # | experiment | claim | verdict |", "|---|---|---|---|"]
-    lines += [f"| {r['number']} | [{r['name']}](#{r['name']}) | {r['claim']} | {_verdict(r)} |" for r in records]
+    lines += [f"| {r['number']} | [{r['name']}](#{r['name']}) | {_cell(r['claim'])} | {_verdict(r)} |" for r in records]
     for r in records:
         lines += ["", f'<a id="{r["name"]}"></a>', f"## {r['number']}. {r['title']}", ""]
         lines += [f"**Claim.** {r['claim']}", "", f"> {r['guide_words']}", ""]
         lines += [f"**Anchor** `{r['anchor']}`: {r['anchor_reports']}", "", f"**Expected.** {r['expected']}", ""]
         lines += [f"**Verdict:** {_verdict(r)}", "", "| measured | value |", "|---|---|"]
-        lines += [f"| {k} | {_value(v)} |" for k, v in r["measured"].items()]
+        lines += [f"| {_cell(k)} | {_cell(_value(v))} |" for k, v in r["measured"].items()]
         lines += ["", f"![{r['name']}]({r['name']}/figure.png)", ""]
         if r["notes"]:
             lines += [f"*Notes.* {r['notes']}", ""]
