@@ -203,7 +203,7 @@ EXPERIMENT = Experiment(
         "test accuracy of noisy BN >= BN's - 0.03; mean over checkpoints of the loss spread, the gradient change and "
         "the effective beta-smoothness along the gradient all lower with BN than without"
     ),
-    estimate_s=60.0,
-    quick_estimate_s=5.0,
+    estimate_s=40.0,
+    quick_estimate_s=3.0,
     run=run,
 )

@@ -106,6 +106,6 @@ EXPERIMENT = Experiment(
         "LNS larger than Pre-LN's (Peri-LN reported only)"
     ),
     estimate_s=90.0,
-    quick_estimate_s=4.0,
+    quick_estimate_s=3.0,
     run=run,
 )

@@ -118,6 +118,6 @@ EXPERIMENT = Experiment(
         "scaled init the growth at the end > 2x its value at init; LNS's growth at the end < the scaled init's"
     ),
     estimate_s=100.0,
-    quick_estimate_s=4.0,
+    quick_estimate_s=3.0,
     run=run,
 )

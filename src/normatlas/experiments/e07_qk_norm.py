@@ -186,6 +186,6 @@ EXPERIMENT = Experiment(
         "entropy lower without QK-norm than with it; LR sensitivity (Wortsman et al.) higher without QK-norm"
     ),
     estimate_s=120.0,
-    quick_estimate_s=5.0,
+    quick_estimate_s=4.0,
     run=run,
 )
