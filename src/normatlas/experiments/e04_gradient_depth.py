@@ -110,7 +110,7 @@ def _figure(ctx: RunContext, profile: dict[str, list[float]], last: dict[str, li
     b.set(xlabel="depth L (layers)", ylabel="last layer's ||dL/dW2||", title="last layer vs depth", xscale="log")
     b.set_yscale("log")
     b.set_xticks(depths, [str(d) for d in depths])
-    b.minorticks_off()
+    b.tick_params(axis="x", which="minor", bottom=False, labelbottom=False)
     for ax in (a, b):
         ax.legend(fontsize=8)
         ax.grid(alpha=0.3)
