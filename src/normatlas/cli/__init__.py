@@ -149,6 +149,13 @@ TABLE: tuple[Entry, ...] = (
         "configure_kernels",
         "build the C++ CPU kernels once (shared by every checkout and venv), or show them",
     ),
+    Entry(
+        "experiments",
+        "experiments_cmd",
+        "experiments",
+        "configure_experiments",
+        "the guide's quantitative claims, each measured on real data with a figure: list, run, report",
+    ),
 )
 
 COMMANDS: dict[str, Command] = {}  # the loaded table (tests may add entries)

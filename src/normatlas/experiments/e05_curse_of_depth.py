@@ -1,0 +1,111 @@
+"""Experiment 5: the curse of depth. Remove each layer of a trained tiny LM in turn and measure the loss increase.
+
+In Pre-LN the stream's variance grows with depth, so the deep blocks' contributions are drowned and removing one
+costs little; LayerNorm Scaling (and, by the Peri-LN paper's argument, Peri-LN) should make the deep layers matter
+again. Three byte LMs (Pre-LN, LNS, Peri-LN; LayerNorm) are trained alike on the standard library's sources; each
+block is skipped in turn (a forward hook returns its input) and the held-out loss is compared with the full model's.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ..blocks import layernorm_scaling, peri_ln, pre_ln
+from ._shared import byte_data, figure, trained, without_layer
+from .base import Experiment, Outcome, RunContext, Series
+from .lm import TrainConfig, evaluate_lm
+
+KINDS = {"Pre-LN": pre_ln, "LNS": layernorm_scaling, "Peri-LN": peri_ln}
+
+
+def ablation(lm: Any, x: Any, y: Any) -> list[float]:
+    """Held-out loss increase (nats/byte) when each block is skipped in turn."""
+    with torch.no_grad():
+        base = float(F.cross_entropy(lm(x).flatten(0, 1), y.flatten()))
+    return [
+        float(F.cross_entropy(without_layer(lm, i, x).flatten(0, 1), y.flatten())) - base
+        for i in range(len(lm.blocks()))
+    ]
+
+
+def late_over_early(deltas: list[float]) -> float:
+    """Mean loss increase from removing a layer of the deeper half over that of the shallower half (NaN when the
+    shallower half's mean is not positive: then the ratio means nothing and the verdict fails)."""
+    h = len(deltas) // 2
+    early = sum(deltas[:h]) / h
+    return (sum(deltas[h:]) / (len(deltas) - h)) / early if early > 0 else float("nan")
+
+
+def run(ctx: RunContext) -> Outcome:
+    n_layers, d_model = ctx.size(8, 6), ctx.size(64, 32)
+    cfg = TrainConfig(steps=ctx.size(300, 20), batch=ctx.size(16, 8), seq=ctx.size(64, 32), lr=3e-3)
+    data = byte_data(ctx)
+    x, y = data.held_out(ctx.size(32, 8), cfg.seq)
+    deltas, held = {}, {}
+    for name, preset in KINDS.items():
+        _, lm, _ = trained(ctx, preset(), cfg, data, name, n_layers=n_layers, d_model=d_model)
+        held[name] = evaluate_lm(lm, data, batch=ctx.size(32, 8), seq=cfg.seq)
+        deltas[name] = ablation(lm, x, y)
+    measured: dict[str, Any] = {}
+    for name in KINDS:
+        key = name.lower().replace("-", "_")
+        measured[f"late_over_early_{key}"] = late_over_early(deltas[name])
+        measured[f"held_out_loss_{key}"] = held[name]
+        measured[f"loss_increase_per_layer_{key}"] = [round(d, 5) for d in deltas[name]]
+    m = measured
+    holds = m["late_over_early_pre_ln"] < 1 and m["late_over_early_lns"] > m["late_over_early_pre_ln"]
+    rows = [(name, i + 1, d) for name in KINDS for i, d in enumerate(deltas[name])]
+    series = {"ablation": Series(("placement", "removed_layer", "loss_increase"), rows)}
+    notes = (
+        f"{n_layers} layers, d_model {d_model}, AdamW lr {cfg.lr}, {cfg.steps} steps of {cfg.batch}x{cfg.seq} "
+        "stdlib bytes, LayerNorm; loss increase on one held-out batch. The LNS paper prunes 130M-7B LLMs and "
+        "reads MMLU; 'late over early' is the deeper half's mean increase over the shallower half's."
+    )
+    return Outcome(measured, holds, series, _figure(ctx, deltas, n_layers), notes)
+
+
+def _figure(ctx: RunContext, deltas: dict[str, list[float]], n_layers: int) -> Any:
+    fig, (a, b) = figure(
+        2,
+        "Curse of depth: removing a deep Pre-LN layer costs little; LayerNorm Scaling makes deep layers matter",
+        f"seed {ctx.seed}; normatlas experiments run curse-of-depth{' --quick' if ctx.quick else ''}",
+    )
+    layers = list(range(1, n_layers + 1))
+    for i, name in enumerate(KINDS):
+        a.plot(layers, deltas[name], "o-", ms=3, color=f"C{i}", label=name)
+        total = sum(deltas[name])
+        b.plot(layers, [d / total for d in deltas[name]], "o-", ms=3, color=f"C{i}", label=name)
+    a.set(xlabel="removed layer", ylabel="held-out loss increase (nats/byte)", title="loss increase")
+    b.set(xlabel="removed layer", ylabel="share of the total increase", title="normalised per model")
+    for ax in (a, b):
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    return fig
+
+
+EXPERIMENT = Experiment(
+    name="curse-of-depth",
+    number=5,
+    title="The curse of depth",
+    claim="Removing a deep Pre-LN layer costs less than removing an early one; LayerNorm Scaling narrows the gap",
+    guide_words=(
+        "and as Var[x_ℓ] grows, Norm(x_ℓ) becomes ever less sensitive to the branch's contribution, so the block's "
+        "Jacobian drifts toward the identity. The deep layers stop doing anything. This is the Curse of Depth"
+    ),
+    anchor="lns2025",
+    anchor_reports=(
+        "qualitatively: pruning a single deep layer of a Pre-LN LLM barely changes its performance while pruning an "
+        "early one hurts; with LayerNorm Scaling the deep layers contribute more"
+    ),
+    expected=(
+        "Pre-LN: mean loss increase from removing a deeper-half layer / shallower-half layer < 1; the same ratio for "
+        "LNS larger than Pre-LN's (Peri-LN reported only)"
+    ),
+    estimate_s=90.0,
+    quick_estimate_s=3.0,
+    run=run,
+)

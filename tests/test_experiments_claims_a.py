@@ -1,0 +1,82 @@
+"""Experiments 1-7 in quick mode: what each must show even at that scale.
+
+Quick mode trains for seconds, so not every full-mode conclusion is reachable; each test asserts what is robust
+there and says which: exact identities (scale invariance), what the architecture forces (a Post-LN stream is
+re-normalised after every block; GPT-2's scaled init lowers the variance at init), and directions that are large
+at any scale (attention logits without QK-norm at a high learning rate). The full-mode verdicts are in
+docs/experiments.md.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from .experiment_runs import quick_run
+
+
+def measured(name: str) -> dict[str, Any]:
+    return quick_run(name).record["measured"]
+
+
+def test_scale_invariance_quick() -> None:
+    """Exact in float64 (at machine eps); norm growth and decay move eta/||W||^2 from the first steps on."""
+    m = measured("scale-invariance")
+    assert m["output_gap"] < 1e-9 and m["grad_gap"] < 1e-6 and m["grad_cos_w"] < 1e-6
+    assert m["output_gap_eps_1e-5"] > m["output_gap"]  # eps = 1e-5 bends it: the check can fail
+    assert m["w_norm_end_no_decay"] > m["w_norm_start"] and m["eff_lr_end_no_decay"] < m["eff_lr_start"]
+    assert m["eff_lr_end_decay"] > m["eff_lr_end_no_decay"]
+    assert abs(m["angle_over_predicted_median"] - 1) < 0.05
+    assert quick_run("scale-invariance").record["holds"] is True
+
+
+def test_covariate_shift_quick() -> None:
+    """Robust at quick scale: all three nets learn (well above 10% chance) and BN's gradient changes less along
+    the step than the net without BN; the noisy-BN accuracy comparison needs the full run."""
+    m = measured("covariate-shift")
+    for v in ("no_BN", "BN", "noisy_BN"):
+        assert m[f"test_accuracy_{v}"] > 0.3
+    assert m["mean_grad_change_BN"] < m["mean_grad_change_no_BN"]
+
+
+def test_variance_depth_quick() -> None:
+    """The architecture forces Post-LN and DeepNorm streams to stay at the norm's scale (growth ~ 1) and Pre-LN's
+    stream to accumulate; LNS's 1/sqrt(l) makes its growth at init smaller than Pre-LN's."""
+    m = measured("variance-depth")
+    for key in ("post_ln", "deepnorm"):
+        assert 0.8 < m[f"growth_init_{key}"] < 1.25 and 0.5 < m[f"growth_trained_{key}"] < 2
+    assert m["growth_trained_pre_ln"] > 2 * m["growth_trained_post_ln"]
+    assert m["growth_init_lns"] < m["growth_init_pre_ln"]
+
+
+def test_gradient_depth_quick() -> None:
+    """Post-LN's gradient shrinks toward the input at init; Pre-LN's last-layer gradient falls with depth."""
+    m = measured("gradient-depth")
+    assert m["first_over_last_post_ln"] < 1
+    assert m["last_layer_grad_slope_vs_depth_pre_ln"] < 0
+    assert m["last_layer_grad_slope_vs_depth_pre_ln"] < m["last_layer_grad_slope_vs_depth_post_ln"]
+
+
+def test_curse_of_depth_quick() -> None:
+    """Robust at quick scale: every model's layers matter in sum (removing them raises the held-out loss) and
+    the per-layer increases are finite; the early/late comparison needs the full run."""
+    m = measured("curse-of-depth")
+    for key in ("pre_ln", "lns", "peri_ln"):
+        deltas = m[f"loss_increase_per_layer_{key}"]
+        assert all(math.isfinite(d) for d in deltas) and sum(deltas) > 0
+        assert 0 < m[f"held_out_loss_{key}"] < math.log(256)
+
+
+def test_scaled_init_quick() -> None:
+    """GPT-2's scaled init lowers the depth growth at init (deterministic); training grows it back at once."""
+    m = measured("scaled-init")
+    assert m["growth_init_pre_ln_scaled_init"] < m["growth_init_pre_ln"]
+    assert m["growth_end_pre_ln_scaled_init"] > m["growth_init_pre_ln_scaled_init"]
+
+
+def test_qk_norm_quick() -> None:
+    """At the high learning rate the logits without QK-norm outgrow the normalised ones many times over, and the
+    lowest head entropy is lower; the LR-sensitivity comparison needs the full sweep."""
+    m = measured("qk-norm")
+    assert m["max_attention_logit_top_lr_no_qk_norm"] > 5 * m["max_attention_logit_top_lr_qk_norm"]
+    assert m["min_norm_entropy_top_lr_no_qk_norm"] < m["min_norm_entropy_top_lr_qk_norm"]
