@@ -38,7 +38,7 @@ from ..vocabulary import Operator, SiteRole
 from .norms import Site, find_sites
 from .report import InspectionReport, NormInfo
 
-__all__ = ["VisionReport", "default_pixel_values", "inspect_vision"]
+__all__ = ["VisionReport", "default_pixel_values", "inspect_vision", "vision_report"]
 
 _SELECT = frozenset({"getitem", "select", "narrow", "index_select", "squeeze", "unsqueeze"})
 _BLOCK_ROLES = frozenset({SiteRole.PRE, SiteRole.OUT, SiteRole.POST})
@@ -155,8 +155,6 @@ def inspect_vision(
     model does not run on these inputs.
     """
     from . import UntraceableModel
-    from .analyze import analyze
-    from .probe import check_sites
 
     t0 = time.perf_counter()
     if pixel_values is None:
@@ -172,6 +170,16 @@ def inspect_vision(
     except Exception as exc:
         first = str(exc).splitlines()[0] if str(exc) else ""
         raise UntraceableModel(f"cannot run {label} on pixel_values: {type(exc).__name__}: {first}") from exc
+    report = vision_report(model, graph, label, probe=probe)
+    report.seconds = time.perf_counter() - t0
+    return report
+
+
+def vision_report(model: nn.Module, graph: Graph, label: str, *, probe: bool = True) -> VisionReport:
+    """The :class:`VisionReport` of a recorded tower run (the whole graph, or a VLM's tower part of one)."""
+    from .analyze import analyze
+    from .probe import check_sites
+
     base = analyze(graph, label)
     if probe:
         check_sites(model, graph, base)
@@ -181,12 +189,10 @@ def inspect_vision(
     fields.update(norms=norms, notes=[*base.notes, *notes])
     if base.final_norm is not Operator.NONE and _first(norms, SiteRole.FINAL) is Operator.NONE:
         fields["final_norm"] = Operator.NONE  # the only norm on the last stream merges rows: not a final norm
-    report = VisionReport(
+    return VisionReport(
         **fields,
         tokens=tokens,
         pooled_norm=_first(norms, SiteRole.POOLED),
         merger_norm=_first(norms, SiteRole.MERGER),
         head_norm=_first(norms, SiteRole.HEAD),
     )
-    report.seconds = time.perf_counter() - t0
-    return report
