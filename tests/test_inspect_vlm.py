@@ -250,3 +250,36 @@ def test_transformers_vlm_specifics(hf_reports: dict[str, Any]) -> None:
 def test_is_vlm_type_reads_transformers_registry() -> None:
     assert is_vlm_type("llava") and is_vlm_type("qwen2_vl")
     assert not is_vlm_type("llama") and not is_vlm_type("clip") and not is_vlm_type("not-a-model")
+
+
+# --------------------------------------------------------------------------- inspect --vision on harder towers
+def test_vision_of_a_tower_that_needs_more_than_pixel_values() -> None:
+    """Qwen2.5-VL's tower reads flattened patches and their grid: run whole, its tower part reported."""
+    from normatlas.inspect import inspect_vision_target
+
+    rep = inspect_vision_target("qwen2_5_vl", probe=False)
+    assert (rep.operator, rep.placement, rep.merger_norm) == (Operator.RMSNORM, PlacementKind.PRE, Operator.RMSNORM)
+    assert rep.model == "qwen2_5_vl"
+
+
+@pytest.mark.parametrize(
+    ("model_type", "placement"),
+    [("swinv2", PlacementKind.RES_POST), ("swin", PlacementKind.PRE)],  # modeling_swinv2.py: x + LN(attn(x))
+)
+def test_vision_of_a_staged_tower(model_type: str, placement: PlacementKind) -> None:
+    """Swin's per-stage depths / heads lists are kept whole (shrinking the stage count broke them: IndexError)."""
+    from normatlas.inspect import inspect_vision_target
+
+    rep = inspect_vision_target(model_type, probe=False)
+    assert (rep.operator, rep.placement, rep.embedding_norm) == (Operator.LAYERNORM, placement, Operator.LAYERNORM)
+
+
+def test_vision_of_convnext_reads_its_channels_first_stream() -> None:
+    """ConvNeXt adds on (B, C, H, W) and normalises NHWC views after a depthwise conv (modeling_convnext.py):
+    it used to fail to run (a stage list cut); now its stream is found and the norm inside the branch, after
+    the depthwise conv, reads as neither pre nor post (placement ``none``), with the stem's LayerNorm."""
+    from normatlas.inspect import inspect_vision_target
+
+    rep = inspect_vision_target("convnext", probe=False)
+    assert rep.embedding_norm is Operator.LAYERNORM and rep.placement is PlacementKind.NONE
+    assert rep.sublayers and {n.operator for n in rep.norms} == {Operator.LAYERNORM}

@@ -150,6 +150,13 @@ def _stream_shapes(g: Graph, sites: list[Site]) -> list[tuple[int, ...]]:
     return list(dict.fromkeys(c for c in cands if c))
 
 
+def _channels_first(g: Graph) -> list[tuple[int, ...]]:
+    """Shapes of repeated 4-d adds: a channels-first stream (ConvNeXt: ``(B, C, H, W)``, its norms on NHWC
+    views), tried only when no other candidate has a residual add."""
+    adds = Counter(n.shape for n in g.nodes if n.op == "add" and n.shape and len(n.shape) == 4)
+    return [sh for sh, k in adds.most_common(2) if k > 1]
+
+
 @dataclass
 class Stream:
     """The residual stream: its shape, its sublayers in order, and the norms indexed by where they read and write."""
@@ -182,6 +189,9 @@ def find_stream(g: Graph, sites: list[Site]) -> Stream:
     norm_bits = _norm_bits(g, sites)
     found = [(_residual_adds(g, c, norm_bits), c) for c in shapes[:6]]
     adds, shape = max(found, key=lambda f: len(f[0]))
+    if not adds:
+        found = [(_residual_adds(g, c, norm_bits), c) for c in _channels_first(g)]
+        adds, shape = max(found, key=lambda f: len(f[0])) if found else ([], shapes[0])
     if not adds:
         shape = shapes[0]
     subs: list[Sublayer] = []
