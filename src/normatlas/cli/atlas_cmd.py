@@ -66,13 +66,16 @@ def _check(args: argparse.Namespace) -> int:
             source = _read_sweep(args.from_file)
         else:
             from ..inspect import inspect_target
+            from ..inspect.vlm import inspect_vlm_target, is_vlm_type
 
             cache: dict[str, dict[str, Any]] = {}
 
             def source(mt: str) -> dict[str, Any]:
-                if mt not in cache:
+                if mt not in cache:  # an image-text model type is run whole: its tower and connector are checked too
                     ph.update(f"{mt} ({len(cache) + 1} built)")
-                    cache[mt] = inspect_target(mt, probe=False).summary_row()
+                    vlm = is_vlm_type(mt)
+                    rep = (inspect_vlm_target if vlm else inspect_target)(mt, probe=False)
+                    cache[mt] = rep.check_row() if vlm else rep.summary_row()  # type: ignore[union-attr]
                 return cache[mt]
 
         rows = atlas.check(source, include_agreements=args.agreements)

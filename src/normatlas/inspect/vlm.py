@@ -169,6 +169,19 @@ class VLMReport:
             "image tokens": self.image_tokens,
         }
 
+    def check_row(self) -> dict[str, Any]:
+        """The language model's summary row plus the atlas's part fields (``matrix --check`` compares them):
+        the tower's operator, the connector's kind (a gated cross-attention injection names the connector)
+        and its first norm."""
+        gated = self.injection is Injection.GATED_CROSS_ATTENTION
+        return {
+            **self.language.summary_row(),
+            "model": self.model,
+            "vision_tower_norm": self.vision.operator.value,
+            "connector": "gated-cross-attention" if gated else self.connector.kind.value,
+            "connector_norm": self.connector.norm.value,
+        }
+
     def to_dict(self, detail: bool = False) -> dict[str, Any]:
         """JSON-ready: the three parts (the tower and language model as their report dicts)."""
         return {
