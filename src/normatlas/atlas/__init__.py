@@ -63,10 +63,10 @@ MODEL_FIELDS = (
 )
 UNCLEAR = "unclear"  # neither code nor paper within reach says
 # The design fields speak the design vocabulary (normatlas.vocabulary), spelled by each enum's value, plus
-# ``unclear``; a model-level operator the vocabulary has no site operator for (DiT's adaLN-Zero, NFNets'
-# weight standardization) and ``yes`` (a QK-norm whose kind the source does not give) are the only additions.
+# ``unclear``; a model-level operator the vocabulary has no site operator for (BatchNorm, whose statistics span
+# the batch; DiT's adaLN-Zero; NFNets' weight standardization) and ``yes`` (a QK-norm whose kind the source does not give) are the only additions.
 _RECORD_OPERATORS = (Operator.LAYERNORM, Operator.RMSNORM, Operator.NONE, Operator.L2)
-OPERATORS = (*(o.value for o in _RECORD_OPERATORS), "adaLN-Zero", "weight standardization", UNCLEAR)
+OPERATORS = (*(o.value for o in _RECORD_OPERATORS), "batchnorm", "adaLN-Zero", "weight standardization", UNCLEAR)
 PLACEMENTS = (*(p.value for p in PlacementKind if p not in (PlacementKind.UNKNOWN, PlacementKind.PRE_POST)), UNCLEAR)
 QK_NORMS = (*(q.value for q in QKNormKind if q is not QKNormKind.MIXED), "yes", UNCLEAR)
 STATUSES = ("essay", "code", "paper", UNCLEAR)
@@ -104,7 +104,11 @@ def validate_model(rec: Mapping[str, Any]) -> None:
         raise ValueError(f"model {name!r}: source={source!r} must start with one of {', '.join(SOURCES)}")
     _check_paper_keys(name, source)
     unclear = UNCLEAR in (rec["operator"], rec["placement"], rec["qk_norm"])
-    want = "unclear" if unclear else next(st for st, pre in zip(("essay", "code", "paper"), SOURCES) if source.startswith(pre))
+    want = (
+        "unclear"
+        if unclear
+        else next(st for st, pre in zip(("essay", "code", "paper"), SOURCES) if source.startswith(pre))
+    )
     if rec["status"] != want:
         raise ValueError(f"model {name!r}: status={rec['status']!r}, expected {want!r} (from its fields and source)")
     if differs is not None and not (isinstance(differs, str) and differs.startswith("essay")):

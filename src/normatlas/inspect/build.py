@@ -292,8 +292,9 @@ def build_vision(model_type: str, seed: int = 0, image_size: int = 32, patch_siz
     sizes = (("image_size", image_size), ("patch_size", patch_size)) if not getattr(cfg, "depths", None) else ()
     for key, val in sizes:
         if key in cfg.to_dict():
-            with contextlib.suppress(Exception):
-                setattr(cfg, key, val)
+            now = getattr(cfg, key, None)
+            with contextlib.suppress(Exception):  # an (h, w) pair stays a pair (InternViT)
+                setattr(cfg, key, [val, val] if isinstance(now, (list, tuple)) else val)
     return AutoModel.from_config(cfg, attn_implementation="eager").eval()
 
 

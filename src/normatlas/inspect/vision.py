@@ -42,6 +42,7 @@ __all__ = ["VisionReport", "default_pixel_values", "inspect_vision", "vision_rep
 
 _SELECT = frozenset({"getitem", "select", "narrow", "index_select", "squeeze", "unsqueeze"})
 _BLOCK_ROLES = frozenset({SiteRole.PRE, SiteRole.OUT, SiteRole.POST})
+_BATCH_STAT = frozenset({"batch_norm", "instance_norm"})  # fused calls whose statistics span the batch / a sample
 
 
 @dataclass
@@ -56,6 +57,7 @@ class VisionReport(InspectionReport):
     pooled_norm: Operator = Operator.NONE  # norm on a token subset (CLS) of the last stream
     merger_norm: Operator = Operator.NONE  # norm whose output rows are merged (k tokens -> one row)
     head_norm: Operator = Operator.NONE  # norm inside a pooling head / connector after the blocks
+    batch_stat_norms: int = 0  # BatchNorm / InstanceNorm calls (conv stems, ResNets): statistics over the batch
 
 
 def default_pixel_values(model: nn.Module, batch: int = 1, seed: int = 0) -> torch.Tensor:
@@ -64,6 +66,8 @@ def default_pixel_values(model: nn.Module, batch: int = 1, seed: int = 0) -> tor
     size = getattr(cfg, "image_size", None)
     if isinstance(size, (list, tuple)):
         size = size[0]
+    if size is None and isinstance(getattr(cfg, "num_channels", None), int):
+        size = 64  # a convolutional net without a fixed input size (ResNet, RegNet) reads any image
     if not isinstance(size, int):
         raise ValueError(
             f"pixel_values is required: {type(model).__name__} has no config.image_size (got {size!r}); "
@@ -195,4 +199,5 @@ def vision_report(model: nn.Module, graph: Graph, label: str, *, probe: bool = T
         pooled_norm=_first(norms, SiteRole.POOLED),
         merger_norm=_first(norms, SiteRole.MERGER),
         head_norm=_first(norms, SiteRole.HEAD),
+        batch_stat_norms=sum(1 for n in graph.nodes if n.op in _BATCH_STAT),
     )

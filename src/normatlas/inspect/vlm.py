@@ -36,7 +36,7 @@ from ..analysis.ops import PROJECTIONS, SHAPE_ONLY, SHAPES
 from ..vocabulary import Operator
 from .norms import find_sites
 from .report import InspectionReport, _plain
-from .vision import VisionReport, vision_report
+from .vision import _BATCH_STAT, VisionReport, vision_report
 
 __all__ = [
     "ConnectorInfo",
@@ -45,6 +45,7 @@ __all__ = [
     "VLMReport",
     "inspect_vlm",
     "inspect_vlm_target",
+    "is_vision_type",
     "is_vlm_type",
 ]
 
@@ -53,7 +54,6 @@ _POOLS = frozenset(
     {"avg_pool1d", "avg_pool2d", "adaptive_avg_pool1d", "adaptive_avg_pool2d", "max_pool2d", "interpolate"}
 )
 _ATTENTION = frozenset({"softmax", "scaled_dot_product_attention"})
-_BATCH_STAT = frozenset({"batch_norm", "instance_norm"})
 
 
 class ConnectorKind(enum.Enum):
@@ -489,6 +489,18 @@ def inspect_vlm_target(model_type: str, *, seed: int = 0, probe: bool = True) ->
 
     model = build_vlm(model_type, seed=seed)
     return inspect_vlm(model, vlm_inputs(model, seed=seed), name=model_type, probe=probe)
+
+
+def is_vision_type(model_type: str) -> bool:
+    """Whether ``model_type``'s config describes an image encoder alone: image channels, no vocabulary, no
+    text config (a transformers config fact, not a name)."""
+    from transformers import AutoConfig
+
+    try:
+        d = AutoConfig.for_model(model_type).to_dict()
+    except Exception:
+        return False
+    return "num_channels" in d and "vocab_size" not in d and "text_config" not in d
 
 
 def is_vlm_type(model_type: str) -> bool:
