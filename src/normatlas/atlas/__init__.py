@@ -64,7 +64,8 @@ MODEL_FIELDS = (
 UNCLEAR = "unclear"  # neither code nor paper within reach says
 # The design fields speak the design vocabulary (normatlas.vocabulary), spelled by each enum's value, plus
 # ``unclear``; a model-level operator the vocabulary has no site operator for (BatchNorm, whose statistics span
-# the batch; DiT's adaLN-Zero; NFNets' weight standardization) and ``yes`` (a QK-norm whose kind the source does not give) are the only additions.
+# the batch; DiT's adaLN-Zero; NFNets' weight standardization) and ``yes`` (a QK-norm whose kind the source does
+# not give) are the only additions.
 _RECORD_OPERATORS = (Operator.LAYERNORM, Operator.RMSNORM, Operator.NONE, Operator.L2)
 OPERATORS = (*(o.value for o in _RECORD_OPERATORS), "batchnorm", "adaLN-Zero", "weight standardization", UNCLEAR)
 PLACEMENTS = (*(p.value for p in PlacementKind if p not in (PlacementKind.UNKNOWN, PlacementKind.PRE_POST)), UNCLEAR)
@@ -107,7 +108,7 @@ def validate_model(rec: Mapping[str, Any]) -> None:
     want = (
         "unclear"
         if unclear
-        else next(st for st, pre in zip(("essay", "code", "paper"), SOURCES) if source.startswith(pre))
+        else next(st for st, pre in zip(("essay", "code", "paper"), SOURCES, strict=True) if source.startswith(pre))
     )
     if rec["status"] != want:
         raise ValueError(f"model {name!r}: status={rec['status']!r}, expected {want!r} (from its fields and source)")

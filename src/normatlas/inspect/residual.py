@@ -29,7 +29,17 @@ from ..analysis.walk import components, learned_mul, scalar_mul, strip
 from ..vocabulary import SublayerKind
 from .norms import Site
 
-__all__ = ["Stream", "Sublayer", "embedding", "final_norm", "find_stream", "layer_of", "place_norms", "stream_root"]
+__all__ = [
+    "Stream",
+    "Sublayer",
+    "embedding",
+    "final_norm",
+    "find_stream",
+    "layer_of",
+    "place_norms",
+    "scale_after",
+    "stream_root",
+]
 
 
 @dataclass
@@ -332,3 +342,23 @@ def embedding(g: Graph, stream: Stream) -> tuple[float | None, Site | None]:
         else:
             break
     return (scale if scale != 1.0 else None), norm
+
+
+def scale_after(g: Graph, idx: int) -> float | None:
+    """The constant multiplying node ``idx``'s value right after it (through casts): Gemma's sqrt(hidden_size) on
+    the token embeddings, read forwards where the walk back from the first stream value cannot reach them (Gemma
+    3n's AltUp widens the embeddings into several streams; a VLM places image rows among them first)."""
+    scale, cur = 1.0, idx
+    while True:
+        step = None
+        for u in g.users(cur):
+            sm = scalar_mul(g, u)
+            if sm is not None and sm[0] == cur:
+                scale, step = scale * sm[1], u.idx
+            elif u.op in CASTS and u.inputs and u.inputs[0] == cur:
+                step = u.idx
+            if step is not None:
+                break
+        if step is None:
+            return scale if scale != 1.0 else None
+        cur = step

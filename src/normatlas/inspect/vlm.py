@@ -402,28 +402,6 @@ def _injection(g: Graph, gl: Graph, text: int, entries: list[int]) -> Injection:
     return Injection.GATED_CROSS_ATTENTION if gated else Injection.CROSS_ATTENTION
 
 
-def _text_scale(g: Graph, text: int) -> float | None:
-    """A constant multiplying the token embeddings before the image rows join them (Gemma: sqrt(width)); the
-    language model's own walk back from its first stream value stops at the merge."""
-    from ..analysis.ops import CASTS
-    from ..analysis.walk import scalar_mul
-
-    scale, cur = 1.0, text
-    while True:
-        step = None
-        for u in g.users(cur):
-            sm = scalar_mul(g, u)
-            if sm is not None and sm[0] == cur:
-                scale, step = scale * sm[1], u.idx
-            elif u.op in CASTS and u.inputs and u.inputs[0] == cur:
-                step = u.idx
-            if step is not None:
-                break
-        if step is None:
-            return scale if scale != 1.0 else None
-        cur = step
-
-
 # ----------------------------------------------------------------------------- entry points
 def inspect_vlm(
     model: nn.Module, inputs: dict[str, Any] | None = None, *, name: str | None = None, probe: bool = True
@@ -437,6 +415,7 @@ def inspect_vlm(
     from . import UntraceableModel
     from .analyze import analyze
     from .probe import check_sites
+    from .residual import scale_after
     from .vlm_build import vlm_inputs
 
     t0 = time.perf_counter()
@@ -461,8 +440,8 @@ def inspect_vlm(
     cut = _restricted(g, ~image)
     gl = _restricted(cut, _closure(cut, _desc(cut, text)))
     language = analyze(gl, f"{label} / language model")
-    if language.embedding_scale is None:
-        language.embedding_scale = _text_scale(g, text)
+    if language.embedding_scale is None:  # the walk back from the first stream value stops at the merge
+        language.embedding_scale = scale_after(g, text)
     if probe:
         check_sites(model, gl, language)
     conn_bits = _closure(g, _bits(entries)) & image & ~(_closure(g, 1 << tap) if tap is not None else 0)
