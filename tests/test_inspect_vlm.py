@@ -283,3 +283,37 @@ def test_vision_of_convnext_reads_its_channels_first_stream() -> None:
     rep = inspect_vision_target("convnext", probe=False)
     assert rep.embedding_norm is Operator.LAYERNORM and rep.placement is PlacementKind.NONE
     assert rep.sublayers and {n.operator for n in rep.norms} == {Operator.LAYERNORM}
+
+
+def test_transformers_vlm_report_is_rename_invariant() -> None:
+    """LLaVA renamed with lying names (a norm called ``q_proj``, a projector called ``layernorm``...): same report."""
+    from normatlas.inspect.vlm_build import build_vlm, vlm_inputs
+
+    warnings.filterwarnings("ignore")
+    model = build_vlm("llava")
+    x = vlm_inputs(model)
+    twin = renamed(model, lying_scheme(random.Random("llava"), root=model))
+    back = old_names(model, twin)
+    a = inspect_vlm(model, x, name="llava", probe=False).to_dict(detail=True)
+    b = inspect_vlm(twin, x, name="llava", probe=False).to_dict(detail=True)
+    for d in (a, b):
+        d.pop("seconds")
+        for part in ("vision", "language"):
+            d[part].pop("seconds")
+    b["connector"]["modules"] = sorted(relabel(m, back) for m in b["connector"]["modules"])
+    for part in ("vision", "language"):
+        for norm in b[part]["norms"]:
+            norm["module"] = relabel(norm["module"], back)
+    assert a == b
+
+
+def test_vision_of_a_patch_sequence_tower() -> None:
+    """SigLIP 2 reads flattened patches, a mask and each image's grid (modeling_siglip2.py): it runs and reads as
+    Pre-LN with a final LayerNorm and the pooling head's."""
+    from normatlas.inspect import inspect_vision_target
+
+    rep = inspect_vision_target("siglip2_vision_model", probe=False)
+    assert (rep.operator, rep.placement, rep.final_norm, rep.head_norm) == (
+        Operator.LAYERNORM, PlacementKind.PRE, Operator.LAYERNORM, Operator.LAYERNORM,
+    )  # fmt: skip
+    assert rep.tokens == 16

@@ -105,7 +105,16 @@ def inspect_vision_target(target: str, *, seed: int = 0, probe: bool = True) -> 
         report = inspect_vlm_target(target, seed=seed, probe=probe)
         report.vision.model = target
         return report.vision
-    return inspect_vision(build_vision(target, seed=seed), name=target, probe=probe)
+    model = build_vision(target, seed=seed)
+    cfg = model.config
+    if "num_patches" in cfg.to_dict() and getattr(cfg, "image_size", None) is None:  # SigLIP 2: patch sequences
+        import torch
+
+        from .vlm_build import patch_sequence
+
+        inputs = patch_sequence(cfg, torch.Generator().manual_seed(seed))
+        return inspect_vision(model, inputs.pop("pixel_values"), name=target, probe=probe, **inputs)
+    return inspect_vision(model, name=target, probe=probe)
 
 
 class _CallableModule(types.ModuleType):

@@ -20,7 +20,7 @@ from torch import nn
 
 from .build import _shrink, tiny_config
 
-__all__ = ["VISION_TINY", "build_vlm", "vlm_inputs"]
+__all__ = ["VISION_TINY", "build_vlm", "patch_sequence", "vlm_inputs"]
 
 # The tower's shrunk sizes (set only where its config has the key): 2 layers, width 64, 4 heads.
 VISION_TINY: dict[str, Any] = {
@@ -109,6 +109,8 @@ def _layouts(cfg: Any, gen: torch.Generator) -> list[dict[str, Any]]:
         flat = channels * vc.temporal_patch_size * vc.patch_size**2
         pixels = torch.randn(side * side, flat, generator=gen)
         return [{"pixel_values": pixels, "image_grid_thw": torch.tensor([[1, side, side]])}]
+    if "num_patches" in vc.to_dict() and getattr(vc, "image_size", None) is None:
+        return [patch_sequence(vc, gen)]
     side = _image_side(vc)
     image = torch.randn(1, channels, side, side, generator=gen)
     sizes = torch.tensor([[side, side]])
@@ -118,6 +120,20 @@ def _layouts(cfg: Any, gen: torch.Generator) -> list[dict[str, Any]]:
         {"pixel_values": image.unsqueeze(1)},
         {"pixel_values": image.unsqueeze(1), "image_sizes": sizes},
     ]
+
+
+def patch_sequence(vc: Any, gen: torch.Generator) -> dict[str, Any]:
+    """A NaViT-style tower's input (SigLIP 2: patches already flattened, a mask over them and each image's patch
+    grid): one 4 x 4 patch image, its patches unpadded. Its config sets ``num_patches`` to 16 to match."""
+    channels = getattr(vc, "num_channels", None) or 3
+    n = _PATCHES_PER_SIDE**2
+    with contextlib.suppress(Exception):
+        vc.num_patches = n
+    return {
+        "pixel_values": torch.randn(1, n, channels * vc.patch_size**2, generator=gen),
+        "pixel_attention_mask": torch.ones(1, n, dtype=torch.long),
+        "spatial_shapes": torch.tensor([[_PATCHES_PER_SIDE, _PATCHES_PER_SIDE]]),
+    }
 
 
 def _count_tokens(model: nn.Module, image: dict[str, Any], width: int) -> int:
