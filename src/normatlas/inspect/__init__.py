@@ -106,7 +106,7 @@ def inspect_vision_target(target: str, *, seed: int = 0, probe: bool = True) -> 
         report.vision.model = target
         return report.vision
     model = build_vision(target, seed=seed)
-    cfg = model.config
+    cfg: Any = model.config
     if "num_patches" in cfg.to_dict() and getattr(cfg, "image_size", None) is None:  # SigLIP 2: patch sequences
         import torch
 
