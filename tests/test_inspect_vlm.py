@@ -317,3 +317,17 @@ def test_vision_of_a_patch_sequence_tower() -> None:
         Operator.LAYERNORM, PlacementKind.PRE, Operator.LAYERNORM, Operator.LAYERNORM,
     )  # fmt: skip
     assert rep.tokens == 16
+
+
+def test_transformers_gated_cross_attention_vlm() -> None:
+    """Idefics (1) reads the image through cross-attention layers gated by tanh(alpha) (modeling_idefics.py
+    IdeficsGatedCrossAttentionLayer); with the default config (no perceiver resampler) nothing lies between the
+    tower and those layers' key / value projections, which belong to the language model."""
+    warnings.filterwarnings("ignore")
+    rep = inspect_vlm_target("idefics", probe=False)
+    assert rep.injection is Injection.GATED_CROSS_ATTENTION
+    assert rep.connector.kind is ConnectorKind.NONE and rep.connector.projections == 0
+    assert (rep.vision.operator, rep.language.operator, rep.language.placement) == (
+        Operator.LAYERNORM, Operator.RMSNORM, PlacementKind.PRE,
+    )  # fmt: skip
+    assert rep.check_row()["connector"] == "gated-cross-attention"

@@ -247,6 +247,16 @@ def _floating(g: Graph, idx: int) -> bool:
     return dtype is not None and dtype.is_floating_point
 
 
+def _joined(g: Graph, image: int, entries: list[int]) -> int:
+    """The last image value every entry is computed from: the connector's output. Cross-attention layers project
+    one image feature tensor into keys and values of their own (each an entry): those projections belong to the
+    language model's layers, and the features they share are what the connector hands over."""
+    for n in reversed(g.nodes):
+        if image >> n.idx & 1 and all(e == n.idx or g.feeds(n.idx, e) for e in entries):
+            return n.idx
+    return max(entries)
+
+
 def _bits(idx: list[int]) -> int:
     return sum(1 << i for i in idx)
 
@@ -434,6 +444,7 @@ def inspect_vlm(
     entries = _entries(g, image)
     if not entries:
         raise ValueError(f"{label}: nothing computed from pixel_values reaches the language model")
+    injection_entries, entries = entries, [_joined(g, image, entries)]
     gv = _restricted(g, _closure(g, image))
     vision = vision_report(model, gv, f"{label} / vision tower", probe=probe)
     tap, layers_run = _tap(g, gv, vision, entries)
@@ -451,7 +462,7 @@ def inspect_vlm(
         vision,
         connector,
         language,
-        _injection(g, gl, text, entries),
+        _injection(g, gl, text, injection_entries),
         connector.tokens_out or 0,
         tower_layers_run=layers_run,
         batch_stat_norms=_batch_stat_norms(gv, image),

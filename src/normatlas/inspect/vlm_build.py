@@ -155,9 +155,12 @@ def vlm_inputs(model: nn.Module, seed: int = 0) -> dict[str, Any]:
     cfg: Any = model.config
     text = _text_config(cfg)
     vocab = int(text.vocab_size)
-    if not hasattr(model, "get_image_features"):
-        raise ValueError(f"{type(model).__name__} has no get_image_features: its image tokens cannot be counted")
     gen = torch.Generator().manual_seed(seed)
+    params = pyinspect.signature(model.forward).parameters
+    if not hasattr(model, "get_image_features"):
+        if "image_attention_mask" in params:  # cross-attention (Idefics 1): text positions x images, no placeholders
+            return _cross_attention_inputs(cfg, vocab, gen, params)
+        raise ValueError(f"{type(model).__name__} has no get_image_features: its image tokens cannot be counted")
     errors = []
     for image in _layouts(cfg, gen):
         try:
@@ -175,9 +178,23 @@ def vlm_inputs(model: nn.Module, seed: int = 0) -> dict[str, Any]:
     ids += torch.randint(5, max(6, vocab - 8), (2,), generator=gen).tolist()
     input_ids = torch.tensor([ids])
     inputs: dict[str, Any] = {"input_ids": input_ids, **image}
-    params = pyinspect.signature(model.forward).parameters
     if "mm_token_type_ids" in params:  # M-RoPE reads which tokens are image tokens
         inputs["mm_token_type_ids"] = (input_ids == vocab - 1).long()
+    if "use_cache" in params:
+        inputs["use_cache"] = False
+    return inputs
+
+
+def _cross_attention_inputs(cfg: Any, vocab: int, gen: torch.Generator, params: Any) -> dict[str, Any]:
+    """One image ``(B, images, C, H, W)`` every text position may attend to (``image_attention_mask`` ones)."""
+    vc = _vision_config(cfg)
+    side = _image_side(vc)
+    ids = torch.randint(5, max(6, vocab - 8), (1, 6), generator=gen)
+    inputs: dict[str, Any] = {
+        "input_ids": ids,
+        "pixel_values": torch.randn(1, 1, getattr(vc, "num_channels", None) or 3, side, side, generator=gen),
+        "image_attention_mask": torch.ones(1, ids.shape[1], 1, dtype=torch.long),
+    }
     if "use_cache" in params:
         inputs["use_cache"] = False
     return inputs
