@@ -208,7 +208,8 @@ def test_bad_inputs_are_refused_with_the_parameter_named() -> None:
 # Gemma 3's projector average-pools then RMSNorms (Gemma3MultiModalProjector: avg_pool, mm_soft_emb_norm);
 # Idefics3 pixel-shuffles then one Linear (Idefics3Connector); InternVL pixel-shuffles, LayerNorms, MLPs
 # (InternVLMultiModalProjector) on an InternViT with LayerScale (lambda_1 / lambda_2); Ovis 2's visual tokenizer
-# softmaxes over a visual vocabulary and multiplies by its embedding table (Ovis2VisualEmbeddingTable).
+# softmaxes over a visual vocabulary and multiplies by its embedding table (Ovis2VisualEmbeddingTable); LLaVA-NeXT
+# projects every any-resolution tile with LLaVA's MLP and appends an image_newline row per line (no norm).
 HF = [
     ("llava", Operator.LAYERNORM, ConnectorKind.MLP, [], Operator.RMSNORM),
     ("qwen2_vl", Operator.LAYERNORM, ConnectorKind.PATCH_MERGER, [Operator.LAYERNORM], Operator.RMSNORM),
@@ -218,6 +219,7 @@ HF = [
     ("idefics3", Operator.LAYERNORM, ConnectorKind.PATCH_MERGER, [], Operator.RMSNORM),
     ("internvl", Operator.LAYERNORM, ConnectorKind.PATCH_MERGER, [Operator.LAYERNORM], Operator.RMSNORM),
     ("ovis2", Operator.RMSNORM, ConnectorKind.SOFT_TOKENS, [Operator.LAYERNORM], Operator.RMSNORM),
+    ("llava_next", Operator.LAYERNORM, ConnectorKind.MLP, [], Operator.RMSNORM),  # any-resolution: base + one tile
 ]
 
 
@@ -235,6 +237,8 @@ def test_transformers_vlm_three_parts(row: tuple[Any, ...], hf_reports: dict[str
     assert rep.connector.kind is kind and rep.connector.norms == norms
     assert rep.language.operator is lm
     assert rep.injection is Injection.EMBEDDING_STREAM and rep.image_tokens == rep.connector.tokens_out
+    if model_type == "llava_next":  # the newline rows: more rows reach the language model than leave the tower
+        assert rep.connector.tokens_out > rep.connector.tokens_in
 
 
 def test_transformers_vlm_specifics(hf_reports: dict[str, Any]) -> None:

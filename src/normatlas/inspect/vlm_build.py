@@ -78,6 +78,9 @@ def build_vlm(model_type: str, seed: int = 0) -> nn.Module:
             c.projection_dim = text.hidden_size
     if isinstance(getattr(cfg, "mm_tokens_per_image", None), int):  # pooled to (side / 2)^2 tokens
         cfg.mm_tokens_per_image = (_PATCHES_PER_SIDE // 2) ** 2
+    side = getattr(vc, "image_size", None)
+    if isinstance(getattr(cfg, "image_grid_pinpoints", None), list) and isinstance(side, int):
+        cfg.image_grid_pinpoints = [[side, side]]  # any-resolution (LLaVA-NeXT): one tile the size of the base image
     layers = getattr(cfg, "vision_feature_layers", None)  # VipLLaVA taps several tower layers
     if isinstance(layers, list):
         cfg.vision_feature_layers = [-2, -1]
@@ -119,6 +122,7 @@ def _layouts(cfg: Any, gen: torch.Generator) -> list[dict[str, Any]]:
         {"pixel_values": image, "image_sizes": sizes},
         {"pixel_values": image.unsqueeze(1)},
         {"pixel_values": image.unsqueeze(1), "image_sizes": sizes},
+        {"pixel_values": torch.stack([image[0], image[0]]).unsqueeze(0), "image_sizes": sizes},  # base + one tile
     ]
 
 
