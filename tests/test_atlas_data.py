@@ -21,15 +21,18 @@ def test_model_record(rec: dict) -> None:
     atlas.validate_model(rec)
     assert tuple(rec) == atlas.MODEL_FIELDS
     assert rec["name"] and rec["family"] and rec["kind"]
-    assert rec["source"].startswith(("essay", "code:")), "every record names its source"
+    assert rec["source"].startswith(atlas.SOURCES), "every record names its source"
     assert rec["operator"] in atlas.OPERATORS
     assert rec["placement"] in atlas.PLACEMENTS and rec["qk_norm"] in atlas.QK_NORMS
     assert rec["year"] is None or 2015 <= rec["year"] <= 2026
     unclear = "unclear" in (rec["operator"], rec["placement"], rec["qk_norm"])
     assert rec["status"] in atlas.STATUSES
-    assert rec["status"] == ("unclear" if unclear else "code" if rec["source"].startswith("code:") else "essay")
-    if rec["essay_differs"] is not None:  # the record states the code; the essay's claim is kept beside it
-        assert rec["status"] == "code" and rec["essay_differs"].startswith("essay")
+    by_source = (
+        "code" if rec["source"].startswith("code:") else "paper" if rec["source"].startswith("paper:") else "essay"
+    )
+    assert rec["status"] == ("unclear" if unclear else by_source)
+    if rec["essay_differs"] is not None:  # the record states the code (or paper); the essay's claim is kept beside it
+        assert rec["status"] in ("code", "paper") and rec["essay_differs"].startswith("essay")
 
 
 def _cited_lines(text: str) -> list[int]:
@@ -277,7 +280,7 @@ def test_design_fields_speak_the_design_vocabulary() -> None:
     from normatlas.spec import parse_enum
     from normatlas.vocabulary import Operator, PlacementKind, QKNormKind
 
-    extra = {"unclear", "adaLN-Zero", "weight standardization", "yes"}
+    extra = {"unclear", "batchnorm", "adaLN-Zero", "weight standardization", "yes"}
     for rec in MODELS:
         for field, enum_type in (("operator", Operator), ("placement", PlacementKind), ("qk_norm", QKNormKind)):
             if rec[field] not in extra:

@@ -23,12 +23,15 @@ from ..vocabulary import Operator, PlacementKind, QKNormKind
 from .papers import PAPER_FIELDS, filter_papers, papers
 
 __all__ = [
+    "CONNECTORS",
     "MODEL_FIELDS",
     "OPERATORS",
     "PAPER_FIELDS",
     "PLACEMENTS",
     "QK_NORMS",
+    "SOURCES",
     "STATUSES",
+    "VLM_FIELDS",
     "check",
     "essay_differences",
     "filter_models",
@@ -60,14 +63,25 @@ MODEL_FIELDS = (
 )
 UNCLEAR = "unclear"  # neither code nor paper within reach says
 # The design fields speak the design vocabulary (normatlas.vocabulary), spelled by each enum's value, plus
-# ``unclear``; a model-level operator the vocabulary has no site operator for (DiT's adaLN-Zero, NFNets'
-# weight standardization) and ``yes`` (a QK-norm whose kind the source does not give) are the only additions.
+# ``unclear``; a model-level operator the vocabulary has no site operator for (BatchNorm, whose statistics span
+# the batch; DiT's adaLN-Zero; NFNets' weight standardization) and ``yes`` (a QK-norm whose kind the source does
+# not give) are the only additions.
 _RECORD_OPERATORS = (Operator.LAYERNORM, Operator.RMSNORM, Operator.NONE, Operator.L2)
-OPERATORS = (*(o.value for o in _RECORD_OPERATORS), "adaLN-Zero", "weight standardization", UNCLEAR)
+OPERATORS = (*(o.value for o in _RECORD_OPERATORS), "batchnorm", "adaLN-Zero", "weight standardization", UNCLEAR)
 PLACEMENTS = (*(p.value for p in PlacementKind if p not in (PlacementKind.UNKNOWN, PlacementKind.PRE_POST)), UNCLEAR)
 QK_NORMS = (*(q.value for q in QKNormKind if q is not QKNormKind.MIXED), "yes", UNCLEAR)
-STATUSES = ("essay", "code", UNCLEAR)
+STATUSES = ("essay", "code", "paper", UNCLEAR)
 _DESIGN = {"operator": OPERATORS, "placement": PLACEMENTS, "qk_norm": QK_NORMS}
+# A VLM row's connector: the kinds the inspector reads off the dataflow (normatlas.inspect.vlm.ConnectorKind's
+# values; tests/test_atlas_vlm.py keeps the two equal), plus the gated cross-attention of Flamingo-style models.
+CONNECTORS = (
+    "linear", "mlp", "patch-merger", "pooling", "resampler", "soft-tokens", "vq-tokens", "none",
+    "gated-cross-attention",
+)  # fmt: skip
+# The part fields, their allowed values (None: not a VLM / not applicable) and the inspected summary key
+# ``matrix --check`` compares them with (the tower's operator, the connector's kind and its first norm).
+VLM_FIELDS = {"vision_tower_norm": OPERATORS, "connector": CONNECTORS, "connector_norm": OPERATORS}
+SOURCES = ("essay", "code:", "paper:")
 
 
 def _load(name: str) -> list[dict[str, Any]]:
@@ -83,17 +97,35 @@ def validate_model(rec: Mapping[str, Any]) -> None:
     for field, allowed in _DESIGN.items():
         if rec[field] not in allowed:
             raise ValueError(f"model {name!r}: {field}={rec[field]!r} is not one of {', '.join(allowed)}")
+    for field, allowed in VLM_FIELDS.items():
+        if rec[field] is not None and rec[field] not in allowed:
+            raise ValueError(f"model {name!r}: {field}={rec[field]!r} is not None or one of {', '.join(allowed)}")
     source, differs = rec["source"], rec["essay_differs"]
-    if not isinstance(source, str) or not source.startswith(("essay", "code:")):
-        raise ValueError(f"model {name!r}: source={source!r} must start with 'essay' or 'code:'")
+    if not isinstance(source, str) or not source.startswith(SOURCES):
+        raise ValueError(f"model {name!r}: source={source!r} must start with one of {', '.join(SOURCES)}")
+    _check_paper_keys(name, source)
     unclear = UNCLEAR in (rec["operator"], rec["placement"], rec["qk_norm"])
-    want = "unclear" if unclear else "code" if source.startswith("code:") else "essay"
+    want = (
+        "unclear"
+        if unclear
+        else next(st for st, pre in zip(("essay", "code", "paper"), SOURCES, strict=True) if source.startswith(pre))
+    )
     if rec["status"] != want:
         raise ValueError(f"model {name!r}: status={rec['status']!r}, expected {want!r} (from its fields and source)")
     if differs is not None and not (isinstance(differs, str) and differs.startswith("essay")):
         raise ValueError(f"model {name!r}: essay_differs={differs!r} must be None or quote the essay ('essay ...')")
-    if differs is not None and not source.startswith("code:"):
-        raise ValueError(f"model {name!r}: essay_differs is set, so source must name the code ('code: ...')")
+    if differs is not None and not source.startswith(("code:", "paper:")):
+        raise ValueError(f"model {name!r}: essay_differs is set, so source must name the code or the paper")
+
+
+def _check_paper_keys(name: object, source: str) -> None:
+    """Every ``paper:KEY`` in a source names a record of the bibliography."""
+    import re
+
+    known = {p["key"] for p in papers()}
+    for key in re.findall(r"paper:\s*([a-z][a-z0-9_]*)", source):
+        if key not in known:
+            raise ValueError(f"model {name!r}: source cites paper:{key}, which is not a key of papers.json")
 
 
 @cache
@@ -196,7 +228,7 @@ def check(
                     }
                 )
                 continue
-            for field in ("operator", "placement", "qk_norm", "gain_convention"):
+            for field in ("operator", "placement", "qk_norm", "gain_convention", *VLM_FIELDS):
                 cur, got = rec.get(field), summ.get(field)
                 if cur is None or got is None:
                     continue

@@ -65,20 +65,36 @@ def _check(args: argparse.Namespace) -> int:
         if args.from_file:
             source = _read_sweep(args.from_file)
         else:
-            from ..inspect import inspect_target
-
             cache: dict[str, dict[str, Any]] = {}
 
             def source(mt: str) -> dict[str, Any]:
                 if mt not in cache:
                     ph.update(f"{mt} ({len(cache) + 1} built)")
-                    cache[mt] = inspect_target(mt, probe=False).summary_row()
+                    cache[mt] = inspected_row(mt)
                 return cache[mt]
 
         rows = atlas.check(source, include_agreements=args.agreements)
     cols = ("model", "hf_model_type", "field", "curated", "inspected", "verdict") if args.format == "table" else None
     emit([Section("checks", rows, "curated matrix vs inspected dataflow", cols)], args.format)
     return 0
+
+
+def inspected_row(model_type: str) -> dict[str, Any]:
+    """What ``matrix --check`` compares a record with: an image-text model type run whole on an image + text
+    (its tower and connector checked too), an image encoder on an image (a tower whose only norms are batch
+    statistics reads as ``batchnorm``), any other model type on tokens."""
+    from ..inspect import inspect_target, inspect_vision_target
+    from ..inspect.vlm import inspect_vlm_target, is_vision_type, is_vlm_type
+
+    if is_vlm_type(model_type):
+        return inspect_vlm_target(model_type, probe=False).check_row()
+    if is_vision_type(model_type):
+        rep = inspect_vision_target(model_type, probe=False)
+        row = rep.summary_row()
+        if rep.operator.value == "none" and rep.batch_stat_norms:
+            row["operator"] = "batchnorm"
+        return row
+    return inspect_target(model_type, probe=False).summary_row()
 
 
 _SWEEP_SHAPE = (

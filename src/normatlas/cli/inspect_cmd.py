@@ -76,9 +76,14 @@ def inspect_cmd(args: argparse.Namespace) -> int:
 
     if args.all_transformers:
         return _sweep(args)
+    from ..inspect.vlm import is_vlm_type
+
+    vlms = not args.vision and not args.norms and all(is_vlm_type(t) for t in args.target)
     if len(args.target) > 1:
-        return _compare(args)
+        return _compare_vlms(args) if vlms else _compare(args)
     target = args.target[0]
+    if vlms:
+        return _one_vlm(args, target)
     try:
         with progress.phase(f"building and tracing {target}"):
             rep = (inspect_vision_target if args.vision else inspect_target)(target)
@@ -255,4 +260,47 @@ def _compare(args: argparse.Namespace) -> int:
             rows.append({k: None for k in columns} | {"model": target, "error": error})
     cols = [*columns, "error"] if failed or args.format != "table" else list(columns)
     emit([Section("models", rows, "normalization designs (from the traced dataflow)", cols)], args.format)
+    return 1 if failed else 0
+
+
+def _one_vlm(args: argparse.Namespace, target: str) -> int:
+    """An image-text model type: its vision tower, connector and language model, from one image + text run."""
+    from ..inspect import UntraceableModel
+    from ..inspect.vlm import inspect_vlm_target
+
+    try:
+        with progress.phase(f"building and tracing {target} on an image + text"):
+            rep = inspect_vlm_target(target)
+    except (UntraceableModel, ValueError, TypeError) as exc:
+        raise CliError(str(exc).splitlines()[0] if str(exc) else type(exc).__name__) from exc
+    except Exception as exc:  # building a model can fail in many ways; one line, never a traceback
+        raise CliError(
+            f"cannot build or trace {target}: {type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}"
+        ) from exc
+    if args.format == "json":
+        print(json.dumps(_jsonable(rep.to_dict(detail=True)), indent=2, allow_nan=False))
+        return 0
+    parts = rep.part_rows()
+    title = f"{rep.model}: %s (one image + text run, {rep.image_tokens} image tokens)"
+    emit([Section(k.replace(" ", "_"), rows, title % k) for k, rows in parts.items()], args.format, notes=rep.notes)
+    return 0
+
+
+def _compare_vlms(args: argparse.Namespace) -> int:
+    """Several image-text model types: one three-part row each (errors as rows, exit 1 if any failed)."""
+    from ..inspect.vlm import inspect_vlm_target
+
+    rows: list[dict[str, Any]] = []
+    failed = 0
+    for target in progress.steps(args.target, "building and tracing"):
+        try:
+            rows.append({**inspect_vlm_target(target).summary_row(), "model": target, "error": None})
+        except Exception as exc:  # one failing target must not hide the others
+            failed += 1
+            rows.append({"model": target, "error": f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}"})
+    cols = list(dict.fromkeys(k for r in rows for k in r if k != "error" or failed or args.format != "table"))
+    emit(
+        [Section("models", rows, "image-text models: tower, connector, language model (one run each)", cols)],
+        args.format,
+    )
     return 1 if failed else 0

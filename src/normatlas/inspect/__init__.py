@@ -95,10 +95,26 @@ def inspect_target(target: str, *, seed: int = 0, probe: bool = True) -> Inspect
 
 
 def inspect_vision_target(target: str, *, seed: int = 0, probe: bool = True) -> VisionReport:
-    """Build a tiny vision tower of a transformers model type and inspect it on a seeded image."""
+    """Build a tiny vision tower of a transformers model type and inspect it on a seeded image. An image-text
+    model type (Qwen2.5-VL, whose tower reads flattened patches and their grid) is run whole on an image + text
+    and its tower part reported (:func:`.vlm.inspect_vlm`)."""
     from .build import build_vision
+    from .vlm import inspect_vlm_target, is_vlm_type
 
-    return inspect_vision(build_vision(target, seed=seed), name=target, probe=probe)
+    if is_vlm_type(target):
+        report = inspect_vlm_target(target, seed=seed, probe=probe)
+        report.vision.model = target
+        return report.vision
+    model = build_vision(target, seed=seed)
+    cfg: Any = model.config
+    if "num_patches" in cfg.to_dict() and getattr(cfg, "image_size", None) is None:  # SigLIP 2: patch sequences
+        import torch
+
+        from .vlm_build import patch_sequence
+
+        inputs = patch_sequence(cfg, torch.Generator().manual_seed(seed))
+        return inspect_vision(model, inputs.pop("pixel_values"), name=target, probe=probe, **inputs)
+    return inspect_vision(model, name=target, probe=probe)
 
 
 class _CallableModule(types.ModuleType):

@@ -26,7 +26,7 @@ from ..vocabulary import Operator, PlacementKind, QKNormKind, RopeOrder, SiteRol
 from .attention import Core, find_cores, qk_kind, rope_order, trig_bits
 from .norms import Site, find_sites
 from .report import AttentionInfo, InspectionReport, NormInfo, SublayerInfo
-from .residual import Stream, Sublayer, embedding, final_norm, find_stream, layer_of, place_norms
+from .residual import Stream, Sublayer, embedding, final_norm, find_stream, layer_of, place_norms, scale_after
 
 __all__ = ["analyze"]
 
@@ -47,6 +47,9 @@ def analyze(g: Graph, name: str = "model", tracer: str = "torch_function") -> In
     place_norms(g, stream, attn_bits, layers)
     final = final_norm(g, stream)
     emb_scale, emb_norm = embedding(g, stream)
+    if emb_scale is None and subs:  # a scale the walk back cannot reach: read forwards from the lookup
+        lookup = next((n.idx for n in g.nodes if n.op == "embedding" and g.feeds(n.idx, subs[0].source)), None)
+        emb_scale = scale_after(g, lookup) if lookup is not None else None
     roles = _roles(subs, final, emb_norm)
     attention = _attention_infos(g, cores, roles, trig, layers)
     sub_infos = [_sublayer_info(s) for s in subs]

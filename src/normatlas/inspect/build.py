@@ -288,12 +288,35 @@ def build_vision(model_type: str, seed: int = 0, image_size: int = 32, patch_siz
     from transformers import AutoModel
 
     torch.manual_seed(seed)
-    cfg = tiny_config(model_type)
-    for key, val in (("image_size", image_size), ("patch_size", patch_size)):
+    cfg = _staged_tower(model_type, image_size) or tiny_config(model_type)
+    sizes = (("image_size", image_size), ("patch_size", patch_size)) if not getattr(cfg, "depths", None) else ()
+    for key, val in sizes:
         if key in cfg.to_dict():
-            with contextlib.suppress(Exception):
-                setattr(cfg, key, val)
+            now = getattr(cfg, key, None)
+            with contextlib.suppress(Exception):  # an (h, w) pair stays a pair (InternViT)
+                setattr(cfg, key, [val, val] if isinstance(now, (list, tuple)) else val)
     return AutoModel.from_config(cfg, attn_implementation="eager").eval()
+
+
+def _staged_tower(model_type: str, image_size: int) -> Any:
+    """A hierarchical tower's config (ConvNeXt, Swin: one ``depths`` entry per stage, widths and heads per stage
+    tied to the stage count) with every stage kept at two blocks and an image its stages can halve; ``None`` for
+    any other config. Shrinking its stage count like a layer count breaks those per-stage lists."""
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.for_model(model_type)
+    depths = getattr(cfg, "depths", None)
+    if not (isinstance(depths, (list, tuple)) and depths and all(isinstance(d, int) for d in depths)):
+        return None
+    cfg.depths = type(depths)([2] * len(depths))
+    window = 1
+    if isinstance(getattr(cfg, "window_size", None), int):  # Swin: 2 x 2 windows, a whole one in the last stage
+        cfg.window_size = window = 2
+    patch = getattr(cfg, "patch_size", None)
+    if isinstance(patch, int) and "image_size" in cfg.to_dict():
+        cfg.image_size = max(image_size, patch * window * 2 ** (len(depths) - 1))
+    cfg._attn_implementation = "eager"
+    return cfg
 
 
 def load_config_json(path: Path) -> dict[str, Any]:

@@ -29,7 +29,17 @@ from ..analysis.walk import components, learned_mul, scalar_mul, strip
 from ..vocabulary import SublayerKind
 from .norms import Site
 
-__all__ = ["Stream", "Sublayer", "embedding", "final_norm", "find_stream", "layer_of", "place_norms", "stream_root"]
+__all__ = [
+    "Stream",
+    "Sublayer",
+    "embedding",
+    "final_norm",
+    "find_stream",
+    "layer_of",
+    "place_norms",
+    "scale_after",
+    "stream_root",
+]
 
 
 @dataclass
@@ -150,6 +160,13 @@ def _stream_shapes(g: Graph, sites: list[Site]) -> list[tuple[int, ...]]:
     return list(dict.fromkeys(c for c in cands if c))
 
 
+def _channels_first(g: Graph) -> list[tuple[int, ...]]:
+    """Shapes of repeated 4-d adds: a channels-first stream (ConvNeXt: ``(B, C, H, W)``, its norms on NHWC
+    views), tried only when no other candidate has a residual add."""
+    adds = Counter(n.shape for n in g.nodes if n.op == "add" and n.shape and len(n.shape) == 4)
+    return [sh for sh, k in adds.most_common(2) if k > 1]
+
+
 @dataclass
 class Stream:
     """The residual stream: its shape, its sublayers in order, and the norms indexed by where they read and write."""
@@ -182,6 +199,9 @@ def find_stream(g: Graph, sites: list[Site]) -> Stream:
     norm_bits = _norm_bits(g, sites)
     found = [(_residual_adds(g, c, norm_bits), c) for c in shapes[:6]]
     adds, shape = max(found, key=lambda f: len(f[0]))
+    if not adds:
+        found = [(_residual_adds(g, c, norm_bits), c) for c in _channels_first(g)]
+        adds, shape = max(found, key=lambda f: len(f[0])) if found else ([], shapes[0])
     if not adds:
         shape = shapes[0]
     subs: list[Sublayer] = []
@@ -322,3 +342,23 @@ def embedding(g: Graph, stream: Stream) -> tuple[float | None, Site | None]:
         else:
             break
     return (scale if scale != 1.0 else None), norm
+
+
+def scale_after(g: Graph, idx: int) -> float | None:
+    """The constant multiplying node ``idx``'s value right after it (through casts): Gemma's sqrt(hidden_size) on
+    the token embeddings, read forwards where the walk back from the first stream value cannot reach them (Gemma
+    3n's AltUp widens the embeddings into several streams; a VLM places image rows among them first)."""
+    scale, cur = 1.0, idx
+    while True:
+        step = None
+        for u in g.users(cur):
+            sm = scalar_mul(g, u)
+            if sm is not None and sm[0] == cur:
+                scale, step = scale * sm[1], u.idx
+            elif u.op in CASTS and u.inputs and u.inputs[0] == cur:
+                step = u.idx
+            if step is not None:
+                break
+        if step is None:
+            return scale if scale != 1.0 else None
+        cur = step

@@ -38,10 +38,11 @@ from ..vocabulary import Operator, SiteRole
 from .norms import Site, find_sites
 from .report import InspectionReport, NormInfo
 
-__all__ = ["VisionReport", "default_pixel_values", "inspect_vision"]
+__all__ = ["VisionReport", "default_pixel_values", "inspect_vision", "vision_report"]
 
 _SELECT = frozenset({"getitem", "select", "narrow", "index_select", "squeeze", "unsqueeze"})
 _BLOCK_ROLES = frozenset({SiteRole.PRE, SiteRole.OUT, SiteRole.POST})
+_BATCH_STAT = frozenset({"batch_norm", "instance_norm"})  # fused calls whose statistics span the batch / a sample
 
 
 @dataclass
@@ -56,6 +57,7 @@ class VisionReport(InspectionReport):
     pooled_norm: Operator = Operator.NONE  # norm on a token subset (CLS) of the last stream
     merger_norm: Operator = Operator.NONE  # norm whose output rows are merged (k tokens -> one row)
     head_norm: Operator = Operator.NONE  # norm inside a pooling head / connector after the blocks
+    batch_stat_norms: int = 0  # BatchNorm / InstanceNorm calls (conv stems, ResNets): statistics over the batch
 
 
 def default_pixel_values(model: nn.Module, batch: int = 1, seed: int = 0) -> torch.Tensor:
@@ -64,6 +66,8 @@ def default_pixel_values(model: nn.Module, batch: int = 1, seed: int = 0) -> tor
     size = getattr(cfg, "image_size", None)
     if isinstance(size, (list, tuple)):
         size = size[0]
+    if size is None and isinstance(getattr(cfg, "num_channels", None), int):
+        size = 64  # a convolutional net without a fixed input size (ResNet, RegNet) reads any image
     if not isinstance(size, int):
         raise ValueError(
             f"pixel_values is required: {type(model).__name__} has no config.image_size (got {size!r}); "
@@ -155,8 +159,6 @@ def inspect_vision(
     model does not run on these inputs.
     """
     from . import UntraceableModel
-    from .analyze import analyze
-    from .probe import check_sites
 
     t0 = time.perf_counter()
     if pixel_values is None:
@@ -172,6 +174,16 @@ def inspect_vision(
     except Exception as exc:
         first = str(exc).splitlines()[0] if str(exc) else ""
         raise UntraceableModel(f"cannot run {label} on pixel_values: {type(exc).__name__}: {first}") from exc
+    report = vision_report(model, graph, label, probe=probe)
+    report.seconds = time.perf_counter() - t0
+    return report
+
+
+def vision_report(model: nn.Module, graph: Graph, label: str, *, probe: bool = True) -> VisionReport:
+    """The :class:`VisionReport` of a recorded tower run (the whole graph, or a VLM's tower part of one)."""
+    from .analyze import analyze
+    from .probe import check_sites
+
     base = analyze(graph, label)
     if probe:
         check_sites(model, graph, base)
@@ -181,12 +193,11 @@ def inspect_vision(
     fields.update(norms=norms, notes=[*base.notes, *notes])
     if base.final_norm is not Operator.NONE and _first(norms, SiteRole.FINAL) is Operator.NONE:
         fields["final_norm"] = Operator.NONE  # the only norm on the last stream merges rows: not a final norm
-    report = VisionReport(
+    return VisionReport(
         **fields,
         tokens=tokens,
         pooled_norm=_first(norms, SiteRole.POOLED),
         merger_norm=_first(norms, SiteRole.MERGER),
         head_norm=_first(norms, SiteRole.HEAD),
+        batch_stat_norms=sum(1 for n in graph.nodes if n.op in _BATCH_STAT),
     )
-    report.seconds = time.perf_counter() - t0
-    return report

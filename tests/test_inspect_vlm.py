@@ -1,0 +1,337 @@
+"""The whole-VLM inspector: tower, connector and language model read off one image + text run.
+
+Two kinds of evidence: toy image-text models whose three parts are known by construction (every connector kind,
+each injection, a tower read at its second-to-last layer), and transformers' own VLMs built tiny offline, checked
+against what their modeling files do (cited per row). Plus: renaming every module and parameter changes nothing,
+and bad inputs are refused with the parameter named.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import warnings
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+from normatlas.inspect import UntraceableModel
+from normatlas.inspect.vlm import ConnectorKind, Injection, inspect_vlm, inspect_vlm_target, is_vlm_type
+from normatlas.vocabulary import Operator, PlacementKind, QKNormKind
+from tests.renamer import old_names, renamed
+from tests.test_rename_invariance import lying_scheme, relabel
+
+D, V, P = 16, 32, 12  # width, vocabulary, flattened patch size
+IMAGE = V - 1  # the image placeholder id
+
+
+# --------------------------------------------------------------------------- toy parts
+class Block(nn.Module):
+    """x + MLP(N(x)): a Pre-norm residual MLP block (its norm given)."""
+
+    def __init__(self, norm: nn.Module) -> None:
+        super().__init__()
+        self.norm, self.up, self.down = norm, nn.Linear(D, 2 * D), nn.Linear(2 * D, D)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x + self.down(torch.relu(self.up(self.norm(x))))
+
+
+class CrossBlock(nn.Module):
+    """x + tanh(g) * Attn(N(x), image): Flamingo's gated cross-attention (``gate=False``: no tanh gate)."""
+
+    def __init__(self, gate: bool) -> None:
+        super().__init__()
+        self.norm, self.q, self.k, self.v = nn.RMSNorm(D), nn.Linear(D, D), nn.Linear(D, D), nn.Linear(D, D)
+        self.gate = nn.Parameter(torch.full((1,), 0.5)) if gate else None
+
+    def forward(self, x: Tensor, image: Tensor) -> Tensor:
+        q = self.q(self.norm(x))
+        att = torch.softmax(q @ self.k(image).transpose(-1, -2) / math.sqrt(D), dim=-1) @ self.v(image)
+        return x + (torch.tanh(self.gate) * att if self.gate is not None else att)
+
+
+class Connector(nn.Module):
+    """One connector of each kind, on (B, 16 patches, D) tower features."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.norm = nn.LayerNorm(4 * D if kind == "merger" else D)
+        self.a = nn.Linear(4 * D if kind == "merger" else D, D)
+        self.b = nn.Linear(D, D)
+        self.queries = nn.Parameter(torch.randn(4, D))
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.kind == "linear":
+            return self.a(x) / 4.0
+        if self.kind == "mlp":
+            return self.b(nn.functional.gelu(self.a(x)))
+        if self.kind == "merger":  # 4 rows -> one row of 4 D, normalised, projected
+            return self.b(nn.functional.gelu(self.a(self.norm(x.reshape(x.shape[0], -1, 4 * D)))))
+        if self.kind == "pooling":  # 4 x 4 patches -> 2 x 2, normalised
+            grid = x.transpose(1, 2).reshape(x.shape[0], D, 4, 4)
+            pooled = nn.functional.avg_pool2d(grid, 2).flatten(2).transpose(1, 2)
+            return self.a(self.norm(pooled))
+        # resampler: 4 learned queries attend to the patches
+        att = torch.softmax(self.queries @ self.a(x).transpose(-1, -2), dim=-1)
+        return self.b(att @ x)
+
+
+class ToyVLM(nn.Module):
+    """Tower (patch embedding, 2 Pre-LN blocks, final LayerNorm) -> connector -> LM (2 Pre-RMSNorm blocks,
+    final RMSNorm), the image rows placed at the placeholder tokens; or the image read by cross-attention."""
+
+    def __init__(self, connector: str = "mlp", tap: int = -1, cross: str | None = None) -> None:
+        super().__init__()
+        self.patch = nn.Linear(P, D)
+        self.tower = nn.ModuleList([Block(nn.LayerNorm(D)) for _ in range(2)])
+        self.tower_norm = nn.LayerNorm(D)
+        self.tap, self.connector = tap, Connector(connector)
+        self.embed = nn.Embedding(V, D)
+        self.layers = nn.ModuleList([Block(nn.RMSNorm(D)) for _ in range(2)])
+        self.cross = CrossBlock(cross == "gated") if cross else None
+        self.final, self.head = nn.RMSNorm(D), nn.Linear(D, V, bias=False)
+
+    def forward(self, input_ids: Tensor, pixel_values: Tensor) -> Tensor:
+        x, states = self.patch(pixel_values), []
+        for block in self.tower:
+            x = block(x)
+            states.append(x)
+        feats = self.connector(self.tower_norm(x) if self.tap == -1 else states[self.tap])
+        h = self.embed(input_ids)
+        if self.cross is None:
+            h = h.masked_scatter((input_ids == IMAGE).unsqueeze(-1), feats)
+        for i, block in enumerate(self.layers):
+            h = block(h)
+            if self.cross is not None and i == 0:
+                h = self.cross(h, feats)
+        return self.head(self.final(h))
+
+
+def toy_inputs(tokens: int) -> dict[str, Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(1, V - 1, (1, 3), generator=gen).tolist()[0] + [IMAGE] * tokens + [2, 3]
+    return {"input_ids": torch.tensor([ids]), "pixel_values": torch.randn(1, 16, P, generator=gen)}
+
+
+TOKENS = {"linear": 16, "mlp": 16, "merger": 4, "pooling": 4, "resampler": 4}
+KINDS = {
+    "linear": ConnectorKind.LINEAR,
+    "mlp": ConnectorKind.MLP,
+    "merger": ConnectorKind.PATCH_MERGER,
+    "pooling": ConnectorKind.POOLING,
+    "resampler": ConnectorKind.RESAMPLER,
+}
+NORMS = {"merger": [Operator.LAYERNORM], "pooling": [Operator.LAYERNORM]}
+
+
+def _toy(kind: str, **kw: Any) -> tuple[ToyVLM, dict[str, Tensor]]:
+    torch.manual_seed(0)
+    return ToyVLM(kind, **kw).eval(), toy_inputs(TOKENS[kind])
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_toy_connector_kind_norms_and_token_counts(kind: str) -> None:
+    model, x = _toy(kind)
+    rep = inspect_vlm(model, x, name=kind)
+    assert rep.connector.kind is KINDS[kind]
+    assert rep.connector.norms == NORMS.get(kind, [])
+    assert (rep.connector.tokens_in, rep.connector.tokens_out) == (16, TOKENS[kind])
+    assert rep.connector.row_merge == (4 if kind in ("merger", "pooling") else None)
+    assert rep.connector.scale == (0.25 if kind == "linear" else None)
+    assert rep.injection is Injection.EMBEDDING_STREAM
+
+
+def test_toy_tower_and_language_model_are_read_apart() -> None:
+    rep = inspect_vlm(*_toy("mlp"))
+    v, lm = rep.vision, rep.language
+    assert (v.operator, v.placement, v.layers, v.final_norm) == (
+        Operator.LAYERNORM, PlacementKind.PRE, 2, Operator.LAYERNORM,
+    )  # fmt: skip
+    assert (lm.operator, lm.placement, lm.layers, lm.final_norm) == (
+        Operator.RMSNORM, PlacementKind.PRE, 2, Operator.RMSNORM,
+    )  # fmt: skip
+    assert rep.tower_layers_run == 2 and rep.batch_stat_norms == 0
+
+
+def test_toy_tower_read_at_its_second_to_last_layer() -> None:
+    """The language model reads layer 0 of 2 (LLaVA's vision_feature_layer=-2): one layer run, final norm unused."""
+    rep = inspect_vlm(*_toy("mlp", tap=0))
+    assert rep.tower_layers_run == 1
+    assert rep.connector.kind is ConnectorKind.MLP and rep.connector.norms == []
+
+
+@pytest.mark.parametrize(
+    ("cross", "want"), [("plain", Injection.CROSS_ATTENTION), ("gated", Injection.GATED_CROSS_ATTENTION)]
+)
+def test_toy_cross_attention_injection(cross: str, want: Injection) -> None:
+    model, x = _toy("mlp", cross=cross)
+    x["input_ids"] = x["input_ids"][:, :4]  # no placeholders: the image enters as keys / values
+    assert inspect_vlm(model, x).injection is want
+
+
+def test_toy_report_is_rename_invariant() -> None:
+    model, x = _toy("merger")
+    twin = renamed(model, lying_scheme(random.Random("vlm"), root=model))
+    back = old_names(model, twin)
+    a, b = inspect_vlm(model, x, name="m").to_dict(detail=True), inspect_vlm(twin, x, name="m").to_dict(detail=True)
+    for d in (a, b):
+        d.pop("seconds")
+        for part in ("vision", "language"):
+            d[part].pop("seconds")
+    b["connector"]["modules"] = sorted(relabel(m, back) for m in b["connector"]["modules"])
+    for part in ("vision", "language"):
+        for norm in b[part]["norms"]:
+            norm["module"] = relabel(norm["module"], back)
+    assert a == b
+
+
+def test_bad_inputs_are_refused_with_the_parameter_named() -> None:
+    model, x = _toy("mlp")
+    with pytest.raises(ValueError, match="pixel_values"):
+        inspect_vlm(model, {"input_ids": x["input_ids"]})
+    with pytest.raises(UntraceableModel, match="image \\+ text"):
+        inspect_vlm(model, {**x, "pixel_values": torch.randn(1, 16, P + 1)})
+    with pytest.raises(ValueError, match="no vision_config"):
+        inspect_vlm_target("llama")
+
+
+# --------------------------------------------------------------------------- transformers' VLMs, tiny
+# (model type, tower operator, tower placement, connector kind, connector norms, language operator, extra checks)
+# read from transformers 5's modeling files: LLaVA's projector is linear-GELU-linear on hidden_states[-2]
+# (modeling_llava.py: LlavaMultiModalProjector, vision_feature_layer=-2); Qwen2-VL's PatchMerger normalises with
+# LayerNorm ``ln_q`` then views 4 rows as one (modeling_qwen2_vl.py), Qwen2.5-VL's with Qwen2RMSNorm; PaliGemma's
+# projector is one Linear and the features are divided by sqrt(text hidden_size) (modeling_paligemma.py);
+# Gemma 3's projector average-pools then RMSNorms (Gemma3MultiModalProjector: avg_pool, mm_soft_emb_norm);
+# Idefics3 pixel-shuffles then one Linear (Idefics3Connector); InternVL pixel-shuffles, LayerNorms, MLPs
+# (InternVLMultiModalProjector) on an InternViT with LayerScale (lambda_1 / lambda_2); Ovis 2's visual tokenizer
+# softmaxes over a visual vocabulary and multiplies by its embedding table (Ovis2VisualEmbeddingTable); LLaVA-NeXT
+# projects every any-resolution tile with LLaVA's MLP and appends an image_newline row per line (no norm).
+HF = [
+    ("llava", Operator.LAYERNORM, ConnectorKind.MLP, [], Operator.RMSNORM),
+    ("qwen2_vl", Operator.LAYERNORM, ConnectorKind.PATCH_MERGER, [Operator.LAYERNORM], Operator.RMSNORM),
+    ("qwen2_5_vl", Operator.RMSNORM, ConnectorKind.PATCH_MERGER, [Operator.RMSNORM], Operator.RMSNORM),
+    ("paligemma", Operator.LAYERNORM, ConnectorKind.LINEAR, [], Operator.RMSNORM),
+    ("gemma3", Operator.LAYERNORM, ConnectorKind.POOLING, [Operator.RMSNORM], Operator.RMSNORM),
+    ("idefics3", Operator.LAYERNORM, ConnectorKind.PATCH_MERGER, [], Operator.RMSNORM),
+    ("internvl", Operator.LAYERNORM, ConnectorKind.PATCH_MERGER, [Operator.LAYERNORM], Operator.RMSNORM),
+    ("ovis2", Operator.RMSNORM, ConnectorKind.SOFT_TOKENS, [Operator.LAYERNORM], Operator.RMSNORM),
+    ("llava_next", Operator.LAYERNORM, ConnectorKind.MLP, [], Operator.RMSNORM),  # any-resolution: base + one tile
+]
+
+
+@pytest.fixture(scope="module")
+def hf_reports() -> dict[str, Any]:
+    warnings.filterwarnings("ignore")
+    return {row[0]: inspect_vlm_target(row[0], probe=False) for row in HF}
+
+
+@pytest.mark.parametrize("row", HF, ids=[r[0] for r in HF])
+def test_transformers_vlm_three_parts(row: tuple[Any, ...], hf_reports: dict[str, Any]) -> None:
+    model_type, tower, kind, norms, lm = row
+    rep = hf_reports[model_type]
+    assert rep.vision.operator is tower and rep.vision.placement is PlacementKind.PRE
+    assert rep.connector.kind is kind and rep.connector.norms == norms
+    assert rep.language.operator is lm
+    assert rep.injection is Injection.EMBEDDING_STREAM and rep.image_tokens == rep.connector.tokens_out
+    if model_type == "llava_next":  # the newline rows: more rows reach the language model than leave the tower
+        assert rep.connector.tokens_out > rep.connector.tokens_in
+
+
+def test_transformers_vlm_specifics(hf_reports: dict[str, Any]) -> None:
+    llava, pali, gemma, intern = (hf_reports[k] for k in ("llava", "paligemma", "gemma3", "internvl"))
+    assert llava.tower_layers_run == llava.vision.layers - 1  # hidden_states[-2]
+    assert pali.connector.scale is None  # transformers 5 no longer divides the features by sqrt(hidden_size)
+    assert pali.language.embedding_scale == pytest.approx(math.sqrt(64))  # Gemma's sqrt(hidden_size)
+    assert gemma.language.placement is PlacementKind.PERI and gemma.language.qk_norm is QKNormKind.PER_HEAD
+    assert intern.vision.branch_scale == "per-channel"
+    assert hf_reports["qwen2_vl"].connector.row_merge == 4
+
+
+def test_is_vlm_type_reads_transformers_registry() -> None:
+    assert is_vlm_type("llava") and is_vlm_type("qwen2_vl")
+    assert not is_vlm_type("llama") and not is_vlm_type("clip") and not is_vlm_type("not-a-model")
+
+
+# --------------------------------------------------------------------------- inspect --vision on harder towers
+def test_vision_of_a_tower_that_needs_more_than_pixel_values() -> None:
+    """Qwen2.5-VL's tower reads flattened patches and their grid: run whole, its tower part reported."""
+    from normatlas.inspect import inspect_vision_target
+
+    rep = inspect_vision_target("qwen2_5_vl", probe=False)
+    assert (rep.operator, rep.placement, rep.merger_norm) == (Operator.RMSNORM, PlacementKind.PRE, Operator.RMSNORM)
+    assert rep.model == "qwen2_5_vl"
+
+
+@pytest.mark.parametrize(
+    ("model_type", "placement"),
+    [("swinv2", PlacementKind.RES_POST), ("swin", PlacementKind.PRE)],  # modeling_swinv2.py: x + LN(attn(x))
+)
+def test_vision_of_a_staged_tower(model_type: str, placement: PlacementKind) -> None:
+    """Swin's per-stage depths / heads lists are kept whole (shrinking the stage count broke them: IndexError)."""
+    from normatlas.inspect import inspect_vision_target
+
+    rep = inspect_vision_target(model_type, probe=False)
+    assert (rep.operator, rep.placement, rep.embedding_norm) == (Operator.LAYERNORM, placement, Operator.LAYERNORM)
+
+
+def test_vision_of_convnext_reads_its_channels_first_stream() -> None:
+    """ConvNeXt adds on (B, C, H, W) and normalises NHWC views after a depthwise conv (modeling_convnext.py):
+    it used to fail to run (a stage list cut); now its stream is found and the norm inside the branch, after
+    the depthwise conv, reads as neither pre nor post (placement ``none``), with the stem's LayerNorm."""
+    from normatlas.inspect import inspect_vision_target
+
+    rep = inspect_vision_target("convnext", probe=False)
+    assert rep.embedding_norm is Operator.LAYERNORM and rep.placement is PlacementKind.NONE
+    assert rep.sublayers and {n.operator for n in rep.norms} == {Operator.LAYERNORM}
+
+
+def test_transformers_vlm_report_is_rename_invariant() -> None:
+    """LLaVA renamed with lying names (a norm called ``q_proj``, a projector called ``layernorm``...): same report."""
+    from normatlas.inspect.vlm_build import build_vlm, vlm_inputs
+
+    warnings.filterwarnings("ignore")
+    model = build_vlm("llava")
+    x = vlm_inputs(model)
+    twin = renamed(model, lying_scheme(random.Random("llava"), root=model))
+    back = old_names(model, twin)
+    a = inspect_vlm(model, x, name="llava", probe=False).to_dict(detail=True)
+    b = inspect_vlm(twin, x, name="llava", probe=False).to_dict(detail=True)
+    for d in (a, b):
+        d.pop("seconds")
+        for part in ("vision", "language"):
+            d[part].pop("seconds")
+    b["connector"]["modules"] = sorted(relabel(m, back) for m in b["connector"]["modules"])
+    for part in ("vision", "language"):
+        for norm in b[part]["norms"]:
+            norm["module"] = relabel(norm["module"], back)
+    assert a == b
+
+
+def test_vision_of_a_patch_sequence_tower() -> None:
+    """SigLIP 2 reads flattened patches, a mask and each image's grid (modeling_siglip2.py): it runs and reads as
+    Pre-LN with a final LayerNorm and the pooling head's."""
+    from normatlas.inspect import inspect_vision_target
+
+    rep = inspect_vision_target("siglip2_vision_model", probe=False)
+    assert (rep.operator, rep.placement, rep.final_norm, rep.head_norm) == (
+        Operator.LAYERNORM, PlacementKind.PRE, Operator.LAYERNORM, Operator.LAYERNORM,
+    )  # fmt: skip
+    assert rep.tokens == 16
+
+
+def test_transformers_gated_cross_attention_vlm() -> None:
+    """Idefics (1) reads the image through cross-attention layers gated by tanh(alpha) (modeling_idefics.py
+    IdeficsGatedCrossAttentionLayer); with the default config (no perceiver resampler) nothing lies between the
+    tower and those layers' key / value projections, which belong to the language model."""
+    warnings.filterwarnings("ignore")
+    rep = inspect_vlm_target("idefics", probe=False)
+    assert rep.injection is Injection.GATED_CROSS_ATTENTION
+    assert rep.connector.kind is ConnectorKind.NONE and rep.connector.projections == 0
+    assert (rep.vision.operator, rep.language.operator, rep.language.placement) == (
+        Operator.LAYERNORM, Operator.RMSNORM, PlacementKind.PRE,
+    )  # fmt: skip
+    assert rep.check_row()["connector"] == "gated-cross-attention"
