@@ -1,0 +1,15 @@
+"""Port any transformers decoder the inspector reads into our one :class:`~normatlas.blocks.Block`, with no
+per-family key map: the design and the parameter links come from the model's recorded dataflow.
+
+``from_hf(model)`` builds our :class:`~normatlas.blocks.TransformerLM` with the same logits;
+``port(model)`` also returns the :class:`Port` (the derived config, every parameter's link, the inspector's
+report, the check's max abs difference); ``to_hf_state_dict(ours)`` maps our tensors back to the source layout.
+What our Block does not express is refused by name (:class:`PortError`). See docs/port.md.
+"""
+
+from __future__ import annotations
+
+from .core import CHECK_TOL, Link, Port, from_hf, port, to_hf_state_dict
+from .errors import PortError
+
+__all__ = ["CHECK_TOL", "Link", "Port", "PortError", "from_hf", "port", "to_hf_state_dict"]

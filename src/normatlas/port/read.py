@@ -1,0 +1,209 @@
+"""Read a model's parts off its recorded dataflow: which module invocation plays which role in which layer.
+
+Method (structural; module paths are labels and handles, never read to decide): the inspector's phases
+(:mod:`normatlas.inspect`) give the norm sites, the residual stream and its sublayers with their pre / out / post
+norms, and the attention cores with their q / k / v operands. A sublayer's *own* nodes are those its branch depends
+on that the stream before it does not. Among the affine module invocations (:func:`~normatlas.analysis.linear_kind`)
+inside them:
+
+* attention: the projection feeding the core's q (k, v) operand is q (k, v); one feeding several is a fused
+  projection, split by matching its output's values against each operand's (:func:`rows_of`); the one reading the
+  core's output is the output projection;
+* MLP: the projection(s) reading the branch input are the first layer, the one after them the down projection;
+  which first projection is the gate is decided by behaviour in :mod:`.measure`.
+
+A norm's gain and bias are the parameters its affine map multiplies and adds (:func:`norm_params`), found on the
+recorded graph. Everything is returned as parameter *objects*; their registered names are looked up by identity.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+
+from ..analysis.flow import linear_kind
+from ..analysis.graph import Graph, Ref
+from ..analysis.ops import SHAPE_ONLY, SPLITS
+from ..analysis.walk import strip
+from ..inspect.attention import Core
+from ..inspect.norms import Site
+from ..inspect.residual import Sublayer
+from .errors import PortError
+
+__all__ = ["AttnParts", "MlpParts", "Proj", "attention_parts", "mlp_parts", "norm_params", "own_bits", "projections"]
+
+
+@dataclass
+class Proj:
+    """One affine module invocation: the module, what it computes (``linear`` / ``conv1d_t``), its input and output
+    nodes, and ``rows``: the output features a fused projection gives one role (None: all of them)."""
+
+    label: str
+    module: nn.Module
+    kind: str
+    input: int
+    output: int
+    rows: tuple[int, ...] | None = None
+
+    def weight(self) -> nn.Parameter:
+        return self.module.weight  # the operator's typed API (nn.Linear / Conv1D), not a name guess
+
+    def bias(self) -> nn.Parameter | None:
+        b = self.module.bias
+        return b if isinstance(b, nn.Parameter) else None
+
+    def with_rows(self, rows: tuple[int, ...] | None) -> Proj:
+        return Proj(self.label, self.module, self.kind, self.input, self.output, rows)
+
+
+@dataclass
+class AttnParts:
+    q: Proj
+    k: Proj
+    v: Proj
+    o: Proj
+    core: Core
+
+
+@dataclass
+class MlpParts:
+    firsts: list[Proj]
+    down: Proj
+    extra: list[str] = field(default_factory=list)
+
+
+def projections(g: Graph) -> list[Proj]:
+    """Every invocation of a linear / Conv1D module with one tensor in and one out, in execution order."""
+    out = []
+    for s in g.spans:
+        kind = linear_kind(s.module)
+        if kind in ("linear", "conv1d_t") and s.inputs and len(s.outputs) == 1:
+            out.append(Proj(s.name, s.module, kind, s.inputs[0], s.outputs[0]))
+    return out
+
+
+def own_bits(g: Graph, branch: int, source: int) -> int:
+    """The nodes a branch depends on that the stream value it started from does not (a bitset)."""
+    return (g.anc(branch) | 1 << branch) & ~(g.anc(source) | 1 << source)
+
+
+def _feeds(g: Graph, a: int, b: int) -> bool:
+    return a == b or g.feeds(a, b)
+
+
+def attention_parts(g: Graph, sub: Sublayer, branch: int, cores: list[Core], projs: list[Proj]) -> AttnParts:
+    """q, k, v and output projections of one attention branch; raises :class:`PortError` when they are not four
+    (or three fused and one) plain projections around one core."""
+    own = own_bits(g, branch, sub.source)
+    mine = [c for c in cores if own >> c.node & 1]
+    if len(mine) != 1:
+        raise PortError([f"layer {sub.layer}: {len(mine)} attention cores in one branch"])
+    core = mine[0]
+    inside = [p for p in projs if own >> p.output & 1]
+    roles: dict[str, list[Proj]] = {r: [p for p in inside if _feeds(g, p.output, getattr(core, r))] for r in "qkv"}
+    outs = [p for p in inside if _feeds(g, core.node, p.input)]
+    used = {id(p) for ps in (*roles.values(), outs) for p in ps}
+    extra = [p.label for p in inside if id(p) not in used]
+    problems = [f"layer {sub.layer}: {r} is computed by {len(ps)} projections" for r, ps in roles.items() if len(ps) != 1]
+    if core.v < 0:
+        problems.append(f"layer {sub.layer}: the attention's value operand was not found")
+    if len(outs) != 1:
+        problems.append(f"layer {sub.layer}: {len(outs)} projections read the attention output")
+    if extra:
+        problems.append(f"layer {sub.layer}: attention projections with no role in our Block: {', '.join(extra)}")
+    if problems:
+        raise PortError(problems)
+    picked = {}
+    for r, (p,) in roles.items():
+        fused = sum(p is ps[0] for ps in roles.values()) > 1
+        picked[r] = p.with_rows(rows_of(g, p, getattr(core, r)) if fused else None)
+    return AttnParts(picked["q"], picked["k"], picked["v"], outs[0], core)
+
+
+def mlp_parts(g: Graph, sub: Sublayer, branch: int, projs: list[Proj]) -> MlpParts:
+    """The first projection(s) and the down projection of one MLP branch; raises on anything else (a router, experts,
+    more than two layers)."""
+    own = own_bits(g, branch, sub.source)
+    inside = [p for p in projs if own >> p.output & 1]
+    firsts = [p for p in inside if not any(q is not p and _feeds(g, q.output, p.input) for q in inside)]
+    downs = [p for p in inside if p not in firsts]
+    routed = [n.op for n in g.nodes if own >> n.idx & 1 and n.op in ("topk", "sort", "argsort")]
+    problems = []
+    if routed:
+        problems.append(f"layer {sub.layer}: a routed mixture of experts ({routed[0]} over router scores)")
+    if len(downs) != 1 or not 1 <= len(firsts) <= 2:
+        problems.append(
+            f"layer {sub.layer}: the MLP has {len(firsts)} input and {len(downs)} later projections "
+            f"({', '.join(p.label for p in inside) or 'none found'}); our MLP is up (and gate) then down"
+        )
+    if problems:
+        raise PortError(problems)
+    return MlpParts(firsts, downs[0])
+
+
+def rows_of(g: Graph, p: Proj, target: int) -> tuple[int, ...]:
+    """The output features of a fused projection ``p`` that become ``target``'s operand, by matching values: the
+    first tensor on the way from ``p``'s output to ``target`` (through splits and views) that holds fewer features
+    per token is compared, feature by feature, with ``p``'s output."""
+    y = g.tensors[p.output]
+    lead, n = tuple(y.shape[:-1]), y.shape[-1]
+    stack, seen = [p.output], set()
+    while stack:
+        i = stack.pop(0)
+        for u in g.users(i):
+            if u.idx in seen or not (u.op in SPLITS or u.op in SHAPE_ONLY or u.op == "item_of"):
+                continue
+            seen.add(u.idx)
+            t = g.tensors.get(u.idx)
+            if t is not None and tuple(t.shape[: len(lead)]) == lead and 0 < t[..., 0].numel() and _feeds(g, u.idx, target):
+                per = t.numel() // max(1, int(torch.tensor(lead).prod()))
+                if per < n:
+                    rows = _match(y.reshape(-1, n), t.reshape(-1, per))
+                    if rows is not None:
+                        return rows
+            stack.append(u.idx)
+    raise PortError([f"{p.label}: a fused projection whose split into q / k / v (or gate / up) was not read"])
+
+
+def _match(y: Tensor, v: Tensor) -> tuple[int, ...] | None:
+    eq = v[0][:, None] == y[0][None, :]
+    if not bool((eq.sum(1) == 1).all()):
+        return None
+    rows = eq.float().argmax(1)
+    return tuple(int(r) for r in rows) if torch.equal(y[:, rows], v) else None
+
+
+def norm_params(g: Graph, site: Site) -> tuple[nn.Parameter | None, nn.Parameter | None]:
+    """The gain and bias parameters of one norm site: the parameters its affine map reads (a fused kernel's
+    ``weight`` / ``bias`` operands; else a parameter multiplied in, directly or as ``1 + w``, and one added)."""
+    n = g.nodes[site.node]
+    gain = bias = None
+    if site.fused and n.op in ("layer_norm", "rms_norm"):
+        w_i, b_i = (2, 3) if n.op == "layer_norm" else (2, None)
+        gain = _param_arg(g, n.kwargs.get("weight", n.args[w_i] if len(n.args) > w_i else None))
+        if b_i is not None:
+            bias = _param_arg(g, n.kwargs.get("bias", n.args[b_i] if len(n.args) > b_i else None))
+    region = (g.anc(site.output) | 1 << site.output) & ~(g.anc(site.node) | 1 << site.node)
+    for node in g.nodes[site.node + 1 : site.output + 1]:
+        if not region >> node.idx & 1:
+            continue
+        for i in node.inputs:
+            leaf = g.nodes[strip(g, i, SHAPE_ONLY)]
+            if leaf.op != "param":
+                continue
+            on_path = any(_feeds(g, site.node, j) for j in node.inputs if j != i)
+            if node.op == "add" and on_path:
+                bias = bias or g.tensors[leaf.idx]  # type: ignore[assignment]
+            else:
+                gain = gain or g.tensors[leaf.idx]  # type: ignore[assignment]
+    return gain, bias  # type: ignore[return-value]
+
+
+def _param_arg(g: Graph, arg: object) -> nn.Parameter | None:
+    if not isinstance(arg, Ref):
+        return None
+    leaf = g.nodes[strip(g, arg.idx, SHAPE_ONLY)]
+    t = g.tensors.get(leaf.idx)
+    return t if leaf.op == "param" and isinstance(t, nn.Parameter) else None
