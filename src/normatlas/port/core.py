@@ -197,6 +197,10 @@ def _embeddings(r: _Read, seq: int) -> tuple[nn.Module, dict[str, Any], dict[str
         if s is tok[0]:
             continue
         idx = g.tensors[s.inputs[0]]
+        if not bool(idx.any()) and "type_embed.weight" not in sources:  # one type id for every token (BERT)
+            fields["type_vocab_size"] = s.module.num_embeddings
+            sources["type_embed.weight"] = Source(s.module.weight)
+            continue
         if not torch.equal(idx.reshape(-1, idx.shape[-1])[0], torch.arange(idx.shape[-1], device=idx.device)):
             raise PortError([f"an embedding table ({s.name}) read at something other than the positions 0..T-1"])
         if "pos_embed.weight" in sources:

@@ -160,8 +160,9 @@ def _scalings(g: Graph, subs: list[InspSub], layer: int) -> dict[str, Any]:
     for s in subs:
         if s.skip_learned:
             raise PortError([f"layer {layer}: a learned multiplier on the residual stream itself"])
+        stops = {site.output for site in s.out}
         for b in s.branches:
-            scale, _, learned = branch_scale(g, b)
+            scale, _, learned = branch_scale(g, b, stops)
             scales.add(round(scale, 12))
             gates.add(learned)
     if len(alphas) > 1 or len(scales) > 1 or len(gates) > 1:
@@ -265,13 +266,25 @@ def read_layers(
     for i, layer in enumerate(sorted(by_layer)):
         try:
             r = read_layer(g, i, by_layer[layer], cores, projs, known)
-            r.rope = rope_of(g, r.core, i, known) if r.core is not None else None
+            r.rope = _rope(g, r, by_layer[layer], known)
             out.append(r)
         except PortError as e:
             problems += [m.replace(f"layer {layer}:", f"layer {i}:") for m in e.missing]
     if problems:
         raise PortError(problems)
     return out
+
+
+def _rope(g: Graph, r: LayerReading, subs: list[InspSub], known: tuple[float, ...]) -> RopeReading | None:
+    from .read import own_bits
+
+    if r.core is None:
+        return None
+    sub = subs[0]
+    own = 0
+    for b in sub.branches:
+        own |= own_bits(g, b, sub.source)
+    return rope_of(g, r.core, r.index, known, own, sub.source)
 
 
 def make_config(base: dict[str, Any], layers: list[LayerReading], spec: NormSpec) -> ModelConfig:

@@ -142,22 +142,33 @@ class RopeReading:
     rotary_dim: int
 
 
-def rope_of(g: Graph, core: Core, layer: int, known: tuple[float, ...]) -> RopeReading | None:
-    """The rotation applied to this layer's queries, read off the cos / sin tables that reach them: their layout
-    (halves or interleaved pairs), the rotated width and the base ``theta`` of ``inv_freq_i = theta ** (-2i/d)``
-    (fitted in log space; ``known`` values within 1e-3 of the fit are taken exactly, e.g. the config's). None: no
-    RoPE reaches the queries."""
-    trig = {op: [n.idx for n in g.nodes if n.op == op and g.feeds(n.idx, core.q)] for op in ("cos", "sin")}
-    if any(n.op in ("view_as_complex", "polar") and g.feeds(n.idx, core.q) for n in g.nodes):
+def rope_of(g: Graph, core: Core, layer: int, known: tuple[float, ...], own: int, source: int) -> RopeReading | None:
+    """The rotation applied to this layer's queries, read off the cos / sin tables its own nodes multiply the
+    queries by (``own``: the layer's nodes; a table reaching the queries only through the stream is an earlier
+    layer's): their layout (halves or interleaved pairs), the rotated width and the base ``theta`` of
+    ``inv_freq_i = theta ** (-2i/d)`` (fitted in log space; ``known`` values within 1e-3 of the fit are taken
+    exactly, e.g. the config's). None: no RoPE reaches the queries."""
+    if any(n.op in ("view_as_complex", "polar") and own >> n.idx & 1 for n in g.nodes):
         raise PortError([f"layer {layer}: RoPE written with complex numbers"])
-    if not trig["cos"]:
+    tables: dict[str, set[int]] = {"cos": set(), "sin": set()}
+    trig = {n.idx: n.op for n in g.nodes if n.op in tables}
+    for n in g.nodes:
+        if n.op != "mul" or len(n.inputs) != 2 or not own >> n.idx & 1 or not _reaches(g, n.idx, core.q):
+            continue
+        for t in n.inputs:
+            if t == source or g.feeds(source, t):
+                continue
+            kinds = {op for i, op in trig.items() if i == t or g.feeds(i, t)}
+            if len(kinds) == 1:
+                tables[kinds.pop()].add(t)
+    if not tables["cos"] and not tables["sin"]:
         return None
-    if len(trig["cos"]) != 1 or len(trig["sin"]) != 1:
-        raise PortError([f"layer {layer}: {len(trig['cos'])} RoPE tables reach the queries"])
-    c, s = (g.tensors[trig[k][0]].double() for k in ("cos", "sin"))
+    if len(tables["cos"]) != 1 or len(tables["sin"]) != 1:
+        raise PortError([f"layer {layer}: {len(tables['cos'])} cos and {len(tables['sin'])} sin tables rotate the queries"])
+    c, s = (g.tensors[next(iter(tables[k]))].double() for k in ("cos", "sin"))
     c, s = c.reshape(-1, *c.shape[-2:])[0], s.reshape(-1, *s.shape[-2:])[0]
     if c.shape[0] < 2 or not torch.allclose(c[0], torch.ones_like(c[0])):
-        raise PortError([f"layer {layer}: RoPE tables that do not start at position 0"])
+        raise PortError([f"layer {layer}: RoPE tables that do not start at position 0 with cos = 1 (scaled RoPE)"])
     ang, d = torch.atan2(s[1], c[1]), c.shape[-1]
     if torch.allclose(ang[: d // 2], ang[d // 2 :], atol=1e-6):
         style, inv = RopeStyle.HALF, ang[: d // 2]
@@ -166,6 +177,10 @@ def rope_of(g: Graph, core: Core, layer: int, known: tuple[float, ...]) -> RopeR
     else:
         raise PortError([f"layer {layer}: a RoPE layout that is neither halves nor interleaved pairs"])
     return RopeReading(_theta(inv, d, layer, known), style, d)
+
+
+def _reaches(g: Graph, a: int, b: int) -> bool:
+    return a == b or g.feeds(a, b)
 
 
 def _theta(inv: Tensor, d: int, layer: int, known: tuple[float, ...]) -> float:
@@ -181,11 +196,11 @@ def _theta(inv: Tensor, d: int, layer: int, known: tuple[float, ...]) -> float:
     return float(exact[0]) if exact else float(f"{theta:.5g}")
 
 
-def branch_scale(g: Graph, branch: int) -> tuple[float, int, bool]:
+def branch_scale(g: Graph, branch: int, stops: set[int]) -> tuple[float, int, bool]:
     """Constant multipliers on a branch before its residual add, the node they scale, and whether a learned
-    per-channel multiplier (LayerScale) sits there too."""
+    per-channel multiplier (LayerScale) sits there too (walking back until a norm's output, ``stops``)."""
     cur, scale, learned = branch, 1.0, False
-    while True:
+    while cur not in stops:
         n = g.nodes[cur]
         if n.op in CASTS and n.inputs:
             cur = strip(g, cur)
@@ -194,7 +209,8 @@ def branch_scale(g: Graph, branch: int) -> tuple[float, int, bool]:
         elif (lm := learned_mul(g, n)) is not None and not learned:
             learned, cur = True, lm[0]
         else:
-            return scale, cur, learned
+            break
+    return scale, cur, learned
 
 
 def logit_ends(g: Graph, head: Proj) -> tuple[float, float | None]:

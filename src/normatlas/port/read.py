@@ -195,9 +195,9 @@ def norm_params(g: Graph, site: Site) -> tuple[nn.Parameter | None, nn.Parameter
                 continue
             on_path = any(_feeds(g, site.node, j) for j in node.inputs if j != i)
             if node.op == "add" and on_path:
-                bias = bias or g.tensors[leaf.idx]  # type: ignore[assignment]
+                bias = bias if bias is not None else g.tensors[leaf.idx]  # type: ignore[assignment]
             else:
-                gain = gain or g.tensors[leaf.idx]  # type: ignore[assignment]
+                gain = gain if gain is not None else g.tensors[leaf.idx]  # type: ignore[assignment]
     return gain, bias  # type: ignore[return-value]
 
 
