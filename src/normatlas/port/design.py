@@ -192,8 +192,10 @@ def read_layer(
                     r.norms[f"{tag}_{slot}_norm"] = site
     elif kinds == [SublayerKind.PARALLEL]:
         _parallel(g, r, subs[0], cores, projs, common)
+    elif SublayerKind.ATTENTION not in kinds and SublayerKind.PARALLEL not in kinds:
+        raise PortError([f"layer {index}: a layer with no attention (an SSM, recurrent or convolution mixer)"])
     else:
-        names = ", ".join(k.value for k in kinds) or "no residual add"
+        names = ", ".join(k.value for k in kinds)
         raise PortError([f"layer {index}: sublayers ({names}); our Block is attention then MLP, or both in parallel"])
     return r
 

@@ -106,7 +106,11 @@ def attention_parts(g: Graph, sub: Sublayer, branch: int, cores: list[Core], pro
     outs = [p for p in inside if _feeds(g, core.node, p.input)]
     used = {id(p) for ps in (*roles.values(), outs) for p in ps}
     extra = [p.label for p in inside if id(p) not in used]
-    problems = [f"layer {sub.layer}: {r} is computed by {len(ps)} projections" for r, ps in roles.items() if len(ps) != 1]
+    problems = [
+        f"layer {sub.layer}: {r} is computed by {len(ps)} projections" + (" (low-rank: MLA)" if len(ps) > 1 else "")
+        for r, ps in roles.items()
+        if len(ps) != 1
+    ]
     if core.v < 0:
         problems.append(f"layer {sub.layer}: the attention's value operand was not found")
     if len(outs) != 1:
