@@ -1,15 +1,11 @@
 """Port weights between HF transformers reference models and :class:`TransformerLM` / :class:`ViTEncoder`.
 
-Driven by declarative key maps (:mod:`normatlas.blocks.keymaps`): language models (llama, qwen3, gemma2,
-gemma3_text, olmo2, cohere, gpt2, bert, glm4) and image classifiers (vit, dinov2).
-
-``from_hf(model)`` reads ``model.config`` through the architecture's
-:class:`~normatlas.blocks.keymaps.KeyMap` into a :class:`ModelConfig`, builds our
-model and copies every tensor by rule; every HF parameter must be consumed and
-every one of ours filled, or it raises. ``to_hf_state_dict(model, model_type)``
-applies the rules backwards (re-fusing q/k/v and gate/up, transposing Conv1D), so
-the result loads into the HF class with ``strict=True``; it also maps any dict
-with our names (e.g. gradients) to HF names.
+``from_hf(model)`` is the public entry. A language model is ported from its own dataflow by
+:mod:`normatlas.port` (imported lazily: ``port`` sits above ``blocks`` in the layers), with no per-family table;
+its ``to_hf_state_dict(model)`` reads the links on ``model.hf_port``. The two image classifiers (vit, dinov2)
+still go through the declarative key maps of :mod:`normatlas.blocks.keymaps`: ``to_hf_state_dict(model,
+"vit")`` applies their rules backwards. Either way every HF parameter must be consumed and every one of ours
+filled, and the result loads into the HF class; it also maps any dict with our names (e.g. gradients).
 """
 
 from __future__ import annotations
@@ -27,9 +23,12 @@ __all__ = ["from_hf", "keymap_for", "to_hf_state_dict"]
 
 
 def keymap_for(model_type: str) -> KeyMap:
-    """The key map registered for HF's ``config.model_type``."""
+    """The key map registered for HF's ``config.model_type`` (the vision classifiers; language models need none)."""
     if model_type not in KEYMAPS:
-        raise ValueError(f"model_type={model_type!r} has no key map; supported: {', '.join(sorted(KEYMAPS))}")
+        raise ValueError(
+            f"model_type={model_type!r} has no key map (only the vision classifiers {', '.join(sorted(KEYMAPS))} "
+            "have one; a language model is ported from its dataflow by from_hf)"
+        )
     return KEYMAPS[model_type]
 
 
@@ -54,11 +53,15 @@ def _ignored(km: KeyMap, key: str) -> bool:
 
 
 def from_hf(hf_model: nn.Module, *, keymap: KeyMap | None = None) -> TransformerLM | ViTEncoder:
-    """Build a :class:`TransformerLM` (or a :class:`ViTEncoder`, when the key map's config is a
-    :class:`ViTConfig`) equal to ``hf_model`` (same logits) and copy its weights."""
+    """Build a :class:`TransformerLM` (derived from the model's dataflow by :func:`normatlas.port.from_hf`) or a
+    :class:`ViTEncoder` (a vision classifier's key map) equal to ``hf_model`` (same logits) with its weights."""
     config = getattr(hf_model, "config", None)
     if config is None:
         raise TypeError(f"{type(hf_model).__name__} has no .config; pass an HF PreTrainedModel")
+    if keymap is None and config.model_type not in KEYMAPS:
+        from ..port import from_hf as derived
+
+        return derived(hf_model)
     km = keymap or keymap_for(config.model_type)
     ours_cfg = km.config(config)
     getter = getattr(hf_model, "get_input_embeddings", None)
@@ -96,9 +99,14 @@ def from_hf(hf_model: nn.Module, *, keymap: KeyMap | None = None) -> Transformer
 
 
 def to_hf_state_dict(
-    model: TransformerLM | ViTEncoder, model_type: str, tensors: Mapping[str, Tensor] | None = None
+    model: TransformerLM | ViTEncoder, model_type: Any = None, tensors: Mapping[str, Tensor] | None = None
 ) -> dict[str, Any]:
-    """Our state dict (or any dict with our names, e.g. gradients) under the HF names of ``model_type``."""
+    """Our state dict (or any dict with our names, e.g. gradients) under the HF names: a ported language model's
+    (``model_type`` None or its :class:`normatlas.port.Port`), or a vision classifier's key map (``"vit"``)."""
+    if not isinstance(model_type, str) or model_type not in KEYMAPS:
+        from ..port import to_hf_state_dict as derived
+
+        return derived(model, model_type, tensors)  # type: ignore[arg-type]
     km = keymap_for(model_type)
     src = dict(model.state_dict()) if tensors is None else dict(tensors)
     groups: dict[str, list[tuple[Rule, Tensor]]] = {}

@@ -372,7 +372,7 @@ def to_hf_state_dict(
     fit the source layout (same names and shapes: a placement's scaling changed, say); a parameter the source has
     no place for (a new norm slot) or a missing one raises :class:`PortError`."""
     if isinstance(port, str):
-        raise TypeError(f"port={port!r}: pass the Port (model.hf_port), not a model type; the key maps are gone")
+        raise TypeError(f"port={port!r}: pass the Port (model.hf_port) or nothing, not a model type (no key maps)")
     port = port if port is not None else getattr(model, "hf_port", None)
     if not isinstance(port, Port):
         raise TypeError("to_hf_state_dict needs the Port of a ported model: pass port= or use a model from from_hf")
