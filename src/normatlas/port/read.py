@@ -136,7 +136,7 @@ def mlp_parts(g: Graph, sub: Sublayer, branch: int, projs: list[Proj]) -> MlpPar
     routed = [n.op for n in g.nodes if own >> n.idx & 1 and n.op in ("topk", "sort", "argsort")]
     problems = []
     if routed:
-        problems.append(f"layer {sub.layer}: a routed mixture of experts ({routed[0]} over router scores)")
+        raise PortError([f"layer {sub.layer}: a routed mixture of experts ({routed[0]} over router scores)"])
     if len(downs) != 1 or not 1 <= len(firsts) <= 2:
         problems.append(
             f"layer {sub.layer}: the MLP has {len(firsts)} input and {len(downs)} later projections "
