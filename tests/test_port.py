@@ -42,6 +42,7 @@ CASES = {
     "cohere": dict(_DEC, logit_scale=0.5),
     "cohere+qk_norm": dict(_DEC, logit_scale=0.5, use_qk_norm=True),
     "gpt2": _ENC,
+    "bert": _ENC,  # an encoder: bidirectional, Post-LN, token types, the masked-LM head transform
     "glm4": _DEC,
     # the five the key maps refused
     "mistral": dict(_DEC, sliding_window=4),
@@ -53,6 +54,7 @@ CASES = {
 }  # fmt: skip
 """HF ``model_type`` (``+variant`` for a second configuration) -> config overrides of the tiny model."""
 
+MODEL_CLASS = {"bert": "BertForMaskedLM"}
 OLD = json.loads((Path(__file__).parent / "data" / "port_keymaps.json").read_text())
 
 
@@ -61,7 +63,8 @@ def _type(name: str) -> str:
 
 
 def _build(name: str) -> torch.nn.Module:
-    hf = tiny_model(_type(name), seed=0, attn_implementation="eager", **CASES[name]).float()
+    cls = MODEL_CLASS.get(_type(name))
+    hf = tiny_model(_type(name), cls, seed=0, attn_implementation="eager", **CASES[name]).float()
     return randomise_(hf, 0.1)  # every gain, bias and weight away from its init
 
 

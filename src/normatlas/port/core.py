@@ -103,6 +103,7 @@ class _Read:
     emb_norm: Site | None
     projs: list[Proj]
     stream_shape: tuple[int, ...]
+    head_norm: Site | None = None
 
 
 def _read(hf: nn.Module, inputs: dict[str, Any]) -> _Read:
@@ -218,19 +219,50 @@ def _head(r: _Read, embed: nn.Module) -> tuple[dict[str, Any], dict[str, Source]
     if len(heads) != 1 or heads[-1].kind != "linear":
         raise PortError(["the logits are not one linear head projection"])
     head = heads[-1]
+    transform = _head_transform(r, head)
     scale, cap = logit_ends(g, head)
     tied = head.weight() is embed.weight
     fields = {"tie_embeddings": tied, "logit_scale": scale, "logit_softcap": cap, "head_bias": head.bias() is not None}
     sources = {"lm_head.weight": Source(head.weight())}
     if head.bias() is not None:
         sources["lm_head.bias"] = Source(head.bias())  # type: ignore[arg-type]
+    if transform is not None:
+        from .design import _norm_sources
+
+        dense, site = transform
+        fields["head_transform"] = True
+        sources["head_dense.weight"] = Source(dense.weight())
+        if dense.bias() is not None:
+            sources["head_dense.bias"] = Source(dense.bias())  # type: ignore[arg-type]
+        sources.update(_norm_sources(g, "head_norm", site))
+        r.head_norm = site
     return fields, sources
+
+
+def _head_transform(r: _Read, head: Proj) -> tuple[Proj, Site] | None:
+    """A masked-LM head's transform (BERT): a norm right before the head whose input is ``act(dense(x))``."""
+    from ..blocks.block import Activation
+
+    g = r.g
+    used = {s.node for layer in r.layers for s in layer.norms.values()} | {s.node for s in (r.final, r.emb_norm) if s}
+    site = next((s for s in r.sites if s.output == strip(g, head.input, SHAPE_ONLY) and s.node not in used), None)
+    if site is None:
+        return None
+    y = strip(g, site.input, SHAPE_ONLY)
+    dense = [p for p in r.projs if p is not head and g.feeds(p.output, y)]
+    acts = r.layers[0].mlp.activation if r.layers and r.layers[0].mlp else None
+    if not dense or acts is None:
+        raise PortError(["a norm before the head that is not a dense-activation-norm transform"])
+    d = dense[-1]
+    if not torch.allclose(Activation(acts)(g.tensors[d.output]), g.tensors[y], atol=1e-5):
+        raise PortError(["a head transform whose activation is not the MLP's"])
+    return d, site
 
 
 def _spec(r: _Read) -> Any:
     """One norm operator for every slot (block norms, final, embedding)."""
     sites = [s for layer in r.layers for s in layer.norms.values()]
-    sites += [s for s in (r.final, r.emb_norm) if s is not None]
+    sites += [s for s in (r.final, r.emb_norm, r.head_norm) if s is not None]
     specs = list(dict.fromkeys(norm_spec(s) for s in sites))
     if len(specs) > 1:
         brief = sorted({f"{'LN' if s.center else 'RMS'} eps={s.eps:g} bias={s.bias} gain={s.gain_convention.value}"
