@@ -95,7 +95,7 @@ def test_same_logits(ported):
 
 def test_same_gradients(ported):
     """Every parameter's gradient, mapped back by the port's links, equals transformers' (reference backend)."""
-    name, hf, p, ours = ported
+    name, hf, _, ours = ported
     norms = [m for m in ours.modules() if isinstance(m, (Norm, QKNorm))]
     for m in norms:
         m.backend = "reference"
@@ -143,11 +143,20 @@ def test_matches_the_old_key_map(name):
     """The derived port reproduces what the key map of its family wrote: config fields and parameter mapping."""
     if name not in CASES:
         pytest.skip(f"{name} is not a decoder the derived port reads (see docs/port.md)")
-    p, ours = port(_build(name))
+    p, _ = port(_build(name))
     old = OLD[name]
     cfg = p.config
     exp = old["config"]
-    skip = {"attn_scale", "layer_attn_scale", "head_dim", "n_kv_heads", "placement_kinds", "qk_norm", "rope", "norm_spec"}
+    skip = {
+        "attn_scale",
+        "layer_attn_scale",
+        "head_dim",
+        "n_kv_heads",
+        "placement_kinds",
+        "qk_norm",
+        "rope",
+        "norm_spec",
+    }
     got = {k: getattr(cfg, k) for k in exp if k not in skip}
     got = {k: (v.value if hasattr(v, "value") else list(v) if isinstance(v, tuple) else v) for k, v in got.items()}
     assert got == {k: v for k, v in exp.items() if k not in skip}

@@ -12,7 +12,8 @@ from ._format import Section, add_format_option, emit
 
 def configure_port(p: argparse.ArgumentParser) -> None:
     p.add_argument(
-        "target", help="transformers model type (built tiny, offline) or a checkpoint folder (config.json + safetensors)"
+        "target",
+        help="transformers model type (built tiny, offline) or a checkpoint folder (config.json + safetensors)",
     )
     p.add_argument(
         "--check", action="store_true", help="compare the fp32 logits and every parameter's gradient with transformers"
@@ -29,7 +30,9 @@ def _build(target: str) -> Any:
     except (ValueError, TypeError, FileNotFoundError, OSError) as exc:
         raise CliError(str(exc).splitlines()[0] if str(exc) else type(exc).__name__) from exc
     except Exception as exc:  # building a model can fail in many ways; one line, never a traceback
-        raise CliError(f"cannot build {target}: {type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}") from exc
+        raise CliError(
+            f"cannot build {target}: {type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}"
+        ) from exc
     return model.float().eval(), label
 
 
@@ -40,9 +43,13 @@ def _design_rows(cfg: Any) -> list[dict[str, object]]:
     spec = cfg.plan(0)[1](cfg.d_model).spec if cfg.plan(0)[1] is not None else None
     rope = cfg.rope
     qk = cfg.qk_norm
+    per_layer = placement[0] if len(set(placement)) == 1 else " | ".join(placement)
+    gate = " + LayerScale" if p0.gate.value != "none" else ""
+    rope_text = None if rope is None else f"theta={rope.theta:g}, {rope.style.value}, fraction={rope.fraction:g}"
+    positions = cfg.max_positions or ("rope" if rope else "none")
     rows: list[tuple[str, str, object]] = [
-        ("placement", "per layer", ", ".join(dict.fromkeys(placement)) if len(set(placement)) == 1 else " | ".join(placement)),
-        ("placement", "residual x / branch x", f"{p0.residual_alpha:g} / {p0.branch_scale:g}" + (" + LayerScale" if p0.gate.value != "none" else "")),
+        ("placement", "per layer", per_layer),
+        ("placement", "residual x / branch x", f"{p0.residual_alpha:g} / {p0.branch_scale:g}{gate}"),
         ("norm", "operator", "none" if spec is None else ("layernorm" if spec.center else "rmsnorm")),
         ("norm", "eps", None if spec is None else spec.eps),
         ("norm", "gain / bias", None if spec is None else f"{spec.gain_convention.value} / {spec.bias}"),
@@ -53,12 +60,12 @@ def _design_rows(cfg: Any) -> list[dict[str, object]]:
         ("attention", "scale", cfg.layer_attn_scale or cfg.attn_scale or "head_dim**-0.5"),
         ("attention", "softcap", cfg.attn_softcap),
         ("attention", "causal / windows", f"{cfg.causal} / {cfg.layer_windows}"),
-        ("attention", "rope", None if rope is None else f"theta={rope.theta:g}, {rope.style.value}, fraction={rope.fraction:g}"),
+        ("attention", "rope", rope_text),
         ("attention", "rope per layer", cfg.layer_rope),
         ("attention", "qk-norm", None if qk is None else f"{qk.kind.value}, {qk.operator.value}, {qk.order.value}"),
         ("mlp", "gated / activation / d_ff", f"{cfg.gated} / {cfg.activation.value} / {cfg.d_ff}"),
         ("mlp", "bias", cfg.mlp_bias),
-        ("embedding/head", "vocab / positions", f"{cfg.vocab_size} / {cfg.max_positions or 'rope' if rope else cfg.max_positions}"),
+        ("embedding/head", "vocab / positions", f"{cfg.vocab_size} / {positions}"),
         ("embedding/head", "embed scale / tied", f"{cfg.embed_scale:g} / {cfg.tie_embeddings}"),
         ("embedding/head", "logit scale / softcap", f"{cfg.logit_scale:g} / {cfg.logit_softcap}"),
     ]  # fmt: skip
@@ -69,7 +76,7 @@ def _link_rows(p: Any) -> list[dict[str, object]]:
     links = p.links
     return [
         {"what": "our parameters linked", "count": len(links)},
-        {"what": "from a fused projection (rows of one source tensor)", "count": sum(lk.rows is not None for lk in links)},
+        {"what": "rows of a fused projection", "count": sum(lk.rows is not None for lk in links)},
         {"what": "transposed (Conv1D)", "count": sum(lk.transpose for lk in links)},
         {"what": "tied (one source tensor under two names)", "count": sum(len(lk.theirs) > 1 for lk in links)},
         {"what": "source buffers with no parameter of ours", "count": len(p.buffers)},

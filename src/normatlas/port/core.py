@@ -62,7 +62,9 @@ class Port:
 
 def _seq_len(cfg: Any) -> int:
     """A sequence long enough to show the shortest sliding window in the recorded mask (capped at 512 tokens)."""
-    limit = next((v for k in ("max_position_embeddings", "n_positions") if isinstance(v := getattr(cfg, k, None), int)), 512)
+    limit = next(
+        (v for k in ("max_position_embeddings", "n_positions") if isinstance(v := getattr(cfg, k, None), int)), 512
+    )
     w = getattr(cfg, "sliding_window", None)
     t = w + 4 if isinstance(w, int) and 0 < w <= 508 else 8
     return max(2, min(t, limit))
@@ -184,6 +186,12 @@ def _mlp_fields(layers: list[LayerReading]) -> dict[str, Any]:
     return {"activation": act, "gated": gated, "d_ff": _agree([r.d_ff for r in layers], "MLP widths")}
 
 
+def _table(module: nn.Module) -> nn.Parameter:
+    w = module.weight  # nn.Embedding's typed API
+    assert isinstance(w, nn.Parameter)
+    return w
+
+
 def _embeddings(r: _Read, seq: int) -> tuple[nn.Module, dict[str, Any], dict[str, Source]]:
     """The token embedding (the table reading the input ids) and learned absolute positions (a table read at
     ``0..T-1`` and added to it); any other table is refused."""
@@ -193,21 +201,21 @@ def _embeddings(r: _Read, seq: int) -> tuple[nn.Module, dict[str, Any], dict[str
     if len(tok) != 1:
         raise PortError([f"{len(tok)} embedding tables read the input ids"])
     fields: dict[str, Any] = {"vocab_size": tok[0].module.num_embeddings, "pad_token_id": tok[0].module.padding_idx}
-    sources = {"embed.weight": Source(tok[0].module.weight)}
+    sources = {"embed.weight": Source(_table(tok[0].module))}
     for s in tables:
         if s is tok[0]:
             continue
         idx = g.tensors[s.inputs[0]]
         if not bool(idx.any()) and "type_embed.weight" not in sources:  # one type id for every token (BERT)
             fields["type_vocab_size"] = s.module.num_embeddings
-            sources["type_embed.weight"] = Source(s.module.weight)
+            sources["type_embed.weight"] = Source(_table(s.module))
             continue
         if not torch.equal(idx.reshape(-1, idx.shape[-1])[0], torch.arange(idx.shape[-1], device=idx.device)):
             raise PortError([f"an embedding table ({s.name}) read at something other than the positions 0..T-1"])
         if "pos_embed.weight" in sources:
             raise PortError(["two position tables"])
         fields["max_positions"] = s.module.num_embeddings
-        sources["pos_embed.weight"] = Source(s.module.weight)
+        sources["pos_embed.weight"] = Source(_table(s.module))
     return tok[0].module, fields, sources
 
 
@@ -280,9 +288,9 @@ def _sources(r: _Read, glob: dict[str, Source]) -> dict[str, Source]:
         out.update({prefix + k: v for k, v in layer.sources.items()})
         for slot, site in layer.norms.items():
             out.update({prefix + k: v for k, v in _norm_sources(r.g, slot, site).items()})
-    for slot, site in (("final_norm", r.final), ("embed_norm", r.emb_norm)):
-        if site is not None:
-            out.update(_norm_sources(r.g, slot, site))
+    for slot, maybe in (("final_norm", r.final), ("embed_norm", r.emb_norm)):
+        if maybe is not None:
+            out.update(_norm_sources(r.g, slot, maybe))
     return out
 
 
@@ -301,7 +309,9 @@ def _config(hf: nn.Module, r: _Read, seq: int) -> tuple[ModelConfig, dict[str, S
     )  # fmt: skip
     if spec is None:
         base.update(final_norm=False, embed_norm=False)
-    cfg = make_config(base, r.layers, spec) if spec is not None else ModelConfig(placement=r.layers[0].placement, **base)
+    cfg = (
+        make_config(base, r.layers, spec) if spec is not None else ModelConfig(placement=r.layers[0].placement, **base)
+    )
     return cfg, _sources(r, glob)
 
 
@@ -333,7 +343,9 @@ def _links(hf: nn.Module, ours: TransformerLM, sources: dict[str, Source]) -> tu
         src = sources[key]
         got = _pull(src)
         if got.numel() != t.numel():
-            raise PortError([f"{names[id(src.param)][0]} has {tuple(got.shape)} elements for our {key} {tuple(t.shape)}"])
+            raise PortError(
+                [f"{names[id(src.param)][0]} has {tuple(got.shape)} elements for our {key} {tuple(t.shape)}"]
+            )
         links.append(Link(key, names[id(src.param)], tuple(src.param.shape), src.transpose, src.rows))
     return tuple(links)
 
@@ -361,7 +373,9 @@ def port(hf_model: nn.Module, *, check: bool = True) -> tuple[Port, TransformerL
     derived model's fp32 logits differ from the source's by more than ``CHECK_TOL`` relative to the logits' size."""
     config = getattr(hf_model, "config", None)
     if config is None or not isinstance(hf_model, nn.Module):
-        raise TypeError(f"hf_model={type(hf_model).__name__} must be a transformers PreTrainedModel (it has no .config)")
+        raise TypeError(
+            f"hf_model={type(hf_model).__name__} must be a transformers PreTrainedModel (it has no .config)"
+        )
     name = str(getattr(config, "model_type", type(hf_model).__name__))
     dtype = next(hf_model.parameters()).dtype
     hf_model = hf_model.eval()
@@ -444,5 +458,7 @@ def _assemble(links: list[Link], src: Mapping[str, Tensor]) -> Tensor:
             t[list(link.rows)] = part
             covered += len(link.rows)
         if covered != shape[0]:
-            raise PortError([f"{first.theirs[0]} is fused from {len(links)} of ours, covering {covered}/{shape[0]} rows"])
+            raise PortError(
+                [f"{first.theirs[0]} is fused from {len(links)} of ours, covering {covered}/{shape[0]} rows"]
+            )
     return t.t().contiguous() if first.transpose else t

@@ -17,7 +17,6 @@ from typing import Any
 from torch import nn
 
 from ..analysis.graph import Graph
-from ..blocks.attention import Rope
 from ..blocks.model import ModelConfig
 from ..blocks.placement import Gate, Placement, Schedule, Sublayer
 from ..blocks.qknorm import QKGain, QKNormConfig, QKOperator, QKScope
@@ -211,7 +210,9 @@ def _parallel(
     _mlp(g, r, sub, mb, projs)
     pre = {tag: [s for s in sub.pre if g.feeds(s.output, b)] for tag, b in (("attn", ab), ("ffn", mb))}
     shared = len(sub.pre) == 1
-    outs = {tag: [s for s in sub.out if g.feeds(s.output, b) or s.output == b] for tag, b in (("attn", ab), ("ffn", mb))}
+    outs = {
+        tag: [s for s in sub.out if g.feeds(s.output, b) or s.output == b] for tag, b in (("attn", ab), ("ffn", mb))
+    }
     slots = {tag: Sublayer(pre=bool(pre[tag]), post=bool(outs[tag]), after_add=bool(sub.post)) for tag in pre}
     r.placement = Placement(f"layer{r.index}", slots["attn"], slots["ffn"], parallel=True, shared_pre_norm=shared,
                             **common)  # fmt: skip

@@ -164,7 +164,9 @@ def rope_of(g: Graph, core: Core, layer: int, known: tuple[float, ...], own: int
     if not tables["cos"] and not tables["sin"]:
         return None
     if len(tables["cos"]) != 1 or len(tables["sin"]) != 1:
-        raise PortError([f"layer {layer}: {len(tables['cos'])} cos and {len(tables['sin'])} sin tables rotate the queries"])
+        raise PortError(
+            [f"layer {layer}: {len(tables['cos'])} cos and {len(tables['sin'])} sin tables rotate the queries"]
+        )
     c, s = (g.tensors[next(iter(tables[k]))].double() for k in ("cos", "sin"))
     c, s = c.reshape(-1, *c.shape[-2:])[0], s.reshape(-1, *s.shape[-2:])[0]
     if c.shape[0] < 2 or not torch.allclose(c[0], torch.ones_like(c[0])):
@@ -231,7 +233,7 @@ def logit_ends(g: Graph, head: Proj) -> tuple[float, float | None]:
             cap = 1.0 / pre[1] if pre is not None else None
             if cap is None:
                 raise PortError(["a tanh on the logits that is not a c * tanh(x / c) soft-cap"])
-            scale /= pre[1]  # the 1/c before the tanh is the cap's, not a logit scale
+            scale /= pre[1] if pre is not None else 1.0  # the 1/c before the tanh is the cap's, not a logit scale
         elif not (u.op in SHAPE_ONLY or u.op in SPLITS):
             raise PortError([f"an op ({u.op}) between the head projection and the logits"])
         cur = u.idx

@@ -48,7 +48,9 @@ class Proj:
     rows: tuple[int, ...] | None = None
 
     def weight(self) -> nn.Parameter:
-        return self.module.weight  # the operator's typed API (nn.Linear / Conv1D), not a name guess
+        w = self.module.weight  # the operator's typed API (nn.Linear / Conv1D), not a name guess
+        assert isinstance(w, nn.Parameter)
+        return w
 
     def bias(self) -> nn.Parameter | None:
         b = self.module.bias
@@ -161,7 +163,12 @@ def rows_of(g: Graph, p: Proj, target: int) -> tuple[int, ...]:
                 continue
             seen.add(u.idx)
             t = g.tensors.get(u.idx)
-            if t is not None and tuple(t.shape[: len(lead)]) == lead and 0 < t[..., 0].numel() and _feeds(g, u.idx, target):
+            if (
+                t is not None
+                and tuple(t.shape[: len(lead)]) == lead
+                and t[..., 0].numel() > 0
+                and _feeds(g, u.idx, target)
+            ):
                 per = t.numel() // max(1, int(torch.tensor(lead).prod()))
                 if per < n:
                     rows = _match(y.reshape(-1, n), t.reshape(-1, per))
