@@ -2,7 +2,7 @@
 
 ``Placement`` says where the norms sit; one ``Block`` reads it; ``TransformerLM`` and
 ``ViTEncoder`` stack blocks from a ``ModelConfig``; ``from_hf`` ports HF reference
-models through declarative key maps.
+models (language models from their dataflow, by :mod:`normatlas.port`; vit / dinov2 by key map).
 """
 
 from .attention import Attention, Rope, RopeStyle, apply_rope, rope_tables
