@@ -249,3 +249,26 @@ def test_variants_configure_what_they_claim():
     assert math.isclose(g.placement.branch_scale, 0.3)  # type: ignore[union-attr]
     e = port(_build("exaone4"))[0].config
     assert e.layer_rope == (True, False) and e.layer_windows == (4, None)
+
+
+def test_layer_rope_is_validated_and_switches_rope_off():
+    """The one Block feature the port added: a per-layer RoPE switch (a NoPE layer computes no rotation)."""
+    from normatlas import RMSNorm
+    from normatlas.blocks import ModelConfig
+
+    with pytest.raises(ValueError, match="layer_rope has 1 entries but n_layers=2"):
+        ModelConfig(norm=RMSNorm, layer_rope=(True,))
+    with pytest.raises(ValueError, match="layer_rope is set but rope=None"):
+        ModelConfig(norm=RMSNorm, layer_rope=(True, False), rope=None)
+    with pytest.raises(TypeError, match="must be a tuple of bools"):
+        ModelConfig(norm=RMSNorm, layer_rope=(1, 0))  # type: ignore[arg-type]
+    torch.manual_seed(0)
+    base = TransformerLM(ModelConfig(norm=RMSNorm, n_layers=1)).eval()
+    nope = TransformerLM(ModelConfig(norm=RMSNorm, n_layers=1, layer_rope=(False,))).eval()
+    free = TransformerLM(ModelConfig(norm=RMSNorm, n_layers=1, rope=None)).eval()
+    nope.load_state_dict(base.state_dict())
+    free.load_state_dict(base.state_dict())
+    ids = torch.randint(0, 256, (1, 9))
+    with torch.no_grad():
+        torch.testing.assert_close(nope(ids), free(ids), atol=0, rtol=0)
+        assert not torch.allclose(nope(ids), base(ids))
