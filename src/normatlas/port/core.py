@@ -19,7 +19,7 @@ from ..analysis.graph import Graph, record
 from ..analysis.ops import SHAPE_ONLY
 from ..analysis.walk import strip
 from ..blocks.attention import Rope
-from ..blocks.model import ModelConfig, TransformerLM
+from ..blocks.model import ModelConfig, TransformerLM, ViTConfig, ViTEncoder
 from ..inspect.analyze import analyze
 from ..inspect.attention import find_cores, trig_bits
 from ..inspect.norms import Site, find_sites
@@ -56,6 +56,7 @@ class Port:
     links: tuple[Link, ...]
     report: InspectionReport
     buffers: tuple[str, ...] = ()  # the source's state-dict entries that are buffers (no parameter of ours)
+    unused: tuple[str, ...] = ()  # parameters the recorded forward never reads (DINOv2's mask token): not ported
     max_abs_diff: float | None = None
     notes: list[str] = field(default_factory=list)
 
@@ -87,7 +88,10 @@ def _known_thetas(cfg: Any) -> tuple[float, ...]:
 
 def _inputs(hf: nn.Module, seq: int, batch: int, seed: int) -> dict[str, Any]:
     from ..inspect.build import example_inputs
+    from .vision import is_vision, pixel_inputs
 
+    if is_vision(hf.config):
+        return pixel_inputs(hf.config, batch, seed)
     ins = example_inputs(hf, seq=seq, seed=seed)
     if batch > 1:
         more = [example_inputs(hf, seq=seq, seed=seed + k)["input_ids"] for k in range(1, batch)]
@@ -105,6 +109,7 @@ class _Read:
     emb_norm: Site | None
     projs: list[Proj]
     stream_shape: tuple[int, ...]
+    last: int  # the last stream value the head reads: the final norm's output, or the last sublayer's
     head_norm: Site | None = None
 
 
@@ -123,7 +128,9 @@ def _read(hf: nn.Module, inputs: dict[str, Any]) -> _Read:
     emb_scale, emb_norm = embedding(g, stream)
     projs = projections(g)
     layers = read_layers(g, subs, cores, projs, _known_thetas(hf.config))  # type: ignore[union-attr]
-    return _Read(g, sites, layers, final, emb_scale, emb_norm, projs, tuple(stream.shape))
+    end = subs[-1]
+    last = final.output if final else (end.post[-1].output if end.post else end.adds[-1])
+    return _Read(g, sites, layers, final, emb_scale, emb_norm, projs, tuple(stream.shape), last)
 
 
 def _agree(values: list[Any], what: str) -> Any:
@@ -294,7 +301,27 @@ def _sources(r: _Read, glob: dict[str, Source]) -> dict[str, Source]:
     return out
 
 
+def _vision_config(hf: nn.Module, r: _Read) -> tuple[ModelConfig, dict[str, Source]]:
+    from .vision import vision_ends
+
+    fields, glob = vision_ends(r.g, r.projs, r.last, hf.config)
+    attention = _attention_fields(r.layers)
+    if attention.pop("causal") or attention.get("layer_windows"):
+        raise PortError(["a vision encoder with a causal or windowed mask"])
+    if any(layer.rope is not None for layer in r.layers) or qk_config(r.layers) is not None:
+        raise PortError(["a vision encoder with RoPE or QK-norm (our ViTEncoder has learned positions only)"])
+    base = dict(
+        d_model=r.stream_shape[-1], n_layers=len(r.layers), final_norm=r.final is not None, **fields,
+        **attention, **_mlp_fields(r.layers), **_bias_fields(r.layers),
+    )  # fmt: skip
+    return make_config(base, r.layers, _spec(r), ViTConfig), _sources(r, glob)
+
+
 def _config(hf: nn.Module, r: _Read, seq: int) -> tuple[ModelConfig, dict[str, Source]]:
+    from .vision import is_vision
+
+    if is_vision(hf.config):  # type: ignore[union-attr]
+        return _vision_config(hf, r)
     embed, fields, glob = _embeddings(r, seq)
     head_fields, head_src = _head(r, embed)
     glob.update(head_src)
@@ -328,11 +355,17 @@ def _pull(src: Source) -> Tensor:
     return t[list(src.rows)] if src.rows is not None else t
 
 
-def _links(hf: nn.Module, ours: TransformerLM, sources: dict[str, Source]) -> tuple[Link, ...]:
+def _links(
+    hf: nn.Module, ours: nn.Module, sources: dict[str, Source], read: set[int]
+) -> tuple[tuple[Link, ...], tuple[str, ...]]:
+    """Every parameter of ours linked to its source; a source parameter the forward reads but nothing of ours
+    takes is refused, one it never reads is returned as unused."""
     names = _names(hf)
     sd = ours.state_dict()
     missing = [k for k in sd if k not in sources]
-    unused = sorted({n[0] for i, n in names.items() if i not in {id(s.param) for s in sources.values()}})
+    linked = {id(s.param) for s in sources.values()}
+    unused = sorted({n[0] for i, n in names.items() if i not in linked and i in read})
+    never = tuple(sorted({n[0] for i, n in names.items() if i not in linked and i not in read}))
     problems = [f"parameters with no place in our Block: {', '.join(unused[:8])}"] if unused else []
     if missing:
         problems.append(f"our parameters not found in the model: {', '.join(missing[:8])}")
@@ -347,26 +380,26 @@ def _links(hf: nn.Module, ours: TransformerLM, sources: dict[str, Source]) -> tu
                 [f"{names[id(src.param)][0]} has {tuple(got.shape)} elements for our {key} {tuple(t.shape)}"]
             )
         links.append(Link(key, names[id(src.param)], tuple(src.param.shape), src.transpose, src.rows))
-    return tuple(links)
+    return tuple(links), never
 
 
-def _load(hf: nn.Module, ours: TransformerLM, links: tuple[Link, ...], sources: dict[str, Source]) -> None:
+def _load(hf: nn.Module, ours: nn.Module, links: tuple[Link, ...], sources: dict[str, Source]) -> None:
     sd = ours.state_dict()
     filled = {k: _pull(sources[k]).reshape(sd[k].shape).clone() for k in sd}
     ours.load_state_dict(filled, strict=True)
 
 
-def _check(hf: nn.Module, ours: TransformerLM, seq: int) -> float:
+def _check(hf: nn.Module, ours: nn.Module, seq: int) -> float:
     ins = _inputs(hf, seq, batch=2, seed=11)
     with torch.no_grad():
         ref = hf(**ins).logits.float()
-        got = ours(ins["input_ids"]).float()
+        got = ours(next(iter(ins.values()))).float()
     if ref.shape != got.shape:
         raise PortError([f"logits of shape {tuple(got.shape)} for the model's {tuple(ref.shape)}"])
     return float((ref - got).abs().max())
 
 
-def port(hf_model: nn.Module, *, check: bool = True) -> tuple[Port, TransformerLM]:
+def port(hf_model: nn.Module, *, check: bool = True) -> tuple[Port, Any]:
     """Derive the port of ``hf_model`` (a transformers decoder) and build our model with its weights.
 
     Raises :class:`PortError` naming every feature our Block does not express, and (with ``check``) when the
@@ -383,19 +416,20 @@ def port(hf_model: nn.Module, *, check: bool = True) -> tuple[Port, TransformerL
     try:
         r = _read(hf_model, _inputs(hf_model, seq, batch=1, seed=0))
         cfg, sources = _config(hf_model, r, seq)
-        ours = TransformerLM(cfg).to(dtype=dtype).eval()
-        links = _links(hf_model, ours, sources)
+        ours = (ViTEncoder(cfg) if isinstance(cfg, ViTConfig) else TransformerLM(cfg)).to(dtype=dtype).eval()
+        links, unused = _links(hf_model, ours, sources, {id(r.g.tensors[n.idx]) for n in r.g.nodes if n.op == "param"})
         _load(hf_model, ours, links, sources)
         report = analyze(r.g, name)
     except PortError as e:
         raise e.named(name) from None
-    buffers = tuple(k for k in hf_model.state_dict() if k not in {n for link in links for n in link.theirs})
-    result = Port(name, cfg, links, report, buffers)
+    linked = {n for link in links for n in link.theirs}
+    buffers = tuple(k for k in hf_model.state_dict() if k not in linked and k not in unused)
+    result = Port(name, cfg, links, report, buffers, unused=unused)
     if check:
         diff = _check(hf_model, ours, seq)
         result.max_abs_diff = diff
         with torch.no_grad():
-            size = float(ours(_inputs(hf_model, seq, 1, 11)["input_ids"]).abs().max())
+            size = float(ours(next(iter(_inputs(hf_model, seq, 1, 11).values()))).abs().max())
         if not diff <= CHECK_TOL * (1 + size):
             raise PortError([f"the derived design's logits differ from the model's by {diff:.3g}"], name)
     ours.hf_port = result  # type: ignore[assignment]

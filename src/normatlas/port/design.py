@@ -155,7 +155,8 @@ def _branch_kind(g: Graph, sub: InspSub, branch: int, cores: list[Core]) -> Subl
 def _scalings(g: Graph, subs: list[InspSub], layer: int) -> dict[str, Any]:
     """Residual alpha, constant branch scale and learned per-channel gate, which must agree across sublayers."""
     alphas = {round(s.skip_scale, 12) for s in subs}
-    scales, gates = set(), set()
+    scales: set[float] = set()
+    gates: list[int | None] = []
     for s in subs:
         if s.skip_learned:
             raise PortError([f"layer {layer}: a learned multiplier on the residual stream itself"])
@@ -163,10 +164,10 @@ def _scalings(g: Graph, subs: list[InspSub], layer: int) -> dict[str, Any]:
         for b in s.branches:
             scale, _, learned = branch_scale(g, b, stops)
             scales.add(round(scale, 12))
-            gates.add(learned)
-    if len(alphas) > 1 or len(scales) > 1 or len(gates) > 1:
+            gates.append(learned)
+    if len(alphas) > 1 or len(scales) > 1 or len({p is None for p in gates}) > 1:
         raise PortError([f"layer {layer}: residual or branch scalings that differ between its sublayers"])
-    return {"residual_alpha": alphas.pop(), "branch_scale": scales.pop(), "gate": gates.pop()}
+    return {"residual_alpha": alphas.pop(), "branch_scale": scales.pop(), "gate": gates}
 
 
 def read_layer(
@@ -177,8 +178,12 @@ def read_layer(
     r = LayerReading(index, Placement())
     sc = _scalings(g, subs, index)
     common: dict[str, Any] = {"residual_alpha": sc["residual_alpha"], "branch_scale": sc["branch_scale"]}
-    if sc["gate"]:
+    if any(p is not None for p in sc["gate"]):
+        if len(sc["gate"]) != 2:
+            raise PortError([f"layer {index}: a learned branch multiplier on a parallel block"])
         common.update(gate=Gate.VECTOR, gate_init=1e-5)
+        for tag, node in zip(("attn", "ffn"), sc["gate"], strict=True):
+            r.sources[f"{tag}_residual.gate.gamma"] = Source(g.tensors[node])  # type: ignore[arg-type]
     if kinds == [SublayerKind.ATTENTION, SublayerKind.MLP]:
         a, m = subs
         _attention(g, r, a, a.branches[0], cores, projs)
@@ -290,11 +295,14 @@ def _rope(g: Graph, r: LayerReading, subs: list[InspSub], known: tuple[float, ..
     return rope_of(g, r.core, r.index, known, own, sub.source)
 
 
-def make_config(base: dict[str, Any], layers: list[LayerReading], spec: NormSpec) -> ModelConfig:
-    """The :class:`ModelConfig` of the read layers (``base``: the model-level fields)."""
+def make_config(
+    base: dict[str, Any], layers: list[LayerReading], spec: NormSpec | None, kind: type[ModelConfig] = ModelConfig
+) -> ModelConfig:
+    """The config (``kind``: a :class:`ModelConfig` or :class:`ViTConfig`) of the read layers (``base``: the
+    model-level fields)."""
     placements = [r.placement for r in layers]
     one = all(p.with_(name="x") == placements[0].with_(name="x") for p in placements)
     placement: Placement | Schedule = (
         placements[0].with_(name=f"read {placements[0].kind.value}") if one else Schedule.of(placements, "read")
     )
-    return ModelConfig(placement=placement, norm=spec, **base)
+    return kind(placement=placement, norm=spec, **base)

@@ -198,18 +198,19 @@ def _theta(inv: Tensor, d: int, layer: int, known: tuple[float, ...]) -> float:
     return float(exact[0]) if exact else float(f"{theta:.5g}")
 
 
-def branch_scale(g: Graph, branch: int, stops: set[int]) -> tuple[float, int, bool]:
-    """Constant multipliers on a branch before its residual add, the node they scale, and whether a learned
-    per-channel multiplier (LayerScale) sits there too (walking back until a norm's output, ``stops``)."""
-    cur, scale, learned = branch, 1.0, False
+def branch_scale(g: Graph, branch: int, stops: set[int]) -> tuple[float, int, int | None]:
+    """Constant multipliers on a branch before its residual add, the node they scale, and the parameter node of a
+    learned per-channel multiplier (LayerScale) there, if any (walking back until a norm's output, ``stops``)."""
+    cur, scale, learned = branch, 1.0, None
     while cur not in stops:
         n = g.nodes[cur]
         if n.op in CASTS and n.inputs:
             cur = strip(g, cur)
         elif (sm := scalar_mul(g, n)) is not None:
             scale, cur = scale * sm[1], sm[0]
-        elif (lm := learned_mul(g, n)) is not None and not learned:
-            learned, cur = True, lm[0]
+        elif (lm := learned_mul(g, n)) is not None and learned is None:
+            learned = next(strip(g, i, SHAPE_ONLY) for i in n.inputs if i != lm[0])
+            cur = lm[0]
         else:
             break
     return scale, cur, learned
