@@ -138,7 +138,7 @@ def _effective(cfg) -> dict:
     return {"scales": [round(s, 9) for s in scales], "head_dim": hd, "n_kv_heads": cfg.n_kv_heads or cfg.n_heads}
 
 
-@pytest.mark.parametrize("name", sorted(OLD))
+@pytest.mark.parametrize("name", sorted(set(OLD) - {"vit", "dinov2"}))  # the two classifiers: test_blocks_vit.py
 def test_matches_the_old_key_map(name):
     """The derived port reproduces what the key map of its family wrote: config fields and parameter mapping."""
     if name not in CASES:
