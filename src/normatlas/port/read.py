@@ -104,6 +104,8 @@ def attention_parts(g: Graph, sub: Sublayer, branch: int, cores: list[Core], pro
         raise PortError([f"layer {sub.layer}: {len(mine)} attention cores in one branch"])
     core = mine[0]
     inside = [p for p in projs if own >> p.output & 1]
+    if core.v < 0:
+        raise PortError([f"layer {sub.layer}: the attention's value operand was not found"])
     roles: dict[str, list[Proj]] = {r: [p for p in inside if _feeds(g, p.output, getattr(core, r))] for r in "qkv"}
     outs = [p for p in inside if _feeds(g, core.node, p.input)]
     used = {id(p) for ps in (*roles.values(), outs) for p in ps}
@@ -113,8 +115,6 @@ def attention_parts(g: Graph, sub: Sublayer, branch: int, cores: list[Core], pro
         for r, ps in roles.items()
         if len(ps) != 1
     ]
-    if core.v < 0:
-        problems.append(f"layer {sub.layer}: the attention's value operand was not found")
     if len(outs) != 1:
         problems.append(f"layer {sub.layer}: {len(outs)} projections read the attention output")
     if extra:
@@ -216,5 +216,8 @@ def _param_arg(g: Graph, arg: object) -> nn.Parameter | None:
     if not isinstance(arg, Ref):
         return None
     leaf = g.nodes[strip(g, arg.idx, SHAPE_ONLY)]
+    if leaf.op == "add":  # a 1 + w gain handed to the fused kernel (Nemotron's LayerNorm1P)
+        inner = [g.nodes[strip(g, i, SHAPE_ONLY)] for i in leaf.inputs]
+        leaf = next((n for n in inner if n.op == "param"), leaf)
     t = g.tensors.get(leaf.idx)
     return t if leaf.op == "param" and isinstance(t, nn.Parameter) else None
