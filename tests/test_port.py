@@ -42,6 +42,7 @@ CASES = {
     "cohere": dict(_DEC, logit_scale=0.5),
     "cohere+qk_norm": dict(_DEC, logit_scale=0.5, use_qk_norm=True),
     "gpt2": _ENC,
+    "gpt2+scaled": dict(_ENC, scale_attn_by_inverse_layer_idx=True, reorder_and_upcast_attn=True),
     "bert": _ENC,  # an encoder: bidirectional, Post-LN, token types, the masked-LM head transform
     "glm4": _DEC,
     # the five the key maps refused

@@ -79,9 +79,16 @@ class Scores:
 def scores_of(g: Graph, core: Core, layer: int) -> Scores:
     """The constant on q.k, the tanh soft-cap and the mask between the score matmul and the softmax."""
     start = next((n.idx for n in g.nodes if n.op in ("matmul", "bmm") and n.inputs[:1] == (core.q,)), None)
+    scale = 1.0
+    if start is None:  # baddbmm(input, q, k, beta=0, alpha=scale)
+        fused = [n for n in g.nodes if n.op == "baddbmm" and n.inputs[1:2] == (core.q,)]
+        if fused and fused[0].kwargs.get("beta", 1) != 0:
+            raise PortError([f"layer {layer}: an additive bias on the attention scores (ALiBi)"])
+        start = fused[0].idx if fused else None
+        scale = float(fused[0].kwargs.get("alpha", 1.0)) if fused else 1.0
     if start is None or g.nodes[core.node].op != "softmax":
         raise PortError([f"layer {layer}: the attention scores are not a matmul of q and k before a softmax"])
-    cur, scale, capped, mask = start, 1.0, False, None
+    cur, capped, mask = start, False, None
     while cur != core.node:
         nxt = [u for u in g.users(cur) if u.idx == core.node or g.feeds(u.idx, core.node)]
         if len(nxt) != 1:
