@@ -52,6 +52,8 @@ CASES = {
                     logits_scaling=4.0),
     "olmo3": dict(_DEC, **_WINDOWED),
     "exaone4": dict(_DEC, **_WINDOWED),
+    # Block features added for the sweep: ReLU squared, a 1 + w gain inside a fused LayerNorm, half the dims rotated
+    "nemotron": _DEC,
 }  # fmt: skip
 """HF ``model_type`` (``+variant`` for a second configuration) -> config overrides of the tiny model."""
 
@@ -111,7 +113,8 @@ def test_same_gradients(ported):
     for key, g in mapped.items():
         ref = hf_params[key].grad
         assert ref is not None, key
-        torch.testing.assert_close(g, ref, atol=1e-5, rtol=1e-4, msg=lambda m, k=key: f"{name} {k}: {m}")
+        atol = 1e-5 * max(1.0, float(ref.abs().max()))  # fp32 rounding grows with the gradient (Nemotron's ~200)
+        torch.testing.assert_close(g, ref, atol=atol, rtol=1e-4, msg=lambda m, k=key: f"{name} {k}: {m}")
     for m in norms:
         m.backend = "auto"
     assert {id(q) for q in hf.parameters()} == {id(hf_params[k]) for k in mapped}  # every parameter checked
@@ -129,6 +132,24 @@ def test_round_trip_state_dict_loads(ported):
     ids, _ = _inputs(3)
     with torch.no_grad():
         torch.testing.assert_close(fresh(input_ids=ids).logits, hf(input_ids=ids).logits, atol=0, rtol=0)
+
+
+def test_float64_gradients_agree_to_rounding():
+    """Nemotron's ReLU-squared MLP gives gradients of ~200, whose fp32 rounding passes 1e-5 absolute; in float64 the
+    port's gradients equal transformers' to 1e-10, so the design is exact and the fp32 gap is rounding."""
+    hf = _build("nemotron")
+    _, ours = port(hf)
+    hf, ours = hf.double(), ours.double()
+    for m in ours.modules():
+        if isinstance(m, (Norm, QKNorm)):
+            m.backend = "reference"
+    ids, upstream = _inputs(2)
+    (hf(input_ids=ids).logits * upstream.double()).sum().backward()
+    (ours(ids) * upstream.double()).sum().backward()
+    grads = {n: q.grad for n, q in ours.named_parameters(remove_duplicate=False) if q.grad is not None}
+    hf_params = dict(hf.named_parameters(remove_duplicate=False))
+    for key, g in to_hf_state_dict(ours, None, grads).items():
+        torch.testing.assert_close(g, hf_params[key].grad, atol=1e-10, rtol=1e-10)
 
 
 def _effective(cfg) -> dict:

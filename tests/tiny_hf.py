@@ -31,6 +31,7 @@ CONFIGS: dict[str, str] = {
     "qwen2": "Qwen2Config",  # Qwen2-7B: 3584 / 28L, q/k/v biases
     "granite": "GraniteConfig",  # Granite-3.0-8B: 4096 / 40L, embedding / residual / attention / logit multipliers
     "olmo3": "Olmo3Config",  # OLMo-3-7B: 4096 / 32L, post-branch norms, flattened QK-norm, sliding windows
+    "nemotron": "NemotronConfig",  # Nemotron-4-15B: 6144 / 32L, LayerNorm with a 1 + w gain, ReLU squared MLP
     "exaone4": "Exaone4Config",  # EXAONE-4.0-32B: 5120 / 64L, post-branch norms, QK-norm, NoPE global layers
 }
 """HF ``model_type`` -> config class name (the original size of each family in the comment)."""
