@@ -151,10 +151,12 @@ def mlp_parts(g: Graph, sub: Sublayer, branch: int, projs: list[Proj]) -> MlpPar
 
 def rows_of(g: Graph, p: Proj, target: int) -> tuple[int, ...]:
     """The output features of a fused projection ``p`` that become ``target``'s operand, by matching values: the
-    first tensor on the way from ``p``'s output to ``target`` (through splits and views) that holds fewer features
-    per token is compared, feature by feature, with ``p``'s output."""
+    first tensor on the way from ``p``'s output to ``target`` (through splits and views, in any layout: GPT-NeoX
+    transposes to heads first) that holds fewer features per token is compared with ``p``'s output, token by token:
+    the elements equal to one token's output features, in memory order, are that role's rows."""
     y = g.tensors[p.output]
-    lead, n = tuple(y.shape[:-1]), y.shape[-1]
+    n = y.shape[-1]
+    tokens = y.reshape(-1, n)
     stack, seen = [p.output], set()
     while stack:
         i = stack.pop(0)
@@ -163,27 +165,29 @@ def rows_of(g: Graph, p: Proj, target: int) -> tuple[int, ...]:
                 continue
             seen.add(u.idx)
             t = g.tensors.get(u.idx)
-            if (
-                t is not None
-                and tuple(t.shape[: len(lead)]) == lead
-                and t[..., 0].numel() > 0
-                and _feeds(g, u.idx, target)
-            ):
-                per = t.numel() // max(1, int(torch.tensor(lead).prod()))
-                if per < n:
-                    rows = _match(y.reshape(-1, n), t.reshape(-1, per))
-                    if rows is not None:
-                        return rows
+            fewer = t is not None and t.numel() < y.numel() and t.numel() % tokens.shape[0] == 0
+            if fewer and _feeds(g, u.idx, target):
+                rows = _match(tokens, t)  # type: ignore[arg-type]
+                if rows is not None:
+                    return rows
             stack.append(u.idx)
     raise PortError([f"{p.label}: a fused projection whose split into q / k / v (or gate / up) was not read"])
 
 
-def _match(y: Tensor, v: Tensor) -> tuple[int, ...] | None:
-    eq = v[0][:, None] == y[0][None, :]
-    if not bool((eq.sum(1) == 1).all()):
-        return None
-    rows = eq.float().argmax(1)
-    return tuple(int(r) for r in rows) if torch.equal(y[:, rows], v) else None
+def _match(tokens: Tensor, t: Tensor) -> tuple[int, ...] | None:
+    """The rows of ``tokens`` (one row per token) whose values ``t`` holds, in ``t``'s memory order, the same for
+    the first and the last token; None when they are not found exactly once each."""
+    per = t.numel() // tokens.shape[0]
+    found = []
+    for row in (tokens[0], tokens[-1]):
+        vals = t.reshape(-1)[torch.isin(t.reshape(-1), row)]
+        if vals.numel() != per:
+            return None
+        eq = vals[:, None] == row[None, :]
+        if not bool((eq.sum(1) == 1).all()):
+            return None
+        found.append(tuple(int(r) for r in eq.float().argmax(1)))
+    return found[0] if found[0] == found[1] else None
 
 
 def norm_params(g: Graph, site: Site) -> tuple[nn.Parameter | None, nn.Parameter | None]:
