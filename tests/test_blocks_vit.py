@@ -141,3 +141,20 @@ def test_configs_the_key_maps_refused_now_port(name, change, check):
     images, _ = _images(5)
     with torch.no_grad():
         torch.testing.assert_close(ours(images), hf(pixel_values=images).logits, atol=1e-5, rtol=0)
+
+
+def test_a_renamed_classifier_ports_the_same():
+    """Every module and parameter of DINOv2 renamed: the same config and the same links (mapped back by identity)."""
+    from normatlas.port import port
+
+    from .renamer import old_names, renamed
+
+    hf = _build("dinov2")
+    twin = renamed(hf)
+    p1, _ = port(hf)
+    p2, _ = port(twin)
+    assert p2.config == p1.config
+    back = old_names(hf, twin)
+    assert [(lk.ours, tuple(back[t] for t in lk.theirs)) for lk in p2.links] == [
+        (lk.ours, lk.theirs) for lk in p1.links
+    ]

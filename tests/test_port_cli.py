@@ -9,7 +9,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from normatlas.cli import main  # noqa: E402
+from normatlas.cli import main
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
