@@ -53,3 +53,18 @@ def test_a_refusal_names_what_is_missing(capsys: pytest.CaptureFixture[str]) -> 
 def test_unknown_model_type_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
     code, _, err = run(capsys, "port", "no_such_arch_xyz")
     assert code == 2 and len(err.strip().splitlines()) == 1 and "unknown model type" in err
+
+
+def test_an_image_classifier_checkpoint(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    import torch
+    import transformers
+
+    cfg = transformers.ViTConfig(image_size=32, patch_size=8, hidden_size=32, num_hidden_layers=1,
+                                 num_attention_heads=2, intermediate_size=64, num_labels=3)  # fmt: skip
+    torch.manual_seed(0)
+    transformers.ViTForImageClassification(cfg).save_pretrained(tmp_path, safe_serialization=True)
+    code, out, _ = run(capsys, "port", str(tmp_path), "--check", "--format", "json")
+    assert code == 0
+    doc = json.loads(out)
+    assert {r["field"]: r["value"] for r in doc["design"]}["image / patch / pool / classes"] == "32 / 8 / cls / 3"
+    assert {r["compared"]: r["max_abs_diff"] for r in doc["check"]}["logits"] <= 1e-5

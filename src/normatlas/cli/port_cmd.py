@@ -69,6 +69,11 @@ def _design_rows(cfg: Any) -> list[dict[str, object]]:
         ("embedding/head", "embed scale / tied", f"{cfg.embed_scale:g} / {cfg.tie_embeddings}"),
         ("embedding/head", "logit scale / softcap", f"{cfg.logit_scale:g} / {cfg.logit_softcap}"),
     ]  # fmt: skip
+    if hasattr(cfg, "pool"):  # a ViT-style classifier: its ends instead of a token vocabulary
+        rows = [r for r in rows if r[0] != "embedding/head"]
+        pool = cfg.pool.value
+        rows.append(("embedding/head", "image / patch / pool / classes",
+                     f"{cfg.image_size} / {cfg.patch_size} / {pool} / {cfg.num_classes}"))  # fmt: skip
     return [{"part": a, "field": b, "value": c} for a, b, c in rows]
 
 
@@ -87,14 +92,13 @@ def check_rows(hf: Any, ours: Any, seed: int = 5) -> list[dict[str, object]]:
     """fp32 max abs differences of the logits and of every linked parameter's gradient, on a seeded batch."""
     import torch
 
-    from ..port import to_hf_state_dict
+    from ..port import example_batch, to_hf_state_dict
 
     g = torch.Generator().manual_seed(seed)
-    vocab = ours.config.vocab_size
-    ids = torch.randint(3, max(4, min(vocab, 1000)), (2, 8), generator=g)
+    batch = example_batch(hf, 2, seed)
     hf.zero_grad(set_to_none=True)
     ours.zero_grad(set_to_none=True)
-    ref, got = hf(input_ids=ids).logits, ours(ids)
+    ref, got = hf(**batch).logits, ours(next(iter(batch.values())))
     up = torch.randn(ref.shape, generator=g)
     (ref * up).sum().backward()
     (got * up).sum().backward()

@@ -9,7 +9,7 @@ What our Block does not express is refused by name (:class:`PortError`). See doc
 
 from __future__ import annotations
 
-from .core import CHECK_TOL, Link, Port, from_hf, port, to_hf_state_dict
+from .core import CHECK_TOL, Link, Port, example_batch, from_hf, port, to_hf_state_dict
 from .errors import PortError
 
-__all__ = ["CHECK_TOL", "Link", "Port", "PortError", "from_hf", "port", "to_hf_state_dict"]
+__all__ = ["CHECK_TOL", "Link", "Port", "PortError", "example_batch", "from_hf", "port", "to_hf_state_dict"]

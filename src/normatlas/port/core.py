@@ -30,7 +30,7 @@ from .errors import PortError
 from .measure import logit_ends
 from .read import Proj, projections
 
-__all__ = ["Link", "Port", "from_hf", "port", "to_hf_state_dict"]
+__all__ = ["Link", "Port", "example_batch", "from_hf", "port", "to_hf_state_dict"]
 
 CHECK_TOL = 1e-4  # the port's own check: max abs logit difference relative to (1 + max |logit|), fp32
 
@@ -97,6 +97,11 @@ def _inputs(hf: nn.Module, seq: int, batch: int, seed: int) -> dict[str, Any]:
         more = [example_inputs(hf, seq=seq, seed=seed + k)["input_ids"] for k in range(1, batch)]
         ins["input_ids"] = torch.cat([ins["input_ids"], *more])
     return ins
+
+
+def example_batch(hf_model: nn.Module, batch: int = 2, seed: int = 5) -> dict[str, Any]:
+    """A seeded batch the model takes: ``input_ids`` for a language model, ``pixel_values`` for an image classifier."""
+    return _inputs(hf_model, _seq_len(hf_model.config), batch, seed)
 
 
 @dataclass
