@@ -176,10 +176,14 @@ def rows_of(g: Graph, p: Proj, target: int) -> tuple[int, ...]:
 
 def _match(tokens: Tensor, t: Tensor) -> tuple[int, ...] | None:
     """The rows of ``tokens`` (one row per token) whose values ``t`` holds, in ``t``'s memory order, the same for
-    the first and the last token; None when they are not found exactly once each."""
+    the first and the last token that occur once (a repeated token id gives a repeated row before RoPE); None when
+    they are not found exactly once each."""
     per = t.numel() // tokens.shape[0]
+    once = [i for i in range(tokens.shape[0]) if int((tokens == tokens[i]).all(1).sum()) == 1]
+    if not once:
+        return None
     found = []
-    for row in (tokens[0], tokens[-1]):
+    for row in (tokens[once[0]], tokens[once[-1]]):
         vals = t.reshape(-1)[torch.isin(t.reshape(-1), row)]
         if vals.numel() != per:
             return None
