@@ -239,6 +239,10 @@ def _head(r: _Read, embed: nn.Module) -> tuple[dict[str, Any], dict[str, Source]
     if len(heads) != 1 or heads[-1].kind != "linear":
         raise PortError(["the logits are not one linear head projection"])
     head = heads[-1]
+    if head.weight().shape[0] != embed.num_embeddings:  # type: ignore[operator]
+        raise PortError(
+            [f"a head over {head.weight().shape[0]} tokens for an embedding table of {embed.num_embeddings}"]
+        )
     transform = _head_transform(r, head)
     scale, cap = logit_ends(g, head)
     tied = head.weight() is embed.weight

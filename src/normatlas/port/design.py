@@ -121,6 +121,8 @@ def _attention(g: Graph, r: LayerReading, sub: InspSub, branch: int, cores: list
     r.heads = (q_out // hd, k_out // hd, hd)
     r.core = parts.core
     r.scores = scores_of(g, parts.core, r.index)
+    for role in ("q", "k"):  # one norm reached on the rotated and the passed-through part (partial RoPE) is one
+        parts.core.norms[role] = list({s.node: (s, rope) for s, rope in parts.core.norms[role]}.values())
     r.qk = tuple(s for s, _ in [*parts.core.norms["q"], *parts.core.norms["k"]])
     if parts.core.norms["v"]:
         raise PortError([f"layer {r.index}: a norm on the attention values (V-norm)"])

@@ -120,7 +120,12 @@ def _mask_operand(g: Graph, u: object, scores: int) -> Tensor:
     if t is None:
         raise PortError(["an attention mask that was not recorded"])
     if node.op == "add":
-        return t > torch.finfo(t.dtype).min / 2 if t.is_floating_point() else t.bool()
+        if not t.is_floating_point():
+            return t.bool()
+        allowed = t > torch.finfo(t.dtype).min / 2
+        if bool((t[allowed] != 0).any()):
+            raise PortError(["an additive bias on the attention scores (ALiBi or relative positions)"])
+        return allowed
     return t.bool() if node.op == "where" else ~t.bool()
 
 
