@@ -85,6 +85,7 @@ def _link_rows(p: Any) -> list[dict[str, object]]:
         {"what": "transposed (Conv1D)", "count": sum(lk.transpose for lk in links)},
         {"what": "tied (one source tensor under two names)", "count": sum(len(lk.theirs) > 1 for lk in links)},
         {"what": "source buffers with no parameter of ours", "count": len(p.buffers)},
+        {"what": "source parameters the forward never reads (not ported)", "count": len(p.unused)},
     ]  # fmt: skip
 
 
