@@ -27,6 +27,12 @@ CONFIGS: dict[str, str] = {
     "gpt2": "GPT2Config",  # GPT-2 small: 768 / 12L, Pre-LN LayerNorm, tied head
     "opt": "OPTConfig",  # OPT-125m: 768 / 12L, Pre-LN LayerNorm (OPT-350m: Post-LN)
     "bert": "BertConfig",  # BERT-base: 768 / 12L, Post-LN
+    "mistral": "MistralConfig",  # Mistral-7B: 4096 / 32L, GQA 8 kv heads
+    "qwen2": "Qwen2Config",  # Qwen2-7B: 3584 / 28L, q/k/v biases
+    "granite": "GraniteConfig",  # Granite-3.0-8B: 4096 / 40L, embedding / residual / attention / logit multipliers
+    "olmo3": "Olmo3Config",  # OLMo-3-7B: 4096 / 32L, post-branch norms, flattened QK-norm, sliding windows
+    "nemotron": "NemotronConfig",  # Nemotron-4-15B: 6144 / 32L, LayerNorm with a 1 + w gain, ReLU squared MLP
+    "exaone4": "Exaone4Config",  # EXAONE-4.0-32B: 5120 / 64L, post-branch norms, QK-norm, NoPE global layers
 }
 """HF ``model_type`` -> config class name (the original size of each family in the comment)."""
 

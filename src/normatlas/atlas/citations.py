@@ -135,9 +135,9 @@ def _reasons(groups: Iterable[tuple[str, str, tuple[str, ...]]]) -> dict[str, st
 UTILITIES: dict[str, str] = _reasons(
     [
         (
-            "block configuration and state-dict plumbing (names, factories, key maps), not a method",
+            "block configuration and state-dict plumbing (names, factories, the HF port's entry), not a method",
             _B,
-            ("KEYMAPS", "KeyMap", "keymap_for", "from_hf", "to_hf_state_dict", "NormFactory", "as_factory", "Rule"),
+            ("from_hf", "to_hf_state_dict", "NormFactory", "as_factory"),
         ),
         (
             "the typed placement vocabulary the presets are values of",

@@ -2,13 +2,12 @@
 
 ``Placement`` says where the norms sit; one ``Block`` reads it; ``TransformerLM`` and
 ``ViTEncoder`` stack blocks from a ``ModelConfig``; ``from_hf`` ports HF reference
-models through declarative key maps.
+models from their dataflow (:mod:`normatlas.port`, imported lazily; no key maps).
 """
 
 from .attention import Attention, Rope, RopeStyle, apply_rope, rope_tables
 from .block import MLP, Activation, Block
-from .hf_port import from_hf, keymap_for, to_hf_state_dict
-from .keymaps import KEYMAPS, KeyMap, Rule
+from .hf_port import from_hf, to_hf_state_dict
 from .model import ModelConfig, TransformerLM, ViTConfig, ViTEncoder, ViTPool, as_factory
 from .placement import (
     DepthScale,
@@ -50,12 +49,12 @@ PRESETS = {
 """Presets that take no required argument (deepnorm, scaled_residual, mix_ln, hybridnorm_star take depth/values)."""
 
 __all__ = [
-    "KEYMAPS", "MLP", "PRESETS", "Activation", "Attention", "Block", "DeepNormArch", "DeepNormConstants",
-    "DepthScale", "Gate", "KeyMap", "LayerPlan", "LayerScale", "ModelConfig", "NormFactory", "Placement",
+    "MLP", "PRESETS", "Activation", "Attention", "Block", "DeepNormArch", "DeepNormConstants",
+    "DepthScale", "Gate", "LayerPlan", "LayerScale", "ModelConfig", "NormFactory", "Placement",
     "QKGain", "QKNorm", "QKNormConfig", "QKOperator", "QKScope", "ReZero", "ResidualAdd", "Rope",
-    "RopeStyle", "Rule", "Schedule", "SkipInit", "Sublayer", "TransformerLM", "ViTConfig", "ViTEncoder", "ViTPool",
+    "RopeStyle", "Schedule", "SkipInit", "Sublayer", "TransformerLM", "ViTConfig", "ViTEncoder", "ViTPool",
     "apply_rope", "as_factory", "deepnorm", "deepnorm_constants", "depth_scaled_sandwich", "from_hf",
-    "hybridnorm", "hybridnorm_star", "keymap_for", "layernorm_scaling", "layerscale", "mix_ln", "norm_free",
+    "hybridnorm", "hybridnorm_star", "layernorm_scaling", "layerscale", "mix_ln", "norm_free",
     "parallel", "peri_ln", "post_ln", "pre_ln", "reordered_norm", "res_post_norm", "rezero", "rope_tables",
     "sandwich_ln", "scaled_residual", "skipinit", "to_hf_state_dict",
 ]  # fmt: skip

@@ -35,6 +35,7 @@ class Activation(enum.Enum):
     GELU = "gelu"  # exact (erf): BERT, ViT
     GELU_TANH = "gelu_tanh"  # tanh approximation: GPT-2 ("gelu_new"), Gemma ("gelu_pytorch_tanh")
     RELU = "relu"
+    RELU2 = "relu2"  # ReLU squared (So et al., 2021, Primer): Nemotron, Arcee, Jais 2, BitNet
 
     def __call__(self, x: Tensor) -> Tensor:
         if self is Activation.SILU:
@@ -43,6 +44,8 @@ class Activation(enum.Enum):
             return F.gelu(x)
         if self is Activation.GELU_TANH:
             return F.gelu(x, approximate="tanh")
+        if self is Activation.RELU2:
+            return F.relu(x).square()
         return F.relu(x)
 
 

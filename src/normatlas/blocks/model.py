@@ -49,7 +49,8 @@ class ModelConfig:
     every layer or a :class:`Schedule` with one entry per layer. ``max_positions > 0``
     adds learned absolute positions (GPT-2, BERT); ``rope=None`` disables RoPE.
     ``layer_windows`` / ``layer_rope_theta`` / ``layer_attn_scale`` give per-layer sliding windows, RoPE bases
-    and q.k multipliers (the last overrides ``attn_scale``; GPT-2's ``scale_attn_by_inverse_layer_idx``).
+    and q.k multipliers (the last overrides ``attn_scale``; GPT-2's ``scale_attn_by_inverse_layer_idx``);
+    ``layer_rope`` says which layers rotate q and k at all (False: a NoPE layer, EXAONE 4's global layers).
     ``pad_token_id`` is the embedding's ``padding_idx`` (its row gets no gradient, as in torch).
     ``scaled_residual_init`` is GPT-2's scaled init: the two projections that write into the residual stream
     (``attn.o_proj``, ``mlp.down_proj``) start at ``init_std / sqrt(2 * n_layers)``, so the stream's variance after
@@ -88,6 +89,7 @@ class ModelConfig:
     attn_scale: float | None = None
     layer_windows: tuple[int | None, ...] | None = None
     layer_rope_theta: tuple[float, ...] | None = None
+    layer_rope: tuple[bool, ...] | None = None
     layer_attn_scale: tuple[float, ...] | None = None
     head_transform: bool = False
     head_bias: bool = False
@@ -125,14 +127,17 @@ class ModelConfig:
             for name in ("final_norm", "embed_norm", "head_transform"):
                 if getattr(self, name):
                     raise ValueError(f"{name}=True needs a norm operator but norm=None")
-        for name in ("layer_windows", "layer_rope_theta", "layer_attn_scale"):
+        for name in ("layer_windows", "layer_rope_theta", "layer_attn_scale", "layer_rope"):
             v = getattr(self, name)
             if v is not None and len(v) != self.n_layers:
                 raise ValueError(f"{name} has {len(v)} entries but n_layers={self.n_layers}")
         if self.pad_token_id is not None and not 0 <= self.pad_token_id < self.vocab_size:
             raise ValueError(f"pad_token_id={self.pad_token_id} must lie in [0, vocab_size={self.vocab_size})")
-        if self.layer_rope_theta is not None and self.rope is None:
-            raise ValueError("layer_rope_theta is set but rope=None")
+        for name in ("layer_rope_theta", "layer_rope"):
+            if getattr(self, name) is not None and self.rope is None:
+                raise ValueError(f"{name} is set but rope=None")
+        if self.layer_rope is not None and not all(isinstance(v, bool) for v in self.layer_rope):
+            raise TypeError(f"layer_rope={self.layer_rope!r} must be a tuple of bools, one per layer")
         if self.rope is None and self.max_positions == 0 and self.causal is False and self.type_vocab_size == 0:
             pass  # a bag-of-tokens encoder is allowed
         for name in ("logit_softcap", "attn_softcap"):
@@ -219,13 +224,13 @@ class _Stack(nn.Module):
         tables: dict[float, tuple[Tensor, Tensor]] = {}
         from .attention import rope_tables
 
-        for block in self.blocks():
+        for i, block in enumerate(self.blocks()):
             mask = base
             if block.window is not None:
                 mask = mask & ((pos[:, None] - pos[None, :]).abs() < block.window)
             full = mask[None, None] if pad is None else mask[None, None] & pad
             rope = None
-            if cfg.rope is not None:
+            if cfg.rope is not None and (cfg.layer_rope is None or cfg.layer_rope[i]):
                 theta = cfg.rope.theta if block.rope_theta is None else block.rope_theta
                 if theta not in tables:
                     tables[theta] = rope_tables(replace(cfg.rope, theta=theta), block.attn.head_dim, pos)

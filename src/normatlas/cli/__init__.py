@@ -87,6 +87,13 @@ TABLE: tuple[Entry, ...] = (
         "report a model's normalization design, derived from its traced dataflow",
     ),
     Entry(
+        "port",
+        "port_cmd",
+        "port_cmd",
+        "configure_port",
+        "port a transformers decoder into our Block from its dataflow (no key map); --check proves it",
+    ),
+    Entry(
         "matrix",
         "atlas_cmd",
         "matrix",

@@ -110,6 +110,10 @@ def _softmax_core(g: Graph, n: Node, stream_bit: int) -> Core | None:
         return None
     cur, cap = _scores(g, n, stream_bit)
     c = g.nodes[cur]
+    if c.op == "baddbmm" and len(c.inputs) == 3:  # beta * input + alpha * q @ k (GPT-2's reordered attention)
+        if any(g.nodes[strip(g, i, SHAPE_ONLY)].op in ("param", "buffer") for i in c.inputs[1:]):
+            return None
+        return Core(n.idx, c.inputs[1], c.inputs[2], _value_operand(g, n.idx), cap)
     if c.op not in _MATMUL or len(c.inputs) != 2:
         return None
     if any(g.nodes[strip(g, i, SHAPE_ONLY)].op in ("param", "buffer") for i in c.inputs):

@@ -1,0 +1,310 @@
+"""Derive a :class:`~normatlas.blocks.ModelConfig` and the parameter links of a transformers decoder from one
+recorded forward pass (no per-family key map).
+
+Method: :func:`read_layers` walks the inspector's sublayers (:mod:`normatlas.inspect`) layer by layer and reads
+each one's norms, projections and measured constants (:mod:`.read`, :mod:`.measure`); :func:`derive` checks that
+every layer is one our :class:`~normatlas.blocks.Block` expresses (attention then MLP, or both in parallel; one norm
+operator; one RoPE layout), assembles the config, and links each of our parameters to the model's parameter
+*object* it comes from (with the transpose and the rows a fused projection needs). Every problem found is
+collected, so a refusal names all of them at once (:class:`PortError`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+
+from ..analysis.graph import Graph
+from ..blocks.model import ModelConfig
+from ..blocks.placement import Gate, Placement, Schedule, Sublayer
+from ..blocks.qknorm import QKGain, QKNormConfig, QKOperator, QKScope
+from ..inspect.attention import Core
+from ..inspect.norms import Site
+from ..inspect.residual import Sublayer as InspSub
+from ..spec import CastOrder, Gain, GainConvention, NormSpec, Scale
+from ..vocabulary import Operator, RopeOrder, SublayerKind
+from .errors import PortError
+from .measure import Mlp, RopeReading, Scores, branch_scale, mlp_design, rope_of, scores_of
+from .read import Proj, attention_parts, mlp_parts, norm_params
+
+__all__ = ["LayerReading", "Source", "norm_spec", "qk_config", "read_layers"]
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where one of our parameters comes from: a parameter object of the model, transposed first (Conv1D), then
+    ``rows`` of it taken along dim 0 (a fused projection; None: all)."""
+
+    param: nn.Parameter
+    transpose: bool = False
+    rows: tuple[int, ...] | None = None
+
+
+@dataclass
+class LayerReading:
+    """One layer as our Block sees it: placement slots, norm sites per slot, projections, measured constants."""
+
+    index: int
+    placement: Placement
+    norms: dict[str, Site] = field(default_factory=dict)  # our slot (attn_pre_norm, ...) -> site
+    sources: dict[str, Source] = field(default_factory=dict)  # our parameter name inside the block -> source
+    heads: tuple[int, int, int] = (0, 0, 0)  # n_heads, n_kv_heads, head_dim
+    d_ff: int = 0
+    mlp: Mlp | None = None
+    scores: Scores | None = None
+    rope: RopeReading | None = None
+    core: Core | None = None
+    qk: tuple[Site, ...] = ()
+    qk_order: RopeOrder = RopeOrder.NOT_APPLICABLE
+    biases: dict[str, bool] = field(default_factory=dict)
+
+
+def norm_spec(site: Site) -> NormSpec:
+    """The :class:`NormSpec` of one site, from the arithmetic the inspector read (operator, eps, its placement,
+    cast order, gain and its convention, bias)."""
+    if site.operator not in (Operator.LAYERNORM, Operator.LAYERNORM_NONPARAM, Operator.RMSNORM, Operator.L2):
+        raise PortError([f"a {site.operator.value} norm ({site.module}), which our Norm slots do not take"])
+    return NormSpec(
+        center=site.operator in (Operator.LAYERNORM, Operator.LAYERNORM_NONPARAM),
+        scale=Scale.L2 if site.operator is Operator.L2 else Scale.RMS,
+        eps=site.eps, eps_placement=site.eps_placement or NormSpec().eps_placement,
+        cast_order=site.cast_order or CastOrder.AFTER_GAIN,
+        gain=Gain.PER_FEATURE if site.gain else Gain.NONE,
+        gain_convention=site.gain_convention or GainConvention.W, bias=site.bias,
+    )  # fmt: skip
+
+
+def _proj_sources(prefix: str, p: Proj, biases: dict[str, bool], key: str) -> dict[str, Source]:
+    t = p.kind == "conv1d_t"
+    out = {f"{prefix}.weight": Source(p.weight(), t, p.rows)}
+    b = p.bias()
+    biases[f"{key}:{prefix}"] = b is not None
+    if b is not None:
+        out[f"{prefix}.bias"] = Source(b, False, p.rows)
+    return out
+
+
+def _norm_sources(g: Graph, slot: str, site: Site) -> dict[str, Source]:
+    gain, bias = norm_params(g, site)
+    out = {}
+    if site.gain:
+        if gain is None:
+            raise PortError([f"{slot}: the gain of the norm in {site.module} is not a parameter"])
+        out[f"{slot}.weight"] = Source(gain)
+    if site.bias:
+        if bias is None:
+            raise PortError([f"{slot}: the bias of the norm in {site.module} is not a parameter"])
+        out[f"{slot}.bias"] = Source(bias)
+    return out
+
+
+def _slots(sub: InspSub) -> Sublayer:
+    return Sublayer(pre=bool(sub.pre), post=bool(sub.out), after_add=bool(sub.post))
+
+
+def _one(sites: list[Site], what: str, layer: int) -> Site | None:
+    if len(sites) > 1:
+        raise PortError([f"layer {layer}: {len(sites)} norms in the {what} slot"])
+    return sites[0] if sites else None
+
+
+def _attention(g: Graph, r: LayerReading, sub: InspSub, branch: int, cores: list[Core], projs: list[Proj]) -> None:
+    parts = attention_parts(g, sub, branch, cores, projs)
+    for name in ("q", "k", "v", "o"):
+        r.sources.update(_proj_sources(f"attn.{name}_proj", getattr(parts, name), r.biases, "attn"))
+    qshape = g.tensors[parts.core.q].shape
+    hd = int(qshape[-1])
+    k_out = len(parts.k.rows) if parts.k.rows else int(g.tensors[parts.k.output].shape[-1])
+    q_out = len(parts.q.rows) if parts.q.rows else int(g.tensors[parts.q.output].shape[-1])
+    r.heads = (q_out // hd, k_out // hd, hd)
+    r.core = parts.core
+    r.scores = scores_of(g, parts.core, r.index)
+    for role in ("q", "k"):  # one norm reached on the rotated and the passed-through part (partial RoPE) is one
+        parts.core.norms[role] = list({s.node: (s, rope) for s, rope in parts.core.norms[role]}.values())
+    r.qk = tuple(s for s, _ in [*parts.core.norms["q"], *parts.core.norms["k"]])
+    if parts.core.norms["v"]:
+        raise PortError([f"layer {r.index}: a norm on the attention values (V-norm)"])
+    if r.qk:
+        from ..inspect.attention import rope_order, trig_bits
+
+        r.qk_order = rope_order(g, [*parts.core.norms["q"], *parts.core.norms["k"]], trig_bits(g))
+        q_sites, k_sites = parts.core.norms["q"], parts.core.norms["k"]
+        if len(q_sites) != 1 or len(k_sites) != 1:
+            raise PortError([f"layer {r.index}: QK-norm on {len(q_sites)} query and {len(k_sites)} key norms"])
+        for slot, (site, _) in (("attn.q_norm", q_sites[0]), ("attn.k_norm", k_sites[0])):
+            r.sources.update(_norm_sources(g, slot, site))
+
+
+def _mlp(g: Graph, r: LayerReading, sub: InspSub, branch: int, projs: list[Proj]) -> None:
+    m = mlp_design(g, mlp_parts(g, sub, branch, projs), r.index)
+    r.mlp = m
+    if m.gate is not None:
+        r.sources.update(_proj_sources("mlp.gate_proj", m.gate, r.biases, "mlp"))
+    r.sources.update(_proj_sources("mlp.up_proj", m.up, r.biases, "mlp"))
+    r.sources.update(_proj_sources("mlp.down_proj", m.down, r.biases, "mlp"))
+    r.d_ff = int(g.tensors[m.down.input].shape[-1])
+
+
+def _branch_kind(g: Graph, sub: InspSub, branch: int, cores: list[Core]) -> SublayerKind:
+    from .read import own_bits
+
+    own = own_bits(g, branch, sub.source)
+    return SublayerKind.ATTENTION if any(own >> c.node & 1 for c in cores) else SublayerKind.MLP
+
+
+def _scalings(g: Graph, subs: list[InspSub], layer: int) -> dict[str, Any]:
+    """Residual alpha, constant branch scale and learned per-channel gate, which must agree across sublayers."""
+    alphas = {round(s.skip_scale, 12) for s in subs}
+    scales: set[float] = set()
+    gates: list[int | None] = []
+    for s in subs:
+        if s.skip_learned:
+            raise PortError([f"layer {layer}: a learned multiplier on the residual stream itself"])
+        stops = {site.output for site in s.out}
+        for b in s.branches:
+            scale, _, learned = branch_scale(g, b, stops)
+            scales.add(round(scale, 12))
+            gates.append(learned)
+    if len(alphas) > 1 or len(scales) > 1 or len({p is None for p in gates}) > 1:
+        raise PortError([f"layer {layer}: residual or branch scalings that differ between its sublayers"])
+    return {"residual_alpha": alphas.pop(), "branch_scale": scales.pop(), "gate": gates}
+
+
+def read_layer(
+    g: Graph, index: int, subs: list[InspSub], cores: list[Core], projs: list[Proj], known: tuple[float, ...]
+) -> LayerReading:
+    """One layer: its sublayers must be attention then MLP, or one parallel sublayer of both."""
+    kinds = [s.kind for s in subs]
+    r = LayerReading(index, Placement())
+    sc = _scalings(g, subs, index)
+    common: dict[str, Any] = {"residual_alpha": sc["residual_alpha"], "branch_scale": sc["branch_scale"]}
+    if any(p is not None for p in sc["gate"]):
+        if len(sc["gate"]) != 2:
+            raise PortError([f"layer {index}: a learned branch multiplier on a parallel block"])
+        common.update(gate=Gate.VECTOR, gate_init=1e-5)
+        for tag, node in zip(("attn", "ffn"), sc["gate"], strict=True):
+            r.sources[f"{tag}_residual.gate.gamma"] = Source(g.tensors[node])  # type: ignore[arg-type]
+    if kinds == [SublayerKind.ATTENTION, SublayerKind.MLP]:
+        a, m = subs
+        _attention(g, r, a, a.branches[0], cores, projs)
+        _mlp(g, r, m, m.branches[0], projs)
+        r.placement = Placement(f"layer{index}", _slots(a), _slots(m), **common)
+        for sub, tag in ((a, "attn"), (m, "ffn")):
+            for slot, sites in (("pre", sub.pre), ("post", sub.out), ("after", sub.post)):
+                site = _one(sites, f"{tag} {slot}", index)
+                if site is not None:
+                    r.norms[f"{tag}_{slot}_norm"] = site
+    elif kinds == [SublayerKind.PARALLEL]:
+        _parallel(g, r, subs[0], cores, projs, common)
+    elif SublayerKind.ATTENTION not in kinds and SublayerKind.PARALLEL not in kinds:
+        raise PortError([f"layer {index}: a layer with no attention (an SSM, recurrent or convolution mixer)"])
+    else:
+        names = ", ".join(k.value for k in kinds)
+        raise PortError([f"layer {index}: sublayers ({names}); our Block is attention then MLP, or both in parallel"])
+    return r
+
+
+def _parallel(
+    g: Graph, r: LayerReading, sub: InspSub, cores: list[Core], projs: list[Proj], common: dict[str, Any]
+) -> None:
+    by_kind = {_branch_kind(g, sub, b, cores): b for b in sub.branches}
+    if set(by_kind) != {SublayerKind.ATTENTION, SublayerKind.MLP}:
+        raise PortError([f"layer {r.index}: a parallel sublayer that is not one attention and one MLP branch"])
+    ab, mb = by_kind[SublayerKind.ATTENTION], by_kind[SublayerKind.MLP]
+    _attention(g, r, sub, ab, cores, projs)
+    _mlp(g, r, sub, mb, projs)
+    pre = {tag: [s for s in sub.pre if g.feeds(s.output, b)] for tag, b in (("attn", ab), ("ffn", mb))}
+    shared = len(sub.pre) == 1
+    outs = {
+        tag: [s for s in sub.out if g.feeds(s.output, b) or s.output == b] for tag, b in (("attn", ab), ("ffn", mb))
+    }
+    slots = {tag: Sublayer(pre=bool(pre[tag]), post=bool(outs[tag]), after_add=bool(sub.post)) for tag in pre}
+    r.placement = Placement(f"layer{r.index}", slots["attn"], slots["ffn"], parallel=True, shared_pre_norm=shared,
+                            **common)  # fmt: skip
+    for tag in ("attn", "ffn"):
+        if pre[tag] and not (shared and tag == "ffn"):
+            r.norms[f"{tag}_pre_norm"] = _one(pre[tag], f"{tag} pre", r.index)  # type: ignore[assignment]
+        if outs[tag]:
+            r.norms[f"{tag}_post_norm"] = _one(outs[tag], f"{tag} post", r.index)  # type: ignore[assignment]
+    if sub.post:
+        r.norms["attn_after_norm"] = _one(sub.post, "after", r.index)  # type: ignore[assignment]
+
+
+def qk_config(layers: list[LayerReading]) -> QKNormConfig | None:
+    """One QK-norm for every layer (or none anywhere), from its sites: operator, scope, gain shape, order, eps."""
+    kinds = {bool(r.qk) for r in layers}
+    if kinds == {False}:
+        return None
+    if len(kinds) > 1:
+        raise PortError(["QK-norm in some layers only"])
+    configs = {_qk_one(r) for r in layers}
+    if len(configs) > 1:
+        raise PortError(["QK-norms that differ between layers"])
+    return configs.pop()
+
+
+def _qk_one(r: LayerReading) -> QKNormConfig:
+    q = r.qk[0]
+    hd = r.heads[2]
+    ops = {Operator.RMSNORM: QKOperator.RMS, Operator.L2: QKOperator.L2, Operator.LAYERNORM: QKOperator.LAYERNORM}
+    if any(s.operator not in ops or s.operator is not q.operator for s in r.qk):
+        raise PortError([f"layer {r.index}: a QK-norm operator ({q.operator.value}) our QKNorm does not compute"])
+    scope = QKScope.HEAD if q.size == hd else QKScope.FLAT
+    if not q.gain:
+        gain = QKGain.NONE
+    elif scope is QKScope.FLAT or (q.gain_shape is not None and len(q.gain_shape) == 2):
+        gain = QKGain.PER_HEAD
+    else:
+        gain = QKGain.SHARED
+    order = RopeOrder.AFTER_ROPE if r.qk_order is RopeOrder.AFTER_ROPE else RopeOrder.BEFORE_ROPE
+    return QKNormConfig(
+        ops[q.operator], scope, gain, zero_centred=q.gain_convention is GainConvention.ONE_PLUS_W, order=order,
+        eps=q.eps or 1e-6, bias=q.bias,
+    )  # fmt: skip
+
+
+def read_layers(
+    g: Graph, subs: list[InspSub], cores: list[Core], projs: list[Proj], known: tuple[float, ...]
+) -> list[LayerReading]:
+    """Every layer, in order; problems in any layer are collected into one :class:`PortError`."""
+    by_layer: dict[int, list[InspSub]] = {}
+    for s in subs:
+        by_layer.setdefault(s.layer, []).append(s)
+    out, problems = [], []
+    for i, layer in enumerate(sorted(by_layer)):
+        try:
+            r = read_layer(g, i, by_layer[layer], cores, projs, known)
+            r.rope = _rope(g, r, by_layer[layer], known)
+            out.append(r)
+        except PortError as e:
+            problems += [m.replace(f"layer {layer}:", f"layer {i}:") for m in e.missing]
+    if problems:
+        raise PortError(problems)
+    return out
+
+
+def _rope(g: Graph, r: LayerReading, subs: list[InspSub], known: tuple[float, ...]) -> RopeReading | None:
+    from .read import own_bits
+
+    if r.core is None:
+        return None
+    sub = subs[0]
+    own = 0
+    for b in sub.branches:
+        own |= own_bits(g, b, sub.source)
+    return rope_of(g, r.core, r.index, known, own, sub.source)
+
+
+def make_config(
+    base: dict[str, Any], layers: list[LayerReading], spec: NormSpec | None, kind: type[ModelConfig] = ModelConfig
+) -> ModelConfig:
+    """The config (``kind``: a :class:`ModelConfig` or :class:`ViTConfig`) of the read layers (``base``: the
+    model-level fields)."""
+    placements = [r.placement for r in layers]
+    one = all(p.with_(name="x") == placements[0].with_(name="x") for p in placements)
+    placement: Placement | Schedule = (
+        placements[0].with_(name=f"read {placements[0].kind.value}") if one else Schedule.of(placements, "read")
+    )
+    return kind(placement=placement, norm=spec, **base)

@@ -1,0 +1,253 @@
+"""Measure what the structure leaves open, from the recorded values: the MLP's activation and gate, the attention's
+score scale, soft-cap, mask (causal, sliding window), RoPE (style, rotated fraction, base), and the constant
+scalings of the branches, the embedding and the logits.
+
+Each measurement compares recorded tensors with the candidates our blocks can compute (``silu(gate) * up`` against
+the down projection's input, the cos/sin tables against ``theta ** (-2i/d)``), so a value is what the model did,
+not what its config or names say. A value that fits no candidate raises :class:`PortError` naming it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ..analysis.graph import Graph
+from ..analysis.ops import CASTS, SHAPE_ONLY, SPLITS
+from ..analysis.walk import learned_mul, scalar_mul, strip
+from ..blocks.attention import RopeStyle
+from ..blocks.block import Activation
+from ..inspect.attention import Core
+from .errors import PortError
+from .read import MlpParts, Proj
+
+__all__ = ["Mlp", "RopeReading", "Scores", "branch_scale", "logit_ends", "mlp_design", "rope_of", "scores_of"]
+
+
+def _close(a: Tensor, b: Tensor) -> bool:
+    a, b = a.double(), b.double()
+    return a.shape == b.shape and bool((a - b).abs().max() <= 1e-5 * (1 + float(b.abs().max())))
+
+
+@dataclass
+class Mlp:
+    activation: Activation
+    gated: bool
+    gate: Proj | None
+    up: Proj
+    down: Proj
+
+
+def mlp_design(g: Graph, parts: MlpParts, layer: int) -> Mlp:
+    """Which first projection is the gate and which activation it goes through: the one candidate among
+    ``act(gate) * up`` (gated) or ``act(up)`` (plain) that equals what the down projection read."""
+    d = g.tensors[parts.down.input]
+    outs = [(p, g.tensors[p.output]) for p in parts.firsts]
+    cands: list[tuple[Proj | None, Proj, Tensor | None, Tensor]] = []
+    if len(outs) == 2:
+        (pa, a), (pb, b) = outs
+        cands = [(pa, pb, a, b), (pb, pa, b, a)]
+    else:
+        p, y = outs[0]
+        n = d.shape[-1]
+        if y.shape[-1] == n:
+            cands = [(None, p, None, y)]
+        elif y.shape[-1] == 2 * n:  # one fused gate-and-up projection, split in halves
+            lo, hi = tuple(range(n)), tuple(range(n, 2 * n))
+            cands = [(p.with_rows(lo), p.with_rows(hi), y[..., :n], y[..., n:])]
+            cands.append((p.with_rows(hi), p.with_rows(lo), y[..., n:], y[..., :n]))
+    for act in Activation:
+        for gate, up, gv, uv in cands:
+            got = act(uv) if gv is None else act(gv) * uv
+            if _close(got, d):
+                return Mlp(act, gate is not None, gate, up, parts.down)
+    names = ", ".join(a.value for a in Activation)
+    raise PortError([f"layer {layer}: an MLP activation or gating that is none of {names} (gated or not)"])
+
+
+@dataclass
+class Scores:
+    scale: float
+    softcap: float | None
+    causal: bool
+    window: int | None
+
+
+def scores_of(g: Graph, core: Core, layer: int) -> Scores:
+    """The constant on q.k, the tanh soft-cap and the mask between the score matmul and the softmax."""
+    start = next((n.idx for n in g.nodes if n.op in ("matmul", "bmm") and n.inputs[:1] == (core.q,)), None)
+    scale = 1.0
+    if start is None:  # baddbmm(input, q, k, beta=0, alpha=scale)
+        fused = [n for n in g.nodes if n.op == "baddbmm" and n.inputs[1:2] == (core.q,)]
+        if fused and fused[0].kwargs.get("beta", 1) != 0:
+            raise PortError([f"layer {layer}: an additive bias on the attention scores (ALiBi)"])
+        start = fused[0].idx if fused else None
+        scale = float(fused[0].kwargs.get("alpha", 1.0)) if fused else 1.0
+    if start is None or g.nodes[core.node].op != "softmax":
+        raise PortError([f"layer {layer}: the attention scores are not a matmul of q and k before a softmax"])
+    cur, capped, mask = start, False, None
+    while cur != core.node:
+        nxt = [u for u in g.users(cur) if u.idx == core.node or g.feeds(u.idx, core.node)]
+        if len(nxt) != 1:
+            raise PortError([f"layer {layer}: the attention scores branch before the softmax"])
+        u = nxt[0]
+        sm = scalar_mul(g, u)
+        if u.idx == core.node:
+            break
+        if sm is not None and sm[0] == cur:
+            scale *= 1.0 if capped else sm[1]
+        elif u.op == "tanh":
+            capped = True
+        elif u.op in ("add", "where", "masked_fill"):
+            mask = _mask_operand(g, u, cur)
+        elif not (u.op in SHAPE_ONLY or u.op in SPLITS):
+            raise PortError([f"layer {layer}: an op ({u.op}) on the attention scores our attention does not have"])
+        cur = u.idx
+    cap = core.softcap if capped else None
+    if capped and cap is None:
+        raise PortError([f"layer {layer}: a tanh on the attention scores that is not a c * tanh(x / c) soft-cap"])
+    causal, window = _mask_shape(mask, layer)
+    return Scores(scale * (cap or 1.0), cap, causal, window)
+
+
+def _mask_operand(g: Graph, u: object, scores: int) -> Tensor:
+    node = g.nodes[u.idx]  # type: ignore[attr-defined]
+    others = [i for i in node.inputs if i != scores and not g.feeds(scores, i)]
+    t = g.tensors[others[0]] if others else None
+    if t is None:
+        raise PortError(["an attention mask that was not recorded"])
+    if node.op == "add":
+        if not t.is_floating_point():
+            return t.bool()
+        allowed = t > torch.finfo(t.dtype).min / 2
+        if bool((t[allowed] != 0).any()):
+            raise PortError(["an additive bias on the attention scores (ALiBi or relative positions)"])
+        return allowed
+    return t.bool() if node.op == "where" else ~t.bool()
+
+
+def _mask_shape(mask: Tensor | None, layer: int) -> tuple[bool, int | None]:
+    """(causal, window) of a recorded (..., T, T) mask: allowed keys ``i - w < j <= i`` (causal, window w)."""
+    if mask is None:
+        return False, None
+    m = mask.reshape(-1, *mask.shape[-2:])[0]
+    t = m.shape[-1]
+    if bool(m.all()):
+        return False, None
+    i = torch.arange(t)
+    if bool(m.triu(1).any()):
+        raise PortError([f"layer {layer}: an attention mask that is neither causal nor full"])
+    w = int(m.sum(-1).max())
+    band = (i[:, None] - i[None, :] < w) & (i[:, None] >= i[None, :])
+    if not torch.equal(m, band):
+        raise PortError([f"layer {layer}: a causal mask that is not a sliding window"])
+    return True, (w if w < t else None)
+
+
+@dataclass(frozen=True)
+class RopeReading:
+    theta: float
+    style: RopeStyle
+    rotary_dim: int
+
+
+def rope_of(g: Graph, core: Core, layer: int, known: tuple[float, ...], own: int, source: int) -> RopeReading | None:
+    """The rotation applied to this layer's queries, read off the cos / sin tables its own nodes multiply the
+    queries by (``own``: the layer's nodes; a table reaching the queries only through the stream is an earlier
+    layer's): their layout (halves or interleaved pairs), the rotated width and the base ``theta`` of
+    ``inv_freq_i = theta ** (-2i/d)`` (fitted in log space; ``known`` values within 1e-3 of the fit are taken
+    exactly, e.g. the config's). None: no RoPE reaches the queries."""
+    if any(n.op in ("view_as_complex", "polar") and own >> n.idx & 1 for n in g.nodes):
+        raise PortError([f"layer {layer}: RoPE written with complex numbers"])
+    tables: dict[str, set[int]] = {"cos": set(), "sin": set()}
+    trig = {n.idx: n.op for n in g.nodes if n.op in tables}
+    for n in g.nodes:
+        if n.op != "mul" or len(n.inputs) != 2 or not own >> n.idx & 1 or not _reaches(g, n.idx, core.q):
+            continue
+        for t in n.inputs:
+            if t == source or g.feeds(source, t):
+                continue
+            kinds = {op for i, op in trig.items() if i == t or g.feeds(i, t)}
+            if len(kinds) == 1:
+                tables[kinds.pop()].add(t)
+    if not tables["cos"] and not tables["sin"]:
+        return None
+    if len(tables["cos"]) != 1 or len(tables["sin"]) != 1:
+        raise PortError(
+            [f"layer {layer}: {len(tables['cos'])} cos and {len(tables['sin'])} sin tables rotate the queries"]
+        )
+    c, s = (g.tensors[next(iter(tables[k]))].double() for k in ("cos", "sin"))
+    c, s = c.reshape(-1, *c.shape[-2:])[0], s.reshape(-1, *s.shape[-2:])[0]
+    if c.shape[0] < 2 or not torch.allclose(c[0], torch.ones_like(c[0])):
+        raise PortError([f"layer {layer}: RoPE tables that do not start at position 0 with cos = 1 (scaled RoPE)"])
+    ang, d = torch.atan2(s[1], c[1]), c.shape[-1]
+    if torch.allclose(ang[: d // 2], ang[d // 2 :], atol=1e-6):
+        style, inv = RopeStyle.HALF, ang[: d // 2]
+    elif torch.allclose(ang[0::2], ang[1::2], atol=1e-6):
+        style, inv = RopeStyle.INTERLEAVED, ang[0::2]
+    else:
+        raise PortError([f"layer {layer}: a RoPE layout that is neither halves nor interleaved pairs"])
+    return RopeReading(_theta(inv, d, layer, known), style, d)
+
+
+def _reaches(g: Graph, a: int, b: int) -> bool:
+    return a == b or g.feeds(a, b)
+
+
+def _theta(inv: Tensor, d: int, layer: int, known: tuple[float, ...]) -> float:
+    k = torch.arange(len(inv), dtype=torch.float64)
+    if len(inv) < 2 or abs(float(inv[0]) - 1) > 1e-6 or bool((inv <= 0).any()):
+        raise PortError([f"layer {layer}: RoPE frequencies that are not theta ** (-2i/d) (scaled RoPE)"])
+    log_theta = float(-(torch.log(inv[1:]) * d / (2 * k[1:])).mean())
+    fit = torch.exp(-2 * k / d * log_theta)
+    if float(((fit - inv) / inv).abs().max()) > 1e-4:
+        raise PortError([f"layer {layer}: RoPE frequencies that are not theta ** (-2i/d) (scaled RoPE)"])
+    theta = math.exp(log_theta)
+    exact = [t for t in known if t > 0 and abs(t / theta - 1) < 1e-3]
+    return float(exact[0]) if exact else float(f"{theta:.5g}")
+
+
+def branch_scale(g: Graph, branch: int, stops: set[int]) -> tuple[float, int, int | None]:
+    """Constant multipliers on a branch before its residual add, the node they scale, and the parameter node of a
+    learned per-channel multiplier (LayerScale) there, if any (walking back until a norm's output, ``stops``)."""
+    cur, scale, learned = branch, 1.0, None
+    while cur not in stops:
+        n = g.nodes[cur]
+        if n.op in CASTS and n.inputs:
+            cur = strip(g, cur)
+        elif (sm := scalar_mul(g, n)) is not None:
+            scale, cur = scale * sm[1], sm[0]
+        elif (lm := learned_mul(g, n)) is not None and learned is None:
+            learned = next(strip(g, i, SHAPE_ONLY) for i in n.inputs if i != lm[0])
+            cur = lm[0]
+        else:
+            break
+    return scale, cur, learned
+
+
+def logit_ends(g: Graph, head: Proj) -> tuple[float, float | None]:
+    """(constant scale, tanh soft-cap) between the head projection and the logits."""
+    out = g.outputs[0] if g.outputs else head.output
+    cur, scale, cap = head.output, 1.0, None
+    while cur != out:
+        nxt = [u for u in g.users(cur) if u.idx == out or g.feeds(u.idx, out)]
+        if len(nxt) != 1:
+            raise PortError(["the logits branch after the head projection"])
+        u = nxt[0]
+        sm = scalar_mul(g, u)
+        if sm is not None and sm[0] == cur:
+            if cap is None:
+                scale *= sm[1]
+        elif u.op == "tanh":
+            pre = scalar_mul(g, g.nodes[u.inputs[0]])
+            cap = 1.0 / pre[1] if pre is not None else None
+            if cap is None:
+                raise PortError(["a tanh on the logits that is not a c * tanh(x / c) soft-cap"])
+            scale /= pre[1] if pre is not None else 1.0  # the 1/c before the tanh is the cap's, not a logit scale
+        elif not (u.op in SHAPE_ONLY or u.op in SPLITS):
+            raise PortError([f"an op ({u.op}) between the head projection and the logits"])
+        cur = u.idx
+    return scale, cap
