@@ -133,7 +133,7 @@ def test_placements_are_the_presets_values(server: Any) -> None:
         assert p["attn"]["slots"] == list(value.attn.slots) and p["ffn"]["kind"] == value.ffn.kind.value
         assert p["parallel"] == value.parallel and p["residual_alpha"] == value.residual_alpha
     pre = next(p for p in doc["placements"] if p["preset"] == "pre_ln")
-    profile = pre["profiles"]["variance-with-depth"]
+    profile = pre["profiles"]["variance-depth"]
     assert profile["columns"] == ["variance"] and len(profile["points"]) == 6
 
 
@@ -146,7 +146,7 @@ def test_models_carry_provenance_per_field(server: Any) -> None:
             if m[field] == "unclear":
                 assert badge == "unclear"
             elif badge is not None:
-                assert badge == {"code": "code", "essay": "guide", "unclear": badge}[m["status"]] or badge == "paper"
+                assert badge == {"code": "code", "essay": "guide", "paper": "paper", "unclear": badge}[m["status"]] or badge == "paper"
     assert any(m["source_link"] for m in doc["models"])
 
 
@@ -161,10 +161,10 @@ def test_experiments_read_the_runners_result_and_serve_its_figures(server: Any) 
     _, _, doc = call(server, "GET", "/api/experiments")
     (result,) = doc["results"]
     assert [e["name"] for e in doc["errors"]] == ["broken"] and "lacks the fields" in doc["errors"][0]["error"]
-    assert set(RESULT_FIELDS) <= set(result) and result["name"] == "variance-with-depth"
+    assert set(RESULT_FIELDS) <= set(result) and result["name"] == "variance-depth"
     status, res, svg = call(server, "GET", result["figures"]["svg"])
     assert status == 200 and res.getheader("Content-Type") == "image/svg+xml" and svg.startswith(b"<?xml")
-    assert call(server, "GET", "/experiments/variance-with-depth/result.json")[0] == 404
+    assert call(server, "GET", "/experiments/variance-depth/result.json")[0] == 404
     assert call(server, "GET", "/experiments/nope/figure.png")[0] == 404
 
 
@@ -323,3 +323,28 @@ def test_serve_prints_its_url_answers_and_exits_0_on_ctrl_c(tmp_path: Path) -> N
             proc.wait()
     with pytest.raises(OSError):  # the port is released
         socket.create_connection(("127.0.0.1", port), timeout=1).close()
+
+
+def test_depth_profiles_read_both_csv_forms() -> None:
+    from normatlas.web.catalog import _add_profile
+
+    out: dict = {}
+    long = {"columns": ["label", "placement", "stage", "depth", "variance"],
+            "rows": [["Pre-LN", "pre_ln", st, str(d), str(v)] for st, v0 in (("init", 1.0), ("trained", 5.0))
+                     for d, v in ((0, v0), (1, v0 + 1))]}  # fmt: skip
+    _add_profile(out, "variance-depth", "variance", long, False)
+    wide = {"columns": ["layer", "post_ln", "pre_ln"], "rows": [["1", "0.5", "2.0"], ["2", "0.6", "1.0"]]}
+    _add_profile(out, "gradient-depth", "per_layer", wide, True)
+    v = out["pre_ln"]["variance-depth"]
+    assert v["columns"] == ["variance (init)", "variance (trained)"] and v["points"] == [[0, 1.0, 5.0], [1, 2.0, 6.0]]
+    assert out["post_ln"]["gradient-depth"]["points"] == [[1, 0.5], [2, 0.6]]
+    assert out["pre_ln"]["gradient-depth"]["columns"] == ["per_layer"]
+
+
+def test_paper_sourced_records_link_their_paper(server: Any) -> None:
+    _, _, doc = call(server, "GET", "/api/models")
+    cited = [m for m in doc["models"] if m["status"] == "paper"]
+    assert cited, "the matrix has records sourced from a paper"
+    for m in cited:
+        assert m["source_link"] and m["source_link"].startswith("https://"), m["name"]
+        assert "paper" in m["provenance"].values()

@@ -178,7 +178,7 @@ def test_papers_search_and_links(site: dict[str, Any]) -> None:
 def test_placements_and_experiments_draw_the_measured_profile(site: dict[str, Any]) -> None:
     page = _open(site, "placements")
     assert page.locator("article.placement svg.diagram").count() >= 14
-    assert page.locator("#placement-pre_ln svg.chart").count() == 1  # the fixture's variance-with-depth series
+    assert page.locator("#placement-pre_ln svg.chart").count() == 1  # the fixture's variance-depth series
     page = _open(site, "experiments")
     page.wait_for_function("() => document.querySelector('img.figure')?.complete", timeout=5000)
     assert page.evaluate("document.querySelector('img.figure').naturalWidth") > 0

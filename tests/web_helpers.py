@@ -57,7 +57,7 @@ def _depth_run(ctx: RunContext) -> Outcome:
 
 
 DEPTH_EXPERIMENT = Experiment(
-    name="variance-with-depth",
+    name="variance-depth",
     number=1,
     title="stream variance by depth",
     claim="Pre-LN's residual stream grows with depth; Post-LN's stays at one",
@@ -72,5 +72,5 @@ DEPTH_EXPERIMENT = Experiment(
 
 
 def write_experiments(out: Path) -> dict[str, Any]:
-    """``out/variance-with-depth/`` written by the real runner from the tiny experiment above."""
+    """``out/variance-depth/`` written by the real runner from the tiny experiment above."""
     return run_experiment(DEPTH_EXPERIMENT, out, quick=True, seed=0)

@@ -55,12 +55,12 @@ def run(ctx: RunContext) -> Outcome:
     g = {n: growth(var[n]["trained"]) for n in PLACEMENTS}
     holds = g["Pre-LN"] > g["LNS"] and g["Pre-LN"] > g["Peri-LN"] and g["Post-LN"] < g["Pre-LN"] > g["DeepNorm"]
     rows = [
-        (name, stage, layer, v)
+        (name, placement(name, n_layers).name, stage, layer, v)
         for name in PLACEMENTS
         for stage in ("init", "trained")
         for layer, v in enumerate(var[name][stage])
-    ]
-    series = {"variance": Series(("placement", "stage", "depth", "variance"), rows)}
+    ]  # the placement column is the preset's own name (the web atlas draws each profile beside its diagram)
+    series = {"variance": Series(("label", "placement", "stage", "depth", "variance"), rows)}
     notes = (
         f"{n_layers} layers, d_model {d_model}, byte LM on the stdlib sources, AdamW lr {cfg.lr} (warm-up "
         f"{cfg.warmup}), {cfg.steps} steps of {cfg.batch}x{cfg.seq} bytes, LayerNorm in every slot. 'growth' = "

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from ..atlas import MODEL_FIELDS, UNCLEAR, models
-from ..atlas.papers import PAPER_GROUPS, paper_row, papers
+from ..atlas.papers import PAPER_GROUPS, paper, paper_link, paper_row, papers
 from ..blocks import PRESETS, Placement, Sublayer
 from ..experiments.runner import RESULT_FIELDS, load_result
 
@@ -34,7 +34,7 @@ __all__ = [
 ]
 
 #: the experiments whose per-depth series the Placements page draws beside each scheme
-PROFILE_EXPERIMENTS = ("variance-with-depth", "gradients-with-depth")
+PROFILE_EXPERIMENTS = ("variance-depth", "gradient-depth")
 #: the record fields that state a design choice, each given a provenance badge
 DESIGN_FIELDS = (
     "operator",
@@ -45,7 +45,8 @@ DESIGN_FIELDS = (
     "vision_tower_norm",
     "connector_norm",
 )
-_STATUS_BADGE = {"code": "code", "essay": "guide", UNCLEAR: "unclear"}
+_STATUS_BADGE = {"code": "code", "paper": "paper", "essay": "guide", UNCLEAR: "unclear"}
+_PAPER_SOURCE = re.compile(r"\bpaper:\s*([a-z0-9_]+)")
 _TRANSFORMERS_FILE = re.compile(r"transformers (models/[\w/]+\.py)")
 NAME = re.compile(r"[a-z0-9][a-z0-9-]{0,63}")
 MAX_SERIES_ROWS = 2000
@@ -97,6 +98,12 @@ def _provenance(rec: dict[str, Any]) -> dict[str, str | None]:
 
 
 def _source_link(source: str) -> str | None:
+    cited = _PAPER_SOURCE.search(source)
+    if cited is not None:
+        try:
+            return paper_link(paper(cited.group(1)))
+        except (KeyError, ValueError):
+            return None
     match = _TRANSFORMERS_FILE.search(source)
     if match is None:
         return None
@@ -184,20 +191,50 @@ def _profiles(root: Path | None) -> dict[str, dict[str, Any]]:
     return out
 
 
+def _number(v: Any) -> float | None:
+    try:
+        return float(v)
+    except (TypeError, ValueError):
+        return None
+
+
 def _add_profile(out: dict[str, dict[str, Any]], exp: str, key: str, table: dict[str, Any], holds: bool) -> None:
-    cols = table["columns"]
+    """One CSV of a profile experiment into ``out[placement][exp]`` as ``points`` rows ``[x, y per column]``.
+
+    Long form: a ``placement`` column (the preset's name), a ``layer`` / ``depth`` column, numeric value columns,
+    and optional text columns (``stage``: init / trained) that qualify each value column (``variance
+    (trained)``); a ``label`` column is ignored. Wide form: a ``layer`` / ``depth`` column and one value column
+    per preset name (``pre_ln``, ``post_ln``)."""
+    cols, rows = table["columns"], table["rows"]
     x_col = next((c for c in ("layer", "depth") if c in cols), None)
-    if "placement" not in cols or x_col is None:
+    if x_col is None:
         return
-    pi, xi = cols.index("placement"), cols.index(x_col)
-    values = [c for i, c in enumerate(cols) if i not in (pi, xi)]
-    for row in table["rows"]:
-        try:
-            x = float(row[xi])
-            ys = [float(row[cols.index(c)]) for c in values]
-        except (ValueError, IndexError):
-            continue
-        entry = out.setdefault(row[pi], {}).setdefault(
-            exp, {"series": key, "x": x_col, "columns": values, "points": [], "holds": holds}
-        )
-        entry["points"].append([x, *ys])
+    xi = cols.index(x_col)
+    found: dict[str, dict[str, dict[float, float]]] = {}  # placement -> column -> x -> y
+
+    def add(placement: str, column: str, x: Any, y: Any) -> None:
+        xv, yv = _number(x), _number(y)
+        if xv is not None and yv is not None:
+            found.setdefault(placement, {}).setdefault(column, {})[xv] = yv
+
+    if "placement" not in cols:
+        for ci, c in enumerate(cols):
+            if c in PRESETS:
+                for r in rows:
+                    add(c, key, r[xi], r[ci])
+    else:
+        pi = cols.index("placement")
+        rest = [i for i in range(len(cols)) if i not in (pi, xi) and cols[i] != "label"]
+        text = [i for i in rest if any(_number(r[i]) is None for r in rows)]
+        for r in rows:
+            tag = ", ".join(str(r[i]) for i in text)
+            for i in rest:
+                if i not in text:
+                    add(str(r[pi]), f"{cols[i]} ({tag})" if tag else cols[i], r[xi], r[i])
+    for placement, series in found.items():
+        columns = list(series)
+        xs = sorted(set.intersection(*(set(v) for v in series.values())))
+        points = [[x, *(series[c][x] for c in columns)] for x in xs]
+        out.setdefault(placement, {})[exp] = {
+            "series": key, "x": x_col, "columns": columns, "points": points, "holds": holds,
+        }  # fmt: skip

@@ -114,7 +114,7 @@ function card(p) {
       ? h("div", {class: "profiles"}, profiles.map(([exp, prof]) => h("figure", {},
         lineChart(prof.points, prof.columns, exp),
         h("figcaption", {}, `${exp} (${prof.series}.csv); claim ${prof.holds ? "holds" : "does not hold"}`))))
-      : h("p", {class: "muted small"}, "no depth profile measured (run the variance-with-depth / gradients-with-depth experiments)"),
+      : h("p", {class: "muted small"}, "no depth profile measured (run the variance-depth / gradient-depth experiments)"),
     h("details", {}, h("summary", {}, "docstring"), h("pre", {class: "doc"}, p.doc)));
 }
 
