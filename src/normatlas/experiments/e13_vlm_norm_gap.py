@@ -119,7 +119,7 @@ def run(ctx: RunContext) -> Outcome:
     data = ByteBatches(stdlib_bytes(ctx.size(1_000_000, 200_000)), ctx.seed)
     model = tiny_lm(pre_ln(), RMSNorm, n_layers=4, d_model=D, seed=ctx.seed)
     ctx.progress("training the tiny LM")
-    train_lm(model, data, TrainConfig(steps=ctx.size(200, 15)))
+    train_lm(model, data, TrainConfig(steps=ctx.size(150, 15)))
     model.eval()
     vision, ids, t = _inputs(model, data, gen)
     conn = ConnectorNorm.from_embedding(model.embed)
@@ -149,7 +149,7 @@ def run(ctx: RunContext) -> Outcome:
         figure=_figure(norms, angles, rot, t, grads),
         notes="The vision stream is synthetic (random Gaussian directions at 30-70x the mean text-embedding norm), "
               "not a real vision tower; text is real held-out stdlib bytes. The LM: 4 layers, d_model 64, RMSNorm "
-              f"Pre-LN, trained {ctx.size(200, 15)} steps. Gradients: cross-entropy on the text positions, through "
+              f"Pre-LN, trained {ctx.size(150, 15)} steps. Gradients: cross-entropy on the text positions, through "
               "ConnectorNorm with and without its 1/mean(gain) backward rescale.",
     )  # fmt: skip
 
