@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib
 import os
 import re
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -123,7 +124,7 @@ def run(ctx: RunContext) -> Outcome:
     clouds = []
     for k, (x, eps) in enumerate(inputs[-DEEP:]):
         y = (x - x.mean(-1, keepdim=True)) / torch.sqrt(x.var(-1, unbiased=False, keepdim=True) + eps)
-        fit = fit_tanh(x.flatten(), y.flatten())
+        fit: dict[str, Any] = dict(fit_tanh(x.flatten(), y.flatten()))
         fit["label"] = f"LayerNorm {len(inputs) - DEEP + k + 1} of {len(inputs)}"
         clouds.append((x.flatten(), y.flatten(), fit))
     data = ByteBatches(stdlib_bytes(ctx.size(1_000_000, 200_000)), ctx.seed)

@@ -95,7 +95,7 @@ def _sweep(batches: tuple[int, ...], epochs: int, data: tuple[Tensor, ...], ctx:
     xtr, ytr, xte, yte = data
     shifted = SHIFT[0] * xte + SHIFT[1]
     acc: dict[str, dict[int, tuple[float, float]]] = {}
-    kept: dict[str, nn.Module] = {}
+    kept: dict[str, nn.Sequential] = {}
     for name, norm in [*NORMS.items(), GHOST]:
         sizes = batches if name != GHOST[0] else tuple(b for b in batches if b >= 16)
         acc[name] = {}
@@ -108,7 +108,7 @@ def _sweep(batches: tuple[int, ...], epochs: int, data: tuple[Tensor, ...], ctx:
     return {"acc": acc, "kept": kept}
 
 
-def _finetune(base: nn.Module, data: tuple[Tensor, ...], steps_epochs: int, ctx: RunContext) -> dict[str, float]:
+def _finetune(base: nn.Sequential, data: tuple[Tensor, ...], steps_epochs: int, ctx: RunContext) -> dict[str, float]:
     """The largest-batch BN model fine-tuned at batch 2: live BN against Frozen BN (test accuracy after)."""
     import copy
 
