@@ -99,7 +99,7 @@ def _figure(op_rows: list[tuple], curves: dict[str, list[float]], lm: dict[str, 
 def run(ctx: RunContext) -> Outcome:
     widths = (256, 1024) if ctx.quick else (256, 1024, 4096, 8192)
     ctx.progress("timing the norm ops")
-    op_rows = time_ops(widths, ctx.size(1 << 20, 1 << 16), ctx.size(41, 9), ctx.generator())
+    op_rows = time_ops(widths, ctx.size(1 << 20, 1 << 16), ctx.size(15, 9), ctx.generator())
     data = ByteBatches(stdlib_bytes(ctx.size(1_000_000, 200_000)), ctx.seed)
     steps = ctx.size(200, 20)
     lm, curves = {}, {}
@@ -144,7 +144,7 @@ EXPERIMENT = Experiment(
     "with quality comparable to LayerNorm; the figure is whole-model running time, not the norm op alone.",
     expected=f"normatlas RMSNorm / LayerNorm fwd+bwd time < 1 at the largest width; |held-out loss gap| < "
     f"{QUALITY_MARGIN:.0%} of LayerNorm's at equal steps",
-    estimate_s=60.0,
+    estimate_s=15.0,
     quick_estimate_s=4.0,
     run=run,
 )

@@ -98,7 +98,8 @@ def _figure(x3: Tensor, angles: dict[str, dict[str, Tensor]], d: int) -> object:
     ):  # fmt: skip
         target = "1" if key == "ones" else "x̂"
         label = f"{'upstream g' if src == 'upstream' else src + ' ∂L/∂x'} vs {target}"
-        ax.hist(angles[src][key].abs().clamp(min=1e-17).log10().numpy(), bins=bins, histtype="step", linestyle=style[1:], color=style[0], label=label)
+        logcos = angles[src][key].abs().clamp(min=1e-17).log10().numpy()
+        ax.hist(logcos, bins=bins, histtype="step", linestyle=style[1:], color=style[0], label=label)
     ax.set(xlabel="log10 |cos(angle)|  (0 = parallel, -16 = orthogonal to float64 rounding)", ylabel="tokens",
            title=f"input gradient vs 1 and x̂ at D = {d} (float64 autograd)")  # fmt: skip
     ax.legend(fontsize=7)
@@ -160,7 +161,7 @@ EXPERIMENT = Experiment(
     expected=f"radius error < {RADIUS_TOL:g} for both; LayerNorm |cos(y, 1)| < {PLANE_TOL:g}; |angle - 90 deg| < "
     f"{ANGLE_TOL_DEG:g} deg for LN grad vs 1 and x-hat and RMS grad vs x-hat; RMS grad keeps a ones-component: mean "
     f"|cos(grad, 1)| > {RMS_ONES_MIN_SHARE:g} x the upstream gradient's",
-    estimate_s=3.0,
+    estimate_s=1.0,
     quick_estimate_s=1.5,
     run=run,
 )
