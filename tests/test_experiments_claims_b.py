@@ -1,0 +1,117 @@
+"""Experiments 8-14 in quick mode: each claim's direction where it is robust at quick scale, and otherwise what
+the physics requires of the measured numbers (finite, ordered, in range). Full-mode verdicts are in
+docs/experiments_b.md; these tests never assert a full-mode conclusion."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from normatlas.experiments.base import RunContext
+from normatlas.experiments.e08_output_norm_warning import EXPERIMENT as E08
+from normatlas.experiments.e08_output_norm_warning import spike_step
+from normatlas.experiments.e09_dyt_s_curve import EXPERIMENT as E09
+from normatlas.experiments.e09_dyt_s_curve import fit_tanh
+from normatlas.experiments.e10_batchnorm_failures import EXPERIMENT as E10
+from normatlas.experiments.e10_batchnorm_failures import mean_variance
+from normatlas.experiments.e11_rmsnorm_vs_layernorm import EXPERIMENT as E11
+from normatlas.experiments.e12_geometry import EXPERIMENT as E12
+from normatlas.experiments.e13_vlm_norm_gap import EXPERIMENT as E13
+from normatlas.experiments.e13_vlm_norm_gap import rotation_by_norm
+from normatlas.experiments.e14_bf16_headroom import EXPERIMENT as E14
+from normatlas.experiments.e14_bf16_headroom import op_errors
+from normatlas.experiments.runner import run_experiment
+
+
+def _quick(exp, tmp_path):  # type: ignore[no-untyped-def]
+    record = run_experiment(exp, tmp_path, quick=True, seed=0)
+    assert (tmp_path / exp.name / "figure.png").stat().st_size > 10_000
+    return record["measured"], record["holds"]
+
+
+# ---------------------------------------------------------------- helpers, exact and fast
+def test_spike_step_finds_the_first_jump_after_the_burn_in() -> None:
+    losses = [5.0] * 10 + [3.0] * 50 + [4.5] + [3.0] * 5
+    assert spike_step(losses, start=20, nats=1.0) == 60
+    assert spike_step(losses[:60], start=20, nats=1.0) is None
+    assert spike_step([3.0] * 30 + [math.nan], start=20) == 30
+
+
+def test_fit_tanh_recovers_a_tanh_and_prefers_it_to_a_line() -> None:
+    x = torch.linspace(-10, 10, 2001, dtype=torch.float64)
+    fit = fit_tanh(x, 2.0 * torch.tanh(0.5 * x))
+    assert fit["r2_tanh"] > 0.9999 > fit["r2_line"]
+    assert fit["alpha"] == pytest.approx(0.5, rel=0.05) and fit["a"] == pytest.approx(2.0, rel=0.05)
+
+
+def test_the_batch_mean_variance_falls_as_one_over_n() -> None:
+    x = torch.rand(4000, 1, 8, 8, generator=torch.Generator().manual_seed(0))
+    var = mean_variance(x, (4, 64), torch.Generator().manual_seed(1), draws=400)
+    assert 8 < var[0] / var[1] < 32  # 1/N predicts 16
+
+
+def test_a_fixed_update_rotates_short_vectors_more() -> None:
+    norms = torch.tensor([0.5, 5.0, 50.0], dtype=torch.float64)
+    angles = rotation_by_norm(norms, torch.Generator().manual_seed(0))
+    assert angles[0] > angles[1] > angles[2]
+    assert float(angles[2]) == pytest.approx(math.degrees(math.atan(1 / 50)), rel=0.05)
+
+
+def test_bf16_statistics_are_less_exact_than_fp32_statistics() -> None:
+    errs = op_errors(torch.Generator().manual_seed(0), tokens=4)
+    assert errs["bf16_stats"] > 2 * errs["fp32_stats"]
+
+
+# ---------------------------------------------------------------- the experiments in quick mode
+def test_e12_geometry_holds_in_quick_mode(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    m, holds = _quick(E12, tmp_path)
+    assert holds  # exact identities: they hold at any scale
+    assert m["ln_max_cos_y_ones"] < 1e-12 < m["rms_min_over_D_of_max_cos_y_ones"]
+
+
+def test_e13_vlm_gap_in_quick_mode(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    m, _ = _quick(E13, tmp_path)
+    # robust at any training length: long vision tokens rotate less, the connector narrows the gap,
+    # and the 1/g rescale is exact
+    assert m["text_over_vision_rotation_no_connector"] > 5 * m["text_over_vision_rotation_connector"]
+    assert m["grad_ratio_not_rescaled_over_rescaled"] == pytest.approx(m["connector_gain"], rel=1e-3)
+
+
+def test_e08_output_norm_in_quick_mode(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    m, _ = _quick(E08, tmp_path)
+    # quick mode is too short for a divergence; robust: the high-LR run's output norm exceeds the control's
+    assert m["max_output_norm"] > m["control_max_output_norm"] > 0
+
+
+def test_e11_rmsnorm_vs_layernorm_in_quick_mode(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    m, _ = _quick(E11, tmp_path)
+    # timings under a shared CPU are not robust in quick mode: only that they were measured
+    assert all(0 < v < 10 for v in m["op_ratio_rms_over_ln_normatlas"].values())
+    assert all(math.isfinite(v) and 0 < v < 6 for v in m["held_out_loss"].values())
+
+
+def test_e14_bf16_in_quick_mode(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    m, _ = _quick(E14, tmp_path)
+    errs = m["op_token_scale_max_rel_error"]
+    assert errs["bf16_stats"] > 2 * errs["fp32_stats"]  # the op's precision: robust at any scale
+    assert m["bf16_headroom_log2"]["Pre-LN"] > 100  # a tiny LM sits far below bf16's max (2^127)
+
+
+def test_e10_batchnorm_in_quick_mode(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    m, _ = _quick(E10, tmp_path)
+    assert -1.3 < m["variance_slope_loglog"] < -0.7  # the estimator: robust
+    assert all(0 <= v <= 1 for per in m["accuracy"].values() for v in per.values())
+
+
+def test_e09_dyt_in_quick_mode(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    m, _ = _quick(E09, tmp_path)
+    # the S-curve of the deepest LayerNorm (the model's last) is a property of the trained weights: robust
+    last = m["deep_layernorms"][-1]
+    assert last["r2_tanh"] > last["r2_line"]
+    assert all(math.isfinite(v) for v in m["held_out_loss"].values())
+
+
+def test_run_contexts_size_by_mode() -> None:
+    assert RunContext(quick=True, seed=0).size(300, 20) == 20
