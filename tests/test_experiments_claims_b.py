@@ -1,6 +1,6 @@
 """Experiments 8-14 in quick mode: each claim's direction where it is robust at quick scale, and otherwise what
 the physics requires of the measured numbers (finite, ordered, in range). Full-mode verdicts are in
-docs/experiments_b.md; these tests never assert a full-mode conclusion."""
+docs/experiments.md; these tests never assert a full-mode conclusion."""
 
 from __future__ import annotations
 
