@@ -50,6 +50,12 @@ demo: setup-test kernels
 	@echo "== 6. surgery: which norms of the real MiniLM fold LayerNorm -> RMSNorm exactly, proven on probes"
 	@echo "normatlas convert ln-rms --dry-run MINILM"
 	@HF_HUB_OFFLINE=1 $(BIN)/normatlas convert ln-rms --dry-run $(MINILM)
+	@echo "== 7. port a decoder into our one Block from its dataflow (no key map), checked against transformers"
+	HF_HUB_OFFLINE=1 $(BIN)/normatlas port mistral --check
+	@echo "== 8. three of the guide's claims measured, with figures (all fourteen: normatlas experiments run all)"
+	HF_HUB_OFFLINE=1 $(BIN)/normatlas experiments run scale-invariance geometry vlm-norm-gap --out /tmp/demo-out/experiments
+	$(BIN)/normatlas experiments report --out /tmp/demo-out/experiments
+	@echo "== the atlas as a local page: normatlas serve --experiments /tmp/demo-out/experiments"
 
 lint: setup-test
 	$(BIN)/ruff check src tests benchmarks
