@@ -146,7 +146,10 @@ def test_models_carry_provenance_per_field(server: Any) -> None:
             if m[field] == "unclear":
                 assert badge == "unclear"
             elif badge is not None:
-                assert badge == {"code": "code", "essay": "guide", "paper": "paper", "unclear": badge}[m["status"]] or badge == "paper"
+                assert (
+                    badge == {"code": "code", "essay": "guide", "paper": "paper", "unclear": badge}[m["status"]]
+                    or badge == "paper"
+                )
     assert any(m["source_link"] for m in doc["models"])
 
 
