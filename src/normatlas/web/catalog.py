@@ -164,6 +164,7 @@ def experiments_view(root: Path | None) -> dict[str, Any]:
             if (folder / f"figure.{ext}").is_file()
         }
         results.append({k: rec[k] for k in RESULT_FIELDS} | {"figures": figures, "series": _series(folder, files)})
+    results.sort(key=lambda r: (r["number"] if isinstance(r["number"], int) else 1 << 30, r["name"]))
     return {
         "folder": str(root) if root is not None else None,
         "fields": list(RESULT_FIELDS),
@@ -235,6 +236,6 @@ def _add_profile(out: dict[str, dict[str, Any]], exp: str, key: str, table: dict
         columns = list(series)
         xs = sorted(set.intersection(*(set(v) for v in series.values())))
         points = [[x, *(series[c][x] for c in columns)] for x in xs]
-        out.setdefault(placement, {})[exp] = {
+        out.setdefault(placement, {}).setdefault(exp, {  # an experiment's first profile CSV is its drawing
             "series": key, "x": x_col, "columns": columns, "points": points, "holds": holds,
-        }  # fmt: skip
+        })  # fmt: skip

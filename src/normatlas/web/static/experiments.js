@@ -15,12 +15,19 @@ export async function render(root) {
   }
   mount(root, head,
     data.errors.length ? status(`unreadable results: ${data.errors.map((e) => e.name).join(", ")}`, "error") : null,
-    h("div", {class: "cards wide"}, data.results.map(card)));
+    h("div", {class: "cards wide"}, [...data.results].sort((a, b) => a.number - b.number).map(card)));
+}
+
+// a measured value: a number, a list, or a table of named values (nested one level more at most)
+function value(v) {
+  if (Array.isArray(v)) return v.map(value).join(", ");
+  if (v !== null && typeof v === "object") return Object.entries(v).map(([k, x]) => `${k}: ${value(x)}`).join("; ");
+  return fmt(v);
 }
 
 function card(r) {
   const measured = Object.entries(r.measured || {}).map(([k, v]) => h("tr", {}, h("th", {scope: "row"}, k),
-    h("td", {}, Array.isArray(v) ? v.map(fmt).join(", ") : fmt(v))));
+    h("td", {}, value(v))));
   const fig = r.figures.svg || r.figures.png;
   return h("article", {class: "card experiment", id: `exp-${r.name}`},
     h("div", {class: "panel-head"}, h("h2", {}, `${r.number}. ${r.title}`),

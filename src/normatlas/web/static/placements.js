@@ -86,19 +86,26 @@ function sublayer(items, x0, names, p) {
   return {x: x + 14};
 }
 
+// values spanning more than 100x (all positive) are drawn on a log scale, said on the axis
 function lineChart(points, columns, title) {
-  const W = 260, H = 130, pad = {l: 40, r: 8, t: 18, b: 24};
+  const W = 260, H = 130 + 12 * columns.length, pad = {l: 40, r: 8, t: 18 + 12 * columns.length, b: 24};
   const xs = points.map((q) => q[0]);
   const ys = points.flatMap((q) => q.slice(1));
-  const [x0, x1] = [Math.min(...xs), Math.max(...xs)], [y0, y1] = [Math.min(...ys), Math.max(...ys)];
+  const log = ys.every((v) => v > 0) && Math.max(...ys) / Math.min(...ys) > 100;
+  const f = log ? Math.log10 : (v) => v;
+  const [x0, x1] = [Math.min(...xs), Math.max(...xs)], [y0, y1] = [Math.min(...ys.map(f)), Math.max(...ys.map(f))];
   const X = (v) => pad.l + ((v - x0) / (x1 - x0 || 1)) * (W - pad.l - pad.r);
-  const Y = (v) => pad.t + (1 - (v - y0) / (y1 - y0 || 1)) * (H - pad.t - pad.b);
+  const Y = (v) => pad.t + (1 - (f(v) - y0) / (y1 - y0 || 1)) * (H - pad.t - pad.b);
   const lines = columns.map((c, i) => s("polyline", {class: `series s${i % 4}`,
     points: points.map((q) => `${X(q[0])},${Y(q[i + 1])}`).join(" ")}));
-  return s("svg", {viewBox: `0 0 ${W} ${H}`, class: "chart", role: "img", "aria-label": title},
-    s("text", {x: pad.l, y: 12, class: "hist-title"}, `${title}: ${columns.join(", ")}`), ...lines,
-    s("text", {x: pad.l - 4, y: pad.t + 6, class: "tick end"}, fmt(y1)),
-    s("text", {x: pad.l - 4, y: H - pad.b, class: "tick end"}, fmt(y0)),
+  const keys = columns.map((c, i) => s("g", {},
+    s("line", {x1: pad.l, x2: pad.l + 14, y1: 20 + 12 * i, y2: 20 + 12 * i, class: `series s${i % 4}`}),
+    s("text", {x: pad.l + 18, y: 23 + 12 * i, class: "tick"}, c)));
+  const top = log ? 10 ** y1 : y1, bottom = log ? 10 ** y0 : y0;
+  return s("svg", {viewBox: `0 0 ${W} ${H}`, class: "chart", role: "img", "aria-label": `${title}: ${columns.join(", ")}`},
+    s("text", {x: pad.l, y: 10, class: "hist-title"}, `${title}${log ? " (log scale)" : ""}`), ...keys, ...lines,
+    s("text", {x: pad.l - 4, y: pad.t + 6, class: "tick end"}, fmt(top)),
+    s("text", {x: pad.l - 4, y: H - pad.b, class: "tick end"}, fmt(bottom)),
     s("text", {x: pad.l, y: H - 6, class: "tick"}, fmt(x0)),
     s("text", {x: W - pad.r, y: H - 6, class: "tick end"}, `${fmt(x1)} (layer)`));
 }
