@@ -14,12 +14,13 @@ from __future__ import annotations
 import argparse
 import csv
 import json
-import multiprocessing as mp
 import time
 import warnings
 from collections import Counter
 from pathlib import Path
 from typing import Any
+
+from normatlas.inspect.sweep import run_isolated
 
 COLUMNS = ["model", "status", "placement", "max_abs_diff", "reason", "seconds"]
 
@@ -55,23 +56,9 @@ def one(mt: str) -> dict[str, Any]:
     return row
 
 
-def _child(mt: str, conn: Any) -> None:
-    conn.send(one(mt))
-    conn.close()
-
-
 def isolated(mt: str, timeout: float) -> dict[str, Any]:
-    ctx = mp.get_context("fork")
-    recv, send = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=_child, args=(mt, send), daemon=True)
-    proc.start()
-    send.close()
-    row = recv.recv() if recv.poll(timeout) else None
-    proc.join(1)
-    if proc.is_alive():
-        proc.kill()
-        proc.join()
-    return row or {"model": mt, "status": "error", "reason": f"timed out after {timeout:.0f} s"}
+    row, why = run_isolated(one, mt, timeout)
+    return row or {"model": mt, "status": "error", "reason": why}
 
 
 def reason_group(reason: str) -> str:

@@ -77,21 +77,25 @@ def _one(mt: str) -> dict[str, Any]:
     return row
 
 
-def _child(mt: str, conn: Any) -> None:
+def _child(fn: Callable[[str], dict[str, Any]], mt: str, conn: Any) -> None:
     import torch
 
     torch.set_num_threads(1)
-    conn.send(_one(mt))
+    conn.send(fn(mt))
     conn.close()
 
 
-def _isolated(mt: str, timeout: float) -> dict[str, Any]:
-    """Run one architecture in a forked process, killed after ``timeout`` seconds."""
+def run_isolated(
+    fn: Callable[[str], dict[str, Any]], mt: str, timeout: float
+) -> tuple[dict[str, Any] | None, str]:  # fmt: skip
+    """``fn(mt)`` in a forked process (one intra-op thread), killed after ``timeout`` seconds: its row, or None
+    and why there is none (timed out, or the child's exit code). A sweep's unit of isolation: one architecture
+    that hangs or crashes the interpreter costs its own row only."""
     import multiprocessing as mp
 
     ctx = mp.get_context("fork")
     recv, send = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=_child, args=(mt, send), daemon=True)
+    proc = ctx.Process(target=_child, args=(fn, mt, send), daemon=True)
     proc.start()
     send.close()
     row = recv.recv() if recv.poll(timeout) else None
@@ -99,10 +103,14 @@ def _isolated(mt: str, timeout: float) -> dict[str, Any]:
     if proc.is_alive():
         proc.kill()
         proc.join()
-    if row is None:
-        reason = f"timed out after {timeout:.0f} s" if proc.exitcode in (None, -9) else f"exit code {proc.exitcode}"
-        row = {c: None for c in COLUMNS} | {"model": mt, "error": f"Timeout: {reason}"}
-    return row
+    reason = f"timed out after {timeout:.0f} s" if proc.exitcode in (None, -9) else f"exit code {proc.exitcode}"
+    return row, reason
+
+
+def _isolated(mt: str, timeout: float) -> dict[str, Any]:
+    """Run one architecture in a forked process, killed after ``timeout`` seconds."""
+    row, reason = run_isolated(_one, mt, timeout)
+    return row if row is not None else {c: None for c in COLUMNS} | {"model": mt, "error": f"Timeout: {reason}"}
 
 
 def sweep(
