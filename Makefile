@@ -53,9 +53,9 @@ demo: setup-test kernels
 	@echo "== 7. port a decoder into our one Block from its dataflow (no key map), checked against transformers"
 	HF_HUB_OFFLINE=1 $(BIN)/normatlas port mistral --check
 	@echo "== 8. three of the guide's claims measured, with figures (all fourteen: normatlas experiments run all)"
-	HF_HUB_OFFLINE=1 $(BIN)/normatlas experiments run scale-invariance geometry vlm-norm-gap --out /tmp/demo-out/experiments
-	$(BIN)/normatlas experiments report --out /tmp/demo-out/experiments
-	@echo "== the atlas as a local page: normatlas serve --experiments /tmp/demo-out/experiments"
+	HF_HUB_OFFLINE=1 $(BIN)/normatlas experiments run scale-invariance geometry vlm-norm-gap --out /tmp/demo-out/exp
+	$(BIN)/normatlas experiments report --out /tmp/demo-out/exp
+	@echo "== the atlas as a local page: normatlas serve --experiments /tmp/demo-out/exp"
 
 lint: setup-test
 	$(BIN)/ruff check src tests benchmarks
