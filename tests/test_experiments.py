@@ -86,6 +86,8 @@ def test_anchor_and_guide_words(name: str) -> None:
 @pytest.mark.parametrize("name", NAMES)
 def test_measured_numbers_are_finite_or_absent(name: str) -> None:
     def scalars(v: object) -> list[object]:
+        if isinstance(v, dict):
+            return [x for item in v.values() for x in scalars(item)]
         return [x for item in v for x in scalars(item)] if isinstance(v, list) else [v]
 
     for key, value in quick_run(name).record["measured"].items():

@@ -197,7 +197,7 @@ EXPERIMENT = Experiment(
     claim="BatchNorm degrades at small batches, because its estimate's variance goes as 1/N, and under a "
     "train/eval distribution shift; GroupNorm and LayerNorm do not; Frozen BN protects a small-batch fine-tune",
     guide_words="1. Small batches. Estimator variance goes as 1/N. Detection and segmentation at batch 2 per GPU is "
-    "where GroupNorm was born. ... 3. Train/eval mismatch. Any distribution shift between training batches and "
+    "where GroupNorm was born. [...] 3. Train/eval mismatch. Any distribution shift between training batches and "
     "inference inputs corrupts running stats.",
     anchor="groupnorm2018",
     anchor_reports="Wu & He report ResNet-50 ImageNet error with BN rising from 23.6% at 32 images per GPU to "

@@ -151,7 +151,7 @@ EXPERIMENT = Experiment(
     claim="LayerNorm's image is a sphere of radius sqrt(D) in the hyperplane orthogonal to 1, RMSNorm's the full "
     "sphere; the input gradient is the upstream gradient projected off 1 and x-hat (RMSNorm: off x-hat only)",
     guide_words="So LayerNorm's image is a sphere of dimension D−2 living inside the hyperplane 1ᵀx = 0; "
-    "RMSNorm's image is the full (D−1)-sphere. ... the incoming gradient gets projected orthogonally to two "
+    "RMSNorm's image is the full (D−1)-sphere. [...] the incoming gradient gets projected orthogonally to two "
     "directions — the all-ones vector 1 (that is the − mean(g) term, removing the component that would only shift "
     "the mean) and the current normalized activation x̂",
     anchor="riechers2024",
