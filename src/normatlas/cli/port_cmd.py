@@ -90,7 +90,9 @@ def _link_rows(p: Any) -> list[dict[str, object]]:
 
 
 def check_rows(hf: Any, ours: Any, seed: int = 5) -> list[dict[str, object]]:
-    """fp32 max abs differences of the logits and of every linked parameter's gradient, on a seeded batch."""
+    """fp32 max abs differences of the logits and of every linked parameter's gradient, on a seeded batch, and the
+    same relative to each reference tensor's largest |value| (the backward seeds every logit, so gradients are
+    large and their fp32 rounding is judged against their own size)."""
     import torch
 
     from ..port import example_batch, to_hf_state_dict
@@ -106,11 +108,15 @@ def check_rows(hf: Any, ours: Any, seed: int = 5) -> list[dict[str, object]]:
     grads = {n: q.grad for n, q in ours.named_parameters(remove_duplicate=False) if q.grad is not None}
     hf_params = dict(hf.named_parameters(remove_duplicate=False))
     mapped = to_hf_state_dict(ours, None, grads)
-    worst = max((float((v - hf_params[k].grad).abs().max()) for k, v in mapped.items()), default=0.0)
+    pairs = [(v, hf_params[k].grad) for k, v in mapped.items()]
+    worst = max((float((v - r).abs().max()) for v, r in pairs), default=0.0)
+    rel = max((float((v - r).abs().max() / r.abs().max().clamp_min(1e-30)) for v, r in pairs), default=0.0)
+    logit_diff = float((ref - got).abs().max())
     return [
-        {"compared": "logits", "tensors": 1, "max_abs_diff": float((ref - got).abs().max())},
-        {"compared": "gradients", "tensors": len(mapped), "max_abs_diff": worst},
-    ]
+        {"compared": "logits", "tensors": 1, "max_abs_diff": logit_diff,
+         "max_rel_diff": logit_diff / max(float(ref.abs().max()), 1e-30)},
+        {"compared": "gradients", "tensors": len(mapped), "max_abs_diff": worst, "max_rel_diff": rel},
+    ]  # fmt: skip
 
 
 def port_cmd(args: argparse.Namespace) -> int:
