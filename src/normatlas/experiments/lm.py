@@ -46,7 +46,8 @@ def tiny_lm(
 
 @dataclass(frozen=True)
 class TrainConfig:
-    """AdamW with linear warm-up then a constant rate (``schedule='constant'``) or cosine decay to 10%."""
+    """AdamW with linear warm-up then a constant rate (``schedule='constant'``) or cosine decay to 10%; ``jump``
+    switches to another rate at a step (a run that settles first and is then pushed too hard)."""
 
     steps: int = 200
     batch: int = 16
@@ -57,6 +58,7 @@ class TrainConfig:
     schedule: str = "constant"
     clip: float | None = 1.0
     betas: tuple[float, float] = (0.9, 0.95)
+    jump: tuple[int, float] | None = None  # (step, lr): from that step on the rate is lr (a late instability)
 
     def __post_init__(self) -> None:
         if self.schedule not in ("constant", "cosine"):
@@ -65,6 +67,8 @@ class TrainConfig:
             raise ValueError(f"steps={self.steps}, batch={self.batch}, seq={self.seq} must be >= 1, 1, 2")
 
     def lr_at(self, step: int) -> float:
+        if self.jump is not None and step >= self.jump[0]:
+            return self.jump[1]
         if step < self.warmup:
             return self.lr * (step + 1) / self.warmup
         if self.schedule == "constant":
