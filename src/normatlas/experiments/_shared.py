@@ -58,6 +58,15 @@ def figure(ncols: int, title: str, caption: str) -> tuple[Any, list[Any]]:
     return fig, list(axes[0])
 
 
+def finish(fig: Any, axes: Any, legend_size: int = 8, ncol: int = 1) -> Any:
+    """Every panel gets its legend and a light grid; the layout is tightened. Returns ``fig``."""
+    for ax in axes:
+        ax.legend(fontsize=legend_size, ncol=ncol)
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    return fig
+
+
 def stream_variance(model: TransformerLM, x: Tensor) -> list[float]:
     """The residual stream's variance (over tokens and features) entering each block and leaving the last."""
     return [float(h.double().var()) for h in residual_stream(model, x)]

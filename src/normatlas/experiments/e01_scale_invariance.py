@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..presets import LayerNorm
-from ._shared import figure, smooth
+from ._shared import figure, finish, smooth
 from .base import Experiment, Outcome, RunContext, Series
 from .data import digits
 
@@ -190,11 +190,7 @@ def _figure(ctx: RunContext, flat: dict[str, list[float]], decay: dict[str, list
     a.set(xlabel="SGD step", ylabel="||W|| (Frobenius)", title="weight norm")
     b.set(xlabel="SGD step", ylabel="eta / ||W||^2", title="effective learning rate", yscale="log")
     c.set(xlabel="SGD step", ylabel="angle W turns per step (rad, smoothed)", title="angular update", yscale="log")
-    for ax in (a, b, c):
-        ax.legend(fontsize=8)
-        ax.grid(alpha=0.3)
-    fig.tight_layout()
-    return fig
+    return finish(fig, (a, b, c))
 
 
 EXPERIMENT = Experiment(

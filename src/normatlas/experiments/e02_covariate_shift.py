@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..longtail import BatchNorm1d
-from ._shared import figure, smooth
+from ._shared import figure, finish, smooth
 from .base import Experiment, Outcome, RunContext, Series
 from .data import digits
 
@@ -176,11 +176,7 @@ def _figure(ctx: RunContext, logs: dict[str, Any], steps: int) -> Any:
     c.set(
         xlabel="SGD step", ylabel="max ||g(w - s g) - g(w)|| / ||s g||", title="effective beta-smoothness", yscale="log"
     )
-    for ax in (a, b, c):
-        ax.legend(fontsize=8)
-        ax.grid(alpha=0.3)
-    fig.tight_layout()
-    return fig
+    return finish(fig, (a, b, c))
 
 
 EXPERIMENT = Experiment(

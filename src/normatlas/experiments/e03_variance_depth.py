@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..blocks import deepnorm, layernorm_scaling, mix_ln, peri_ln, post_ln, pre_ln
-from ._shared import byte_data, figure, stream_variance, trained
+from ._shared import byte_data, figure, finish, stream_variance, trained
 from .base import Experiment, Outcome, RunContext, Series
 from .lm import TrainConfig
 
@@ -82,11 +82,7 @@ def _figure(ctx: RunContext, var: dict[str, dict[str, list[float]]], n_layers: i
         b.plot(depth, var[name]["trained"][1:], "o-", ms=3, color=f"C{i}", label=name)
     a.set(xlabel="block (depth)", ylabel="variance of the residual stream", title="at initialisation", yscale="log")
     b.set(xlabel="block (depth)", ylabel="variance of the residual stream", title="after training", yscale="log")
-    for ax in (a, b):
-        ax.legend(fontsize=8, ncol=2)
-        ax.grid(alpha=0.3)
-    fig.tight_layout()
-    return fig
+    return finish(fig, (a, b), ncol=2)
 
 
 EXPERIMENT = Experiment(

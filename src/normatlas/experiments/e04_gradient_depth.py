@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from ..blocks import Activation, TransformerLM, post_ln, pre_ln
 from ..presets import LayerNorm
-from ._shared import byte_data, figure
+from ._shared import byte_data, figure, finish
 from .base import Experiment, Outcome, RunContext, Series
 from .data import ByteBatches
 from .lm import tiny_lm
@@ -111,11 +111,7 @@ def _figure(ctx: RunContext, profile: dict[str, list[float]], last: dict[str, li
     b.set_yscale("log")
     b.set_xticks(depths, [str(d) for d in depths])
     b.tick_params(axis="x", which="minor", bottom=False, labelbottom=False)
-    for ax in (a, b):
-        ax.legend(fontsize=8)
-        ax.grid(alpha=0.3)
-    fig.tight_layout()
-    return fig
+    return finish(fig, (a, b))
 
 
 EXPERIMENT = Experiment(

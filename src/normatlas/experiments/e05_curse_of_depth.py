@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from ..blocks import layernorm_scaling, peri_ln, pre_ln
-from ._shared import byte_data, figure, trained, without_layer
+from ._shared import byte_data, figure, finish, trained, without_layer
 from .base import Experiment, Outcome, RunContext, Series
 from .lm import TrainConfig, evaluate_lm
 
@@ -80,11 +80,7 @@ def _figure(ctx: RunContext, deltas: dict[str, list[float]], n_layers: int) -> A
         b.plot(layers, [d / total for d in deltas[name]], "o-", ms=3, color=f"C{i}", label=name)
     a.set(xlabel="removed layer", ylabel="held-out loss increase (nats/byte)", title="loss increase")
     b.set(xlabel="removed layer", ylabel="share of the total increase", title="normalised per model")
-    for ax in (a, b):
-        ax.legend(fontsize=8)
-        ax.grid(alpha=0.3)
-    fig.tight_layout()
-    return fig
+    return finish(fig, (a, b))
 
 
 EXPERIMENT = Experiment(

@@ -15,7 +15,7 @@ from torch import nn
 
 from ..blocks import TransformerLM, layernorm_scaling, pre_ln
 from ..presets import LayerNorm
-from ._shared import byte_data, figure, stream_variance
+from ._shared import byte_data, figure, finish, stream_variance
 from .base import Experiment, Outcome, RunContext, Series
 from .lm import TrainConfig, tiny_lm, train_lm
 
@@ -91,11 +91,7 @@ def _figure(ctx: RunContext, runs: dict[str, Any], n_layers: int) -> Any:
         b.plot(range(1, n_layers + 1), cps[-1][1][1:], "-", color=f"C{i}", label=f"{kind}, step {cps[-1][0]}")
     a.set(xlabel="training step", ylabel="variance last block / first block", title="growth over depth", yscale="log")
     b.set(xlabel="block (depth)", ylabel="variance of the residual stream", title="per block", yscale="log")
-    for ax in (a, b):
-        ax.legend(fontsize=7)
-        ax.grid(alpha=0.3)
-    fig.tight_layout()
-    return fig
+    return finish(fig, (a, b), legend_size=7)
 
 
 EXPERIMENT = Experiment(

@@ -17,7 +17,7 @@ from torch import nn
 from ..blocks import QKNormConfig, QKOperator, pre_ln
 from ..diagnostics import Metric, Monitor
 from ..presets import LayerNorm
-from ._shared import byte_data, figure
+from ._shared import byte_data, figure, finish
 from .base import Experiment, Outcome, RunContext, Series
 from .lm import TrainConfig, tiny_lm, train_lm
 
@@ -159,11 +159,7 @@ def _figure(ctx: RunContext, runs: dict[str, list[dict[str, Any]]], lrs: list[fl
     a.set(xlabel="peak learning rate", ylabel="final training loss (nats/byte)", title="LR sweep", xscale="log")
     b.set(xlabel="step", ylabel="largest attention logit (any layer)", title=f"lr {lrs[-1]:g}", yscale="log")
     c.set(xlabel="step", ylabel="lowest normalised head entropy", title=f"lr {lrs[-1]:g}")
-    for ax in (a, b, c):
-        ax.legend(fontsize=7)
-        ax.grid(alpha=0.3)
-    fig.tight_layout()
-    return fig
+    return finish(fig, (a, b, c), legend_size=7)
 
 
 EXPERIMENT = Experiment(
