@@ -22,7 +22,7 @@ import contextlib
 import enum
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -68,19 +68,18 @@ def reduce_partial_grads(model: nn.Module) -> list[str]:
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model={model!r} must be an nn.Module")
-    buckets: dict[tuple[Any, ...], list[tuple[str, DTensor]]] = {}
+    buckets: dict[tuple[Any, ...], list[DTensor]] = {}
     done = []
     for name, p in model.named_parameters():
         g = p.grad
-        if _is_partial(g) and isinstance(p, DTensor):
-            assert isinstance(g, DTensor)
+        if isinstance(g, DTensor) and _is_partial(g) and isinstance(p, DTensor):
             done.append(name)
             if all(isinstance(pl, (Partial, Replicate)) for pl in (*g.placements, *p.placements)):
-                buckets.setdefault((g.device_mesh, g.placements, p.placements, g.dtype), []).append((name, p))
+                buckets.setdefault((g.device_mesh, g.placements, p.placements, g.dtype), []).append(p)
             else:
                 p.grad = g.redistribute(p.device_mesh, p.placements)
-    for (_mesh, _gp, placements, _dt), members in buckets.items():
-        coalesce_partial([p for _, p in members], placements)
+    for (_mesh, _pending, placements, _dtype), params in buckets.items():
+        coalesce_partial(params, placements)
     return done
 
 
@@ -88,20 +87,15 @@ def coalesce_partial(params: list[DTensor], placements: tuple[Placement, ...]) -
     """Reduce the ``Partial`` gradients of ``params`` (one mesh, placements and dtype, no Shard) with one
     collective: their local pieces concatenated into one DTensor with the same placements, redistributed to
     ``placements`` by DTensor, and split back (each gradient keeps its shape and becomes ``placements``)."""
-    grads = [p.grad for p in params]
-    assert all(isinstance(g, DTensor) for g in grads)
-    first = grads[0]
-    assert isinstance(first, DTensor)
-    flat = torch.cat([g.to_local().reshape(-1) for g in grads if isinstance(g, DTensor)])
-    whole = DTensor.from_local(flat, first.device_mesh, first.placements, run_check=False)
-    reduced = whole.redistribute(first.device_mesh, placements).to_local()
-    offset = 0
-    for p, g in zip(params, grads, strict=True):
-        assert isinstance(g, DTensor)
-        n = g.to_local().numel()
-        piece = reduced[offset : offset + n].view(g.to_local().shape)
-        p.grad = DTensor.from_local(piece, p.device_mesh, placements, run_check=False, shape=g.shape, stride=g.stride())
-        offset += n
+    grads = [cast(DTensor, p.grad) for p in params]
+    pieces = [g.to_local() for g in grads]
+    mesh = grads[0].device_mesh
+    whole = DTensor.from_local(torch.cat([t.reshape(-1) for t in pieces]), mesh, grads[0].placements, run_check=False)
+    reduced = whole.redistribute(mesh, placements).to_local().split([t.numel() for t in pieces])
+    for p, g, local, part in zip(params, grads, pieces, reduced, strict=True):
+        p.grad = DTensor.from_local(
+            part.view(local.shape), mesh, placements, run_check=False, shape=g.shape, stride=g.stride()
+        )
 
 
 def _spread(local: Tensor, group: dist.ProcessGroup) -> float:

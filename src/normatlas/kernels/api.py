@@ -110,7 +110,8 @@ class _Plain(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: Tensor) -> Tensor:  # type: ignore[override]
-        return _waited(x).view_as(_waited(x))
+        plain = _waited(x)
+        return plain.view_as(plain)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> Tensor:  # type: ignore[override]
