@@ -209,6 +209,16 @@ def test_fsdp_norm_grouping_cuts_collectives(ranks: list[dict[str, Any]]) -> Non
         assert sum(r["count"] for r in c[layout]) == c["comm_debug_mode"][layout], (layout, c)
 
 
+def test_tp_sp_branch_input_gradients_reduce_scatter_once(ranks: list[dict[str, Any]]) -> None:
+    # each branch's gathered input stays a Replicate DTensor: its projections' input gradients sum as Partial and
+    # leave in one reduce-scatter per branch; the only all-reduce is the bucket of pending norm gradients
+    tp = ranks[0]["collectives"]["tp_sp"]
+    assert _count(tp, "all_reduce")[0] == 1, tp
+    blocks = 2  # lm_config's n_layers
+    # forward: embedding + o / down per block; backward: attention / FFN input per block + the LM head's input
+    assert _count(tp, "reduce_scatter")[0] == 1 + 2 * blocks + 2 * blocks + 1, tp
+
+
 def test_syncbn_ddp_uneven_batches(ranks: list[dict[str, Any]]) -> None:
     for rank in (0, 1):
         s = ranks[rank]["syncbn"]

@@ -64,11 +64,11 @@ def _prepare(where: int | str) -> PrepareModuleInput:
     if isinstance(where, str):
         return PrepareModuleInput(
             input_kwarg_layouts={where: Shard(1)}, desired_input_kwarg_layouts={where: Replicate()},
-            use_local_output=True,
+            use_local_output=False,
         )  # fmt: skip
     lay = tuple(Shard(1) if i == where else None for i in range(where + 1))
     want = tuple(Replicate() if i == where else None for i in range(where + 1))
-    return PrepareModuleInput(input_layouts=lay, desired_input_layouts=want, use_local_output=True)
+    return PrepareModuleInput(input_layouts=lay, desired_input_layouts=want, use_local_output=False)
 
 
 def _first_input(flow: _Flow, path: str) -> int | None:

@@ -4,10 +4,13 @@ The essay's operational rule 8: a LayerNorm / RMSNorm needs the whole hidden dim
 sequence-parallel region. The residual stream between the projections is a DTensor sharded on the sequence
 (``Shard(1)``); each branch (attention, FFN) all-gathers it at its input (``PrepareModuleInput``), runs its
 column-parallel projections (q, k, v, gate, up) and its row-parallel one (o, down) on local heads / columns, and the
-row-parallel output is reduce-scattered back onto the sequence. The norms, the residual adds and any learned
-residual gates run on the sequence shards with the whole hidden dim (``SequenceParallel``), so their arithmetic is
-local and exact; their weights are replicated and their gradients come back ``Partial`` (see
-:mod:`normatlas.distributed.grads`). A QK-norm over the head dim runs on the local heads
+row-parallel output is reduce-scattered back onto the sequence. The gathered input stays a ``Replicate`` DTensor
+(``use_local_output=False``), so the projections that read it sum their input gradients as ``Partial`` and the
+backward reduce-scatters them once per branch; a plain tensor there would make every column-parallel projection
+all-reduce its own input gradient (10 all-reduces of the whole activation per step of the 2-block test model).
+The norms, the residual adds and any learned residual gates run on the sequence shards with the whole hidden dim
+(``SequenceParallel``), so their arithmetic is local and exact; their weights are replicated and their gradients come
+back ``Partial`` (see :mod:`normatlas.distributed.grads`). A QK-norm over the head dim runs on the local heads
 (``SequenceParallel(sequence_dim=2)``: dim 2 of ``(B, T, H, Dh)`` is the head dim, as in TorchTitan); a QK-norm whose
 parameters belong to heads (a gain per head, a norm over the flattened heads) gets :class:`HeadShardedNorm`.
 
@@ -198,13 +201,13 @@ def _lm_plan(model: Any, loss_parallel: bool) -> TensorParallelPlan:
         attn, mlp = block.attn, block.mlp
         region(attn, PrepareModuleInput(
             input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None),
-            use_local_output=True), is_norm=False)  # fmt: skip
+            use_local_output=False), is_norm=False)  # fmt: skip
         for lin in (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj):
             region(lin, ColwiseParallel(), is_norm=False)
         region(attn.o_proj, _row_to_sequence(), is_norm=False)
         region(mlp.down_proj, _row_to_sequence(), is_norm=False)
         region(mlp, PrepareModuleInput(
-            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True),
+            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=False),
             is_norm=False)  # fmt: skip
         kind = None if attn.qk_config is None else attn.qk_config.kind
         for qn in (attn.q_norm, attn.k_norm):
