@@ -64,6 +64,9 @@ def test_essay_differences_are_the_code_checked_corrections() -> None:
         "Gemma 3n",
         "Kimi",
         "SAM",  # the neck is a channels-first LayerNorm, not BatchNorm-family (tests/test_atlas_vision.py)
+        "Mini-Gemini",  # the ConvNeXt branch and the connector normalise with LayerNorm, not BatchNorm-family
+        "EVA",  # the stem is one Conv2d with no norm (baaivision/EVA PatchEmbed), not BatchNorm-family
+        "Molmo2",  # the attentional-pooling connector has no norm (the essay: LayerNorms on queries and keys)
     }
     assert (diff["Phi-1 / Phi-1.5 / Phi-2"]["operator"], diff["Phi-1 / Phi-1.5 / Phi-2"]["placement"]) == (
         "layernorm",
@@ -280,7 +283,7 @@ def test_design_fields_speak_the_design_vocabulary() -> None:
     from normatlas.spec import parse_enum
     from normatlas.vocabulary import Operator, PlacementKind, QKNormKind
 
-    extra = {"unclear", "batchnorm", "adaLN-Zero", "weight standardization", "yes"}
+    extra = {"unclear", "batchnorm", "adaLN-Zero", "yes"}
     for rec in MODELS:
         for field, enum_type in (("operator", Operator), ("placement", PlacementKind), ("qk_norm", QKNormKind)):
             if rec[field] not in extra:

@@ -231,9 +231,11 @@ def test_validate_names_the_field(field: str, value: object, message: str) -> No
 
 
 def test_unverified_records_may_not_carry_a_recalled_title_or_id() -> None:
-    rec = dict(paper("enjoy_layernorm"), title="Enjoy Your LayerNorm with the Efficiency of RMSNorm")
+    """Every record is confirmed now; one whose page is taken away must drop its title and id too."""
+    unconfirmed = dict(paper("enjoy_layernorm"), verified=None)
     with pytest.raises(ValueError, match="only where a page confirmed them"):
-        validate_paper(rec)
+        validate_paper(unconfirmed)
+    validate_paper(dict(unconfirmed, title=None, arxiv=None))  # no title, no id, the reason kept: well-formed
     with pytest.raises(ValueError, match="fields are"):
         validate_paper({k: v for k, v in paper("enjoy_layernorm").items() if k != "verification"})
 

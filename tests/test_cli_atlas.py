@@ -63,10 +63,13 @@ def test_papers_filters(capsys: pytest.CaptureFixture[str]) -> None:
     assert rows and all(r["group"] == "Can normalization be removed?" for r in rows)
     rows = _papers_json(capsys, "--search", "hypersphere")
     assert "ngpt2024" in {r["key"] for r in rows}
+    from normatlas.atlas.papers import papers
+
     unverified = _papers_json(capsys, "--unverified")
-    assert unverified and all(r["verified"] is None and r["link"] is None for r in unverified)
+    assert all(r["verified"] is None and r["link"] is None for r in unverified)
     verified = _papers_json(capsys, "--verified")
     assert verified and all(r["verified"] and r["link"] for r in verified)
+    assert len(verified) + len(unverified) == len(papers())  # every record is in exactly one (today: all confirmed)
     with pytest.raises(SystemExit) as exc:  # mutually exclusive, refused by argparse
         main(["papers", "--verified", "--unverified"])
     assert exc.value.code == 2 and "not allowed with" in capsys.readouterr().err
@@ -80,7 +83,8 @@ def test_papers_json_carries_links_search_and_implementers(capsys: pytest.Captur
         rms["search"].startswith("https://arxiv.org/search/?query=Root+Mean+Square")
         and "normatlas.presets.RMSNorm" in rms["implemented_by"]
     )
-    assert rows["enjoy_layernorm"]["link"] is None and rows["enjoy_layernorm"]["search"] is None
+    folding = rows["enjoy_layernorm"]  # confirmed on arXiv's HTML page; the link is the abstract page
+    assert folding["link"] == "https://arxiv.org/abs/2605.14521" and "searchtype=title" in folding["search"]
 
 
 def test_papers_links_table(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:

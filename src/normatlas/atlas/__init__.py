@@ -64,10 +64,11 @@ MODEL_FIELDS = (
 UNCLEAR = "unclear"  # neither code nor paper within reach says
 # The design fields speak the design vocabulary (normatlas.vocabulary), spelled by each enum's value, plus
 # ``unclear``; a model-level operator the vocabulary has no site operator for (BatchNorm, whose statistics span
-# the batch; DiT's adaLN-Zero; NFNets' weight standardization) and ``yes`` (a QK-norm whose kind the source does
-# not give) are the only additions.
-_RECORD_OPERATORS = (Operator.LAYERNORM, Operator.RMSNORM, Operator.NONE, Operator.L2)
-OPERATORS = (*(o.value for o in _RECORD_OPERATORS), "batchnorm", "adaLN-Zero", "weight standardization", UNCLEAR)
+# the batch; DiT's adaLN-Zero) and ``yes`` (a QK-norm whose kind the source does not give) are the only additions.
+# The operator is the norm on the activations: weights normalised in place (Weight Standardization in BiT and
+# NFNets) are recorded under ``residual``, beside the activation norm (BiT: GroupNorm; NFNets: none).
+_RECORD_OPERATORS = (Operator.LAYERNORM, Operator.RMSNORM, Operator.NONE, Operator.L2, Operator.GROUPNORM)
+OPERATORS = (*(o.value for o in _RECORD_OPERATORS), "batchnorm", "adaLN-Zero", UNCLEAR)
 PLACEMENTS = (*(p.value for p in PlacementKind if p not in (PlacementKind.UNKNOWN, PlacementKind.PRE_POST)), UNCLEAR)
 QK_NORMS = (*(q.value for q in QKNormKind if q is not QKNormKind.MIXED), "yes", UNCLEAR)
 STATUSES = ("essay", "code", "paper", UNCLEAR)
