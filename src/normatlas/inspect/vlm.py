@@ -1,24 +1,31 @@
 """Inspect an image-text model whole: its vision tower, its connector and its language model, from one run.
 
-Method: one eager forward of the whole model on a synthetic image + text batch (:mod:`.vlm_build`) is recorded
-with the shared recorder. The graph is then split by dataflow alone:
+Method: one eager forward of the whole model on a synthetic image + text batch (:mod:`.vlm_inputs`) is recorded
+with the shared recorder. The graph is then split by dataflow (:mod:`.vlm_graph`):
 
 * the **image part** is every value computed from the pixel input and not from the text embedding (the
   ``embedding`` lookup fed by ``input_ids``); its **entries** are the image values the rest of the run reads;
-* the **tower** is the image part read as a vision encoder (:func:`.vision.vision_report` on the graph restricted
-  to the image part): operator, placement, LayerScale, the final norm, plus the batch-statistics norms it runs;
+* the **tower** is the image part inside the tower's module calls (the outermost calls that take the image itself
+  and compute nothing from the text; the whole image part where no call qualifies), read as a vision encoder
+  (:func:`.vision.vision_report`): operator, placement, LayerScale, the final norm, the batch-statistics norms.
+  A norm the tower's calls do not run is the connector's, even on every token of the tower's last stream value
+  (Mistral 3's projector RMSNorm; Pixtral itself has no final norm);
 * the **tap** is the last stream value of the tower (a residual add, or the final / post norm on one) that feeds
-  an entry: LLaVA reads its tower's second-to-last layer, so the tap is that layer's output;
-* the **connector** is what lies between the tap and the entries. Its kind is read off its ops: an attention
-  inside it (learned queries attending to the image: a resampler or Q-Former), a pooling op, rows regrouped into
-  wider rows (a patch merger or pixel shuffle: the row width grows, the element count does not), two projections
-  with an activation between (an MLP), one projection (linear); its norms are the norms found inside it;
+  an entry: LLaVA reads its tower's second-to-last layer, so the tap is that layer's output; the **taps** count
+  every tower stream value the connector reads directly (VipLLaVA and Mllama concatenate several layers);
+* the **connector** is what lies between the tap and the entries, with the learned values it computes from
+  parameters alone (a resampler's queries and their norms). Its kind is read off its ops: the image passing
+  through integer values only (a VQ tokenizer's code ids: ``vq-tokens``), an attention inside it (learned queries
+  attending to the image: a Perceiver resampler or Q-Former), a pooling op, rows regrouped into wider rows (a
+  patch merger or pixel shuffle: the row width grows, the element count does not), two projections with an
+  activation between (an MLP), one projection (linear); its norms are the norms found inside it;
 * the **language model** is the graph restricted to the text embedding's descendants and what feeds them, image
   part cut (:func:`.analyze.analyze`); how the image reaches it (**injection**) is read off the entries' readers:
   into the embedding stream (its first stream value descends from an entry), as keys / values of cross-attention
-  layers (gated when a ``tanh`` of a parameter scales the branch), or as discrete token ids (an integer entry).
+  layers (gated when a ``tanh`` of a parameter scales the branch), or as discrete tokens.
 
-Guaranteed property: every field is a fact of the executed computation; module paths are labels only.
+Guaranteed property: every field is a fact of the executed computation (module calls are read for their extent,
+never their names); module paths are labels only.
 """
 
 from __future__ import annotations
@@ -80,6 +87,7 @@ class VLMReport:
         conn = {
             "kind": c.kind.value,
             "norms": ", ".join(o.value for o in c.norms) or "none",
+            "norm widths": ", ".join(str(w) for w in c.norm_widths) or None,
             "projections": c.projections,
             "activation": c.activation,
             "tokens in -> out": f"{c.tokens_in} -> {c.tokens_out}",

@@ -68,6 +68,7 @@ class ConnectorInfo:
 
     kind: ConnectorKind
     norms: list[Operator] = field(default_factory=list)
+    norm_widths: list[int] = field(default_factory=list)  # the size each of them normalises (taps x width: VipLLaVA)
     projections: int = 0
     activation: bool = False
     tokens_in: int | None = None  # rows at the tap
@@ -231,9 +232,12 @@ def tap(g: Graph, gv: Graph, vision: VisionReport, entries: list[int]) -> tuple[
     sites = find_sites(gv)
     stream = find_stream(gv, sites)
     by_node = {s.node: s for s in sites}
-    width = stream.shape[-1] if stream.shape else 0  # a norm over wider rows (merged tokens) is the connector's
+    shape = stream.shape or ()
+    # the stream's channel width: its last axis, or axis 1 of a (B, C, H, W) feature map (a conv tower: VQ-VAE);
+    # a norm over wider rows (merged tokens) is the connector's
+    widths = {shape[-1]} | ({shape[1]} if len(shape) == 4 else set()) if shape else set()
     ends = {
-        n.index for n in vision.norms if n.role.value in ("final", "post") and n.index in by_node and n.size == width
+        n.index for n in vision.norms if n.role.value in ("final", "post") and n.index in by_node and n.size in widths
     }
     cands = [sub.adds[-1] for sub in stream.sublayers] + [by_node[i].output for i in ends]
     feeding = [c for c in cands if any(c == e or g.feeds(c, e) for e in entries)]
@@ -327,6 +331,7 @@ def connector_info(
     """The connector between ``tap`` and ``entries`` (``bits``: its nodes; ``gi``: the image part's graph, whose
     norms inside ``bits`` are its norms); ``tokens``: the image reaches the entries as discrete ids."""
     nodes = [n for n in g.nodes if bits >> n.idx & 1]
+    inside = [s for s in find_sites(gi) if bits >> s.node & 1]
     ops = {n.op for n in nodes}
     shape = g.nodes[tap].shape if tap is not None else None
     width = shape[-1] if shape else 0
@@ -334,7 +339,8 @@ def connector_info(
     rows = (_rows(g.nodes[tap].shape) if tap is not None else None, _rows(g.nodes[main].shape))
     info = ConnectorInfo(
         ConnectorKind.NONE,
-        norms=[s.operator for s in find_sites(gi) if bits >> s.node & 1],
+        norms=[s.operator for s in inside],
+        norm_widths=[s.size for s in inside],
         projections=sum(1 for n in nodes if (n.op in PROJECTIONS or n.op == "matmul") and _by_param(g, n)),
         activation=bool(ops & _ACTIVATIONS),
         tokens_in=rows[0],
