@@ -92,8 +92,9 @@ def isolated(mt: str, timeout: float) -> dict[str, Any]:
 
 
 def reason_group(reason: str) -> str:
-    """A failure's reason with numbers, shapes and quoted names dropped, for grouping."""
-    text = re.sub(r"'[^']*'", "'...'", reason)
+    """A failure's reason with numbers, shapes, quoted names and class names dropped, for grouping."""
+    text = re.sub(r"\b(?![A-Za-z]*Error\b)[A-Z][A-Za-z0-9_]*[A-Z][A-Za-z0-9_]*\b", "<class>", reason)
+    text = re.sub(r"'[^']*'", "'...'", text)
     text = re.sub(r"\([^()]*\)|\[[^\[\]]*\]", "(...)", text)
     return re.sub(r"\d+", "N", text)[:110]
 

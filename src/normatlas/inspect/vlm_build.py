@@ -68,7 +68,10 @@ _PLACEHOLDERS = ("image_token_id", "image_token_index")  # set even where the de
 _TOWER_LAYER_LISTS = ("intermediate_layers_indices",)  # tower layer indices, refitted to the shrunk depth
 _TEXT_LAYER_LISTS = ("cross_attention_layers",)  # language-model layer indices, refitted to its shrunk depth
 _IMAGE_CONFIGS = ("vision_config", "vq_config")
+_TOWER_DERIVED = ("vision_output_dim", "out_hidden_size", "intermediate_size")  # set by _fit_tower already
 _WIDTHS = ("hidden_size", "encoder_hidden_size", "embed_dim")  # a connector config's fields that state a width
+_WIDTH_SUFFIXES = ("_size", "_dim")
+_NOT_WIDTHS = ("image", "patch", "vocab", "position", "window", "token", "batch", "chunk", "grid", "kernel", "pool")
 
 
 def _text_config(cfg: Any) -> Any:
@@ -126,6 +129,31 @@ def _fit_connector_configs(cfg: Any, original: Any) -> None:
                     setattr(sub, field, widths[old])
 
 
+def _original_widths(cfg: Any, original: Any) -> dict[int, int]:
+    """Original width -> shrunk width, for the image encoder and the language model."""
+    widths: dict[int, int] = {}
+    pairs = [(getattr(original, k, None), getattr(cfg, k, None)) for k in _IMAGE_CONFIGS]
+    for old, new in [*pairs, (_text_config(original), _text_config(cfg))]:
+        if old is not None and new is not None and isinstance(getattr(old, "hidden_size", None), int):
+            widths.setdefault(old.hidden_size, new.hidden_size)
+    return widths
+
+
+def _fit_widths(c: Any, before: dict[str, Any], widths: dict[int, int]) -> None:
+    """A config's other width fields (``*_size`` / ``*_dim``: a projector's ``adapter_out_dim``, Kimi's
+    ``projection_hidden_size``) that stated an original width, or k times one (k = 2..16: concatenated or merged
+    rows), take the shrunk width (times k). Sizes of the image, patches, vocabulary and positions are left."""
+    for key, val in before.items():
+        if type(val) is not int or not key.endswith(_WIDTH_SUFFIXES) or any(w in key for w in _NOT_WIDTHS):
+            continue
+        if key in VISION_TINY or val <= 0:
+            continue
+        k = next((val // w for w in widths if val % w == 0 and 1 <= val // w <= 16), None)
+        if k is not None:
+            with contextlib.suppress(Exception):
+                setattr(c, key, k * widths[next(w for w in widths if val == k * w)])
+
+
 def build_vlm(model_type: str, seed: int = 0) -> nn.Module:
     """A tiny random-initialised image-text model of a transformers ``model_type`` (llava, qwen2_vl, ...)."""
     from transformers import AutoConfig, AutoModel, AutoModelForImageTextToText
@@ -136,12 +164,17 @@ def build_vlm(model_type: str, seed: int = 0) -> nn.Module:
     text = _text_config(cfg)
     image_config(cfg)  # raises unless there is a vision tower or an image tokenizer
     vc, vq = getattr(cfg, "vision_config", None), getattr(cfg, "vq_config", None)
+    top, tower = cfg.to_dict(), vc.to_dict() if vc is not None else {}
     if vc is not None:
         _fit_tower(vc)
         _shrink(vc, {"out_hidden_size": text.hidden_size})
     elif vq is not None and "vocabulary_map" in cfg.to_dict():
         cfg.vocabulary_map = _fit_vq(vq, text)
     _fit_connector_configs(cfg, original)
+    widths = _original_widths(cfg, original)
+    _fit_widths(cfg, {k: v for k, v in top.items() if k not in (getattr(cfg, "sub_configs", None) or {})}, widths)
+    if vc is not None:
+        _fit_widths(vc, {k: v for k, v in tower.items() if k not in _TOWER_DERIVED}, widths)
     for c in (cfg, vc):  # PaliGemma's projector maps the tower to this width, the language model's
         if c is not None and isinstance(getattr(c, "projection_dim", None), int):
             c.projection_dim = text.hidden_size

@@ -22,6 +22,8 @@ from torch import nn
 __all__ = ["PATCHES_PER_SIDE", "image_config", "patch_sequence", "vlm_inputs"]
 
 PATCHES_PER_SIDE = 4
+_MERGES = ("spatial_merge_size", "merge_size", "merge_kernel_size")  # k x k patches merged into one token
+_TEMPORAL = ("temporal_patch_size", "patch_temporal")  # frames per patch (an image repeats its one frame)
 
 
 def image_config(cfg: Any) -> Any:
@@ -55,15 +57,36 @@ def _channels(ic: Any) -> int:
     return int(getattr(ic, "num_channels", None) or getattr(ic, "in_channels", None) or 3)
 
 
-def _layouts(cfg: Any, gen: torch.Generator) -> list[dict[str, Any]]:
-    """The image layouts to try, most common first."""
+def _grid_layouts(ic: Any, gen: torch.Generator) -> list[dict[str, Any]]:
+    """Flattened patches and their (t, h, w) grid (Qwen2-VL style): a (2 m) x (2 m) patch grid for a merge of m x m
+    patches, each patch flattened to channels x t x patch^2 values, t the config's temporal patch (1 or 2 where it
+    names none: the flat width the tower's patch embedding reads decides which runs)."""
+    d = ic.to_dict()
+    patch = d.get("patch_size")
+    if not isinstance(patch, int):
+        return []
+    merge = next((d[k] for k in _MERGES if isinstance(d.get(k), int)), None)
+    merge = merge if merge is not None else next((d[k][0] for k in _MERGES if isinstance(d.get(k), list)), 2)
+    side = 2 * merge
+    temporal = [d[k] for k in _TEMPORAL if isinstance(d.get(k), int)]
+    grid = torch.tensor([[1, side, side]])
+    out = []
+    for t in dict.fromkeys([*temporal, 1, 2]):
+        pixels = torch.randn(side * side, _channels(ic) * t * patch**2, generator=gen)
+        out.append({"pixel_values": pixels, "image_grid_thw": grid})
+    patches = torch.randn(side * side, _channels(ic), patch, patch, generator=gen)  # one (C, p, p) per patch: Kimi
+    return [*out, {"pixel_values": patches, "image_grid_thw": grid}]
+
+
+def _layouts(cfg: Any, gen: torch.Generator, grid: bool) -> list[dict[str, Any]]:
+    """The image layouts to try, most common first (``grid``: the model's ``get_image_features`` reads an
+    ``image_grid_thw``, or the tower names a temporal patch size)."""
     ic = image_config(cfg)
     channels = _channels(ic)
-    if "temporal_patch_size" in ic.to_dict():  # flattened patches and their (t, h, w) grid
-        side = 2 * (getattr(ic, "spatial_merge_size", None) or 2)
-        flat = channels * ic.temporal_patch_size * ic.patch_size**2
-        pixels = torch.randn(side * side, flat, generator=gen)
-        return [{"pixel_values": pixels, "image_grid_thw": torch.tensor([[1, side, side]])}]
+    if grid or "temporal_patch_size" in ic.to_dict():
+        layouts = _grid_layouts(ic, gen)
+        if layouts:
+            return layouts
     if "num_patches" in ic.to_dict() and getattr(ic, "image_size", None) is None:
         return [patch_sequence(ic, gen)]
     side = _image_side(ic)
@@ -92,10 +115,16 @@ def patch_sequence(vc: Any, gen: torch.Generator) -> dict[str, Any]:
     }
 
 
-def _count_tokens(model: nn.Module, image: dict[str, Any], width: int) -> int:
+def _features_owner(model: nn.Module) -> nn.Module | None:
+    """The first module (the model itself, else its submodules in registration order) with a
+    ``get_image_features`` method: some heads leave it to their base model (Janus, DeepSeek-VL, Emu3)."""
+    return next((m for m in model.modules() if callable(getattr(m, "get_image_features", None))), None)
+
+
+def _count_tokens(owner: nn.Module, image: dict[str, Any], width: int) -> int:
     """Image tokens the model fills for ``image``: its image features, in rows of the language width."""
     with torch.no_grad():
-        out = model.get_image_features(**image)  # type: ignore[operator]
+        out = owner.get_image_features(**image)  # type: ignore[operator]
     feats = out if isinstance(out, torch.Tensor) else getattr(out, "pooler_output", None)
     if feats is None and isinstance(out, (tuple, list)):
         feats = out
@@ -117,14 +146,19 @@ def vlm_inputs(model: nn.Module, seed: int = 0) -> dict[str, Any]:
     vocab = int(text.vocab_size)
     gen = torch.Generator().manual_seed(seed)
     params = pyinspect.signature(model.forward).parameters
-    if not hasattr(model, "get_image_features"):
-        if "image_attention_mask" in params or "cross_attention_mask" in params:  # no placeholders: a mask instead
-            return _cross_attention_inputs(cfg, vocab, gen, params)
-        raise ValueError(f"{type(model).__name__} has no get_image_features: its image tokens cannot be counted")
+    owner = _features_owner(model)
+    if "image_attention_mask" in params or "cross_attention_mask" in params:  # no placeholders: a mask instead
+        return _cross_attention_inputs(cfg, vocab, gen, params)
+    if owner is None:
+        raise ValueError(
+            f"{type(model).__name__} has no get_image_features (nor any of its modules): its image tokens cannot "
+            "be counted"
+        )
     errors = []
-    for image in _layouts(cfg, gen):
+    grid = "image_grid_thw" in pyinspect.signature(owner.get_image_features).parameters  # type: ignore[operator]
+    for image in _layouts(cfg, gen, grid):
         try:
-            n = _count_tokens(model, image, int(text.hidden_size))
+            n = _count_tokens(owner, image, int(text.hidden_size))
             break
         except (TypeError, ValueError, RuntimeError, IndexError) as exc:
             errors.append(f"{sorted(image)} {tuple(image['pixel_values'].shape)}: {type(exc).__name__}: {exc}")
