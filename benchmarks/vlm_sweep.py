@@ -6,6 +6,8 @@ Each is built tiny offline (:func:`normatlas.inspect.vlm_build.build_vlm`), give
 forked child killed after ``--timeout`` seconds. One line per type says where it stopped:
 
 * ``ok``: the three parts were read (the line shows tower / connector / injection / language model);
+* ``ok (parts unread)``: the run was split, but the tower's or the language model's operator or placement was not
+  found (``none`` / ``unknown``: the reading, not the run, stopped short);
 * ``failed build``: the model or its inputs could not be made from the config (``build:`` / ``inputs:`` says which);
 * ``failed run``: the recorded forward raised on the batch;
 * ``failed read``: the run was recorded but splitting or reading it raised;
@@ -29,7 +31,7 @@ from typing import Any
 from normatlas.inspect.sweep import run_isolated
 
 COLUMNS = ["model", "status", "tower", "connector", "connector_norm", "injection", "lm", "reason", "seconds"]
-STATUSES = ("ok", "failed build", "failed run", "failed read", "died")
+STATUSES = ("ok", "ok (parts unread)", "failed build", "failed run", "failed read", "died")
 
 
 def _why(exc: BaseException) -> str:
@@ -37,7 +39,8 @@ def _why(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {first}"[:240]
 
 
-LIMITS = {"memory_gb": 4.0}  # address-space cap of each child: a config that stays huge after shrinking fails, not the host
+# the address-space cap of each child: a config that stays huge after shrinking fails, not the host
+LIMITS = {"memory_gb": 4.0}
 
 
 def one(mt: str) -> dict[str, Any]:
@@ -73,14 +76,22 @@ def one(mt: str) -> dict[str, Any]:
         except Exception as exc:
             return row | {"status": "failed read", "reason": _why(exc)}
     s = rep.summary_row()
+    unread = [f"{part} {s[key]}" for part, key in (("tower", "tower"), ("lm", "lm")) if _unread(s[key])]
     return row | {
-        "status": "ok",
+        "status": "ok (parts unread)" if unread else "ok",
+        "reason": "; ".join(unread),
         "tower": s["tower"] + (f" final {s['tower final']}" if s["tower final"] != "none" else ""),
         "connector": s["connector"],
         "connector_norm": s["connector norm"],
         "injection": s["injection"],
         "lm": f"{s['lm']} qk {s['lm qk_norm']}",
     }
+
+
+def _unread(part: str) -> bool:
+    """An operator / placement pair with no norm or no placement found (the run went through, the reading did not)."""
+    operator, _, placement = part.partition(" ")
+    return operator == "none" or placement in ("unknown", "none")
 
 
 def isolated(mt: str, timeout: float) -> dict[str, Any]:
@@ -122,7 +133,8 @@ def main() -> None:
         row = isolated(mt, args.timeout)
         row["seconds"] = round(time.perf_counter() - t0, 1)
         rows.append(row)
-        detail = " | ".join(row[c] for c in COLUMNS[2:7]) if row["status"] == "ok" else row["reason"][:160]
+        ok = row["status"].startswith("ok")
+        detail = " | ".join(row[c] for c in COLUMNS[2:7]) if ok else row["reason"][:160]
         print(f"[{i + 1}/{len(types)}] {mt}: {row['status']}  {detail}  ({row['seconds']} s)", flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -133,7 +145,7 @@ def main() -> None:
         w.writerows(rows)
     counts = Counter(r["status"] for r in rows)
     print(f"{len(rows)} image-text types: " + ", ".join(f"{counts[s]} {s}" for s in STATUSES))
-    for reason, n in Counter(reason_group(r["reason"]) for r in rows if r["status"] != "ok").most_common():
+    for reason, n in Counter(reason_group(r["reason"]) for r in rows if not r["status"].startswith("ok")).most_common():
         print(f"{n:4d}  {reason}")
 
 

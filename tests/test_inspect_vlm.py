@@ -310,7 +310,7 @@ class QueryResampler(nn.Module):
 def test_toy_resampler_norm_on_its_learned_queries_is_the_connectors() -> None:
     """The queries' LayerNorm is computed from parameters alone (not from the image), yet it is the connector's;
     the scaled score (q k^T times a constant) still reads as an attention."""
-    model, x = _toy("mlp")
+    model, _ = _toy("mlp")
     model.connector = QueryResampler()
     rep = inspect_vlm(model.eval(), toy_inputs(4))
     assert rep.connector.kind is ConnectorKind.RESAMPLER and rep.connector.norms == [Operator.LAYERNORM]

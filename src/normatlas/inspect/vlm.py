@@ -30,6 +30,7 @@ never their names); module paths are labels only.
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,6 +39,7 @@ import torch
 from torch import nn
 
 from ..analysis.graph import record
+from ..vocabulary import Operator
 from . import vlm_graph as vg
 from .report import InspectionReport, _plain
 from .vision import VisionReport, vision_report
@@ -53,6 +55,15 @@ __all__ = [
     "is_vision_type",
     "is_vlm_type",
 ]
+
+
+def _runs(ops: list[Operator]) -> str:
+    """``layernorm, rmsnorm x10``: the operators in order, a run of one repeated written once with its count."""
+    out: list[str] = []
+    for op, group in itertools.groupby(o.value for o in ops):
+        n = len(list(group))
+        out.append(f"{op} x{n}" if n > 1 else op)
+    return ", ".join(out) or "none"
 
 
 @dataclass
@@ -121,7 +132,7 @@ class VLMReport:
             "layer scale": v.branch_scale,
             "batch-stat": self.batch_stat_norms,
             "connector": c.kind.value,
-            "connector norm": ", ".join(o.value for o in c.norms) or "none",
+            "connector norm": _runs(c.norms),
             "injection": self.injection.value,
             "lm": f"{lm.operator.value} {lm.placement.value}",
             "lm qk_norm": lm.qk_norm.value,
@@ -155,7 +166,6 @@ class VLMReport:
             "notes": list(self.notes),
             "seconds": self.seconds,
         }
-
 
 
 # ----------------------------------------------------------------------------- entry points

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..analysis.graph import Graph, Node
-from ..analysis.ops import CASTS, PROJECTIONS, SHAPE_ONLY, SHAPES, SPLITS
+from ..analysis.ops import PROJECTIONS, SHAPE_ONLY, SHAPES, SPLITS
 from ..vocabulary import Operator
 from .norms import find_sites
 from .vision import _BATCH_STAT, VisionReport
@@ -82,7 +82,6 @@ class ConnectorInfo:
     def norm(self) -> Operator:
         """The connector's norm (the first; ``none`` without one)."""
         return self.norms[0] if self.norms else Operator.NONE
-
 
 
 # ----------------------------------------------------------------------------- splitting the graph
@@ -325,9 +324,7 @@ def _output_scale(g: Graph, entry: int, bits: int) -> float | None:
     return scale if scale != 1.0 else None
 
 
-def connector_info(
-    g: Graph, gi: Graph, bits: int, tap: int | None, entries: list[int], tokens: bool
-) -> ConnectorInfo:
+def connector_info(g: Graph, gi: Graph, bits: int, tap: int | None, entries: list[int], tokens: bool) -> ConnectorInfo:
     """The connector between ``tap`` and ``entries`` (``bits``: its nodes; ``gi``: the image part's graph, whose
     norms inside ``bits`` are its norms); ``tokens``: the image reaches the entries as discrete ids."""
     nodes = [n for n in g.nodes if bits >> n.idx & 1]
@@ -387,5 +384,3 @@ def injection_of(g: Graph, gl: Graph, text: int, entries: list[int], tokens: boo
         for n in g.nodes
     )  # a tanh of a parameter scaling a language-model value: Flamingo's gate
     return Injection.GATED_CROSS_ATTENTION if gated else Injection.CROSS_ATTENTION
-
-

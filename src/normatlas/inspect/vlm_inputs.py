@@ -155,7 +155,8 @@ def vlm_inputs(model: nn.Module, seed: int = 0) -> dict[str, Any]:
             "be counted"
         )
     errors = []
-    grid = "image_grid_thw" in pyinspect.signature(owner.get_image_features).parameters  # type: ignore[operator]
+    features: Any = owner.get_image_features
+    grid = "image_grid_thw" in pyinspect.signature(features).parameters
     for image in _layouts(cfg, gen, grid):
         try:
             n = _count_tokens(owner, image, int(text.hidden_size))
