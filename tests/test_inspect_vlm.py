@@ -337,6 +337,12 @@ HF = [
     ("internvl", Operator.LAYERNORM, ConnectorKind.PATCH_MERGER, [Operator.LAYERNORM], Operator.RMSNORM),
     ("ovis2", Operator.RMSNORM, ConnectorKind.SOFT_TOKENS, [Operator.LAYERNORM], Operator.RMSNORM),
     ("llava_next", Operator.LAYERNORM, ConnectorKind.MLP, [], Operator.RMSNORM),  # any-resolution: base + one tile
+    # DeepseekVLAligner: linear1-GELU-linear2, no norm (modeling_deepseek_vl.py; get_image_features on its
+    # DeepseekVLModel, not the head); Kimi_K25MultimodalProjection: pre_norm LayerNorm(projection_hidden_size = the
+    # tower width), then view merge_kernel_size 2 x 2 rows as one, in_proj-GELU-out_proj (modeling_kimi_k25.py; its
+    # tower reads (C, p, p) patches with image_grid_thw)
+    ("deepseek_vl", Operator.LAYERNORM, ConnectorKind.MLP, [], Operator.RMSNORM),
+    ("kimi_k25", Operator.LAYERNORM, ConnectorKind.PATCH_MERGER, [Operator.LAYERNORM], Operator.RMSNORM),
 ]
 
 
@@ -366,6 +372,8 @@ def test_transformers_vlm_specifics(hf_reports: dict[str, Any]) -> None:
     assert gemma.language.placement is PlacementKind.PERI and gemma.language.qk_norm is QKNormKind.PER_HEAD
     assert intern.vision.branch_scale == "per-channel"
     assert hf_reports["qwen2_vl"].connector.row_merge == 4
+    kimi = hf_reports["kimi_k25"].connector
+    assert (kimi.norm_widths, kimi.row_merge) == ([64], 4)  # the LayerNorm runs at the tower width, before the merge
 
 
 # The image-text models that need more than one image and its placeholders, each read whole, checked against its
