@@ -204,6 +204,118 @@ def test_bad_inputs_are_refused_with_the_parameter_named() -> None:
         inspect_vlm_target("llama")
 
 
+class TowerModule(nn.Module):
+    """The tower as one module call: patch embedding, 2 Pre-LN blocks, its own final LayerNorm (``final=False``:
+    none, like Pixtral)."""
+
+    def __init__(self, final: bool) -> None:
+        super().__init__()
+        self.patch = nn.Linear(P, D)
+        self.blocks = nn.ModuleList([Block(nn.LayerNorm(D)) for _ in range(2)])
+        self.final = nn.LayerNorm(D) if final else nn.Identity()
+
+    def forward(self, pixel_values: Tensor) -> Tensor:
+        x = self.patch(pixel_values)
+        for block in self.blocks:
+            x = block(x)
+        return self.final(x)
+
+
+class Projector(nn.Module):
+    """Mistral 3's projector shape: a norm on every token at the tower's width, then linear-GELU-linear."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm, self.a, self.b = nn.RMSNorm(D), nn.Linear(D, D), nn.Linear(D, D)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.b(nn.functional.gelu(self.a(self.norm(x))))
+
+
+class ToyTowered(nn.Module):
+    """A tower module and a projector module, the image rows placed at the placeholders of a 2-layer LM."""
+
+    def __init__(self, tower_final: bool) -> None:
+        super().__init__()
+        self.tower, self.projector = TowerModule(tower_final), Projector()
+        self.embed = nn.Embedding(V, D)
+        self.layers = nn.ModuleList([Block(nn.RMSNorm(D)) for _ in range(2)])
+        self.final, self.head = nn.RMSNorm(D), nn.Linear(D, V, bias=False)
+
+    def forward(self, input_ids: Tensor, pixel_values: Tensor) -> Tensor:
+        h = self.embed(input_ids)
+        h = h.masked_scatter((input_ids == IMAGE).unsqueeze(-1), self.projector(self.tower(pixel_values)))
+        for block in self.layers:
+            h = block(h)
+        return self.head(self.final(h))
+
+
+@pytest.mark.parametrize("tower_final", [False, True])
+def test_a_norm_outside_the_tower_call_is_the_connectors(tower_final: bool) -> None:
+    """Mistral 3's shape: a norm on every token of the tower's last stream value, run by the projector's module,
+    is the connector's norm, not the tower's final norm; a final norm the tower's own call runs stays the tower's."""
+    torch.manual_seed(0)
+    rep = inspect_vlm(ToyTowered(tower_final).eval(), toy_inputs(16))
+    assert rep.vision.final_norm is (Operator.LAYERNORM if tower_final else Operator.NONE)
+    assert (rep.connector.kind, rep.connector.norms, rep.connector.norm_widths) == (
+        ConnectorKind.MLP, [Operator.RMSNORM], [D],
+    )  # fmt: skip
+    assert not rep.notes  # the tower was found as a module call
+
+
+class ToyVQ(nn.Module):
+    """Chameleon's shape: a Pre-LN tower, the nearest code of a codebook per patch (argmin), the code ids looked up
+    in the language model's own embedding table and placed at the placeholders."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tower = TowerModule(final=True)
+        self.codebook = nn.Parameter(torch.randn(8, D))
+        self.embed = nn.Embedding(V, D)
+        self.layers = nn.ModuleList([Block(nn.RMSNorm(D)) for _ in range(2)])
+        self.head = nn.Linear(D, V, bias=False)
+
+    def forward(self, input_ids: Tensor, pixel_values: Tensor) -> Tensor:
+        h = self.embed(input_ids)
+        codes = torch.cdist(self.tower(pixel_values), self.codebook.unsqueeze(0)).argmin(-1)
+        h = h.masked_scatter((input_ids == IMAGE).unsqueeze(-1), self.embed(codes + 4))
+        for block in self.layers:
+            h = block(h)
+        return self.head(h)
+
+
+def test_toy_discrete_tokens() -> None:
+    """The image reaches the language model only through integer code ids: vq-tokens, injected as tokens."""
+    torch.manual_seed(0)
+    rep = inspect_vlm(ToyVQ().eval(), toy_inputs(16))
+    assert (rep.connector.kind, rep.injection) == (ConnectorKind.VQ_TOKENS, Injection.TOKENS)
+    assert rep.vision.final_norm is Operator.LAYERNORM and rep.connector.norms == []
+    assert rep.check_row()["connector"] == "vq-tokens"
+
+
+class QueryResampler(nn.Module):
+    """4 learned queries, LayerNormed before they attend to the patches (BLIP-2's Q-Former normalises its queries)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.queries, self.qnorm = nn.Parameter(torch.randn(4, D)), nn.LayerNorm(D)
+        self.k, self.out = nn.Linear(D, D), nn.Linear(D, D)
+
+    def forward(self, x: Tensor) -> Tensor:
+        q = self.qnorm(self.queries)
+        att = torch.softmax(q @ self.k(x).transpose(-1, -2) * D**-0.5, dim=-1)  # a scaled score
+        return self.out(att @ x)
+
+
+def test_toy_resampler_norm_on_its_learned_queries_is_the_connectors() -> None:
+    """The queries' LayerNorm is computed from parameters alone (not from the image), yet it is the connector's;
+    the scaled score (q k^T times a constant) still reads as an attention."""
+    model, _ = _toy("mlp")
+    model.connector = QueryResampler()
+    rep = inspect_vlm(model.eval(), toy_inputs(4))
+    assert rep.connector.kind is ConnectorKind.RESAMPLER and rep.connector.norms == [Operator.LAYERNORM]
+
+
 # --------------------------------------------------------------------------- transformers' VLMs, tiny
 # (model type, tower operator, tower placement, connector kind, connector norms, language operator, extra checks)
 # read from transformers 5's modeling files: LLaVA's projector is linear-GELU-linear on hidden_states[-2]
@@ -225,6 +337,12 @@ HF = [
     ("internvl", Operator.LAYERNORM, ConnectorKind.PATCH_MERGER, [Operator.LAYERNORM], Operator.RMSNORM),
     ("ovis2", Operator.RMSNORM, ConnectorKind.SOFT_TOKENS, [Operator.LAYERNORM], Operator.RMSNORM),
     ("llava_next", Operator.LAYERNORM, ConnectorKind.MLP, [], Operator.RMSNORM),  # any-resolution: base + one tile
+    # DeepseekVLAligner: linear1-GELU-linear2, no norm (modeling_deepseek_vl.py; get_image_features on its
+    # DeepseekVLModel, not the head); Kimi_K25MultimodalProjection: pre_norm LayerNorm(projection_hidden_size = the
+    # tower width), then view merge_kernel_size 2 x 2 rows as one, in_proj-GELU-out_proj (modeling_kimi_k25.py; its
+    # tower reads (C, p, p) patches with image_grid_thw)
+    ("deepseek_vl", Operator.LAYERNORM, ConnectorKind.MLP, [], Operator.RMSNORM),
+    ("kimi_k25", Operator.LAYERNORM, ConnectorKind.PATCH_MERGER, [Operator.LAYERNORM], Operator.RMSNORM),
 ]
 
 
@@ -254,10 +372,100 @@ def test_transformers_vlm_specifics(hf_reports: dict[str, Any]) -> None:
     assert gemma.language.placement is PlacementKind.PERI and gemma.language.qk_norm is QKNormKind.PER_HEAD
     assert intern.vision.branch_scale == "per-channel"
     assert hf_reports["qwen2_vl"].connector.row_merge == 4
+    kimi = hf_reports["kimi_k25"].connector
+    assert (kimi.norm_widths, kimi.row_merge) == ([64], 4)  # the LayerNorm runs at the tower width, before the merge
+
+
+# The image-text models that need more than one image and its placeholders, each read whole, checked against its
+# modeling file (transformers 5.24, models/<name>/modeling_<name>.py):
+# * mllama: MllamaVisionModel runs a local then a gated global encoder of Pre-LN layers (input_layernorm /
+#   post_attention_layernorm nn.LayerNorm; layernorm_post sits between the two encoders, nothing after the global
+#   one) and concatenates the last state with intermediate_layers_indices' states; multi_modal_projector is one
+#   nn.Linear; MllamaCrossAttentionDecoderLayer adds cross_attn_attn_gate.tanh() * attention; q_norm / k_norm
+#   (MllamaTextRMSNorm) only in MllamaTextCrossAttention, none in MllamaTextSelfAttention.
+# * chameleon: ChameleonVQVAEEncoder's resnet blocks GroupNorm before each conv (norm1 / norm2), norm_out GroupNorm
+#   at the end; ChameleonVQVAEVectorQuantizer takes the argmin over the codebook, get_image_tokens maps the ids to
+#   BPE ids, embed_tokens embeds them; ChameleonAttention q_norm / k_norm LayerNorm((heads, head_dim)).
+# * idefics2: Idefics2VisionTransformer (Pre-LN, post_layernorm), Idefics2Connector: modality_projection MLP, then
+#   Idefics2PerceiverResampler: resampler_depth (3) layers of input_latents_norm / input_context_norm /
+#   post_attention_layernorm (Idefics2RMSNorm) and a final norm; resampler_n_latents (64) rows out.
+# * blip-2: Blip2VisionModel (Pre-LN, post_layernorm on every token and on the pooled one); the Q-Former
+#   LayerNorms its num_query_tokens (32) learned queries (Blip2QFormerModel.layernorm), then per layer the
+#   self-attention output LayerNorm, the cross-attention one (every cross_attention_frequency = 2 layers: layer 0
+#   of 2) and the query FFN's: 1 + 3 + 2 = 6; language_projection one Linear; the OPT language model is Pre-LN.
+# * vipllava: VipLlavaMultiModalProjector.projector_layernorm is nn.LayerNorm(len(vision_feature_layer) *
+#   vision hidden_size) over the concatenated taps, then linear-act-linear; the CLIP tower's post_layernorm only
+#   reads the pooled CLS row.
+# * mistral3: Mistral3MultiModalProjector.norm (Mistral3RMSNorm over the tower width) runs before the patch merger;
+#   PixtralVisionModel has ln_pre before its transformer and no norm after it.
+WHOLE = ["mllama", "chameleon", "idefics2", "blip-2", "vipllava", "mistral3"]
+
+
+@pytest.fixture(scope="module")
+def whole_reports() -> dict[str, Any]:
+    warnings.filterwarnings("ignore")
+    return {mt: inspect_vlm_target(mt, probe=False) for mt in WHOLE}
+
+
+def test_mllama_tiles_and_gated_cross_attention(whole_reports: dict[str, Any]) -> None:
+    rep = whole_reports["mllama"]
+    v, c, lm = rep.vision, rep.connector, rep.language
+    assert (v.operator, v.placement, v.final_norm) == (Operator.LAYERNORM, PlacementKind.PRE, Operator.NONE)
+    assert v.layers == 3  # 2 local layers + 1 gated global layer (num_global_layers shrunk to 1)
+    assert (c.kind, c.norms, c.taps) == (ConnectorKind.LINEAR, [], 2)  # last state + one intermediate layer
+    assert rep.injection is Injection.GATED_CROSS_ATTENTION
+    assert (lm.operator, lm.placement, lm.qk_norm) == (Operator.RMSNORM, PlacementKind.PRE, QKNormKind.MIXED)
+    assert rep.check_row()["connector"] == "gated-cross-attention"
+
+
+def test_chameleon_image_becomes_vq_tokens(whole_reports: dict[str, Any]) -> None:
+    rep = whole_reports["chameleon"]
+    v, c, lm = rep.vision, rep.connector, rep.language
+    assert (v.operator, v.placement, v.final_norm) == (Operator.GROUPNORM, PlacementKind.PRE, Operator.GROUPNORM)
+    assert (c.kind, c.norms, rep.injection) == (ConnectorKind.VQ_TOKENS, [], Injection.TOKENS)
+    assert c.tokens_out == rep.image_tokens == 16  # an 8 x 8 image, one downsampling: 4 x 4 codes
+    assert (lm.operator, lm.placement, lm.qk_norm) == (Operator.RMSNORM, PlacementKind.PRE, QKNormKind.PER_HEAD_GAINS)
+
+
+@pytest.mark.parametrize(
+    ("model_type", "norms", "tokens_out", "lm"),
+    [
+        ("idefics2", [Operator.RMSNORM] * 10, 64, Operator.RMSNORM),
+        ("blip-2", [Operator.LAYERNORM] * 6, 32, Operator.LAYERNORM),
+    ],
+)
+def test_resampler_connectors(
+    model_type: str, norms: list[Operator], tokens_out: int, lm: Operator, whole_reports: dict[str, Any]
+) -> None:
+    rep = whole_reports[model_type]
+    v, c = rep.vision, rep.connector
+    assert (v.operator, v.placement, v.final_norm) == (Operator.LAYERNORM, PlacementKind.PRE, Operator.LAYERNORM)
+    assert (c.kind, c.norms, c.tokens_out, c.taps) == (ConnectorKind.RESAMPLER, norms, tokens_out, 1)
+    assert rep.injection is Injection.EMBEDDING_STREAM and rep.language.operator is lm
+
+
+def test_vipllava_layernorm_over_concatenated_taps(whole_reports: dict[str, Any]) -> None:
+    rep = whole_reports["vipllava"]
+    c = rep.connector
+    assert (rep.vision.final_norm, rep.vision.pooled_norm) == (Operator.NONE, Operator.LAYERNORM)
+    assert (c.kind, c.norms, c.taps) == (ConnectorKind.MLP, [Operator.LAYERNORM], 2)
+    assert c.norm_widths == [2 * 64]  # two tapped layers of the width-64 tower, concatenated
+
+
+def test_mistral3_projector_norm_is_the_connectors_not_pixtrals(whole_reports: dict[str, Any]) -> None:
+    """Pixtral has no norm after its transformer; the RMSNorm on every token at the tower's width is the projector's
+    (it used to read as the tower's final norm)."""
+    rep = whole_reports["mistral3"]
+    v, c = rep.vision, rep.connector
+    assert (v.operator, v.placement, v.final_norm) == (Operator.RMSNORM, PlacementKind.PRE, Operator.NONE)
+    assert (c.kind, c.norms, c.norm_widths, c.row_merge) == (ConnectorKind.PATCH_MERGER, [Operator.RMSNORM], [64], 4)
+    row = rep.check_row()
+    assert (row["vision_tower_norm"], row["connector"], row["connector_norm"]) == ("rmsnorm", "patch-merger", "rmsnorm")
 
 
 def test_is_vlm_type_reads_transformers_registry() -> None:
     assert is_vlm_type("llava") and is_vlm_type("qwen2_vl")
+    assert is_vlm_type("chameleon")  # no vision_config: a VQ image tokenizer (vq_config)
     assert not is_vlm_type("llama") and not is_vlm_type("clip") and not is_vlm_type("not-a-model")
 
 

@@ -1,32 +1,42 @@
-"""A tiny image-text model of a transformers model type and one synthetic image + text batch for it, offline.
+"""A tiny image-text model of a transformers model type, built offline from its config (random weights).
 
-The processor (which would size the image and count its tokens) is not available offline, so the batch is built
-from the config and the model itself: the language model and the vision tower are shrunk like
-:func:`.build.tiny_config` (the tower to 2 layers of width 64 on a 4 x 4 patch image), the image placeholder and
-the vision start / end markers are moved into the shrunk vocabulary, the image is laid out as the tower reads it
-(``(B, C, H, W)``, one more image axis ``(B, N, C, H, W)``, or Qwen2-VL's flattened patches with ``image_grid_thw``),
-and the number of image tokens is what the model's own ``get_image_features`` returns for that image (its rows of
-the language model's width), so the text holds exactly as many placeholders as the model will fill.
+The language model is shrunk like :func:`.build.tiny_config`; the image side is shrunk here, from the config's own
+fields (never the model type's name):
+
+* a **vision tower** (``vision_config``) to 2 layers of width 64 on a 4 x 4 patch image (:data:`VISION_TINY`); the
+  tower's per-layer lists that index its layers (Mllama's ``intermediate_layers_indices``) are refitted to the new
+  depth and the widths derived from them (``vision_output_dim``: the concatenated taps) recomputed;
+* a **VQ image tokenizer** (``vq_config``: Chameleon's VQ-VAE) to one downsampling level of 32 channels on an 8 x 8
+  image and a 16-code codebook (:data:`VQ_TINY`); its codes are mapped to the last ids of the shrunk vocabulary
+  (``vocabulary_map``, the placeholder ``<image>`` the last id of all);
+* the **connector's own configs** (BLIP-2's Q-Former, Idefics2's perceiver: every other sub-config) to the same 2
+  layers of width 64, their widths that state the tower's or the language model's width set to the shrunk widths;
+* the layers that index the language model's stack (Mllama's ``cross_attention_layers``) to its last layer, the
+  tower taps (``vision_feature_layer`` lists: VipLLaVA) to the last two hidden states, the image placeholder and
+  the vision start / end markers moved into the shrunk vocabulary.
+
+The synthetic batch for the model is :func:`.vlm_inputs.vlm_inputs` (re-exported here).
 """
 
 from __future__ import annotations
 
 import contextlib
-import inspect as pyinspect
 from typing import Any
 
 import torch
 from torch import nn
 
 from .build import _shrink, tiny_config
+from .vlm_inputs import PATCHES_PER_SIDE, image_config, patch_sequence, vlm_inputs
 
-__all__ = ["VISION_TINY", "build_vlm", "patch_sequence", "vlm_inputs"]
+__all__ = ["VISION_TINY", "VQ_TINY", "build_vlm", "image_config", "patch_sequence", "vlm_inputs"]
 
 # The tower's shrunk sizes (set only where its config has the key): 2 layers, width 64, 4 heads.
 VISION_TINY: dict[str, Any] = {
     "hidden_size": 64,
     "intermediate_size": 128,
     "num_hidden_layers": 2,
+    "num_global_layers": 1,  # Mllama's second, gated encoder
     "num_attention_heads": 4,
     "num_key_value_heads": 4,
     "head_dim": 16,
@@ -34,7 +44,17 @@ VISION_TINY: dict[str, Any] = {
     "depth": 2,
     "num_heads": 4,
 }
-_PATCHES_PER_SIDE = 4
+# A VQ-VAE image tokenizer's shrunk sizes: one downsampling (8 x 8 image -> 4 x 4 codes), 32 channels (GroupNorm's
+# 32 groups), a 16-code codebook of width 32.
+VQ_TINY: dict[str, Any] = {
+    "base_channels": 32,
+    "channel_multiplier": [1, 1],
+    "num_res_blocks": 1,
+    "resolution": 8,
+    "embed_dim": 32,
+    "latent_channels": 32,
+    "num_embeddings": 16,
+}
 # Token ids moved into the shrunk vocabulary: offset from its end (the placeholder is the last id).
 _TOKEN_IDS = {
     "image_token_id": 1,
@@ -44,48 +64,134 @@ _TOKEN_IDS = {
     "video_token_id": 4,
     "video_token_index": 4,
 }
-
-
-def _vision_config(cfg: Any) -> Any:
-    vc = getattr(cfg, "vision_config", None)
-    if vc is None:
-        raise ValueError(
-            f"model_type {cfg.model_type!r} has no vision_config: not an image-text model with a vision tower"
-        )
-    return vc
+_PLACEHOLDERS = ("image_token_id", "image_token_index")  # set even where the default is None (BLIP-2)
+_TOWER_LAYER_LISTS = ("intermediate_layers_indices",)  # tower layer indices, refitted to the shrunk depth
+_TEXT_LAYER_LISTS = ("cross_attention_layers",)  # language-model layer indices, refitted to its shrunk depth
+_IMAGE_CONFIGS = ("vision_config", "vq_config")
+_TOWER_DERIVED = ("vision_output_dim", "out_hidden_size", "intermediate_size")  # set by _fit_tower already
+_WIDTHS = ("hidden_size", "encoder_hidden_size", "embed_dim")  # a connector config's fields that state a width
+_WIDTH_SUFFIXES = ("_size", "_dim")
+_NOT_WIDTHS = ("image", "patch", "vocab", "position", "window", "token", "batch", "chunk", "grid", "kernel", "pool")
 
 
 def _text_config(cfg: Any) -> Any:
     return getattr(cfg, "text_config", None) or cfg
 
 
-def build_vlm(model_type: str, seed: int = 0) -> nn.Module:
-    """A tiny random-initialised image-text model of a transformers ``model_type`` (llava, qwen2_vl, ...)."""
-    from transformers import AutoModel, AutoModelForImageTextToText
-
-    torch.manual_seed(seed)
-    cfg = tiny_config(model_type)
-    vc = _vision_config(cfg)
-    text = _text_config(cfg)
-    _shrink(vc, {**VISION_TINY, "out_hidden_size": text.hidden_size})
+def _fit_tower(vc: Any) -> None:
+    """The tower at :data:`VISION_TINY`, a 4 x 4 patch image, its layer-index lists and their derived widths."""
+    _shrink(vc, VISION_TINY)
     patch, size = getattr(vc, "patch_size", None), getattr(vc, "image_size", None)
     if isinstance(patch, (list, tuple)) and isinstance(size, (list, tuple)):  # InternViT: (h, w) pairs
-        vc.image_size = [p * _PATCHES_PER_SIDE for p in patch]
+        vc.image_size = [p * PATCHES_PER_SIDE for p in patch]
     elif isinstance(patch, int) and isinstance(size, int):
-        vc.image_size = patch * _PATCHES_PER_SIDE
+        vc.image_size = patch * PATCHES_PER_SIDE
+    depth = getattr(vc, "num_hidden_layers", None)
+    for key in _TOWER_LAYER_LISTS:
+        if isinstance(getattr(vc, key, None), list) and isinstance(depth, int):
+            taps = list(range(max(1, depth - 1)))  # every layer but the last, as the original taps inner layers
+            setattr(vc, key, taps)
+            if isinstance(getattr(vc, "vision_output_dim", None), int):  # the last state and the taps, concatenated
+                vc.vision_output_dim = vc.hidden_size * (1 + len(taps))
+
+
+def _fit_vq(vq: Any, text: Any) -> Any:
+    """The VQ tokenizer at :data:`VQ_TINY`, and a vocabulary map sending its codes to the last ids of the text
+    vocabulary (the ``IMGIMG<digits as letters>Z`` names transformers' image-vocabulary mapping decodes)."""
+    _shrink(vq, VQ_TINY)
+    vocab, codes = int(text.vocab_size), int(getattr(vq, "num_embeddings", 0))
+    letters = {str(d): chr(ord("A") + d) for d in range(10)}
+    mapping = {"<image>": vocab - 1}
+    for code in range(codes):
+        mapping["IMGIMG" + "".join(letters[c] for c in str(code)) + "Z"] = vocab - 2 - code
+    return mapping
+
+
+def _fit_connector_configs(cfg: Any, original: Any) -> None:
+    """Every sub-config that is neither the image encoder nor the language model (a Q-Former, a perceiver) shrunk
+    to :data:`VISION_TINY`; its width fields that equalled the original tower or text width take the shrunk one."""
+    text, otext = _text_config(cfg), _text_config(original)
+    image = next((getattr(cfg, k) for k in _IMAGE_CONFIGS if getattr(cfg, k, None) is not None), None)
+    oimage = next((getattr(original, k) for k in _IMAGE_CONFIGS if getattr(original, k, None) is not None), None)
+    widths = {}
+    for old, new in ((oimage, image), (otext, text)):
+        if old is not None and new is not None and isinstance(getattr(old, "hidden_size", None), int):
+            widths[old.hidden_size] = new.hidden_size
+    for key in getattr(cfg, "sub_configs", None) or {}:
+        sub, osub = getattr(cfg, key, None), getattr(original, key, None)
+        if key in (*_IMAGE_CONFIGS, "text_config") or sub is None or osub is None or sub is text:
+            continue
+        _shrink(sub, VISION_TINY)
+        for field in _WIDTHS:
+            old = getattr(osub, field, None)
+            if isinstance(old, int) and old in widths:
+                with contextlib.suppress(Exception):
+                    setattr(sub, field, widths[old])
+
+
+def _original_widths(cfg: Any, original: Any) -> dict[int, int]:
+    """Original width -> shrunk width, for the image encoder and the language model."""
+    widths: dict[int, int] = {}
+    pairs = [(getattr(original, k, None), getattr(cfg, k, None)) for k in _IMAGE_CONFIGS]
+    for old, new in [*pairs, (_text_config(original), _text_config(cfg))]:
+        if old is not None and new is not None and isinstance(getattr(old, "hidden_size", None), int):
+            widths.setdefault(old.hidden_size, new.hidden_size)
+    return widths
+
+
+def _fit_widths(c: Any, before: dict[str, Any], widths: dict[int, int]) -> None:
+    """A config's other width fields (``*_size`` / ``*_dim``: a projector's ``adapter_out_dim``, Kimi's
+    ``projection_hidden_size``) that stated an original width, or k times one (k = 2..16: concatenated or merged
+    rows), take the shrunk width (times k). Sizes of the image, patches, vocabulary and positions are left."""
+    for key, val in before.items():
+        if type(val) is not int or not key.endswith(_WIDTH_SUFFIXES) or any(w in key for w in _NOT_WIDTHS):
+            continue
+        if key in VISION_TINY or val <= 0:
+            continue
+        k = next((val // w for w in widths if val % w == 0 and 1 <= val // w <= 16), None)
+        if k is not None:
+            with contextlib.suppress(Exception):
+                setattr(c, key, k * widths[next(w for w in widths if val == k * w)])
+
+
+def build_vlm(model_type: str, seed: int = 0) -> nn.Module:
+    """A tiny random-initialised image-text model of a transformers ``model_type`` (llava, qwen2_vl, ...)."""
+    from transformers import AutoConfig, AutoModel, AutoModelForImageTextToText
+
+    torch.manual_seed(seed)
+    original = AutoConfig.for_model(model_type)
+    cfg = tiny_config(model_type)
+    text = _text_config(cfg)
+    image_config(cfg)  # raises unless there is a vision tower or an image tokenizer
+    vc, vq = getattr(cfg, "vision_config", None), getattr(cfg, "vq_config", None)
+    top, tower = cfg.to_dict(), vc.to_dict() if vc is not None else {}
+    if vc is not None:
+        _fit_tower(vc)
+        _shrink(vc, {"out_hidden_size": text.hidden_size})
+    elif vq is not None and "vocabulary_map" in cfg.to_dict():
+        cfg.vocabulary_map = _fit_vq(vq, text)
+    _fit_connector_configs(cfg, original)
+    widths = _original_widths(cfg, original)
+    _fit_widths(cfg, {k: v for k, v in top.items() if k not in (getattr(cfg, "sub_configs", None) or {})}, widths)
+    if vc is not None:
+        _fit_widths(vc, {k: v for k, v in tower.items() if k not in _TOWER_DERIVED}, widths)
     for c in (cfg, vc):  # PaliGemma's projector maps the tower to this width, the language model's
-        if isinstance(getattr(c, "projection_dim", None), int):
+        if c is not None and isinstance(getattr(c, "projection_dim", None), int):
             c.projection_dim = text.hidden_size
     if isinstance(getattr(cfg, "mm_tokens_per_image", None), int):  # pooled to (side / 2)^2 tokens
-        cfg.mm_tokens_per_image = (_PATCHES_PER_SIDE // 2) ** 2
+        cfg.mm_tokens_per_image = (PATCHES_PER_SIDE // 2) ** 2
     side = getattr(vc, "image_size", None)
     if isinstance(getattr(cfg, "image_grid_pinpoints", None), list) and isinstance(side, int):
         cfg.image_grid_pinpoints = [[side, side]]  # any-resolution (LLaVA-NeXT): one tile the size of the base image
-    layers = getattr(cfg, "vision_feature_layers", None)  # VipLLaVA taps several tower layers
-    if isinstance(layers, list):
-        cfg.vision_feature_layers = [-2, -1]
+    if isinstance(getattr(cfg, "vision_feature_layer", None), (list, tuple)):  # VipLLaVA taps several layers
+        cfg.vision_feature_layer = [-2, -1]
+    depth = getattr(text, "num_hidden_layers", None)
+    for key in _TEXT_LAYER_LISTS:
+        if isinstance(getattr(text, key, None), list) and isinstance(depth, int):
+            setattr(text, key, [depth - 1])  # one such layer, the last; the others stay self-attention
+    have = cfg.to_dict()
     for key, offset in _TOKEN_IDS.items():
-        if isinstance(cfg.to_dict().get(key), int):
+        if isinstance(have.get(key), int) or (key in _PLACEHOLDERS and key in have):
             with contextlib.suppress(Exception):
                 setattr(cfg, key, text.vocab_size - offset)
     try:
@@ -93,112 +199,3 @@ def build_vlm(model_type: str, seed: int = 0) -> nn.Module:
     except ValueError:
         model = AutoModel.from_config(cfg, attn_implementation="eager")
     return model.eval()
-
-
-def _image_side(vc: Any) -> int:
-    size = getattr(vc, "image_size", None)
-    size = size[0] if isinstance(size, (list, tuple)) else size
-    if not isinstance(size, int):
-        raise ValueError(f"the vision config {type(vc).__name__} has no image_size (got {size!r})")
-    return size
-
-
-def _layouts(cfg: Any, gen: torch.Generator) -> list[dict[str, Any]]:
-    """The image layouts to try, most common first."""
-    vc = _vision_config(cfg)
-    channels = getattr(vc, "num_channels", None) or 3
-    if "temporal_patch_size" in vc.to_dict():  # flattened patches and their (t, h, w) grid
-        side = 2 * (getattr(vc, "spatial_merge_size", None) or 2)
-        flat = channels * vc.temporal_patch_size * vc.patch_size**2
-        pixels = torch.randn(side * side, flat, generator=gen)
-        return [{"pixel_values": pixels, "image_grid_thw": torch.tensor([[1, side, side]])}]
-    if "num_patches" in vc.to_dict() and getattr(vc, "image_size", None) is None:
-        return [patch_sequence(vc, gen)]
-    side = _image_side(vc)
-    image = torch.randn(1, channels, side, side, generator=gen)
-    sizes = torch.tensor([[side, side]])
-    return [
-        {"pixel_values": image},
-        {"pixel_values": image, "image_sizes": sizes},
-        {"pixel_values": image.unsqueeze(1)},
-        {"pixel_values": image.unsqueeze(1), "image_sizes": sizes},
-        {"pixel_values": torch.stack([image[0], image[0]]).unsqueeze(0), "image_sizes": sizes},  # base + one tile
-    ]
-
-
-def patch_sequence(vc: Any, gen: torch.Generator) -> dict[str, Any]:
-    """A NaViT-style tower's input (SigLIP 2: patches already flattened, a mask over them and each image's patch
-    grid): one 4 x 4 patch image, its patches unpadded. Its config sets ``num_patches`` to 16 to match."""
-    channels = getattr(vc, "num_channels", None) or 3
-    n = _PATCHES_PER_SIDE**2
-    with contextlib.suppress(Exception):
-        vc.num_patches = n
-    return {
-        "pixel_values": torch.randn(1, n, channels * vc.patch_size**2, generator=gen),
-        "pixel_attention_mask": torch.ones(1, n, dtype=torch.long),
-        "spatial_shapes": torch.tensor([[_PATCHES_PER_SIDE, _PATCHES_PER_SIDE]]),
-    }
-
-
-def _count_tokens(model: nn.Module, image: dict[str, Any], width: int) -> int:
-    """Image tokens the model fills for ``image``: its image features, in rows of the language width."""
-    with torch.no_grad():
-        out = model.get_image_features(**image)  # type: ignore[operator]
-    feats = out if isinstance(out, torch.Tensor) else getattr(out, "pooler_output", None)
-    if feats is None and isinstance(out, (tuple, list)):
-        feats = out
-    tensors = [feats] if isinstance(feats, torch.Tensor) else list(feats or [])
-    total = sum(t.numel() for t in tensors if isinstance(t, torch.Tensor))
-    if total == 0 or total % width:
-        raise ValueError(f"image features of {total} values are not rows of the language width {width}")
-    return total // width
-
-
-def vlm_inputs(model: nn.Module, seed: int = 0) -> dict[str, Any]:
-    """One image and a short text with its image placeholders, as keyword inputs of ``model.forward``."""
-    cfg: Any = model.config
-    text = _text_config(cfg)
-    vocab = int(text.vocab_size)
-    gen = torch.Generator().manual_seed(seed)
-    params = pyinspect.signature(model.forward).parameters
-    if not hasattr(model, "get_image_features"):
-        if "image_attention_mask" in params:  # cross-attention (Idefics 1): text positions x images, no placeholders
-            return _cross_attention_inputs(cfg, vocab, gen, params)
-        raise ValueError(f"{type(model).__name__} has no get_image_features: its image tokens cannot be counted")
-    errors = []
-    for image in _layouts(cfg, gen):
-        try:
-            n = _count_tokens(model, image, int(text.hidden_size))
-            break
-        except (TypeError, ValueError, RuntimeError, IndexError) as exc:
-            errors.append(f"{sorted(image)} {tuple(image['pixel_values'].shape)}: {type(exc).__name__}: {exc}")
-    else:
-        raise ValueError("no image layout runs the tower: " + " | ".join(e.splitlines()[0] for e in errors))
-    has = cfg.to_dict()
-    ids = torch.randint(5, max(6, vocab - 8), (4,), generator=gen).tolist()
-    ids += [vocab - 2] if isinstance(has.get("vision_start_token_id"), int) else []
-    ids += [vocab - 1] * n
-    ids += [vocab - 3] if isinstance(has.get("vision_end_token_id"), int) else []
-    ids += torch.randint(5, max(6, vocab - 8), (2,), generator=gen).tolist()
-    input_ids = torch.tensor([ids])
-    inputs: dict[str, Any] = {"input_ids": input_ids, **image}
-    if "mm_token_type_ids" in params:  # M-RoPE reads which tokens are image tokens
-        inputs["mm_token_type_ids"] = (input_ids == vocab - 1).long()
-    if "use_cache" in params:
-        inputs["use_cache"] = False
-    return inputs
-
-
-def _cross_attention_inputs(cfg: Any, vocab: int, gen: torch.Generator, params: Any) -> dict[str, Any]:
-    """One image ``(B, images, C, H, W)`` every text position may attend to (``image_attention_mask`` ones)."""
-    vc = _vision_config(cfg)
-    side = _image_side(vc)
-    ids = torch.randint(5, max(6, vocab - 8), (1, 6), generator=gen)
-    inputs: dict[str, Any] = {
-        "input_ids": ids,
-        "pixel_values": torch.randn(1, 1, getattr(vc, "num_channels", None) or 3, side, side, generator=gen),
-        "image_attention_mask": torch.ones(1, ids.shape[1], 1, dtype=torch.long),
-    }
-    if "use_cache" in params:
-        inputs["use_cache"] = False
-    return inputs

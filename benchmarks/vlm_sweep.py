@@ -1,0 +1,153 @@
+"""Inspect every image-text model type of the installed transformers whole, and count how far each gets.
+
+The types are the ones ``normatlas inspect`` treats as image-text models (:func:`normatlas.inspect.vlm.is_vlm_type`).
+Each is built tiny offline (:func:`normatlas.inspect.vlm_build.build_vlm`), given its synthetic image + text batch
+(:func:`~normatlas.inspect.vlm_build.vlm_inputs`) and inspected (:func:`normatlas.inspect.vlm.inspect_vlm`), in a
+forked child killed after ``--timeout`` seconds. One line per type says where it stopped:
+
+* ``ok``: the three parts were read (the line shows tower / connector / injection / language model);
+* ``ok (parts unread)``: the run was split, but the tower's or the language model's operator or placement was not
+  found (``none`` / ``unknown``: the reading, not the run, stopped short);
+* ``failed build``: the model or its inputs could not be made from the config (``build:`` / ``inputs:`` says which);
+* ``failed run``: the recorded forward raised on the batch;
+* ``failed read``: the run was recorded but splitting or reading it raised;
+* ``died``: the child was killed after the timeout, or crashed (its exit code given).
+
+    PYTHONPATH=src HF_HUB_OFFLINE=1 nice python benchmarks/vlm_sweep.py --out benchmarks/results
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import re
+import time
+import warnings
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from normatlas.inspect.sweep import run_isolated
+
+COLUMNS = ["model", "status", "tower", "connector", "connector_norm", "injection", "lm", "reason", "seconds"]
+STATUSES = ("ok", "ok (parts unread)", "failed build", "failed run", "failed read", "died")
+
+
+def _why(exc: BaseException) -> str:
+    first = str(exc).splitlines()[0] if str(exc) else ""
+    return f"{type(exc).__name__}: {first}"[:240]
+
+
+# the address-space cap of each child: a config that stays huge after shrinking fails, not the host
+LIMITS = {"memory_gb": 4.0}
+
+
+def one(mt: str) -> dict[str, Any]:
+    """Build, feed and inspect one image-text model type; the row never raises."""
+    import resource
+
+    import torch
+
+    cap = int(LIMITS["memory_gb"] * 2**30)
+    resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
+
+    from normatlas.inspect import UntraceableModel
+    from normatlas.inspect.vlm import inspect_vlm
+    from normatlas.inspect.vlm_build import build_vlm, vlm_inputs
+
+    torch.set_num_threads(1)
+    row: dict[str, Any] = {c: "" for c in COLUMNS} | {"model": mt}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            model = build_vlm(mt)
+        except Exception as exc:  # a per-architecture row, by design
+            return row | {"status": "failed build", "reason": "build: " + _why(exc)}
+        try:
+            inputs = vlm_inputs(model)
+        except Exception as exc:
+            return row | {"status": "failed build", "reason": "inputs: " + _why(exc)}
+        try:
+            rep = inspect_vlm(model, inputs, name=mt, probe=False)
+        except UntraceableModel as exc:  # raised only when the recorded forward itself fails
+            cause = exc.__cause__ if exc.__cause__ is not None else exc
+            return row | {"status": "failed run", "reason": _why(cause)}
+        except Exception as exc:
+            return row | {"status": "failed read", "reason": _why(exc)}
+    s = rep.summary_row()
+    unread = [f"{part} {s[key]}" for part, key in (("tower", "tower"), ("lm", "lm")) if _unread(s[key])]
+    return row | {
+        "status": "ok (parts unread)" if unread else "ok",
+        "reason": "; ".join(unread),
+        "tower": s["tower"] + (f" final {s['tower final']}" if s["tower final"] != "none" else ""),
+        "connector": s["connector"],
+        "connector_norm": s["connector norm"],
+        "injection": s["injection"],
+        "lm": f"{s['lm']} qk {s['lm qk_norm']}",
+    }
+
+
+def _unread(part: str) -> bool:
+    """An operator / placement pair with no norm or no placement found (the run went through, the reading did not)."""
+    operator, _, placement = part.partition(" ")
+    return operator == "none" or placement in ("unknown", "none")
+
+
+def isolated(mt: str, timeout: float) -> dict[str, Any]:
+    try:
+        row, why = run_isolated(one, mt, timeout)
+    except EOFError:  # the child died before sending its row (a crash of the interpreter)
+        row, why = None, "the child exited without a row"
+    return row or {c: "" for c in COLUMNS} | {"model": mt, "status": "died", "reason": why}
+
+
+def reason_group(reason: str) -> str:
+    """A failure's reason with numbers, shapes, quoted names and class names dropped, for grouping."""
+    text = re.sub(r"\b(?![A-Za-z]*Error\b)[A-Z][A-Za-z0-9_]*[A-Z][A-Za-z0-9_]*\b", "<class>", reason)
+    text = re.sub(r"'[^']*'", "'...'", text)
+    text = re.sub(r"\([^()]*\)|\[[^\[\]]*\]", "(...)", text)
+    return re.sub(r"\d+", "N", text)[:110]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--timeout", type=float, default=180.0, help="seconds per model type")
+    ap.add_argument("--only", nargs="*", help="model types (default: every image-text type)")
+    ap.add_argument("--memory-gb", type=float, default=LIMITS["memory_gb"], help="address-space cap per model type")
+    args = ap.parse_args()
+    LIMITS["memory_gb"] = args.memory_gb
+    import transformers  # noqa: F401  (imported once, before forking)
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    import normatlas.inspect.vlm_build  # noqa: F401  (so every child runs the code the sweep started with)
+    from normatlas.inspect.vlm import is_vlm_type
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        types = args.only or [mt for mt in sorted(CONFIG_MAPPING_NAMES) if is_vlm_type(mt)]
+    rows = []
+    for i, mt in enumerate(types):
+        t0 = time.perf_counter()
+        row = isolated(mt, args.timeout)
+        row["seconds"] = round(time.perf_counter() - t0, 1)
+        rows.append(row)
+        ok = row["status"].startswith("ok")
+        detail = " | ".join(row[c] for c in COLUMNS[2:7]) if ok else row["reason"][:160]
+        print(f"[{i + 1}/{len(types)}] {mt}: {row['status']}  {detail}  ({row['seconds']} s)", flush=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "vlm_sweep.json").write_text(json.dumps(rows, indent=1, default=str))
+    with (out / "vlm_sweep.csv").open("w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=COLUMNS, extrasaction="ignore", lineterminator="\n")
+        w.writeheader()
+        w.writerows(rows)
+    counts = Counter(r["status"] for r in rows)
+    print(f"{len(rows)} image-text types: " + ", ".join(f"{counts[s]} {s}" for s in STATUSES))
+    for reason, n in Counter(reason_group(r["reason"]) for r in rows if not r["status"].startswith("ok")).most_common():
+        print(f"{n:4d}  {reason}")
+
+
+if __name__ == "__main__":
+    main()
