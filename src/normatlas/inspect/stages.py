@@ -28,17 +28,18 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ..analysis.graph import Graph
-from ..analysis.ops import SHAPE_ONLY
+from ..analysis.graph import LEAVES, Graph, Node
+from ..analysis.ops import PROJECTIONS, SHAPE_ONLY
 from ..analysis.walk import components, learned_mul, scalar_mul, strip
 from ..vocabulary import SublayerKind
 from .norms import Site
 from .residual import Stream, Sublayer, _norm_bits, _residual_adds, _sublayer, stream_root
 
-__all__ = ["Stage", "branch_gains", "find_stages", "init_value", "layer_paths", "merged_stream"]
+__all__ = ["Stage", "attention_bits", "branch_gains", "find_stages", "init_value", "layer_paths", "merged_stream"]
 
 _ATTENTION_CALLS = frozenset({"multi_head_attention_forward", "scaled_dot_product_attention"})
 _SCORE_PRODUCTS = frozenset({"matmul", "bmm", "einsum", "baddbmm"})
+_ACTIVATIONS = frozenset({"relu", "gelu", "silu", "hardswish", "leaky_relu", "relu6", "mish"})
 
 
 @dataclass
@@ -62,6 +63,40 @@ class Stage:
         return self.sublayers[-1].adds[-1]
 
 
+def _projections(g: Graph, a: int, x: int) -> int:
+    """How many projections (by a parameter or not) ``a`` computes since ``x``."""
+    own = g.anc(a) | 1 << a
+    own &= ~(g.anc(x) | 1 << x)
+    return sum(1 for n in g.nodes[x : a + 1] if own >> n.idx & 1 and (n.op in PROJECTIONS or n.op == "matmul"))
+
+
+def _projection_add(g: Graph, n: Node, by_output: dict[int, Site]) -> tuple[int, int, int, int] | None:
+    """A block whose shortcut projects a stream of another shape: ``F(x) + P(x)`` (ResNet's first block of a
+    stage, BiT's), as (add, shortcut, branch, x). ``x`` is the latest value both operands are computed from,
+    before a norm they share (BiT normalises once, then feeds both); the branch is the operand with more
+    projections."""
+    if len(n.inputs) != 2 or n.inputs[0] == n.inputs[1]:
+        return None
+    a, b = n.inputs
+    common = (g.anc(a) | 1 << a) & (g.anc(b) | 1 << b)
+    xs = [m.idx for m in g.nodes[: n.idx] if common >> m.idx & 1 and m.op not in LEAVES and m.shape]
+    if not xs:
+        return None
+    x = strip(g, max(xs), SHAPE_ONLY)
+    if g.nodes[x].op in _ACTIVATIONS and g.nodes[x].inputs and strip(g, g.nodes[x].inputs[0]) in by_output:
+        x = strip(g, g.nodes[x].inputs[0])  # a norm's activation (BiT's GroupNorm + ReLU)
+    if x in by_output:
+        x = strip(g, by_output[x].input, SHAPE_ONLY)
+    shape = g.nodes[x].shape
+    if shape is None or shape == n.shape or len(shape) != len(n.shape or ()):
+        return None
+    pa, pb = _projections(g, a, x), _projections(g, b, x)
+    if not pa or not pb or pa == pb:
+        return None
+    skip, branch = (a, b) if pa < pb else (b, a)
+    return n.idx, skip, branch, x
+
+
 def _runs(g: Graph, sites: list[Site]) -> list[list[tuple[int, int, int, int]]]:
     """Residual adds (add, skip, branch, source) grouped into runs of one shape, in execution order."""
     norm_bits = _norm_bits(g, sites)
@@ -71,6 +106,11 @@ def _runs(g: Graph, sites: list[Site]) -> list[list[tuple[int, int, int, int]]]:
         for add in _residual_adds(g, shape, norm_bits):  # type: ignore[arg-type]
             if g.nodes[add[0]].shape == shape:  # a flattened view of another shape is found under its own
                 found.setdefault(add[0], add)
+    by_output = {s.output: s for s in sites}
+    for n in g.nodes:
+        ok = n.op == "add" and n.idx not in found and n.shape is not None and len(n.shape) >= 3
+        if ok and (proj := _projection_add(g, n, by_output)) is not None:
+            found[n.idx] = proj
     runs: list[list[tuple[int, int, int, int]]] = []
     for add in sorted(found.values()):
         if runs and g.nodes[runs[-1][-1][0]].shape == g.nodes[add[0]].shape:
@@ -133,7 +173,7 @@ def _learned_queries(g: Graph, boundary: int, entry: int) -> bool:
 def _joins(g: Graph, earlier: list[Sublayer], later: list[Sublayer]) -> int | None:
     """The boundary bitset when ``later`` continues the tower from ``earlier``; None when it does not."""
     entry, first = earlier[-1].adds[-1], later[0].source
-    if not g.feeds(entry, first):
+    if not _from(g, entry, first):  # a projection block reads the earlier stream value itself
         return None
     boundary = _between(g, entry, first)
     return None if _learned_queries(g, boundary, entry) else boundary
@@ -177,36 +217,70 @@ def merged_stream(g: Graph, stages: list[Stage], sites: list[Site]) -> Stream:
 
 
 # ----------------------------------------------------------------------------- layers
-def _innermost_list_child(g: Graph, idx: int) -> str | None:
-    return next((p for p in reversed(g.nodes[idx].scope) if p in g.list_children), None)
+def _innermost_list_child(g: Graph, idx: int) -> str:
+    """The innermost ``nn.ModuleList`` element node ``idx`` runs in ("" for the root when there is none)."""
+    return next((p for p in reversed(g.nodes[idx].scope) if p in g.list_children), "")
+
+
+def _below(g: Graph, sub: Sublayer, path: str) -> tuple[str, ...]:
+    """The module paths below ``path`` that the sublayer's last add runs in, outermost first."""
+    scope = g.nodes[sub.adds[-1]].scope
+    return scope[scope.index(path) + 1 :] if path in scope else ()
 
 
 def _kind(g: Graph, sub: Sublayer, attn_bits: int) -> SublayerKind:
-    """Attention when a branch computes from an attention core, else MLP (enough to count layers)."""
+    """Attention when a branch computes a softmax over a product of two activations, else MLP."""
     own = [g.anc(b) & ~g.anc(sub.source) for b in sub.branches]
     return SublayerKind.ATTENTION if any(o & attn_bits for o in own) else SublayerKind.MLP
 
 
+def _split(g: Graph, group: list[Sublayer], path: str, attn_bits: int) -> list[list[Sublayer]]:
+    """``group`` (the sublayers running in module ``path``) cut into layers: one per child module of ``path``
+    holding its adds, when each child holds whole sublayers and all of them the same sequence of sublayer
+    kinds (ResNet's blocks in an ``nn.Sequential``); else one layer (a ViT block: its attention add runs in the
+    block module itself)."""
+    below = [_below(g, sub, path) for sub in group]
+    if not all(below):
+        return [group]
+    children = list(dict.fromkeys(b[0] for b in below))
+    if len(children) == 1:
+        return _split(g, group, children[0], attn_bits)
+    parts = [[sub for sub, b in zip(group, below, strict=True) if b[0] == c] for c in children]
+    kinds = {tuple(_kind(g, sub, attn_bits) for sub in part) for part in parts}
+    if len(kinds) != 1 or sum(len(p) for p in parts) != len(group):
+        return [group]
+    return [layer for part, c in zip(parts, children, strict=True) for layer in _split(g, part, c, attn_bits)]
+
+
 def _groups(g: Graph, subs: list[Sublayer], attn_bits: int) -> list[list[Sublayer]]:
-    """A stage's sublayers grouped into layers (the module docstring's rule)."""
-    keys = [_innermost_list_child(g, sub.adds[-1]) for sub in subs]
-    groups: list[list[Sublayer]] = []
-    if all(keys):
-        for key, sub in zip(keys, subs, strict=True):
-            if groups and _innermost_list_child(g, groups[-1][0].adds[-1]) == key:
-                groups[-1].append(sub)
-            else:
-                groups.append([sub])
-        kinds = [[_kind(g, s, attn_bits) for s in grp] for grp in groups]
-        if all(ks.count(ks[0]) == 1 for ks in kinds):
-            return groups
-    groups, first = [], _kind(g, subs[0], attn_bits)
+    """A stage's sublayers grouped into layers (the module docstring's rule); with no module to tell them
+    apart, a layer starts at each sublayer of the stage's first kind."""
+    runs: list[tuple[str, list[Sublayer]]] = []
     for sub in subs:
-        if not groups or _kind(g, sub, attn_bits) == first:
-            groups.append([sub])
+        key = _innermost_list_child(g, sub.adds[-1])
+        if runs and runs[-1][0] == key:
+            runs[-1][1].append(sub)
         else:
-            groups[-1].append(sub)
-    return groups
+            runs.append((key, [sub]))
+    groups = [layer for key, run in runs for layer in _split(g, run, key, attn_bits)]
+    if len(groups) > 1 or len(subs) == 1:
+        return groups
+    first, counted = _kind(g, subs[0], attn_bits), []
+    for sub in subs:
+        if not counted or _kind(g, sub, attn_bits) == first:
+            counted.append([sub])
+        else:
+            counted[-1].append(sub)
+    return counted
+
+
+def attention_bits(g: Graph) -> int:
+    """Every attention as a bitset: a fused attention call, or a softmax over a product of two activations."""
+    bits = 0
+    for n in g.nodes:
+        if n.op in _ATTENTION_CALLS or (n.op == "softmax" and _score_operands(g, n.idx)):
+            bits |= 1 << n.idx
+    return bits
 
 
 def layer_paths(g: Graph, stages: list[Stage], attn_bits: int) -> frozenset[str] | None:

@@ -51,7 +51,7 @@ from ..spec import EpsPlacement
 from ..vocabulary import Operator, PlacementKind, SiteRole
 from .norms import Site, find_sites
 from .report import InspectionReport, NormInfo, SublayerInfo
-from .stages import Stage, branch_gains, find_stages, init_value, layer_paths, merged_stream
+from .stages import Stage, attention_bits, branch_gains, find_stages, init_value, layer_paths, merged_stream
 
 __all__ = ["StageInfo", "VisionReport", "default_pixel_values", "inspect_vision", "vision_report"]
 
@@ -376,16 +376,12 @@ def _read(graph: Graph, label: str) -> tuple[InspectionReport, list[Stage], Grap
     """The shared reader over every stage at once (the plain reader when no residual add is found), and the
     graph it read (its layer grouping, :func:`.stages.layer_paths`, carried as the list-element paths)."""
     from .analyze import analyze
-    from .attention import find_cores, trig_bits
 
     sites = find_sites(graph)
     stages = find_stages(graph, sites)
     if not stages:
         return analyze(graph, label), [], graph
-    subs = [sub for st in stages for sub in st.sublayers]
-    inputs = {strip(graph, s.source, SHAPE_ONLY) for s in subs} | {strip(graph, s.adds[-1], SHAPE_ONLY) for s in subs}
-    cores = find_cores(graph, sites, 1 << subs[0].source, inputs, trig_bits(graph))
-    paths = layer_paths(graph, stages, sum(1 << c.node for c in cores))
+    paths = layer_paths(graph, stages, attention_bits(graph))
     g = Graph(graph.nodes, graph.outputs, paths or frozenset(), graph.spans, graph.tensors, graph.model)
     return analyze(g, label, stream=merged_stream(g, stages, sites)), stages, g
 
