@@ -35,7 +35,16 @@ from ..vocabulary import SublayerKind
 from .norms import Site
 from .residual import Stream, Sublayer, _norm_bits, _residual_adds, _sublayer, stream_root
 
-__all__ = ["Stage", "attention_bits", "branch_gains", "find_stages", "init_value", "layer_paths", "merged_stream"]
+__all__ = [
+    "Stage",
+    "attention_bits",
+    "branch_bits",
+    "branch_gains",
+    "find_stages",
+    "init_value",
+    "layer_paths",
+    "merged_stream",
+]
 
 _ATTENTION_CALLS = frozenset({"multi_head_attention_forward", "scaled_dot_product_attention"})
 _SCORE_PRODUCTS = frozenset({"matmul", "bmm", "einsum", "baddbmm"})
@@ -179,10 +188,33 @@ def _joins(g: Graph, earlier: list[Sublayer], later: list[Sublayer]) -> int | No
     return None if _learned_queries(g, boundary, entry) else boundary
 
 
+def branch_bits(g: Graph, subs: list[Sublayer]) -> int:
+    """Bitset of every node the sublayers' branches compute themselves (the stream they read excluded)."""
+    bits = 0
+    for sub in subs:
+        for b in sub.branches:
+            bits |= (g.anc(b) | 1 << b) & ~(g.anc(sub.source) | 1 << sub.source)
+    return bits
+
+
+def _nested(run: list[Sublayer], others: list[int]) -> bool:
+    """Every add of ``run`` is computed inside a branch of another run: a residual within a block (an attention
+    score plus a relative-position term read as one), not a stage."""
+    adds = [a for sub in run for a in sub.adds]
+    return any(all(bits >> a & 1 for a in adds) for bits in others)
+
+
 def find_stages(g: Graph, sites: list[Site]) -> list[Stage]:
     """The tower's stages in execution order (empty when the run has no residual add)."""
     runs = [_sublayers(g, run) for run in _runs(g, sites)]
-    runs = [r for r in runs if r]
+    own = [branch_bits(g, r) for r in runs]
+    kept = [r for i, r in enumerate(runs) if r and not _nested(r, [o for j, o in enumerate(own) if j != i])]
+    runs = []
+    for r in kept:  # two runs of one shape that a nested add separated are one
+        if runs and g.nodes[runs[-1][-1].adds[-1]].shape == g.nodes[r[-1].adds[-1]].shape:
+            runs[-1] += r
+        else:
+            runs.append(r)
     if not runs:
         return []
     anchor = max(range(len(runs)), key=lambda i: (sum(len(s.adds) for s in runs[i]), -i))

@@ -51,7 +51,16 @@ from ..spec import EpsPlacement
 from ..vocabulary import Operator, PlacementKind, SiteRole
 from .norms import Site, find_sites
 from .report import InspectionReport, NormInfo, SublayerInfo
-from .stages import Stage, attention_bits, branch_gains, find_stages, init_value, layer_paths, merged_stream
+from .stages import (
+    Stage,
+    attention_bits,
+    branch_bits,
+    branch_gains,
+    find_stages,
+    init_value,
+    layer_paths,
+    merged_stream,
+)
 
 __all__ = ["StageInfo", "VisionReport", "default_pixel_values", "inspect_vision", "vision_report"]
 
@@ -242,15 +251,6 @@ def _grn_info(g: Graph, node: int, x: int, eps: float | None) -> NormInfo:
 
 
 # ----------------------------------------------------------------------------- per stage
-def _own(g: Graph, stage: Stage) -> int:
-    """Bitset of every node a branch of the stage computes itself (the stream it reads excluded)."""
-    bits = 0
-    for sub in stage.sublayers:
-        for b in sub.branches:
-            bits |= (g.anc(b) | 1 << b) & ~(g.anc(sub.source) | 1 << sub.source)
-    return bits
-
-
 def _summary(values: list[Operator]) -> Operator:
     kinds = set(values)
     return kinds.pop() if len(kinds) == 1 else Operator.MIXED if kinds else Operator.NONE
@@ -287,7 +287,7 @@ def _scales(g: Graph, stage: Stage, infos: list[SublayerInfo]) -> tuple[list[str
 def _stage_info(
     g: Graph, i: int, stage: Stage, infos: list[SublayerInfo], norms: dict[int, NormInfo], grn: list[int]
 ) -> tuple[StageInfo, list[str]]:
-    own = _own(g, stage)
+    own = branch_bits(g, stage.sublayers)
     block = [norms[j] for s in infos for j in (*s.pre, *s.out, *s.post) if j in norms]
     inner = [n for n in norms.values() if n.role is SiteRole.OTHER and own >> n.index & 1 and n.index not in grn]
     scales, inits = _scales(g, stage, infos)
