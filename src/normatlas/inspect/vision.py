@@ -44,7 +44,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..analysis.graph import Graph, record
+from ..analysis.graph import Graph, Ref, record
 from ..analysis.ops import CASTS, SHAPE_ONLY
 from ..analysis.walk import scalar_of, strip
 from ..spec import EpsPlacement
@@ -199,9 +199,18 @@ def _vision_roles(g: Graph, report: InspectionReport, last: Stage) -> dict[int, 
             continue
         if _merges_rows(g, site):
             roles[info.index] = SiteRole.MERGER
+        elif info.role is SiteRole.OTHER and _extends_tokens(g, site, last.last):
+            roles[info.index] = SiteRole.FINAL
         elif info.role is SiteRole.OTHER:
             roles[info.index] = SiteRole.POOLED if _selects_tokens(g, site, last.shape, last.last) else SiteRole.HEAD
     return roles
+
+
+def _extends_tokens(g: Graph, site: Site, last: int) -> bool:
+    """The site reads the last stream value's tokens concatenated with more rows (DINOv3 ConvNeXt prepends its
+    pooled row, then normalises every row): a norm on every token of the last stream value."""
+    n = g.nodes[strip(g, site.input, SHAPE_ONLY)]
+    return n.op == "cat" and any(strip(g, i, SHAPE_ONLY) == last for i in n.inputs)
 
 
 def _from(g: Graph, a: int, b: int) -> bool:
@@ -232,7 +241,7 @@ def _response_norms(g: Graph) -> list[tuple[int, int, float | None]]:
                 continue
             den, eps = g.nodes[d.inputs[1]], None
             if den.op == "add":
-                eps = next((v for a in den.args if (v := scalar_of(g, a)) is not None), None)
+                eps = next((v for a in den.args if not isinstance(a, Ref) and (v := scalar_of(g, a)) is not None), None)
                 den = g.nodes[next((i for i in den.inputs if g.nodes[i].op == "mean"), den.idx)]
             if den.op != "mean" or not den.inputs or den.inputs[0] != r.idx:
                 continue
@@ -289,7 +298,11 @@ def _stage_info(
 ) -> tuple[StageInfo, list[str]]:
     own = branch_bits(g, stage.sublayers)
     block = [norms[j] for s in infos for j in (*s.pre, *s.out, *s.post) if j in norms]
-    inner = [n for n in norms.values() if n.role is SiteRole.OTHER and own >> n.index & 1 and n.index not in grn]
+    inner = [  # norm layers (a learned gain or bias) inside a branch: not an attention's unit-length q / k
+        n
+        for n in norms.values()
+        if n.role is SiteRole.OTHER and own >> n.index & 1 and n.index not in grn and (n.gain_convention or n.bias)
+    ]
     scales, inits = _scales(g, stage, infos)
     by_layer: dict[int, list[str]] = {}
     for s in infos:
@@ -408,8 +421,7 @@ def vision_report(model: nn.Module, graph: Graph, label: str, *, probe: bool = T
     norms = [dataclasses.replace(n, role=roles[n.index]) if n.index in roles else n for n in base.norms]
     fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(InspectionReport)}
     fields.update(norms=norms, sublayers=subs, notes=[*base.notes, *notes])
-    if base.final_norm is not Operator.NONE and _first(norms, SiteRole.FINAL) is Operator.NONE:
-        fields["final_norm"] = Operator.NONE  # the only norm on the last stream merges rows: not a final norm
+    fields["final_norm"] = _first(norms, SiteRole.FINAL)  # a norm on the last stream that merges rows is none
     if infos:
         _summarise_stages(fields, base, infos, subs)
     calls = [n.idx for n in g.nodes if n.op in _BATCH_STAT]
