@@ -320,3 +320,13 @@ def test_pooling_head_is_not_a_stage() -> None:
     report = inspect_vision(_tiny("siglip"), probe=False)  # the head's residual add reads a learned probe
     assert len(report.stages) == 1 and report.head_norm is Operator.LAYERNORM
     assert report.stages[0].placement_by_layer == ("pre/pre", "pre/pre")
+
+
+def test_build_vision_finds_the_model_class_of_an_unregistered_tower_config() -> None:
+    from normatlas.inspect.build import build_vision
+
+    # AutoModel has no entry for AltCLIPVisionConfig; modeling_altclip.py defines AltCLIPVisionModel for it
+    model = build_vision("altclip_vision_model")
+    assert type(model) is transformers.AltCLIPVisionModel
+    report = inspect_vision(model, probe=False)
+    assert report.placement is Placement.PRE and report.pooled_norm is Operator.LAYERNORM  # CLIP's layout
