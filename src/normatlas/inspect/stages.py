@@ -297,7 +297,7 @@ def _groups(g: Graph, subs: list[Sublayer], attn_bits: int) -> list[list[Sublaye
     groups = [layer for key, run in runs for layer in _split(g, run, key, attn_bits)]
     if len(groups) > 1 or len(subs) == 1:
         return groups
-    first, counted = _kind(g, subs[0], attn_bits), []
+    first, counted = _kind(g, subs[0], attn_bits), list[list[Sublayer]]()
     for sub in subs:
         if not counted or _kind(g, sub, attn_bits) == first:
             counted.append([sub])

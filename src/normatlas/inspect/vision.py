@@ -38,6 +38,7 @@ import dataclasses
 import math
 import time
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -260,7 +261,7 @@ def _grn_info(g: Graph, node: int, x: int, eps: float | None) -> NormInfo:
 
 
 # ----------------------------------------------------------------------------- per stage
-def _summary(values: list[Operator]) -> Operator:
+def _summary(values: Iterable[Operator]) -> Operator:
     kinds = set(values)
     return kinds.pop() if len(kinds) == 1 else Operator.MIXED if kinds else Operator.NONE
 
