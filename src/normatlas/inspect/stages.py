@@ -197,18 +197,22 @@ def branch_bits(g: Graph, subs: list[Sublayer]) -> int:
     return bits
 
 
-def _nested(run: list[Sublayer], others: list[int]) -> bool:
-    """Every add of ``run`` is computed inside a branch of another run: a residual within a block (an attention
-    score plus a relative-position term read as one), not a stage."""
-    adds = [a for sub in run for a in sub.adds]
-    return any(all(bits >> a & 1 for a in adds) for bits in others)
+def _nested(run: list[Sublayer], bits: int) -> bool:
+    """Every add of ``run`` is computed inside the branches ``bits`` of another run. Of two runs nested so, the
+    one with fewer blocks is not a stage: a residual within a block (SAM's attention scores plus a relative-position
+    term read as one), or one residual around a whole body of blocks (Swin2SR's)."""
+    return all(bits >> a & 1 for sub in run for a in sub.adds)
 
 
 def find_stages(g: Graph, sites: list[Site]) -> list[Stage]:
     """The tower's stages in execution order (empty when the run has no residual add)."""
-    runs = [_sublayers(g, run) for run in _runs(g, sites)]
+    runs = [r for r in (_sublayers(g, run) for run in _runs(g, sites)) if r]
     own = [branch_bits(g, r) for r in runs]
-    kept = [r for i, r in enumerate(runs) if r and not _nested(r, [o for j, o in enumerate(own) if j != i])]
+    keep: list[int] = []
+    for i in sorted(range(len(runs)), key=lambda i: -len(runs[i])):  # the run with more blocks wins
+        if not any(_nested(runs[i], own[j]) or _nested(runs[j], own[i]) for j in keep):
+            keep.append(i)
+    kept = [runs[i] for i in sorted(keep)]
     runs = []
     for r in kept:  # two runs of one shape that a nested add separated are one
         if runs and g.nodes[runs[-1][-1].adds[-1]].shape == g.nodes[r[-1].adds[-1]].shape:
@@ -257,7 +261,9 @@ def _innermost_list_child(g: Graph, idx: int) -> str:
 def _below(g: Graph, sub: Sublayer, path: str) -> tuple[str, ...]:
     """The module paths below ``path`` that the sublayer's last add runs in, outermost first."""
     scope = g.nodes[sub.adds[-1]].scope
-    return scope[scope.index(path) + 1 :] if path in scope else ()
+    if path not in scope:
+        return ()
+    return scope[len(scope) - scope[::-1].index(path) :]  # after its last entry: the root is entered twice
 
 
 def _kind(g: Graph, sub: Sublayer, attn_bits: int) -> SublayerKind:
@@ -275,7 +281,7 @@ def _split(g: Graph, group: list[Sublayer], path: str, attn_bits: int) -> list[l
     if not all(below):
         return [group]
     children = list(dict.fromkeys(b[0] for b in below))
-    if len(children) == 1:
+    if len(children) == 1 and children[0] != path:
         return _split(g, group, children[0], attn_bits)
     parts = [[sub for sub, b in zip(group, below, strict=True) if b[0] == c] for c in children]
     kinds = {tuple(_kind(g, sub, attn_bits) for sub in part) for part in parts}
