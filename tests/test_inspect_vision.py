@@ -330,3 +330,19 @@ def test_build_vision_finds_the_model_class_of_an_unregistered_tower_config() ->
     assert type(model) is transformers.AltCLIPVisionModel
     report = inspect_vision(model, probe=False)
     assert report.placement is Placement.PRE and report.pooled_norm is Operator.LAYERNORM  # CLIP's layout
+
+
+def test_sam_relative_position_add_is_not_a_stage() -> None:
+    # modeling_sam.py: SamVisionLayer is pre-LN (layer_norm1 before windowed attention, layer_norm2 before the MLP);
+    # SamVisionAttention adds its decomposed relative position to the scores (``attn_weights + rel_pos``, a residual
+    # add in shape only, inside the attention branch); SamVisionNeck LayerNorms (channels-first) after each of its
+    # two convolutions. SAM ViT-B: hidden 768, 12 layers, 1024 px, patch 16, window 14.
+    torch.manual_seed(0)
+    cfg = transformers.SamVisionConfig(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=2, image_size=32, patch_size=4, mlp_dim=64,
+        output_channels=16, window_size=4, global_attn_indexes=[1],
+    )  # fmt: skip
+    report = inspect_vision(transformers.SamVisionModel(cfg).eval(), probe=False)
+    assert len(report.stages) == 1 and report.stages[0].placement_by_layer == ("pre/pre", "pre/pre")
+    assert report.stages[0].shape == (1, 8, 8, 32) and report.hidden_size == 32  # (B, H, W, C) tokens
+    assert [n.operator for n in report.norms if n.role.value == "head"] == [Operator.LAYERNORM] * 2  # the neck
