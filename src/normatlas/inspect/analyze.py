@@ -33,10 +33,13 @@ __all__ = ["analyze"]
 T = TypeVar("T")
 
 
-def analyze(g: Graph, name: str = "model", tracer: str = "torch_function") -> InspectionReport:
-    """Derive the :class:`InspectionReport` of a recorded graph."""
+def analyze(
+    g: Graph, name: str = "model", tracer: str = "torch_function", *, stream: Stream | None = None
+) -> InspectionReport:
+    """Derive the :class:`InspectionReport` of a recorded graph (``stream``: the residual stream when the caller
+    has found it, e.g. a staged vision tower's stages merged; default :func:`.residual.find_stream`)."""
     sites = find_sites(g)
-    stream = find_stream(g, sites)
+    stream = find_stream(g, sites) if stream is None else stream
     subs = stream.sublayers
     trig = trig_bits(g)
     start_bit = 1 << subs[0].source if subs else 0

@@ -295,7 +295,33 @@ def build_vision(model_type: str, seed: int = 0, image_size: int = 32, patch_siz
             now = getattr(cfg, key, None)
             with contextlib.suppress(Exception):  # an (h, w) pair stays a pair (InternViT)
                 setattr(cfg, key, [val, val] if isinstance(now, (list, tuple)) else val)
-    return AutoModel.from_config(cfg, attn_implementation="eager").eval()
+    try:
+        return AutoModel.from_config(cfg, attn_implementation="eager").eval()
+    except ValueError:  # a tower's own config (AlignVisionConfig, ...) that AutoModel does not register
+        cls = _model_class_of(cfg)
+        if cls is None:
+            raise
+        return cls._from_config(cfg, attn_implementation="eager").eval()
+
+
+def _model_class_of(cfg: Any) -> Any:
+    """The first model class defined in the config's modeling module whose ``config_class`` is the config's class
+    and whose ``forward`` reads ``pixel_values`` (None when there is none)."""
+    from transformers import PreTrainedModel
+
+    try:
+        mod = importlib.import_module(type(cfg).__module__.replace(".configuration_", ".modeling_"))
+    except ImportError:
+        return None
+    for cls in vars(mod).values():
+        if not (isinstance(cls, type) and issubclass(cls, PreTrainedModel) and cls.__module__ == mod.__name__):
+            continue
+        if (
+            getattr(cls, "config_class", None) is type(cfg)
+            and "pixel_values" in pyinspect.signature(cls.forward).parameters
+        ):
+            return cls
+    return None
 
 
 def _staged_tower(model_type: str, image_size: int) -> Any:
