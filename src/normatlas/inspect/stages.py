@@ -338,9 +338,11 @@ def layer_paths(g: Graph, stages: list[Stage], attn_bits: int) -> frozenset[str]
 
 
 # ----------------------------------------------------------------------------- LayerScale
-def branch_gains(g: Graph, sub: Sublayer) -> list[tuple[str, int]]:
+def branch_gains(g: Graph, sub: Sublayer, norm_nodes: frozenset[int] = frozenset()) -> list[tuple[str, int]]:
     """The learned multipliers on each branch's way to the add, through views, permutes and constant scalings:
-    (``per-channel`` | ``learned scalar``, the parameter's node)."""
+    (``per-channel`` | ``learned scalar``, the parameter's node). ``norm_nodes``: the sites' normalized values
+    (:attr:`Site.node`); a multiplier applied to one of them is that norm's gain (a branch ending in an RMSNorm,
+    Peri-LN / res-post), not a LayerScale, and the walk stops there."""
     found: list[tuple[str, int]] = []
     for b in sub.branches:
         cur = b
@@ -351,6 +353,8 @@ def branch_gains(g: Graph, sub: Sublayer) -> list[tuple[str, int]]:
             elif (sm := scalar_mul(g, n)) is not None:
                 cur = sm[0]
             elif (lm := learned_mul(g, n)) is not None:
+                if strip(g, lm[0], SHAPE_ONLY) in norm_nodes:
+                    break
                 param = next(strip(g, i, SHAPE_ONLY) for i in n.inputs if i != lm[0])
                 found.append((lm[1], param))
                 cur = lm[0]

@@ -281,12 +281,14 @@ def _width(shape: tuple[int, ...], sizes: list[int]) -> int:
     return shape[1] if len(shape) == 4 else shape[-1]
 
 
-def _scales(g: Graph, stage: Stage, infos: list[SublayerInfo]) -> tuple[list[str], list[float | None]]:
+def _scales(
+    g: Graph, stage: Stage, infos: list[SublayerInfo], norm_nodes: frozenset[int]
+) -> tuple[list[str], list[float | None]]:
     """Each sublayer's branch scale (the reader's constants and learned scalings, plus LayerScale found behind a
-    view or permute) and the init values of the per-channel gains."""
+    view or permute; a norm's own gain is not one) and the init values of the per-channel gains."""
     scales, inits = [], []
     for sub, info in zip(stage.sublayers, infos, strict=True):
-        gains = branch_gains(g, sub)
+        gains = branch_gains(g, sub, norm_nodes)
         parts = set(info.branch_scale.split(", ")) if info.branch_scale else set()
         parts |= {kind for kind, _ in gains}
         scales.append(", ".join(sorted(parts)))
@@ -304,7 +306,7 @@ def _stage_info(
         for n in norms.values()
         if n.role is SiteRole.OTHER and own >> n.index & 1 and n.index not in grn and (n.gain_convention or n.bias)
     ]
-    scales, inits = _scales(g, stage, infos)
+    scales, inits = _scales(g, stage, infos, frozenset(norms))
     by_layer: dict[int, list[str]] = {}
     for s in infos:
         by_layer.setdefault(s.layer, []).append(s.placement.value)
