@@ -35,8 +35,11 @@ __all__ = [
     "embedding",
     "final_norm",
     "find_stream",
+    "group_sublayers",
     "layer_of",
+    "norm_bits_of",
     "place_norms",
+    "residual_adds",
     "scale_after",
     "stream_root",
 ]
@@ -66,7 +69,7 @@ def _has_compute(g: Graph, branch: int, source: int) -> bool:
     return any(own >> n.idx & 1 for n in g.nodes if n.op in PROJECTIONS or n.op == "matmul")
 
 
-def _norm_bits(g: Graph, sites: list[Site]) -> int:
+def norm_bits_of(g: Graph, sites: list[Site]) -> int:
     """Every node inside a norm (from its input, exclusive, to the end of its affine map) as a bitset."""
     bits = 0
     for s in sites:
@@ -97,9 +100,9 @@ def _alias_root(g: Graph, idx: int) -> int:
     return idx
 
 
-def _residual_adds(g: Graph, shape: tuple[int, ...], norms: int = 0) -> list[tuple[int, int, int, int]]:
+def residual_adds(g: Graph, shape: tuple[int, ...], norms: int = 0) -> list[tuple[int, int, int, int]]:
     """(add, skip operand, branch operand, stream source) for every residual add (``norms``: the nodes inside
-    norms, as :func:`_norm_bits` gives them, set aside when telling a linear side path from a sublayer)."""
+    norms, as :func:`norm_bits_of` gives them, set aside when telling a linear side path from a sublayer)."""
 
     def stream_like(s: tuple[int, ...] | None) -> bool:  # the stream, possibly flattened to (B*T, D)
         return s is not None and len(s) >= 2 and s[-1] == shape[-1] and math.prod(s) == math.prod(shape)
@@ -196,22 +199,15 @@ def find_stream(g: Graph, sites: list[Site]) -> Stream:
     shapes = _stream_shapes(g, sites)
     if not shapes:
         raise ValueError("cannot find the residual stream: the model has no embedding and no floating input")
-    norm_bits = _norm_bits(g, sites)
-    found = [(_residual_adds(g, c, norm_bits), c) for c in shapes[:6]]
+    norm_bits = norm_bits_of(g, sites)
+    found = [(residual_adds(g, c, norm_bits), c) for c in shapes[:6]]
     adds, shape = max(found, key=lambda f: len(f[0]))
     if not adds:
-        found = [(_residual_adds(g, c, norm_bits), c) for c in _channels_first(g)]
+        found = [(residual_adds(g, c, norm_bits), c) for c in _channels_first(g)]
         adds, shape = max(found, key=lambda f: len(f[0])) if found else ([], shapes[0])
     if not adds:
         shape = shapes[0]
-    subs: list[Sublayer] = []
-    for add, skip, branch, src in adds:
-        last = subs[-1] if subs else None
-        if last is not None and src == last.source and last.adds[-1] in components(g, skip):
-            last.adds.append(add)
-            last.branches.append(branch)
-            continue
-        subs.append(_sublayer(g, add, skip, branch, src))
+    subs = group_sublayers(g, adds)
     by_input: dict[int, list[Site]] = {}
     for s in sites:
         by_input.setdefault(stream_root(g, s.input), []).append(s)
@@ -241,6 +237,20 @@ def _sublayer(g: Graph, add: int, skip: int, branch: int, src: int) -> Sublayer:
         if len(parts) == 2:
             sub.whole, sub.branches = sub.branches[0], parts
     return sub
+
+
+def group_sublayers(g: Graph, adds: list[tuple[int, int, int, int]]) -> list[Sublayer]:
+    """Residual adds (as :func:`residual_adds` gives them, in order) grouped into sublayers: consecutive adds on one
+    stream value are one (parallel) sublayer."""
+    subs: list[Sublayer] = []
+    for add, skip, branch, src in adds:
+        last = subs[-1] if subs else None
+        if last is not None and src == last.source and last.adds[-1] in components(g, skip):
+            last.adds.append(add)
+            last.branches.append(branch)
+            continue
+        subs.append(_sublayer(g, add, skip, branch, src))
+    return subs
 
 
 def place_norms(g: Graph, stream: Stream, attn_bits: int, keys: dict[str, int]) -> None:

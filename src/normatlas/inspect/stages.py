@@ -4,7 +4,7 @@ A hierarchical tower (ConvNeXt, Swin, ResNet, BiT, PVT, ...) runs its residual b
 stage and changes the shape between stages (a strided convolution, a patch merging, a projection block). The
 token-model reader follows one stream shape; this module finds all of them. Method (structural, no names):
 
-* **residual adds** are found for every shape an ``add`` node has (:func:`.residual._residual_adds`), each add
+* **residual adds** are found for every shape an ``add`` node has (:func:`.residual.residual_adds`), each add
   kept under its own shape; a **run** is a sequence of residual adds on one shape, consecutive in execution order;
 * the **chain**: from the run with the most adds, a neighbouring run is a stage of the same tower when the later
   run's first stream value is computed from the earlier run's last one and no attention with queries that are not
@@ -30,10 +30,10 @@ from dataclasses import dataclass
 
 from ..analysis.graph import LEAVES, Graph, Node
 from ..analysis.ops import PROJECTIONS, SHAPE_ONLY
-from ..analysis.walk import components, learned_mul, scalar_mul, strip
+from ..analysis.walk import learned_mul, scalar_mul, strip
 from ..vocabulary import SublayerKind
 from .norms import Site
-from .residual import Stream, Sublayer, _norm_bits, _residual_adds, _sublayer, stream_root
+from .residual import Stream, Sublayer, group_sublayers, norm_bits_of, residual_adds, stream_root
 
 __all__ = [
     "Stage",
@@ -108,11 +108,11 @@ def _projection_add(g: Graph, n: Node, by_output: dict[int, Site]) -> tuple[int,
 
 def _runs(g: Graph, sites: list[Site]) -> list[list[tuple[int, int, int, int]]]:
     """Residual adds (add, skip, branch, source) grouped into runs of one shape, in execution order."""
-    norm_bits = _norm_bits(g, sites)
+    norm_bits = norm_bits_of(g, sites)
     shapes = list(dict.fromkeys(n.shape for n in g.nodes if n.op == "add" and n.shape and len(n.shape) >= 2))
     found: dict[int, tuple[int, int, int, int]] = {}
     for shape in shapes:
-        for add in _residual_adds(g, shape, norm_bits):  # type: ignore[arg-type]
+        for add in residual_adds(g, shape, norm_bits):  # type: ignore[arg-type]
             if g.nodes[add[0]].shape == shape:  # a flattened view of another shape is found under its own
                 found.setdefault(add[0], add)
     by_output = {s.output: s for s in sites}
@@ -127,19 +127,6 @@ def _runs(g: Graph, sites: list[Site]) -> list[list[tuple[int, int, int, int]]]:
         else:
             runs.append([add])
     return runs
-
-
-def _sublayers(g: Graph, run: list[tuple[int, int, int, int]]) -> list[Sublayer]:
-    """A run's sublayers: consecutive adds on one stream value are one (parallel) sublayer, as for a token model."""
-    subs: list[Sublayer] = []
-    for add, skip, branch, src in run:
-        last = subs[-1] if subs else None
-        if last is not None and src == last.source and last.adds[-1] in components(g, skip):
-            last.adds.append(add)
-            last.branches.append(branch)
-            continue
-        subs.append(_sublayer(g, add, skip, branch, src))
-    return subs
 
 
 def _from(g: Graph, a: int, b: int) -> bool:
@@ -206,7 +193,7 @@ def _nested(run: list[Sublayer], bits: int) -> bool:
 
 def find_stages(g: Graph, sites: list[Site]) -> list[Stage]:
     """The tower's stages in execution order (empty when the run has no residual add)."""
-    runs = [r for r in (_sublayers(g, run) for run in _runs(g, sites)) if r]
+    runs = [r for r in (group_sublayers(g, run) for run in _runs(g, sites)) if r]
     own = [branch_bits(g, r) for r in runs]
     keep: list[int] = []
     for i in sorted(range(len(runs)), key=lambda i: -len(runs[i])):  # the run with more blocks wins
