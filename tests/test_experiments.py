@@ -104,7 +104,7 @@ def test_cli_list(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["experiments", "list", "--format", "json"]) == 0
     rows = json.loads(capsys.readouterr().out)["experiments"]
     assert [r["name"] for r in rows] == NAMES
-    assert all(r["full_s"] > 0 and r["quick_s"] > 0 and r["claim"] for r in rows)
+    assert all(r["full"] > 0 and r["quick"] > 0 and r["claim"] for r in rows)
 
 
 def test_cli_run_and_report(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -46,10 +46,19 @@ def _list(args: argparse.Namespace) -> int:
     from ..experiments import experiments as found
 
     rows = [
-        {"number": e.number, "name": e.name, "claim": e.claim, "full_s": e.estimate_s, "quick_s": e.quick_estimate_s}
+        {"number": e.number, "name": e.name, "claim": e.claim, "full": e.estimate_s, "quick": e.quick_estimate_s}
         for e in found()
     ]
-    emit([Section("experiments", rows, f"{len(rows)} experiments (runtime estimates on a 2-core CPU)")], args.format)
+    emit(
+        [
+            Section(
+                "experiments",
+                rows,
+                f"{len(rows)} experiments (runtime in seconds, full and --quick, measured on an idle 2-core CPU)",
+            )
+        ],
+        args.format,
+    )
     return 0
 
 

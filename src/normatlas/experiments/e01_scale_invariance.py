@@ -215,7 +215,7 @@ EXPERIMENT = Experiment(
         "decay eta/||W||^2 and the per-step angle end above the no-decay run's; measured angle / "
         "(eta ||g|| / ||W||) has median within 5% of 1"
     ),
-    estimate_s=10.0,
-    quick_estimate_s=2.0,
+    estimate_s=5.0,
+    quick_estimate_s=2.5,
     run=run,
 )

@@ -199,7 +199,7 @@ EXPERIMENT = Experiment(
         "test accuracy of noisy BN >= BN's - 0.03; mean over checkpoints of the loss spread, the gradient change and "
         "the effective beta-smoothness along the gradient all lower with BN than without"
     ),
-    estimate_s=40.0,
-    quick_estimate_s=3.0,
+    estimate_s=10.0,
+    quick_estimate_s=1.0,
     run=run,
 )

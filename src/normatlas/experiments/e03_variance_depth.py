@@ -104,7 +104,7 @@ EXPERIMENT = Experiment(
         "after training, growth (variance leaving the last block / leaving the first) of Pre-LN > LNS's, > Peri-LN's, "
         "> Post-LN's and > DeepNorm's (Mix-LN reported only)"
     ),
-    estimate_s=120.0,
-    quick_estimate_s=4.0,
+    estimate_s=70.0,
+    quick_estimate_s=1.5,
     run=run,
 )

@@ -134,7 +134,7 @@ EXPERIMENT = Experiment(
         "Post-LN: first layer's ||dL/dW2|| / last layer's < 1, and Pre-LN's ratio closer to 1 (in log); slope of "
         "log last-layer gradient against log L < -0.25 for Pre-LN, within +-0.25 of 0 for Post-LN"
     ),
-    estimate_s=30.0,
-    quick_estimate_s=2.0,
+    estimate_s=10.0,
+    quick_estimate_s=0.5,
     run=run,
 )

@@ -101,7 +101,7 @@ EXPERIMENT = Experiment(
         "Pre-LN: mean loss increase from removing a deeper-half layer / shallower-half layer < 1; the same ratio for "
         "LNS larger than Pre-LN's (Peri-LN reported only)"
     ),
-    estimate_s=90.0,
-    quick_estimate_s=3.0,
+    estimate_s=50.0,
+    quick_estimate_s=1.0,
     run=run,
 )

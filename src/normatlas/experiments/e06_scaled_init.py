@@ -113,7 +113,7 @@ EXPERIMENT = Experiment(
         "growth (variance last block / first) at init lower with the scaled init than the plain init; with the "
         "scaled init the growth at the end > 2x its value at init; LNS's growth at the end < the scaled init's"
     ),
-    estimate_s=100.0,
-    quick_estimate_s=3.0,
+    estimate_s=50.0,
+    quick_estimate_s=1.0,
     run=run,
 )

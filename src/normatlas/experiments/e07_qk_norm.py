@@ -181,7 +181,7 @@ EXPERIMENT = Experiment(
         "at the highest LR of the sweep: the largest attention logit is higher and the lowest normalised head "
         "entropy lower without QK-norm than with it; LR sensitivity (Wortsman et al.) higher without QK-norm"
     ),
-    estimate_s=120.0,
-    quick_estimate_s=4.0,
+    estimate_s=65.0,
+    quick_estimate_s=1.5,
     run=run,
 )

@@ -153,7 +153,7 @@ EXPERIMENT = Experiment(
     f"over {ALARM_WINDOW} steps) fires at a "
     f"step >= {BURN_IN} (it watches only those) strictly before the first loss spike (> {SPIKE_NATS:g} nat "
     "above the best 5-step mean, or non-finite); lead > 0 steps",
-    estimate_s=30.0,
+    estimate_s=10.0,
     quick_estimate_s=5.0,
     run=run,
 )

@@ -167,7 +167,7 @@ EXPERIMENT = Experiment(
     "reports erf(alpha x + s) beating LayerNorm, RMSNorm and DyT.",
     expected=f"each of the last {DEEP} MiniLM LayerNorms: tanh fit R^2 > line's and alpha * max|x| > {BEND:g}; DyT "
     f"and Derf held-out loss < (1 + {MARGIN:g}) x LayerNorm's",
-    estimate_s=20.0,
-    quick_estimate_s=6.0,
+    estimate_s=15.0,
+    quick_estimate_s=2.5,
     run=run,
 )

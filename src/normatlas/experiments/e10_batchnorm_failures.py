@@ -208,7 +208,7 @@ EXPERIMENT = Experiment(
     expected=f"BN accuracy at the smallest batch below GN's and below BN's at the largest; variance slope in "
     f"[{SLOPE_RANGE[0]:g}, {SLOPE_RANGE[1]:g}]; BN loses more accuracy under the shift than GN; Frozen BN "
     "fine-tuned at batch 2 >= live BN",
-    estimate_s=70.0,
-    quick_estimate_s=6.0,
+    estimate_s=60.0,
+    quick_estimate_s=2.0,
     run=run,
 )

@@ -144,7 +144,7 @@ EXPERIMENT = Experiment(
     "with quality comparable to LayerNorm; the figure is whole-model running time, not the norm op alone.",
     expected=f"normatlas RMSNorm / LayerNorm fwd+bwd time < 1 at the largest width; |held-out loss gap| < "
     f"{QUALITY_MARGIN:.0%} of LayerNorm's at equal steps",
-    estimate_s=15.0,
-    quick_estimate_s=4.0,
+    estimate_s=10.0,
+    quick_estimate_s=4.5,
     run=run,
 )

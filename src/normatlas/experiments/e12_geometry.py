@@ -161,7 +161,7 @@ EXPERIMENT = Experiment(
     expected=f"radius error < {RADIUS_TOL:g} for both; LayerNorm |cos(y, 1)| < {PLANE_TOL:g}; |angle - 90 deg| < "
     f"{ANGLE_TOL_DEG:g} deg for LN grad vs 1 and x-hat and RMS grad vs x-hat; RMS grad keeps a ones-component: mean "
     f"|cos(grad, 1)| > {RMS_ONES_MIN_SHARE:g} x the upstream gradient's",
-    estimate_s=1.0,
-    quick_estimate_s=1.5,
+    estimate_s=5.0,
+    quick_estimate_s=0.5,
     run=run,
 )

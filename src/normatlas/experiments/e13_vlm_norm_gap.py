@@ -169,7 +169,7 @@ EXPERIMENT = Experiment(
     "projector at gain T/sqrt(D) with a 1/g backward rescale (as the guide reports it).",
     expected=f"text / vision rotation (summed over layers) > {GAP_MIN:g} without the connector and within "
     f"[{BALANCED[0]:g}, {BALANCED[1]:g}] with it; grad(no rescale) / grad(rescale) = mean gain (rel. {GRAD_TOL:g})",
-    estimate_s=8.0,
-    quick_estimate_s=3.0,
+    estimate_s=5.0,
+    quick_estimate_s=1.0,
     run=run,
 )
