@@ -20,6 +20,7 @@ extent only, never their names):
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -173,6 +174,21 @@ def _rows(shape: tuple[int, ...] | None) -> int | None:
     return rows
 
 
+def _row_value(g: Graph, idx: int) -> int:
+    """``idx``, or where it is flattened to one axis (Molmo2 adds its features to the placeholders' embeddings as
+    one flat vector) the last value of two or more axes it re-lays out: back through reshapes, casts and a
+    concatenation of one tensor, each keeping the element count."""
+    cur = idx
+    while (shape := g.nodes[cur].shape) is not None and len(shape) < 2:
+        n = g.nodes[cur]
+        src = n.inputs[0] if n.inputs and (n.op in SHAPE_ONLY or n.op == "cat") else None
+        before = g.nodes[src].shape if src is not None else None
+        if src is None or before is None or math.prod(before) != math.prod(shape):
+            return idx
+        cur = src
+    return cur
+
+
 # ----------------------------------------------------------------------------- the tower, its region and its taps
 _RELAYOUT = SHAPE_ONLY | SPLITS | {"select", "index_select", "masked_select", "item_of"}
 
@@ -225,11 +241,15 @@ def discrete(g: Graph, pixel: int, entries: list[int]) -> bool:
 
 def tap(g: Graph, gv: Graph, vision: VisionReport, entries: list[int]) -> tuple[int | None, int, list[int]]:
     """The last stream value of the tower that feeds an entry, how many tower layers it depends on, and every
-    stream value of the tower that feeds an entry (the candidates :func:`taps` counts)."""
+    stream value of the tower that feeds an entry (the candidates :func:`taps` counts). The stream is every stage's
+    sublayers in order (:func:`.stages.find_stages`): a tower that merges tokens between its layers (MiniCPM-V's
+    window merger) runs layers on both stream shapes."""
     from .residual import find_stream, layer_of
+    from .stages import find_stages, merged_stream
 
     sites = find_sites(gv)
-    stream = find_stream(gv, sites)
+    stages = find_stages(gv, sites)
+    stream = merged_stream(gv, stages, sites) if stages else find_stream(gv, sites)
     by_node = {s.node: s for s in sites}
     shape = stream.shape or ()
     # the stream's channel width: its last axis, or axis 1 of a (B, C, H, W) feature map (a conv tower: VQ-VAE);
@@ -333,7 +353,7 @@ def connector_info(g: Graph, gi: Graph, bits: int, tap: int | None, entries: lis
     shape = g.nodes[tap].shape if tap is not None else None
     width = shape[-1] if shape else 0
     main = max(entries, key=lambda e: (_floating(g, e), e))
-    rows = (_rows(g.nodes[tap].shape) if tap is not None else None, _rows(g.nodes[main].shape))
+    rows = (_rows(g.nodes[tap].shape) if tap is not None else None, _rows(g.nodes[_row_value(g, main)].shape))
     info = ConnectorInfo(
         ConnectorKind.NONE,
         norms=[s.operator for s in inside],

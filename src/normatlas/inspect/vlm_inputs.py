@@ -78,9 +78,58 @@ def _grid_layouts(ic: Any, gen: torch.Generator) -> list[dict[str, Any]]:
     return [*out, {"pixel_values": patches, "image_grid_thw": grid}]
 
 
-def _layouts(cfg: Any, gen: torch.Generator, grid: bool) -> list[dict[str, Any]]:
-    """The image layouts to try, most common first (``grid``: the model's ``get_image_features`` reads an
-    ``image_grid_thw``, or the tower names a temporal patch size)."""
+def _patch_grid(ic: Any) -> tuple[int, int]:
+    """The tower's patch size and the side of its (shrunk) image in patches."""
+    patch = ic.patch_size
+    patch = patch[0] if isinstance(patch, (list, tuple)) else patch
+    if not isinstance(patch, int):
+        raise ValueError(f"the vision config {type(ic).__name__} has no integer patch_size (got {patch!r})")
+    return patch, _image_side(ic) // patch
+
+
+def _target_size_layouts(cfg: Any, gen: torch.Generator) -> list[dict[str, Any]]:
+    """One image ``(1, C, H, W)`` with its patch grid ``target_sizes`` ``[[H / p, W / p]]`` (MiniCPM-V: the
+    patch embedding runs on the image, the position ids and the merges read the grid)."""
+    ic = image_config(cfg)
+    patch, side = _patch_grid(ic)
+    image = torch.randn(1, _channels(ic), side * patch, side * patch, generator=gen)
+    return [{"pixel_values": image, "target_sizes": torch.tensor([[side, side]], dtype=torch.int32)}]
+
+
+def _pooled_crop_layouts(cfg: Any, gen: torch.Generator) -> list[dict[str, Any]]:
+    """One crop of flattened patches ``(1, side^2, C p^2)`` with the patch indices each image token pools
+    (``image_token_pooling``: 2 x 2 windows of the crop's patch grid, row-major) and the pooled grid
+    ``image_grids`` ``[[h, w, 0, 0]]`` (Molmo2: a low-resolution grid h x w and no high-resolution crops)."""
+    ic = image_config(cfg)
+    patch, side = _patch_grid(ic)
+    pool, pooled = 2, side // 2
+    pixels = torch.randn(1, side * side, _channels(ic) * patch**2, generator=gen)
+    index = torch.arange(side * side).reshape(pooled, pool, pooled, pool).permute(0, 2, 1, 3)
+    return [
+        {
+            "pixel_values": pixels,
+            "image_token_pooling": index.reshape(pooled * pooled, pool * pool),
+            "image_grids": torch.tensor([[pooled, pooled, 0, 0]]),
+        }
+    ]
+
+
+# a get_image_features argument that is required -> the image layouts that supply it with the image
+_EXTRA_LAYOUTS = {
+    "target_sizes": _target_size_layouts,
+    "image_token_pooling": _pooled_crop_layouts,
+}
+
+
+def _layouts(cfg: Any, gen: torch.Generator, arguments: dict[str, bool]) -> list[dict[str, Any]]:
+    """The image layouts to try, most common first (``arguments``: the named arguments of the model's
+    ``get_image_features``, each with whether it is required; one of :data:`_EXTRA_LAYOUTS` required picks its
+    layouts; an ``image_grid_thw``, or a tower that names a temporal patch size, asks for flattened patches and
+    their grid)."""
+    for argument, layouts in _EXTRA_LAYOUTS.items():
+        if arguments.get(argument):
+            return layouts(cfg, gen)
+    grid = "image_grid_thw" in arguments
     ic = image_config(cfg)
     channels = _channels(ic)
     if grid or "temporal_patch_size" in ic.to_dict():
@@ -121,6 +170,21 @@ def _features_owner(model: nn.Module) -> nn.Module | None:
     return next((m for m in model.modules() if callable(getattr(m, "get_image_features", None))), None)
 
 
+def _feature_arguments(model: nn.Module) -> dict[str, bool]:
+    """The named arguments of the model's ``get_image_features``, each with whether it is required (has no
+    default), read from the first such method that names its arguments (a head whose method only passes
+    ``*args, **kwargs`` to its base model's is skipped: MiniCPM-V)."""
+    for m in model.modules():
+        features = getattr(m, "get_image_features", None)
+        if not callable(features):
+            continue
+        params = pyinspect.signature(features).parameters.values()
+        named = [p for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+        if named:
+            return {p.name: p.default is p.empty for p in named}
+    return {}
+
+
 def _count_tokens(owner: nn.Module, image: dict[str, Any], width: int) -> int:
     """Image tokens the model fills for ``image``: its image features, in rows of the language width."""
     with torch.no_grad():
@@ -128,10 +192,11 @@ def _count_tokens(owner: nn.Module, image: dict[str, Any], width: int) -> int:
     feats = out if isinstance(out, torch.Tensor) else getattr(out, "pooler_output", None)
     if feats is None and isinstance(out, (tuple, list)):
         feats = out
-    tensors = [feats] if isinstance(feats, torch.Tensor) else list(feats or [])
-    total = sum(t.numel() for t in tensors if isinstance(t, torch.Tensor))
-    if total == 0 or total % width:
-        raise ValueError(f"image features of {total} values are not rows of the language width {width}")
+    tensors = [t for t in ([feats] if isinstance(feats, torch.Tensor) else list(feats or [])) if torch.is_tensor(t)]
+    total = sum(t.numel() for t in tensors)
+    if total == 0 or any(t.shape[-1] != width for t in tensors if t.dim()):
+        shapes = [tuple(t.shape) for t in tensors]
+        raise ValueError(f"image features of shapes {shapes} are not rows of the language width {width}")
     return total // width
 
 
@@ -155,9 +220,7 @@ def vlm_inputs(model: nn.Module, seed: int = 0) -> dict[str, Any]:
             "be counted"
         )
     errors = []
-    features: Any = owner.get_image_features
-    grid = "image_grid_thw" in pyinspect.signature(features).parameters
-    for image in _layouts(cfg, gen, grid):
+    for image in _layouts(cfg, gen, _feature_arguments(model)):
         try:
             n = _count_tokens(owner, image, int(text.hidden_size))
             break
