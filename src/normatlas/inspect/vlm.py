@@ -217,7 +217,8 @@ def inspect_vlm(
     if probe:
         check_sites(model, gl, language)
     before_tap = vg.closure(g, 1 << tap) if tap is not None else 0
-    conn_bits = vg.closure(g, vg.bits_of(entries)) & (image | vg.learned(g)) & ~before_tap
+    second = vg.second_images(g, inputs, pixel, text_bits)
+    conn_bits = vg.closure(g, vg.bits_of(entries)) & (image | vg.learned(g)) & ~before_tap & ~second
     connector = vg.connector_info(g, gi, conn_bits, tap, entries, tokens)
     connector.taps = vg.taps(g, feeding, tap, conn_bits)
     report = VLMReport(
@@ -234,6 +235,11 @@ def inspect_vlm(
         report.notes.append("no module call takes the image alone: the whole image part is read as the tower")
     if tap is None:
         report.notes.append("no tower stream value feeds the language model: the connector is the whole image part")
+    if second:
+        report.notes.append(
+            "a second image input feeds an encoder of its own (what is computed from it alone and its parameters is "
+            "left out of the connector and not read; the tower is the pixel_values one)"
+        )
     report.seconds = time.perf_counter() - t0
     return report
 

@@ -67,6 +67,7 @@ _TOKEN_IDS = {
 _PLACEHOLDERS = ("image_token_id", "image_token_index")  # set even where the default is None (BLIP-2)
 _TOWER_LAYER_LISTS = ("intermediate_layers_indices",)  # tower layer indices, refitted to the shrunk depth
 _TOWER_LAYER_INDEX = ("insert_layer_id",)  # one tower layer index (MiniCPM-V's window merger runs after it)
+_TOWER_LAYER_SETS = ("global_attn_indexes",)  # tower layers of one kind (SAM's global-attention layers)
 _TOWER_TAP_LISTS = ("vision_feature_layer",)  # a connector config's tower layer indices (Molmo2's adapter)
 _POSITIONS = ("num_position_embeddings",)  # a learned table with one row per patch of the image
 _TEXT_WIDTHS = ("text_hidden_size",)  # a connector config's field stating the language model's width (Molmo2)
@@ -90,6 +91,19 @@ def _inner_index(index: int, before: int, depth: int) -> int:
     return min(last, index * depth // before)
 
 
+def _fit_layer_indices(vc: Any, before: dict[str, Any], odepth: int, depth: int) -> None:
+    """The tower's layer index (:data:`_TOWER_LAYER_INDEX`) and layer sets (:data:`_TOWER_LAYER_SETS`) of its
+    ``odepth`` layers refitted to ``depth`` (:func:`_inner_index`)."""
+    for key in _TOWER_LAYER_INDEX:
+        val = before.get(key)
+        if type(val) is int and 0 <= val < odepth:
+            setattr(vc, key, _inner_index(val, odepth, depth))
+    for key in _TOWER_LAYER_SETS:
+        vals = before.get(key)
+        if isinstance(vals, list) and vals and all(type(v) is int for v in vals):
+            setattr(vc, key, sorted({_inner_index(v, odepth, depth) for v in vals}))
+
+
 def _fit_tower(vc: Any) -> None:
     """The tower at :data:`VISION_TINY`, a 4 x 4 patch image, its learned per-patch positions, its layer indices
     and lists and their derived widths."""
@@ -108,10 +122,8 @@ def _fit_tower(vc: Any) -> None:
         if isinstance(patch, int) and isinstance(side, int) and before.get(key) == (side // patch) ** 2:
             setattr(vc, key, PATCHES_PER_SIDE**2)
     depth = getattr(vc, "num_hidden_layers", None)
-    for key in _TOWER_LAYER_INDEX:
-        val = before.get(key)
-        if type(val) is int and isinstance(odepth, int) and isinstance(depth, int) and 0 <= val < odepth:
-            setattr(vc, key, _inner_index(val, odepth, depth))
+    if isinstance(odepth, int) and isinstance(depth, int):
+        _fit_layer_indices(vc, before, odepth, depth)
     for key in _TOWER_LAYER_LISTS:
         if isinstance(getattr(vc, key, None), list) and isinstance(depth, int):
             taps = list(range(max(1, depth - 1)))  # every layer but the last, as the original taps inner layers
@@ -150,7 +162,10 @@ def _fit_connector_configs(cfg: Any, original: Any) -> None:
         if key in (*_IMAGE_CONFIGS, "text_config") or sub is None or osub is None or sub is text:
             continue
         before = sub.to_dict()
-        _shrink(sub, VISION_TINY)
+        if isinstance(before.get("image_size"), int) and isinstance(before.get("patch_size"), int):
+            _fit_tower(sub)  # a second image encoder (DeepSeek-VL hybrid's high-resolution SAM tower)
+        else:
+            _shrink(sub, VISION_TINY)
         for field in _WIDTHS:
             old = getattr(osub, field, None)
             if isinstance(old, int) and old in widths:

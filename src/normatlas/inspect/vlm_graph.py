@@ -19,6 +19,7 @@ extent only, never their names):
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import math
 from dataclasses import dataclass, field
@@ -115,6 +116,28 @@ def input_node(g: Graph, tensor: torch.Tensor) -> int:
         if n.op == "input" and g.tensors.get(n.idx) is tensor:
             return n.idx
     raise ValueError("the input tensor was not read by the recorded run")
+
+
+def second_images(g: Graph, inputs: dict[str, object], pixel: int, text: int) -> int:
+    """Bitset of what a second floating-point image input computes before it meets ``pixel_values`` (DeepSeek-VL
+    hybrid's ``high_res_pixel_values`` runs a SAM encoder of its own), with the parameters and learned values only
+    that computation reads: the values computed from another floating-point model input (the text ids are
+    integer) and from neither ``pixel_values`` nor the text (``text``: its bitset), and their ancestors that no
+    other value reads."""
+    own = 0
+    for key, t in inputs.items():
+        if key == "pixel_values" or not isinstance(t, torch.Tensor) or not t.is_floating_point():
+            continue
+        with contextlib.suppress(ValueError):  # an input the run did not read
+            own |= desc(g, input_node(g, t))
+    own &= ~desc(g, pixel) & ~text
+    if not own:
+        return 0
+    out = own
+    for n in reversed(g.nodes):  # an ancestor read only by the second encoder's values is its own too
+        if not out >> n.idx & 1 and g.users(n.idx) and all(out >> u.idx & 1 for u in g.users(n.idx)):
+            out |= 1 << n.idx
+    return out
 
 
 def text_embedding(g: Graph, ids: int) -> int:

@@ -57,6 +57,14 @@ def _channels(ic: Any) -> int:
     return int(getattr(ic, "num_channels", None) or getattr(ic, "in_channels", None) or 3)
 
 
+def _merge(ic: Any) -> int:
+    """The side m of the m x m patches the tower or its merger joins into one token (2 where the config names
+    none)."""
+    d = ic.to_dict()
+    merge = next((d[k] for k in _MERGES if isinstance(d.get(k), int)), None)
+    return merge if merge is not None else next((d[k][0] for k in _MERGES if isinstance(d.get(k), list)), 2)
+
+
 def _grid_layouts(ic: Any, gen: torch.Generator) -> list[dict[str, Any]]:
     """Flattened patches and their (t, h, w) grid (Qwen2-VL style): a (2 m) x (2 m) patch grid for a merge of m x m
     patches, each patch flattened to channels x t x patch^2 values, t the config's temporal patch (1 or 2 where it
@@ -65,9 +73,7 @@ def _grid_layouts(ic: Any, gen: torch.Generator) -> list[dict[str, Any]]:
     patch = d.get("patch_size")
     if not isinstance(patch, int):
         return []
-    merge = next((d[k] for k in _MERGES if isinstance(d.get(k), int)), None)
-    merge = merge if merge is not None else next((d[k][0] for k in _MERGES if isinstance(d.get(k), list)), 2)
-    side = 2 * merge
+    side = 2 * _merge(ic)
     temporal = [d[k] for k in _TEMPORAL if isinstance(d.get(k), int)]
     grid = torch.tensor([[1, side, side]])
     out = []
@@ -114,10 +120,48 @@ def _pooled_crop_layouts(cfg: Any, gen: torch.Generator) -> list[dict[str, Any]]
     ]
 
 
-# a get_image_features argument that is required -> the image layouts that supply it with the image
+def _hw_grid_layouts(cfg: Any, gen: torch.Generator) -> list[dict[str, Any]]:
+    """Flattened patches ``(side^2, C p^2)`` with their patch grid ``image_grid_hw`` ``[[side, side]]``
+    (Nemotron-H Omni's RADIO tower)."""
+    ic = image_config(cfg)
+    patch, side = _patch_grid(ic)
+    pixels = torch.randn(side * side, _channels(ic) * patch**2, generator=gen)
+    return [{"pixel_values": pixels, "image_grid_hw": torch.tensor([[side, side]])}]
+
+
+# a required get_image_features argument -> the image layouts that supply it with the image
 _EXTRA_LAYOUTS = {
     "target_sizes": _target_size_layouts,
     "image_token_pooling": _pooled_crop_layouts,
+    "image_grid_hw": _hw_grid_layouts,
+}
+
+
+def _merge_sizes(cfg: Any, gen: torch.Generator, image: dict[str, Any]) -> dict[str, Any]:
+    """Each image's merge side (VideoLLaMA 3 merges m x m patches per image; its grid layouts hold 2 m x 2 m)."""
+    return {"image_merge_sizes": torch.tensor([_merge(image_config(cfg))])}
+
+
+def _qformer_ids(cfg: Any, gen: torch.Generator, image: dict[str, Any]) -> dict[str, Any]:
+    """The instruction the Q-Former reads beside its queries (InstructBLIP): a few ids of its own vocabulary."""
+    vocab = int(cfg.qformer_config.vocab_size)
+    ids = _text_ids(vocab, gen, 4).unsqueeze(0)
+    return {"qformer_input_ids": ids, "qformer_attention_mask": torch.ones_like(ids)}
+
+
+def _high_res_image(cfg: Any, gen: torch.Generator, image: dict[str, Any]) -> dict[str, Any]:
+    """The second, high-resolution copy of the image a hybrid tower reads (DeepSeek-VL hybrid's SAM encoder), at
+    the size of ``high_res_vision_config``."""
+    hc = cfg.high_res_vision_config
+    side = _image_side(hc)
+    return {"high_res_pixel_values": torch.randn(1, _channels(hc), side, side, generator=gen)}
+
+
+# a required get_image_features argument -> the inputs that go with each image layout
+_EXTRA_INPUTS = {
+    "image_merge_sizes": _merge_sizes,
+    "qformer_input_ids": _qformer_ids,
+    "high_res_pixel_values": _high_res_image,
 }
 
 
@@ -126,10 +170,14 @@ def _layouts(cfg: Any, gen: torch.Generator, arguments: dict[str, bool]) -> list
     ``get_image_features``, each with whether it is required; one of :data:`_EXTRA_LAYOUTS` required picks its
     layouts; an ``image_grid_thw``, or a tower that names a temporal patch size, asks for flattened patches and
     their grid)."""
-    for argument, layouts in _EXTRA_LAYOUTS.items():
-        if arguments.get(argument):
-            return layouts(cfg, gen)
-    grid = "image_grid_thw" in arguments
+    layouts = next((build(cfg, gen) for key, build in _EXTRA_LAYOUTS.items() if arguments.get(key)), None)
+    layouts = layouts if layouts is not None else _image_layouts(cfg, gen, "image_grid_thw" in arguments)
+    extras = [build for key, build in _EXTRA_INPUTS.items() if arguments.get(key)]
+    return [image | {k: v for build in extras for k, v in build(cfg, gen, image).items()} for image in layouts]
+
+
+def _image_layouts(cfg: Any, gen: torch.Generator, grid: bool) -> list[dict[str, Any]]:
+    """The plain image layouts, most common first (``grid``: flattened patches and their grid asked for)."""
     ic = image_config(cfg)
     channels = _channels(ic)
     if grid or "temporal_patch_size" in ic.to_dict():
@@ -171,18 +219,18 @@ def _features_owner(model: nn.Module) -> nn.Module | None:
 
 
 def _feature_arguments(model: nn.Module) -> dict[str, bool]:
-    """The named arguments of the model's ``get_image_features``, each with whether it is required (has no
-    default), read from the first such method that names its arguments (a head whose method only passes
-    ``*args, **kwargs`` to its base model's is skipped: MiniCPM-V)."""
+    """The named arguments of every ``get_image_features`` of the model and its modules, each with whether one
+    of them requires it (has no default for it): a head often passes ``*args, **kwargs`` on to its base model's
+    (MiniCPM-V), or names fewer of them (VideoLLaMA 3's head leaves ``image_merge_sizes`` to its base model)."""
+    out: dict[str, bool] = {}
     for m in model.modules():
         features = getattr(m, "get_image_features", None)
         if not callable(features):
             continue
-        params = pyinspect.signature(features).parameters.values()
-        named = [p for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
-        if named:
-            return {p.name: p.default is p.empty for p in named}
-    return {}
+        for p in pyinspect.signature(features).parameters.values():
+            if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+                out[p.name] = out.get(p.name, False) or p.default is p.empty
+    return out
 
 
 def _count_tokens(owner: nn.Module, image: dict[str, Any], width: int) -> int:
