@@ -29,7 +29,7 @@ import torch
 from ..analysis.graph import Graph, Node
 from ..analysis.ops import PROJECTIONS, SHAPE_ONLY, SHAPES, SPLITS
 from ..vocabulary import Operator
-from .norms import find_sites
+from .norms import Site, find_sites
 from .vision import _BATCH_STAT, VisionReport
 
 __all__ = ["ConnectorInfo", "ConnectorKind", "Injection"]
@@ -408,6 +408,23 @@ def connector_info(g: Graph, gi: Graph, bits: int, tap: int | None, entries: lis
 
 
 # ----------------------------------------------------------------------------- the language model
+def image_key_norms(g: Graph, text: int, image: int, stream_bit: int) -> list[tuple[int, int | None, list[Site]]]:
+    """The language model's attention cores whose keys are computed from the image alone (cross-attention), each
+    as (its position among the language model's cores in execution order, its head width, the norms on its keys
+    that run in the image part: Mllama's ``k_norm``). ``text``: the bitset of the text embedding's descendants
+    (every core of the language model reads one); ``image``: the image part's bitset."""
+    from .attention import find_cores, trig_bits
+
+    cores = [c for c in find_cores(g, find_sites(g), stream_bit, set(), trig_bits(g)) if text >> c.node & 1]
+    out = []
+    for i, core in enumerate(cores):
+        if core.k >= 0 and image >> core.k & 1 and not image >> core.q & 1:
+            keys = [s for s, _ in core.norms["k"] if image >> s.node & 1]
+            if keys:
+                out.append((i, core.head_dim, keys))
+    return out
+
+
 def injection_of(g: Graph, gl: Graph, text: int, entries: list[int], tokens: bool) -> Injection:
     """How the image reaches the language model (``gl``; ``text``: the text embedding's node)."""
     from .residual import find_stream
