@@ -223,7 +223,8 @@ def inspect_vlm(
         check_sites(model, gl, language)
     before_tap = vg.closure(g, 1 << tap) if tap is not None else 0
     second = vg.second_images(g, inputs, pixel, text_bits)
-    conn_bits = vg.closure(g, vg.bits_of(entries)) & (image | vg.learned(g)) & ~before_tap & ~second
+    learned = vg.learned(g, vg.side_inputs(g, inputs))
+    conn_bits = vg.closure(g, vg.bits_of(entries)) & (image | learned) & ~before_tap & ~second
     connector = vg.connector_info(g, gi, conn_bits, tap, entries, tokens)
     connector.taps = vg.taps(g, feeding, tap, conn_bits)
     report = VLMReport(

@@ -118,6 +118,18 @@ def input_node(g: Graph, tensor: torch.Tensor) -> int:
     raise ValueError("the input tensor was not read by the recorded run")
 
 
+def side_inputs(g: Graph, inputs: dict[str, object]) -> int:
+    """Bitset of the model inputs that are neither ``input_ids`` nor a floating-point image (``pixel_values``, a
+    second image): integer ids, grids, masks the connector may read (InstructBLIP's ``qformer_input_ids``)."""
+    out = 0
+    for key, t in inputs.items():
+        if key == "input_ids" or not isinstance(t, torch.Tensor) or t.is_floating_point():
+            continue
+        with contextlib.suppress(ValueError):  # an input the run did not read
+            out |= 1 << input_node(g, t)
+    return out
+
+
 def second_images(g: Graph, inputs: dict[str, object], pixel: int, text: int) -> int:
     """Bitset of what a second floating-point image input computes before it meets ``pixel_values`` (DeepSeek-VL
     hybrid's ``high_res_pixel_values`` runs a SAM encoder of its own), with the parameters and learned values only
@@ -167,14 +179,16 @@ def joined(g: Graph, image: int, entries: list[int]) -> int:
     return max(entries)
 
 
-def learned(g: Graph) -> int:
-    """Bitset of the values computed from parameters / buffers and from no model input: a resampler's learned
-    queries and what it computes from them before they meet the image (BLIP-2's query LayerNorm)."""
+def learned(g: Graph, side: int = 0) -> int:
+    """Bitset of the values computed from parameters / buffers (and the side inputs ``side``: model inputs that
+    are neither the text nor an image, such as InstructBLIP's instruction ids for its Q-Former) and from no other
+    model input: a resampler's learned queries and what it computes from them before they meet the image (BLIP-2's
+    query LayerNorm; InstructBLIP's, on the queries and the instruction's embeddings together)."""
     from_input, from_param = 0, 0
     for n in g.nodes:
-        if n.op == "input":
+        if n.op == "input" and not side >> n.idx & 1:
             from_input |= 1 << n.idx
-        elif n.op in ("param", "buffer"):
+        elif n.op in ("param", "buffer", "input"):
             from_param |= 1 << n.idx
         elif n.inputs:
             if any(from_input >> i & 1 for i in n.inputs):
