@@ -22,7 +22,13 @@ with the shared recorder. The graph is then split by dataflow (:mod:`.vlm_graph`
 * the **language model** is the graph restricted to the text embedding's descendants and what feeds them, image
   part cut (:func:`.analyze.analyze`); how the image reaches it (**injection**) is read off the entries' readers:
   into the embedding stream (its first stream value descends from an entry), as keys / values of cross-attention
-  layers (gated when a ``tanh`` of a parameter scales the branch), or as discrete tokens.
+  layers (gated when a ``tanh`` of a parameter scales the branch), or as discrete tokens. A cross-attention whose
+  keys are computed from the image alone may normalise them in the image part, after the connector's output
+  (Mllama's ``k_norm``): that norm is the report's ``image_key_norm``, noted per layer; the language model's
+  ``qk_norm`` for the layer is then its queries' norm;
+* other inputs: a second floating-point image (DeepSeek-VL hybrid's ``high_res_pixel_values``) feeds an encoder of
+  its own, left out of the connector and noted; integer side inputs (InstructBLIP's ``qformer_input_ids``) count
+  with the parameters, so what the connector computes from them is the connector's.
 
 Guaranteed property: every field is a fact of the executed computation (module calls are read for their extent,
 never their names); module paths are labels only.

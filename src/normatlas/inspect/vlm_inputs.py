@@ -5,7 +5,11 @@ from the config: the image is laid out as the tower reads it (``(B, C, H, W)``, 
 ``(B, N, C, H, W)``, Qwen2-VL's flattened patches with ``image_grid_thw``, a NaViT patch sequence, or Mllama's
 aspect-ratio tiles ``(B, images, tiles, C, H, W)`` with their ratio ids and masks), and the number of image tokens
 is what the model's own ``get_image_features`` returns for that image (its rows of the language model's width), so
-the text holds exactly as many placeholders as the model will fill. A model that reads the image by cross-attention
+the text holds exactly as many placeholders as the model will fill. The arguments a ``get_image_features`` (the
+head's or its base model's) requires beside the image are built from the config too: a patch grid
+(``target_sizes``, ``image_grid_hw``), pooling windows and their grid (``image_token_pooling``, ``image_grids``),
+merge sizes, a Q-Former instruction, a high-resolution copy of the image (:data:`_EXTRA_LAYOUTS`,
+:data:`_EXTRA_INPUTS`). A model that reads the image by cross-attention
 and has no placeholders gets a mask over (text positions x images [x tiles]) instead, all ones.
 """
 
