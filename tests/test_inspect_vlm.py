@@ -416,6 +416,13 @@ def test_mllama_tiles_and_gated_cross_attention(whole_reports: dict[str, Any]) -
     assert rep.injection is Injection.GATED_CROSS_ATTENTION
     assert (lm.operator, lm.placement, lm.qk_norm) == (Operator.RMSNORM, PlacementKind.PRE, QKNormKind.MIXED)
     assert rep.check_row()["connector"] == "gated-cross-attention"
+    # the self-attention layer has no QK-norm, the cross-attention layer normalises its text queries (q_norm, in
+    # the language model) and its keys, computed from the image alone (k_norm: in the image part, after the
+    # connector's output, so neither the connector's nor the language model's)
+    assert [(a.layer, a.qk_norm) for a in lm.attention] == [(0, QKNormKind.NONE), (1, QKNormKind.PER_HEAD)]
+    assert [n.role.value for n in lm.norms].count("qk") == 1
+    assert rep.image_key_norm is QKNormKind.PER_HEAD and c.norms == []
+    assert [n for n in rep.notes if "layer 1's cross-attention takes keys computed from the image alone" in n]
 
 
 def test_chameleon_image_becomes_vq_tokens(whole_reports: dict[str, Any]) -> None:
@@ -461,6 +468,7 @@ def test_mistral3_projector_norm_is_the_connectors_not_pixtrals(whole_reports: d
     assert (c.kind, c.norms, c.norm_widths, c.row_merge) == (ConnectorKind.PATCH_MERGER, [Operator.RMSNORM], [64], 4)
     row = rep.check_row()
     assert (row["vision_tower_norm"], row["connector"], row["connector_norm"]) == ("rmsnorm", "patch-merger", "rmsnorm")
+    assert v.embedding_norm is Operator.RMSNORM  # ln_pre, on the patch embeddings before the transformer
 
 
 def test_is_vlm_type_reads_transformers_registry() -> None:
@@ -469,39 +477,7 @@ def test_is_vlm_type_reads_transformers_registry() -> None:
     assert not is_vlm_type("llama") and not is_vlm_type("clip") and not is_vlm_type("not-a-model")
 
 
-# --------------------------------------------------------------------------- inspect --vision on harder towers
-def test_vision_of_a_tower_that_needs_more_than_pixel_values() -> None:
-    """Qwen2.5-VL's tower reads flattened patches and their grid: run whole, its tower part reported."""
-    from normatlas.inspect import inspect_vision_target
-
-    rep = inspect_vision_target("qwen2_5_vl", probe=False)
-    assert (rep.operator, rep.placement, rep.merger_norm) == (Operator.RMSNORM, PlacementKind.PRE, Operator.RMSNORM)
-    assert rep.model == "qwen2_5_vl"
-
-
-@pytest.mark.parametrize(
-    ("model_type", "placement"),
-    [("swinv2", PlacementKind.RES_POST), ("swin", PlacementKind.PRE)],  # modeling_swinv2.py: x + LN(attn(x))
-)
-def test_vision_of_a_staged_tower(model_type: str, placement: PlacementKind) -> None:
-    """Swin's per-stage depths / heads lists are kept whole (shrinking the stage count broke them: IndexError)."""
-    from normatlas.inspect import inspect_vision_target
-
-    rep = inspect_vision_target(model_type, probe=False)
-    assert (rep.operator, rep.placement, rep.embedding_norm) == (Operator.LAYERNORM, placement, Operator.LAYERNORM)
-
-
-def test_vision_of_convnext_reads_its_channels_first_stream() -> None:
-    """ConvNeXt adds on (B, C, H, W) and normalises NHWC views after a depthwise conv (modeling_convnext.py):
-    it used to fail to run (a stage list cut); now its stream is found and the norm inside the branch, after
-    the depthwise conv, reads as neither pre nor post (placement ``none``), with the stem's LayerNorm."""
-    from normatlas.inspect import inspect_vision_target
-
-    rep = inspect_vision_target("convnext", probe=False)
-    assert rep.embedding_norm is Operator.LAYERNORM and rep.placement is PlacementKind.NONE
-    assert rep.sublayers and {n.operator for n in rep.norms} == {Operator.LAYERNORM}
-
-
+# --------------------------------------------------------------------------- more transformers VLMs
 def test_transformers_vlm_report_is_rename_invariant() -> None:
     """LLaVA renamed with lying names (a norm called ``q_proj``, a projector called ``layernorm``...): same report."""
     from normatlas.inspect.vlm_build import build_vlm, vlm_inputs
@@ -514,18 +490,6 @@ def test_transformers_vlm_report_is_rename_invariant() -> None:
     a = inspect_vlm(model, x, name="llava", probe=False).to_dict(detail=True)
     b = inspect_vlm(twin, x, name="llava", probe=False).to_dict(detail=True)
     _assert_same_report(a, b, back)
-
-
-def test_vision_of_a_patch_sequence_tower() -> None:
-    """SigLIP 2 reads flattened patches, a mask and each image's grid (modeling_siglip2.py): it runs and reads as
-    Pre-LN with a final LayerNorm and the pooling head's."""
-    from normatlas.inspect import inspect_vision_target
-
-    rep = inspect_vision_target("siglip2_vision_model", probe=False)
-    assert (rep.operator, rep.placement, rep.final_norm, rep.head_norm) == (
-        Operator.LAYERNORM, PlacementKind.PRE, Operator.LAYERNORM, Operator.LAYERNORM,
-    )  # fmt: skip
-    assert rep.tokens == 16
 
 
 def test_transformers_gated_cross_attention_vlm() -> None:

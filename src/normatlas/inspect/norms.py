@@ -14,7 +14,10 @@ and one full-shape ``mul``/``div`` that applies it to ``x``. From the pattern:
 * the affine map, read forwards from the normalized tensor: a multiply by a
   parameter (gain ``w``) or by ``param + 1`` (gain ``1+w``), an added parameter
   (bias), casts before or after the gain (cast order), scalar multiplies
-  (output scaling, e.g. LayerNorm Scaling's 1/sqrt(layer)).
+  (output scaling, e.g. LayerNorm Scaling's 1/sqrt(layer)). The walk never enters the cast another
+  site's statistic reads: a cast to the dtype a tensor already has returns that tensor, so the next norm's
+  ``x.to(float32)`` can be the previous norm's only reader in a float32 run (Pixtral's ``ln_pre`` right before
+  its first pre-norm); that cast is the next norm's input, not the previous norm's output.
 """
 
 from __future__ import annotations
@@ -69,6 +72,7 @@ class Site:
     cast_order: CastOrder | None
     output_scale: float = 1.0
     gain_shape: tuple[int, ...] | None = None  # the stored gain's shape: (D,), or (heads, head_dim) per head
+    read: int = -1  # the value the statistic reads, casts not stripped (``input`` is it with casts stripped)
     fused: bool = False
     module: str = ""
     probe: dict[str, object] = field(default_factory=dict)
@@ -113,12 +117,13 @@ def _centred(g: Graph, z: int) -> int | None:
     return None
 
 
-def _affine(g: Graph, site: Site, start: int) -> None:
-    """Read the affine map forwards from the normalized tensor ``start``; fill the site's fields."""
+def _affine(g: Graph, site: Site, start: int, stop: frozenset[int] = frozenset()) -> None:
+    """Read the affine map forwards from the normalized tensor ``start``, never into a node of ``stop``; fill the
+    site's fields."""
     cur, casts_before_gain, casts_after_gain = start, 0, 0
     while True:
         users = g.users(cur)
-        if len(users) != 1:
+        if len(users) != 1 or users[0].idx in stop:
             break
         u = users[0]
         others = [i for i in u.inputs if i != cur]
@@ -172,7 +177,7 @@ def _gain_param(g: Graph, o: Node) -> GainConvention | None:
     return None
 
 
-def _fused(g: Graph, n: Node) -> Site | None:
+def _fused(g: Graph, n: Node, stop: frozenset[int] = frozenset()) -> Site | None:
     a = n.args
 
     def arg(i: int, name: str) -> object:
@@ -230,11 +235,11 @@ def _fused(g: Graph, n: Node) -> Site | None:
             None,
             fused=True,
         )
-    site.module = n.module
+    site.module, site.read = n.module, n.inputs[0]
     if n.op != "normalize" and w_node is not None:
         site.gain_shape = _gain_shape(g, w_node)
     gain_before = site.gain
-    _affine(g, site, n.idx)  # an affine map applied after a parameter-free fused kernel
+    _affine(g, site, n.idx, stop)  # an affine map applied after a parameter-free fused kernel
     if gain_before:
         site.cast_order = None  # gain applied inside the fused kernel
     if site.operator is Operator.LAYERNORM and not site.gain and not site.bias:
@@ -242,7 +247,7 @@ def _fused(g: Graph, n: Node) -> Site | None:
     return site
 
 
-def _pattern(g: Graph, s: Node) -> Site | None:
+def _pattern(g: Graph, s: Node, stop: frozenset[int] = frozenset()) -> Site | None:
     """A reduction node ``s`` that starts the unfused pattern, completed to a Site."""
     if s.op not in _REDUCE or not s.inputs or not _reduces_last(s, g):
         return None
@@ -264,7 +269,7 @@ def _pattern(g: Graph, s: Node) -> Site | None:
     # scalar chain forwards to the full-shape combine
     full = g.nodes[x].shape
     frontier, seen, chain = [s.idx], set(), []
-    combine = None
+    combine, read = None, -1
     while frontier and combine is None:
         cur = frontier.pop(0)
         for u in g.users(cur):
@@ -272,9 +277,10 @@ def _pattern(g: Graph, s: Node) -> Site | None:
                 continue
             seen.add(u.idx)
             if u.shape == full and u.op in ("mul", "div"):
-                other = [strip(g, i) for i in u.inputs if i != cur]
+                raw = [i for i in u.inputs if i != cur]
+                other = [strip(g, i) for i in raw]
                 if other and (other[0] == x or other[0] == strip(g, z) or _centred(g, other[0]) == x):
-                    combine = u
+                    combine, read = u, raw[0]
                     break
             elif u.op in _SCALAR_CHAIN and u.shape is not None and (not u.shape or u.shape[-1] == 1):
                 chain.append(u)
@@ -301,7 +307,10 @@ def _pattern(g: Graph, s: Node) -> Site | None:
     site = Site(
         combine.idx, x, combine.idx, op, full[-1], eps, placement, False, None, False, None, module=combine.module
     )
-    _affine(g, site, combine.idx)
+    if _centred(g, read) is not None:  # LayerNorm's combine reads x - mean(x): the value read is the sub's x
+        read = g.nodes[strip(g, read)].inputs[0]
+    site.read = read
+    _affine(g, site, combine.idx, stop)
     if op is Operator.LAYERNORM and not site.gain and not site.bias:
         site.operator = Operator.LAYERNORM_NONPARAM
     return site
@@ -309,9 +318,15 @@ def _pattern(g: Graph, s: Node) -> Site | None:
 
 def find_sites(g: Graph) -> list[Site]:
     """Every normalization site in ``g``, in execution order (one per normalized tensor)."""
-    sites: dict[int, Site] = {}
+    found: dict[int, tuple[Node, Site]] = {}
     for n in g.nodes:
         site = _fused(g, n) or _pattern(g, n)
-        if site is not None and site.node not in sites:
-            sites[site.node] = site
-    return sorted(sites.values(), key=lambda s: s.node)
+        if site is not None and site.node not in found:
+            found[site.node] = (n, site)
+    casts = frozenset(s.read for _, s in found.values() if g.nodes[s.read].op in CASTS)  # a site's input cast
+    sites = []
+    for n, site in found.values():
+        if site.output != site.node and site.output in casts:  # its walk ran into the next norm's input cast
+            site = _fused(g, n, casts) or _pattern(g, n, casts) or site
+        sites.append(site)
+    return sorted(sites, key=lambda s: s.node)

@@ -22,7 +22,13 @@ with the shared recorder. The graph is then split by dataflow (:mod:`.vlm_graph`
 * the **language model** is the graph restricted to the text embedding's descendants and what feeds them, image
   part cut (:func:`.analyze.analyze`); how the image reaches it (**injection**) is read off the entries' readers:
   into the embedding stream (its first stream value descends from an entry), as keys / values of cross-attention
-  layers (gated when a ``tanh`` of a parameter scales the branch), or as discrete tokens.
+  layers (gated when a ``tanh`` of a parameter scales the branch), or as discrete tokens. A cross-attention whose
+  keys are computed from the image alone may normalise them in the image part, after the connector's output
+  (Mllama's ``k_norm``): that norm is the report's ``image_key_norm``, noted per layer; the language model's
+  ``qk_norm`` for the layer is then its queries' norm;
+* other inputs: a second floating-point image (DeepSeek-VL hybrid's ``high_res_pixel_values``) feeds an encoder of
+  its own, left out of the connector and noted; integer side inputs (InstructBLIP's ``qformer_input_ids``) count
+  with the parameters, so what the connector computes from them is the connector's.
 
 Guaranteed property: every field is a fact of the executed computation (module calls are read for their extent,
 never their names); module paths are labels only.
@@ -39,7 +45,7 @@ import torch
 from torch import nn
 
 from ..analysis.graph import record
-from ..vocabulary import Operator
+from ..vocabulary import Operator, QKNormKind
 from . import vlm_graph as vg
 from .report import InspectionReport, _plain
 from .vision import VisionReport, vision_report
@@ -78,6 +84,9 @@ class VLMReport:
     image_tokens: int  # rows of image features the language model reads
     tower_layers_run: int = 0  # tower layers the language model's input depends on (LLaVA: all but the last)
     batch_stat_norms: int = 0  # batch-statistics norms in the tower (BatchNorm / InstanceNorm calls)
+    # the norm on keys computed from the image alone, in the language model's cross-attention (Mllama's k_norm):
+    # it runs in the image part, after the connector's output, so the language model's qk_norm does not see it
+    image_key_norm: QKNormKind = QKNormKind.NONE
     notes: list[str] = field(default_factory=list)
     seconds: float = 0.0
 
@@ -116,6 +125,7 @@ class VLMReport:
             "final norm": lm.final_norm.value,
             "embedding scale": lm.embedding_scale,
             "gain convention": lm.gain_convention.value if lm.gain_convention else None,
+            "image-side key norm": self.image_key_norm.value,
         }
         return {
             key: [{"field": k, "value": val} for k, val in part.items()]
@@ -163,6 +173,7 @@ class VLMReport:
             "image_tokens": self.image_tokens,
             "tower_layers_run": self.tower_layers_run,
             "batch_stat_norms": self.batch_stat_norms,
+            "image_key_norm": self.image_key_norm.value,
             "notes": list(self.notes),
             "seconds": self.seconds,
         }
@@ -217,7 +228,9 @@ def inspect_vlm(
     if probe:
         check_sites(model, gl, language)
     before_tap = vg.closure(g, 1 << tap) if tap is not None else 0
-    conn_bits = vg.closure(g, vg.bits_of(entries)) & (image | vg.learned(g)) & ~before_tap
+    second = vg.second_images(g, inputs, pixel, text_bits)
+    learned = vg.learned(g, vg.side_inputs(g, inputs))
+    conn_bits = vg.closure(g, vg.bits_of(entries)) & (image | learned) & ~before_tap & ~second
     connector = vg.connector_info(g, gi, conn_bits, tap, entries, tokens)
     connector.taps = vg.taps(g, feeding, tap, conn_bits)
     report = VLMReport(
@@ -234,8 +247,33 @@ def inspect_vlm(
         report.notes.append("no module call takes the image alone: the whole image part is read as the tower")
     if tap is None:
         report.notes.append("no tower stream value feeds the language model: the connector is the whole image part")
+    _note_image_key_norms(report, g, text_bits, image, (1 << pixel) | (1 << text))
+    if second:
+        report.notes.append(
+            "a second image input feeds an encoder of its own (what is computed from it alone and its parameters is "
+            "left out of the connector and not read; the tower is the pixel_values one)"
+        )
     report.seconds = time.perf_counter() - t0
     return report
+
+
+def _note_image_key_norms(report: VLMReport, g: Any, text_bits: int, image: int, stream_bit: int) -> None:
+    """The norms on keys computed from the image alone (:func:`.vlm_graph.image_key_norms`): their kind in the
+    report's ``image_key_norm`` and, per cross-attention layer, a note saying where its q and k norms run."""
+    from .attention import qk_kind
+
+    found = vg.image_key_norms(g, text_bits, image, stream_bit)
+    kinds = {qk_kind(keys, head_dim) for _, head_dim, keys in found}
+    if kinds:
+        report.image_key_norm = kinds.pop() if len(kinds) == 1 else QKNormKind.MIXED
+    attention = report.language.attention
+    for i, head_dim, keys in found:
+        layer, queries = (attention[i].layer, attention[i].qk_norm.value) if i < len(attention) else (i, "unknown")
+        report.notes.append(
+            f"language-model layer {layer}'s cross-attention takes keys computed from the image alone: their norm "
+            f"({_runs([s.operator for s in keys])}, {qk_kind(keys, head_dim).value}) runs in the image part, after "
+            f"the connector's output; the language model's qk_norm for the layer ({queries}) is its queries' norm"
+        )
 
 
 def inspect_vlm_target(model_type: str, *, seed: int = 0, probe: bool = True) -> VLMReport:

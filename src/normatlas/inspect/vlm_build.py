@@ -66,6 +66,11 @@ _TOKEN_IDS = {
 }
 _PLACEHOLDERS = ("image_token_id", "image_token_index")  # set even where the default is None (BLIP-2)
 _TOWER_LAYER_LISTS = ("intermediate_layers_indices",)  # tower layer indices, refitted to the shrunk depth
+_TOWER_LAYER_INDEX = ("insert_layer_id",)  # one tower layer index (MiniCPM-V's window merger runs after it)
+_TOWER_LAYER_SETS = ("global_attn_indexes",)  # tower layers of one kind (SAM's global-attention layers)
+_TOWER_TAP_LISTS = ("vision_feature_layer",)  # a connector config's tower layer indices (Molmo2's adapter)
+_POSITIONS = ("num_position_embeddings",)  # a learned table with one row per patch of the image
+_TEXT_WIDTHS = ("text_hidden_size",)  # a connector config's field stating the language model's width (Molmo2)
 _TEXT_LAYER_LISTS = ("cross_attention_layers",)  # language-model layer indices, refitted to its shrunk depth
 _IMAGE_CONFIGS = ("vision_config", "vq_config")
 _TOWER_DERIVED = ("vision_output_dim", "out_hidden_size", "intermediate_size")  # set by _fit_tower already
@@ -78,15 +83,47 @@ def _text_config(cfg: Any) -> Any:
     return getattr(cfg, "text_config", None) or cfg
 
 
+def _inner_index(index: int, before: int, depth: int) -> int:
+    """A layer index of a ``before``-layer stack refitted to ``depth`` layers: at the same fraction of the stack,
+    and strictly inside it (layers after it) when it was so before."""
+    index %= before
+    last = depth - 1 if index == before - 1 else max(0, depth - 2)
+    return min(last, index * depth // before)
+
+
+def _fit_layer_indices(vc: Any, before: dict[str, Any], odepth: int, depth: int) -> None:
+    """The tower's layer index (:data:`_TOWER_LAYER_INDEX`) and layer sets (:data:`_TOWER_LAYER_SETS`) of its
+    ``odepth`` layers refitted to ``depth`` (:func:`_inner_index`)."""
+    for key in _TOWER_LAYER_INDEX:
+        val = before.get(key)
+        if type(val) is int and 0 <= val < odepth:
+            setattr(vc, key, _inner_index(val, odepth, depth))
+    for key in _TOWER_LAYER_SETS:
+        vals = before.get(key)
+        if isinstance(vals, list) and vals and all(type(v) is int for v in vals):
+            setattr(vc, key, sorted({_inner_index(v, odepth, depth) for v in vals}))
+
+
 def _fit_tower(vc: Any) -> None:
-    """The tower at :data:`VISION_TINY`, a 4 x 4 patch image, its layer-index lists and their derived widths."""
+    """The tower at :data:`VISION_TINY`, a 4 x 4 patch image, its learned per-patch positions, its layer indices
+    and lists and their derived widths."""
+    before = vc.to_dict()
+    odepth = getattr(vc, "num_hidden_layers", None)
     _shrink(vc, VISION_TINY)
     patch, size = getattr(vc, "patch_size", None), getattr(vc, "image_size", None)
     if isinstance(patch, (list, tuple)) and isinstance(size, (list, tuple)):  # InternViT: (h, w) pairs
         vc.image_size = [p * PATCHES_PER_SIDE for p in patch]
+    elif isinstance(patch, int) and isinstance(size, (list, tuple)):  # Molmo2: one patch side, an (h, w) image
+        vc.image_size = [patch * PATCHES_PER_SIDE] * len(size)
     elif isinstance(patch, int) and isinstance(size, int):
         vc.image_size = patch * PATCHES_PER_SIDE
+    side = size[0] if isinstance(size, (list, tuple)) else size
+    for key in _POSITIONS:  # one row per patch of the original image: one per patch of the shrunk one
+        if isinstance(patch, int) and isinstance(side, int) and before.get(key) == (side // patch) ** 2:
+            setattr(vc, key, PATCHES_PER_SIDE**2)
     depth = getattr(vc, "num_hidden_layers", None)
+    if isinstance(odepth, int) and isinstance(depth, int):
+        _fit_layer_indices(vc, before, odepth, depth)
     for key in _TOWER_LAYER_LISTS:
         if isinstance(getattr(vc, key, None), list) and isinstance(depth, int):
             taps = list(range(max(1, depth - 1)))  # every layer but the last, as the original taps inner layers
@@ -108,8 +145,10 @@ def _fit_vq(vq: Any, text: Any) -> Any:
 
 
 def _fit_connector_configs(cfg: Any, original: Any) -> None:
-    """Every sub-config that is neither the image encoder nor the language model (a Q-Former, a perceiver) shrunk
-    to :data:`VISION_TINY`; its width fields that equalled the original tower or text width take the shrunk one."""
+    """Every sub-config that is neither the image encoder nor the language model (a Q-Former, a perceiver, an
+    adapter) shrunk to :data:`VISION_TINY`; its width fields that equalled the original tower or text width take
+    the shrunk one (:func:`_fit_widths`), its lists of tower layer indices (:data:`_TOWER_TAP_LISTS`) are refitted
+    to the shrunk tower."""
     text, otext = _text_config(cfg), _text_config(original)
     image = next((getattr(cfg, k) for k in _IMAGE_CONFIGS if getattr(cfg, k, None) is not None), None)
     oimage = next((getattr(original, k) for k in _IMAGE_CONFIGS if getattr(original, k, None) is not None), None)
@@ -117,16 +156,27 @@ def _fit_connector_configs(cfg: Any, original: Any) -> None:
     for old, new in ((oimage, image), (otext, text)):
         if old is not None and new is not None and isinstance(getattr(old, "hidden_size", None), int):
             widths[old.hidden_size] = new.hidden_size
+    depths = (getattr(oimage, "num_hidden_layers", None), getattr(image, "num_hidden_layers", None))
     for key in getattr(cfg, "sub_configs", None) or {}:
         sub, osub = getattr(cfg, key, None), getattr(original, key, None)
         if key in (*_IMAGE_CONFIGS, "text_config") or sub is None or osub is None or sub is text:
             continue
-        _shrink(sub, VISION_TINY)
+        before = sub.to_dict()
+        if isinstance(before.get("image_size"), int) and isinstance(before.get("patch_size"), int):
+            _fit_tower(sub)  # a second image encoder (DeepSeek-VL hybrid's high-resolution SAM tower)
+        else:
+            _shrink(sub, VISION_TINY)
         for field in _WIDTHS:
             old = getattr(osub, field, None)
             if isinstance(old, int) and old in widths:
                 with contextlib.suppress(Exception):
                     setattr(sub, field, widths[old])
+        _fit_widths(sub, {k: v for k, v in before.items() if k not in _WIDTHS}, widths)
+        _shrink(sub, dict.fromkeys(_TEXT_WIDTHS, text.hidden_size))  # its default need not equal the text's
+        for field in _TOWER_TAP_LISTS:
+            taps = before.get(field)
+            if isinstance(taps, list) and all(type(t) is int for t in taps) and all(isinstance(d, int) for d in depths):
+                setattr(sub, field, [_inner_index(t, depths[0], depths[1]) for t in taps])  # type: ignore[arg-type]
 
 
 def _original_widths(cfg: Any, original: Any) -> dict[int, int]:
@@ -167,6 +217,9 @@ def build_vlm(model_type: str, seed: int = 0) -> nn.Module:
     top, tower = cfg.to_dict(), vc.to_dict() if vc is not None else {}
     if vc is not None:
         _fit_tower(vc)
+        for key in _TOWER_LAYER_INDEX:  # the top-level copy of the tower's index (MiniCPM-V copies it down)
+            if type(top.get(key)) is int and isinstance(getattr(vc, key, None), int):
+                setattr(cfg, key, getattr(vc, key))
         _shrink(vc, {"out_hidden_size": text.hidden_size})
     elif vq is not None and "vocabulary_map" in cfg.to_dict():
         cfg.vocabulary_map = _fit_vq(vq, text)
@@ -189,11 +242,15 @@ def build_vlm(model_type: str, seed: int = 0) -> nn.Module:
     for key in _TEXT_LAYER_LISTS:
         if isinstance(getattr(text, key, None), list) and isinstance(depth, int):
             setattr(text, key, [depth - 1])  # one such layer, the last; the others stay self-attention
-    have = cfg.to_dict()
+    have, moved = cfg.to_dict(), set()
     for key, offset in _TOKEN_IDS.items():
-        if isinstance(have.get(key), int) or (key in _PLACEHOLDERS and key in have):
+        field = getattr(cfg, "attribute_map", {}).get(key, key)  # Molmo2: image_token_id is image_patch_id
+        if field in moved:  # an alias of a field already moved (Molmo2's video_token_id: image_patch_id too)
+            continue
+        if isinstance(have.get(field), int) or (key in _PLACEHOLDERS and field in have):
+            moved.add(field)
             with contextlib.suppress(Exception):
-                setattr(cfg, key, text.vocab_size - offset)
+                setattr(cfg, field, text.vocab_size - offset)
     try:
         model = AutoModelForImageTextToText.from_config(cfg, attn_implementation="eager")
     except ValueError:

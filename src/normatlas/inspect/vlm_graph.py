@@ -19,7 +19,9 @@ extent only, never their names):
 
 from __future__ import annotations
 
+import contextlib
 import enum
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -27,7 +29,7 @@ import torch
 from ..analysis.graph import Graph, Node
 from ..analysis.ops import PROJECTIONS, SHAPE_ONLY, SHAPES, SPLITS
 from ..vocabulary import Operator
-from .norms import find_sites
+from .norms import Site, find_sites
 from .vision import _BATCH_STAT, VisionReport
 
 __all__ = ["ConnectorInfo", "ConnectorKind", "Injection"]
@@ -116,6 +118,40 @@ def input_node(g: Graph, tensor: torch.Tensor) -> int:
     raise ValueError("the input tensor was not read by the recorded run")
 
 
+def side_inputs(g: Graph, inputs: dict[str, object]) -> int:
+    """Bitset of the model inputs that are neither ``input_ids`` nor a floating-point image (``pixel_values``, a
+    second image): integer ids, grids, masks the connector may read (InstructBLIP's ``qformer_input_ids``)."""
+    out = 0
+    for key, t in inputs.items():
+        if key == "input_ids" or not isinstance(t, torch.Tensor) or t.is_floating_point():
+            continue
+        with contextlib.suppress(ValueError):  # an input the run did not read
+            out |= 1 << input_node(g, t)
+    return out
+
+
+def second_images(g: Graph, inputs: dict[str, object], pixel: int, text: int) -> int:
+    """Bitset of what a second floating-point image input computes before it meets ``pixel_values`` (DeepSeek-VL
+    hybrid's ``high_res_pixel_values`` runs a SAM encoder of its own), with the parameters and learned values only
+    that computation reads: the values computed from another floating-point model input (the text ids are
+    integer) and from neither ``pixel_values`` nor the text (``text``: its bitset), and their ancestors that no
+    other value reads."""
+    own = 0
+    for key, t in inputs.items():
+        if key == "pixel_values" or not isinstance(t, torch.Tensor) or not t.is_floating_point():
+            continue
+        with contextlib.suppress(ValueError):  # an input the run did not read
+            own |= desc(g, input_node(g, t))
+    own &= ~desc(g, pixel) & ~text
+    if not own:
+        return 0
+    out = own
+    for n in reversed(g.nodes):  # an ancestor read only by the second encoder's values is its own too
+        if not out >> n.idx & 1 and g.users(n.idx) and all(out >> u.idx & 1 for u in g.users(n.idx)):
+            out |= 1 << n.idx
+    return out
+
+
 def text_embedding(g: Graph, ids: int) -> int:
     for n in g.nodes:
         if n.op == "embedding" and (ids in n.inputs or g.feeds(ids, n.idx)):
@@ -143,14 +179,16 @@ def joined(g: Graph, image: int, entries: list[int]) -> int:
     return max(entries)
 
 
-def learned(g: Graph) -> int:
-    """Bitset of the values computed from parameters / buffers and from no model input: a resampler's learned
-    queries and what it computes from them before they meet the image (BLIP-2's query LayerNorm)."""
+def learned(g: Graph, side: int = 0) -> int:
+    """Bitset of the values computed from parameters / buffers (and the side inputs ``side``: model inputs that
+    are neither the text nor an image, such as InstructBLIP's instruction ids for its Q-Former) and from no other
+    model input: a resampler's learned queries and what it computes from them before they meet the image (BLIP-2's
+    query LayerNorm; InstructBLIP's, on the queries and the instruction's embeddings together)."""
     from_input, from_param = 0, 0
     for n in g.nodes:
-        if n.op == "input":
+        if n.op == "input" and not side >> n.idx & 1:
             from_input |= 1 << n.idx
-        elif n.op in ("param", "buffer"):
+        elif n.op in ("param", "buffer", "input"):
             from_param |= 1 << n.idx
         elif n.inputs:
             if any(from_input >> i & 1 for i in n.inputs):
@@ -171,6 +209,21 @@ def _rows(shape: tuple[int, ...] | None) -> int | None:
     for d in shape[:-1]:
         rows *= d
     return rows
+
+
+def _row_value(g: Graph, idx: int) -> int:
+    """``idx``, or where it is flattened to one axis (Molmo2 adds its features to the placeholders' embeddings as
+    one flat vector) the last value of two or more axes it re-lays out: back through reshapes, casts and a
+    concatenation of one tensor, each keeping the element count."""
+    cur = idx
+    while (shape := g.nodes[cur].shape) is not None and len(shape) < 2:
+        n = g.nodes[cur]
+        src = n.inputs[0] if n.inputs and (n.op in SHAPE_ONLY or n.op == "cat") else None
+        before = g.nodes[src].shape if src is not None else None
+        if src is None or before is None or math.prod(before) != math.prod(shape):
+            return idx
+        cur = src
+    return cur
 
 
 # ----------------------------------------------------------------------------- the tower, its region and its taps
@@ -225,11 +278,15 @@ def discrete(g: Graph, pixel: int, entries: list[int]) -> bool:
 
 def tap(g: Graph, gv: Graph, vision: VisionReport, entries: list[int]) -> tuple[int | None, int, list[int]]:
     """The last stream value of the tower that feeds an entry, how many tower layers it depends on, and every
-    stream value of the tower that feeds an entry (the candidates :func:`taps` counts)."""
+    stream value of the tower that feeds an entry (the candidates :func:`taps` counts). The stream is every stage's
+    sublayers in order (:func:`.stages.find_stages`): a tower that merges tokens between its layers (MiniCPM-V's
+    window merger) runs layers on both stream shapes."""
     from .residual import find_stream, layer_of
+    from .stages import find_stages, merged_stream
 
     sites = find_sites(gv)
-    stream = find_stream(gv, sites)
+    stages = find_stages(gv, sites)
+    stream = merged_stream(gv, stages, sites) if stages else find_stream(gv, sites)
     by_node = {s.node: s for s in sites}
     shape = stream.shape or ()
     # the stream's channel width: its last axis, or axis 1 of a (B, C, H, W) feature map (a conv tower: VQ-VAE);
@@ -333,7 +390,7 @@ def connector_info(g: Graph, gi: Graph, bits: int, tap: int | None, entries: lis
     shape = g.nodes[tap].shape if tap is not None else None
     width = shape[-1] if shape else 0
     main = max(entries, key=lambda e: (_floating(g, e), e))
-    rows = (_rows(g.nodes[tap].shape) if tap is not None else None, _rows(g.nodes[main].shape))
+    rows = (_rows(g.nodes[tap].shape) if tap is not None else None, _rows(g.nodes[_row_value(g, main)].shape))
     info = ConnectorInfo(
         ConnectorKind.NONE,
         norms=[s.operator for s in inside],
@@ -365,6 +422,23 @@ def connector_info(g: Graph, gi: Graph, bits: int, tap: int | None, entries: lis
 
 
 # ----------------------------------------------------------------------------- the language model
+def image_key_norms(g: Graph, text: int, image: int, stream_bit: int) -> list[tuple[int, int | None, list[Site]]]:
+    """The language model's attention cores whose keys are computed from the image alone (cross-attention), each
+    as (its position among the language model's cores in execution order, its head width, the norms on its keys
+    that run in the image part: Mllama's ``k_norm``). ``text``: the bitset of the text embedding's descendants
+    (every core of the language model reads one); ``image``: the image part's bitset."""
+    from .attention import find_cores, trig_bits
+
+    cores = [c for c in find_cores(g, find_sites(g), stream_bit, set(), trig_bits(g)) if text >> c.node & 1]
+    out = []
+    for i, core in enumerate(cores):
+        if core.k >= 0 and image >> core.k & 1 and not image >> core.q & 1:
+            keys = [s for s, _ in core.norms["k"] if image >> s.node & 1]
+            if keys:
+                out.append((i, core.head_dim, keys))
+    return out
+
+
 def injection_of(g: Graph, gl: Graph, text: int, entries: list[int], tokens: bool) -> Injection:
     """How the image reaches the language model (``gl``; ``text``: the text embedding's node)."""
     from .residual import find_stream

@@ -5,7 +5,11 @@ from the config: the image is laid out as the tower reads it (``(B, C, H, W)``, 
 ``(B, N, C, H, W)``, Qwen2-VL's flattened patches with ``image_grid_thw``, a NaViT patch sequence, or Mllama's
 aspect-ratio tiles ``(B, images, tiles, C, H, W)`` with their ratio ids and masks), and the number of image tokens
 is what the model's own ``get_image_features`` returns for that image (its rows of the language model's width), so
-the text holds exactly as many placeholders as the model will fill. A model that reads the image by cross-attention
+the text holds exactly as many placeholders as the model will fill. The arguments a ``get_image_features`` (the
+head's or its base model's) requires beside the image are built from the config too: a patch grid
+(``target_sizes``, ``image_grid_hw``), pooling windows and their grid (``image_token_pooling``, ``image_grids``),
+merge sizes, a Q-Former instruction, a high-resolution copy of the image (:data:`_EXTRA_LAYOUTS`,
+:data:`_EXTRA_INPUTS`). A model that reads the image by cross-attention
 and has no placeholders gets a mask over (text positions x images [x tiles]) instead, all ones.
 """
 
@@ -57,6 +61,14 @@ def _channels(ic: Any) -> int:
     return int(getattr(ic, "num_channels", None) or getattr(ic, "in_channels", None) or 3)
 
 
+def _merge(ic: Any) -> int:
+    """The side m of the m x m patches the tower or its merger joins into one token (2 where the config names
+    none)."""
+    d = ic.to_dict()
+    merge = next((d[k] for k in _MERGES if isinstance(d.get(k), int)), None)
+    return merge if merge is not None else next((d[k][0] for k in _MERGES if isinstance(d.get(k), list)), 2)
+
+
 def _grid_layouts(ic: Any, gen: torch.Generator) -> list[dict[str, Any]]:
     """Flattened patches and their (t, h, w) grid (Qwen2-VL style): a (2 m) x (2 m) patch grid for a merge of m x m
     patches, each patch flattened to channels x t x patch^2 values, t the config's temporal patch (1 or 2 where it
@@ -65,9 +77,7 @@ def _grid_layouts(ic: Any, gen: torch.Generator) -> list[dict[str, Any]]:
     patch = d.get("patch_size")
     if not isinstance(patch, int):
         return []
-    merge = next((d[k] for k in _MERGES if isinstance(d.get(k), int)), None)
-    merge = merge if merge is not None else next((d[k][0] for k in _MERGES if isinstance(d.get(k), list)), 2)
-    side = 2 * merge
+    side = 2 * _merge(ic)
     temporal = [d[k] for k in _TEMPORAL if isinstance(d.get(k), int)]
     grid = torch.tensor([[1, side, side]])
     out = []
@@ -78,9 +88,100 @@ def _grid_layouts(ic: Any, gen: torch.Generator) -> list[dict[str, Any]]:
     return [*out, {"pixel_values": patches, "image_grid_thw": grid}]
 
 
-def _layouts(cfg: Any, gen: torch.Generator, grid: bool) -> list[dict[str, Any]]:
-    """The image layouts to try, most common first (``grid``: the model's ``get_image_features`` reads an
-    ``image_grid_thw``, or the tower names a temporal patch size)."""
+def _patch_grid(ic: Any) -> tuple[int, int]:
+    """The tower's patch size and the side of its (shrunk) image in patches."""
+    patch = ic.patch_size
+    patch = patch[0] if isinstance(patch, (list, tuple)) else patch
+    if not isinstance(patch, int):
+        raise ValueError(f"the vision config {type(ic).__name__} has no integer patch_size (got {patch!r})")
+    return patch, _image_side(ic) // patch
+
+
+def _target_size_layouts(cfg: Any, gen: torch.Generator) -> list[dict[str, Any]]:
+    """One image ``(1, C, H, W)`` with its patch grid ``target_sizes`` ``[[H / p, W / p]]`` (MiniCPM-V: the
+    patch embedding runs on the image, the position ids and the merges read the grid)."""
+    ic = image_config(cfg)
+    patch, side = _patch_grid(ic)
+    image = torch.randn(1, _channels(ic), side * patch, side * patch, generator=gen)
+    return [{"pixel_values": image, "target_sizes": torch.tensor([[side, side]], dtype=torch.int32)}]
+
+
+def _pooled_crop_layouts(cfg: Any, gen: torch.Generator) -> list[dict[str, Any]]:
+    """One crop of flattened patches ``(1, side^2, C p^2)`` with the patch indices each image token pools
+    (``image_token_pooling``: 2 x 2 windows of the crop's patch grid, row-major) and the pooled grid
+    ``image_grids`` ``[[h, w, 0, 0]]`` (Molmo2: a low-resolution grid h x w and no high-resolution crops)."""
+    ic = image_config(cfg)
+    patch, side = _patch_grid(ic)
+    pool, pooled = 2, side // 2
+    pixels = torch.randn(1, side * side, _channels(ic) * patch**2, generator=gen)
+    index = torch.arange(side * side).reshape(pooled, pool, pooled, pool).permute(0, 2, 1, 3)
+    return [
+        {
+            "pixel_values": pixels,
+            "image_token_pooling": index.reshape(pooled * pooled, pool * pool),
+            "image_grids": torch.tensor([[pooled, pooled, 0, 0]]),
+        }
+    ]
+
+
+def _hw_grid_layouts(cfg: Any, gen: torch.Generator) -> list[dict[str, Any]]:
+    """Flattened patches ``(side^2, C p^2)`` with their patch grid ``image_grid_hw`` ``[[side, side]]``
+    (Nemotron-H Omni's RADIO tower)."""
+    ic = image_config(cfg)
+    patch, side = _patch_grid(ic)
+    pixels = torch.randn(side * side, _channels(ic) * patch**2, generator=gen)
+    return [{"pixel_values": pixels, "image_grid_hw": torch.tensor([[side, side]])}]
+
+
+# a required get_image_features argument -> the image layouts that supply it with the image
+_EXTRA_LAYOUTS = {
+    "target_sizes": _target_size_layouts,
+    "image_token_pooling": _pooled_crop_layouts,
+    "image_grid_hw": _hw_grid_layouts,
+}
+
+
+def _merge_sizes(cfg: Any, gen: torch.Generator, image: dict[str, Any]) -> dict[str, Any]:
+    """Each image's merge side (VideoLLaMA 3 merges m x m patches per image; its grid layouts hold 2 m x 2 m)."""
+    return {"image_merge_sizes": torch.tensor([_merge(image_config(cfg))])}
+
+
+def _qformer_ids(cfg: Any, gen: torch.Generator, image: dict[str, Any]) -> dict[str, Any]:
+    """The instruction the Q-Former reads beside its queries (InstructBLIP): a few ids of its own vocabulary."""
+    vocab = int(cfg.qformer_config.vocab_size)
+    ids = _text_ids(vocab, gen, 4).unsqueeze(0)
+    return {"qformer_input_ids": ids, "qformer_attention_mask": torch.ones_like(ids)}
+
+
+def _high_res_image(cfg: Any, gen: torch.Generator, image: dict[str, Any]) -> dict[str, Any]:
+    """The second, high-resolution copy of the image a hybrid tower reads (DeepSeek-VL hybrid's SAM encoder), at
+    the size of ``high_res_vision_config``."""
+    hc = cfg.high_res_vision_config
+    side = _image_side(hc)
+    return {"high_res_pixel_values": torch.randn(1, _channels(hc), side, side, generator=gen)}
+
+
+# a required get_image_features argument -> the inputs that go with each image layout
+_EXTRA_INPUTS = {
+    "image_merge_sizes": _merge_sizes,
+    "qformer_input_ids": _qformer_ids,
+    "high_res_pixel_values": _high_res_image,
+}
+
+
+def _layouts(cfg: Any, gen: torch.Generator, arguments: dict[str, bool]) -> list[dict[str, Any]]:
+    """The image layouts to try, most common first (``arguments``: the named arguments of the model's
+    ``get_image_features``, each with whether it is required; one of :data:`_EXTRA_LAYOUTS` required picks its
+    layouts; an ``image_grid_thw``, or a tower that names a temporal patch size, asks for flattened patches and
+    their grid)."""
+    layouts = next((build(cfg, gen) for key, build in _EXTRA_LAYOUTS.items() if arguments.get(key)), None)
+    layouts = layouts if layouts is not None else _image_layouts(cfg, gen, "image_grid_thw" in arguments)
+    extras = [build for key, build in _EXTRA_INPUTS.items() if arguments.get(key)]
+    return [image | {k: v for build in extras for k, v in build(cfg, gen, image).items()} for image in layouts]
+
+
+def _image_layouts(cfg: Any, gen: torch.Generator, grid: bool) -> list[dict[str, Any]]:
+    """The plain image layouts, most common first (``grid``: flattened patches and their grid asked for)."""
     ic = image_config(cfg)
     channels = _channels(ic)
     if grid or "temporal_patch_size" in ic.to_dict():
@@ -121,6 +222,21 @@ def _features_owner(model: nn.Module) -> nn.Module | None:
     return next((m for m in model.modules() if callable(getattr(m, "get_image_features", None))), None)
 
 
+def _feature_arguments(model: nn.Module) -> dict[str, bool]:
+    """The named arguments of every ``get_image_features`` of the model and its modules, each with whether one
+    of them requires it (has no default for it): a head often passes ``*args, **kwargs`` on to its base model's
+    (MiniCPM-V), or names fewer of them (VideoLLaMA 3's head leaves ``image_merge_sizes`` to its base model)."""
+    out: dict[str, bool] = {}
+    for m in model.modules():
+        features = getattr(m, "get_image_features", None)
+        if not callable(features):
+            continue
+        for p in pyinspect.signature(features).parameters.values():
+            if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+                out[p.name] = out.get(p.name, False) or p.default is p.empty
+    return out
+
+
 def _count_tokens(owner: nn.Module, image: dict[str, Any], width: int) -> int:
     """Image tokens the model fills for ``image``: its image features, in rows of the language width."""
     with torch.no_grad():
@@ -128,10 +244,11 @@ def _count_tokens(owner: nn.Module, image: dict[str, Any], width: int) -> int:
     feats = out if isinstance(out, torch.Tensor) else getattr(out, "pooler_output", None)
     if feats is None and isinstance(out, (tuple, list)):
         feats = out
-    tensors = [feats] if isinstance(feats, torch.Tensor) else list(feats or [])
-    total = sum(t.numel() for t in tensors if isinstance(t, torch.Tensor))
-    if total == 0 or total % width:
-        raise ValueError(f"image features of {total} values are not rows of the language width {width}")
+    tensors = [t for t in ([feats] if isinstance(feats, torch.Tensor) else list(feats or [])) if torch.is_tensor(t)]
+    total = sum(t.numel() for t in tensors)
+    if total == 0 or any(t.shape[-1] != width for t in tensors if t.dim()):
+        shapes = [tuple(t.shape) for t in tensors]
+        raise ValueError(f"image features of shapes {shapes} are not rows of the language width {width}")
     return total // width
 
 
@@ -155,9 +272,7 @@ def vlm_inputs(model: nn.Module, seed: int = 0) -> dict[str, Any]:
             "be counted"
         )
     errors = []
-    features: Any = owner.get_image_features
-    grid = "image_grid_thw" in pyinspect.signature(features).parameters
-    for image in _layouts(cfg, gen, grid):
+    for image in _layouts(cfg, gen, _feature_arguments(model)):
         try:
             n = _count_tokens(owner, image, int(text.hidden_size))
             break
