@@ -146,3 +146,26 @@ def test_op_names_are_canonical() -> None:
 def test_collapse_needs_a_recorded_graph() -> None:
     with pytest.raises(ValueError, match=r"graph\.model"):
         collapse(Graph([], (), frozenset()))
+
+
+class _CastLike(nn.Module):
+    """``pos.to(x)`` / ``pos.type_as(x)`` then ``x + pos``: the reference tensor gives a dtype and a device."""
+
+    def __init__(self, method: str) -> None:
+        super().__init__()
+        self.pos, self.method = nn.Parameter(torch.randn(3, 8)), method
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + getattr(self.pos, self.method)(x)
+
+
+@pytest.mark.parametrize("method", ["to", "type_as"])
+def test_a_cast_to_another_tensors_dtype_reads_only_its_own_input(method: str) -> None:
+    x = torch.randn(2, 3, 8, dtype=torch.float64)
+    g = record(_CastLike(method), x)
+    cast = next(n for n in g.nodes if n.op == method)
+    (src,) = cast.inputs
+    assert g.nodes[src].op == "param"
+    add = next(n for n in g.nodes if n.op == "add")
+    inp = next(n.idx for n in g.nodes if n.op == "input")
+    assert not g.feeds(inp, cast.idx) and g.feeds(inp, add.idx)  # the add is not x + f(x)

@@ -38,6 +38,7 @@ __all__ = ["LEAVES", "Graph", "Node", "Ref", "Span", "record"]
 
 LEAVES = frozenset({"input", "param", "buffer", "leaf"})
 _NO_TENSOR = frozenset({"get_shape", "get_dtype", "get_device", "size", "dim", "get_is_cuda", "numel"})
+_LIKE_OTHER = frozenset({"to", "type_as"})  # a tensor argument after the first is read for its dtype / device
 
 
 # ----------------------------------------------------------------------------- fine graph
@@ -190,6 +191,8 @@ class _Recorder(TorchFunctionMode):
         refs: list[int] = []
         a = self.convert(tuple(args), refs)
         k = {key: self.convert(v, refs) for key, v in kwargs.items()}
+        if op in _LIKE_OTHER:  # x.to(other) / x.type_as(other): other gives a dtype and device, not a value
+            refs = refs[:1]
         if isinstance(out, Tensor):
             self.new(op, a, k, tuple(refs), out)
         elif isinstance(out, (tuple, list)) and any(isinstance(o, Tensor) for o in out):
