@@ -12,19 +12,7 @@ import torch
 from torch import Tensor, nn
 
 from normatlas.vocabulary import Operator, PlacementKind
-
-D, P = 16, 12  # width, flattened patch size
-
-
-class Block(nn.Module):
-    """x + MLP(N(x)): a Pre-norm residual MLP block (its norm given)."""
-
-    def __init__(self, norm: nn.Module) -> None:
-        super().__init__()
-        self.norm, self.up, self.down = norm, nn.Linear(D, 2 * D), nn.Linear(2 * D, D)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return x + self.down(torch.relu(self.up(self.norm(x))))
+from tests.test_inspect_vlm import Block, D, P  # the toy VLMs' width, patch size and Pre-norm block
 
 
 class CastRMSNorm(nn.Module):
