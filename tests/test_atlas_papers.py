@@ -202,6 +202,8 @@ def test_vlm_norm_gap_study_is_found_and_says_the_mmlu_row_is_unchecked() -> Non
     rec = paper("vlm_norm_gap2025")
     assert rec["verified"] and rec["arxiv"] == "2512.08374"
     assert "+8 MMLU" in rec["verification"] and "could not be checked" in rec["verification"]
+    # The guide's specifics are flagged as unsourced (the abstract names no number and no Llama-3.2-3B row).
+    assert "+8 points with Llama-3.2-3B" in rec["essay_differs"] and "unsourced" in rec["essay_differs"]
 
 
 def test_essay_differs_always_gives_a_source() -> None:
