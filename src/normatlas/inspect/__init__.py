@@ -97,8 +97,10 @@ def inspect_target(target: str, *, seed: int = 0, probe: bool = True) -> Inspect
 def inspect_vision_target(target: str, *, seed: int = 0, probe: bool = True) -> VisionReport:
     """Build a tiny vision tower of a transformers model type and inspect it on a seeded image. An image-text
     model type (Qwen2.5-VL, whose tower reads flattened patches and their grid) is run whole on an image + text
-    and its tower part reported (:func:`.vlm.inspect_vlm`)."""
+    and its tower part reported (:func:`.vlm.inspect_vlm`); a tower alone gets the input layout its signature and
+    config ask for (:func:`.vision_inputs.tower_inputs`: patch grids, tiles, frames, ...)."""
     from .build import build_vision
+    from .vision_inputs import tower_inputs
     from .vlm import inspect_vlm_target, is_vlm_type
 
     if is_vlm_type(target):
@@ -106,15 +108,11 @@ def inspect_vision_target(target: str, *, seed: int = 0, probe: bool = True) -> 
         report.vision.model = target
         return report.vision
     model = build_vision(target, seed=seed)
-    cfg: Any = model.config
-    if "num_patches" in cfg.to_dict() and getattr(cfg, "image_size", None) is None:  # SigLIP 2: patch sequences
-        import torch
-
-        from .vlm_build import patch_sequence
-
-        inputs = patch_sequence(cfg, torch.Generator().manual_seed(seed))
-        return inspect_vision(model, inputs.pop("pixel_values"), name=target, probe=probe, **inputs)
-    return inspect_vision(model, name=target, probe=probe)
+    try:
+        inputs = tower_inputs(model, seed=seed)
+    except ValueError as exc:
+        raise UntraceableModel(f"cannot run {target}: {exc}") from exc
+    return inspect_vision(model, inputs.pop("pixel_values"), name=target, probe=probe, **inputs)
 
 
 class _CallableModule(types.ModuleType):

@@ -361,22 +361,31 @@ def inspect_vision(
 ) -> VisionReport:
     """Report a vision tower's normalization design from one recorded forward on an image.
 
-    ``pixel_values`` is passed as the first positional argument (for a transformers vision
-    model it defaults to a seeded image of ``config.image_size``); ``inputs`` go in as
-    keyword arguments (e.g. ``grid_thw`` for Qwen2-VL's tower, whose first argument is the
-    flattened patch tensor). Raises :class:`~normatlas.inspect.UntraceableModel` when the
+    ``pixel_values`` is passed as the first positional argument; ``inputs`` go in as keyword
+    arguments (e.g. ``grid_thw`` for Qwen2-VL's tower, whose first argument is the flattened
+    patch tensor). With neither, a transformers vision model gets the seeded input layout its
+    config and signature ask for (:func:`.vision_inputs.tower_inputs`), any other model a
+    seeded image of ``config.image_size``. Raises :class:`~normatlas.inspect.UntraceableModel` when the
     model does not run on these inputs.
     """
     from . import UntraceableModel
 
     t0 = time.perf_counter()
+    label = name or type(model).__name__
+    if pixel_values is None and not inputs and callable(getattr(getattr(model, "config", None), "to_dict", None)):
+        from .vision_inputs import tower_inputs
+
+        try:
+            inputs = tower_inputs(model)
+        except ValueError as exc:
+            raise UntraceableModel(f"cannot run {label}: {exc}") from exc
+        pixel_values = inputs.pop("pixel_values")
     if pixel_values is None:
         pixel_values = default_pixel_values(model)
     if not isinstance(pixel_values, torch.Tensor):
         raise TypeError(f"pixel_values must be a torch.Tensor, got {type(pixel_values).__name__}")
     if not pixel_values.is_floating_point():
         raise ValueError(f"pixel_values must be a floating-point tensor, got dtype {pixel_values.dtype}")
-    label = name or type(model).__name__
     model = model.eval()
     try:
         graph = record(model, (pixel_values,), inputs)

@@ -97,20 +97,18 @@ def _patch_grid(ic: Any) -> tuple[int, int]:
     return patch, _image_side(ic) // patch
 
 
-def _target_size_layouts(cfg: Any, gen: torch.Generator) -> list[dict[str, Any]]:
+def _target_size_layouts(ic: Any, gen: torch.Generator) -> list[dict[str, Any]]:
     """One image ``(1, C, H, W)`` with its patch grid ``target_sizes`` ``[[H / p, W / p]]`` (MiniCPM-V: the
     patch embedding runs on the image, the position ids and the merges read the grid)."""
-    ic = image_config(cfg)
     patch, side = _patch_grid(ic)
     image = torch.randn(1, _channels(ic), side * patch, side * patch, generator=gen)
     return [{"pixel_values": image, "target_sizes": torch.tensor([[side, side]], dtype=torch.int32)}]
 
 
-def _pooled_crop_layouts(cfg: Any, gen: torch.Generator) -> list[dict[str, Any]]:
+def _pooled_crop_layouts(ic: Any, gen: torch.Generator) -> list[dict[str, Any]]:
     """One crop of flattened patches ``(1, side^2, C p^2)`` with the patch indices each image token pools
     (``image_token_pooling``: 2 x 2 windows of the crop's patch grid, row-major) and the pooled grid
     ``image_grids`` ``[[h, w, 0, 0]]`` (Molmo2: a low-resolution grid h x w and no high-resolution crops)."""
-    ic = image_config(cfg)
     patch, side = _patch_grid(ic)
     pool, pooled = 2, side // 2
     pixels = torch.randn(1, side * side, _channels(ic) * patch**2, generator=gen)
@@ -124,10 +122,9 @@ def _pooled_crop_layouts(cfg: Any, gen: torch.Generator) -> list[dict[str, Any]]
     ]
 
 
-def _hw_grid_layouts(cfg: Any, gen: torch.Generator) -> list[dict[str, Any]]:
+def _hw_grid_layouts(ic: Any, gen: torch.Generator) -> list[dict[str, Any]]:
     """Flattened patches ``(side^2, C p^2)`` with their patch grid ``image_grid_hw`` ``[[side, side]]``
     (Nemotron-H Omni's RADIO tower)."""
-    ic = image_config(cfg)
     patch, side = _patch_grid(ic)
     pixels = torch.randn(side * side, _channels(ic) * patch**2, generator=gen)
     return [{"pixel_values": pixels, "image_grid_hw": torch.tensor([[side, side]])}]
@@ -174,7 +171,8 @@ def _layouts(cfg: Any, gen: torch.Generator, arguments: dict[str, bool]) -> list
     ``get_image_features``, each with whether it is required; one of :data:`_EXTRA_LAYOUTS` required picks its
     layouts; an ``image_grid_thw``, or a tower that names a temporal patch size, asks for flattened patches and
     their grid)."""
-    layouts = next((build(cfg, gen) for key, build in _EXTRA_LAYOUTS.items() if arguments.get(key)), None)
+    ic = image_config(cfg)
+    layouts = next((build(ic, gen) for key, build in _EXTRA_LAYOUTS.items() if arguments.get(key)), None)
     layouts = layouts if layouts is not None else _image_layouts(cfg, gen, "image_grid_thw" in arguments)
     extras = [build for key, build in _EXTRA_INPUTS.items() if arguments.get(key)]
     return [image | {k: v for build in extras for k, v in build(cfg, gen, image).items()} for image in layouts]
