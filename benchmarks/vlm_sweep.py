@@ -35,7 +35,8 @@ STATUSES = ("ok", "ok (parts unread)", "failed build", "failed run", "failed rea
 
 
 def _why(exc: BaseException) -> str:
-    first = str(exc).splitlines()[0] if str(exc) else ""
+    """The exception's type and its first non-blank line (a missing package's ImportError starts with a newline)."""
+    first = next((line.strip() for line in str(exc).splitlines() if line.strip()), "")
     return f"{type(exc).__name__}: {first}"[:240]
 
 
@@ -94,12 +95,13 @@ def _unread(part: str) -> bool:
     return operator == "none" or placement in ("unknown", "none")
 
 
-def isolated(mt: str, timeout: float) -> dict[str, Any]:
+def isolated(mt: str, timeout: float, fn: Any = None, columns: list[str] = COLUMNS) -> dict[str, Any]:
+    """``fn(mt)`` (default :func:`one`) in a forked child; a ``died`` row when it timed out or crashed."""
     try:
-        row, why = run_isolated(one, mt, timeout)
+        row, why = run_isolated(fn or one, mt, timeout)
     except EOFError:  # the child died before sending its row (a crash of the interpreter)
         row, why = None, "the child exited without a row"
-    return row or {c: "" for c in COLUMNS} | {"model": mt, "status": "died", "reason": why}
+    return row or {c: "" for c in columns} | {"model": mt, "status": "died", "reason": why}
 
 
 def reason_group(reason: str) -> str:
@@ -127,26 +129,41 @@ def main() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         types = args.only or [mt for mt in sorted(CONFIG_MAPPING_NAMES) if is_vlm_type(mt)]
+    run(types, one, "vlm_sweep", "image-text types", COLUMNS, STATUSES, args.timeout, Path(args.out))
+
+
+def run(
+    types: list[str],
+    fn: Any,
+    name: str,
+    what: str,
+    columns: list[str],
+    statuses: tuple[str, ...],
+    timeout: float,
+    out: Path,
+) -> list[dict[str, Any]]:
+    """Run ``fn`` on every type in a forked child, print a line per type and the counts per status and per
+    failure reason, and write ``out/name.json`` and ``out/name.csv``; shared with ``vision_sweep.py``."""
     rows = []
     for i, mt in enumerate(types):
         t0 = time.perf_counter()
-        row = isolated(mt, args.timeout)
+        row = isolated(mt, timeout, fn, columns)
         row["seconds"] = round(time.perf_counter() - t0, 1)
         rows.append(row)
         ok = row["status"].startswith("ok")
-        detail = " | ".join(row[c] for c in COLUMNS[2:7]) if ok else row["reason"][:160]
+        detail = " | ".join(str(row[c]) for c in columns[2:-2]) if ok else row["reason"][:160]
         print(f"[{i + 1}/{len(types)}] {mt}: {row['status']}  {detail}  ({row['seconds']} s)", flush=True)
-    out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "vlm_sweep.json").write_text(json.dumps(rows, indent=1, default=str))
-    with (out / "vlm_sweep.csv").open("w", newline="") as fh:
-        w = csv.DictWriter(fh, fieldnames=COLUMNS, extrasaction="ignore", lineterminator="\n")
+    (out / f"{name}.json").write_text(json.dumps(rows, indent=1, default=str))
+    with (out / f"{name}.csv").open("w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=columns, extrasaction="ignore", lineterminator="\n")
         w.writeheader()
         w.writerows(rows)
     counts = Counter(r["status"] for r in rows)
-    print(f"{len(rows)} image-text types: " + ", ".join(f"{counts[s]} {s}" for s in STATUSES))
+    print(f"{len(rows)} {what}: " + ", ".join(f"{counts[s]} {s}" for s in statuses))
     for reason, n in Counter(reason_group(r["reason"]) for r in rows if not r["status"].startswith("ok")).most_common():
         print(f"{n:4d}  {reason}")
+    return rows
 
 
 if __name__ == "__main__":

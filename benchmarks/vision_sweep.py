@@ -1,0 +1,99 @@
+"""Inspect every vision-tower model type of the installed transformers with ``inspect --vision``, and count how far
+each gets.
+
+The types are the ones :func:`normatlas.inspect.vlm.is_vision_type` calls an image encoder alone (a config with image
+channels, no vocabulary and no text config). Each is built tiny offline (:func:`normatlas.inspect.build.build_vision`),
+given the input layout its config and signature ask for (:func:`normatlas.inspect.vision_inputs.tower_inputs`) and
+inspected (:func:`normatlas.inspect.vision.inspect_vision`), in a forked child killed after ``--timeout`` seconds. One
+line per type says where it stopped:
+
+* ``ok``: operator and placement read (the line shows them, the final norm, layers and stages);
+* ``ok (unread)``: it ran, but no residual add was found, so no placement (``unknown``: a tower without residual
+  adds reads so, rightly);
+* ``failed build``: the tower could not be made from its config (a missing package says so);
+* ``failed inputs``: no input layout runs the tower (every layout tried is in the reason);
+* ``failed run`` / ``failed read``: the recorded forward raised, or reading it did;
+* ``died``: the child was killed after the timeout, or crashed.
+
+    PYTHONPATH=src HF_HUB_OFFLINE=1 nice python benchmarks/vision_sweep.py --out benchmarks/results
+"""
+
+from __future__ import annotations
+
+import argparse
+import resource
+import warnings
+from pathlib import Path
+from typing import Any
+
+from vlm_sweep import LIMITS, _why, run
+
+COLUMNS = ["model", "status", "operator", "placement", "final", "layers", "stages", "inputs", "reason", "seconds"]
+STATUSES = ("ok", "ok (unread)", "failed build", "failed inputs", "failed run", "failed read", "died")
+
+
+def one(mt: str) -> dict[str, Any]:
+    """Build, feed and inspect one vision tower type; the row never raises."""
+    import torch
+
+    cap = int(LIMITS["memory_gb"] * 2**30)
+    resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
+
+    from normatlas.inspect import UntraceableModel
+    from normatlas.inspect.build import build_vision
+    from normatlas.inspect.vision import inspect_vision
+    from normatlas.inspect.vision_inputs import tower_inputs
+
+    torch.set_num_threads(1)
+    row: dict[str, Any] = {c: "" for c in COLUMNS} | {"model": mt}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            model = build_vision(mt)
+        except Exception as exc:  # a per-architecture row, by design
+            return row | {"status": "failed build", "reason": _why(exc)}
+        try:
+            inputs = tower_inputs(model)
+        except Exception as exc:
+            return row | {"status": "failed inputs", "reason": _why(exc)}
+        layout = " ".join(f"{k}{tuple(v.shape)}" for k, v in inputs.items())
+        try:
+            rep = inspect_vision(model, inputs.pop("pixel_values"), name=mt, probe=False, **inputs)
+        except UntraceableModel as exc:
+            cause = exc.__cause__ if exc.__cause__ is not None else exc
+            return row | {"status": "failed run", "inputs": layout, "reason": _why(cause)}
+        except Exception as exc:
+            return row | {"status": "failed read", "inputs": layout, "reason": _why(exc)}
+    return row | {
+        "status": "ok (unread)" if rep.placement.value == "unknown" else "ok",
+        "operator": rep.operator.value,
+        "placement": rep.placement.value,
+        "final": rep.final_norm.value,
+        "layers": rep.layers,
+        "stages": len(rep.stages) or 1,
+        "inputs": layout,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--timeout", type=float, default=120.0, help="seconds per model type")
+    ap.add_argument("--only", nargs="*", help="model types (default: every vision-tower type)")
+    ap.add_argument("--memory-gb", type=float, default=LIMITS["memory_gb"], help="address-space cap per model type")
+    args = ap.parse_args()
+    LIMITS["memory_gb"] = args.memory_gb
+    import transformers  # noqa: F401  (imported once, before forking)
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    import normatlas.inspect.vision_inputs  # noqa: F401  (so every child runs the code the sweep started with)
+    from normatlas.inspect.vlm import is_vision_type
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        types = args.only or [mt for mt in sorted(CONFIG_MAPPING_NAMES) if is_vision_type(mt)]
+    run(types, one, "vision_sweep", "vision-tower types", COLUMNS, STATUSES, args.timeout, Path(args.out))
+
+
+if __name__ == "__main__":
+    main()
