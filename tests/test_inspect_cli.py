@@ -156,4 +156,5 @@ def test_vision_towers_from_the_cli(capsys: pytest.CaptureFixture[str]) -> None:
     assert siglip["final_norm"] == "layernorm" and siglip["head_norm"] == "layernorm" and siglip["tokens"] == 16
     assert dinov2["branch_scale"] == "per-channel" and dinov2["final_norm"] == "layernorm"
     code, _, err = run(capsys, "inspect", "--vision", "llama")
-    assert code == 2 and "image_size" in err and len(err.strip().splitlines()) == 1
+    assert code == 2 and "llama is not a vision tower" in err and "image_size" in err
+    assert len(err.strip().splitlines()) == 1

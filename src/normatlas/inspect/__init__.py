@@ -101,18 +101,30 @@ def inspect_vision_target(target: str, *, seed: int = 0, probe: bool = True) -> 
     config ask for (:func:`.vision_inputs.tower_inputs`: patch grids, tiles, frames, ...)."""
     from .build import build_vision
     from .vision_inputs import tower_inputs
-    from .vlm import inspect_vlm_target, is_vlm_type
+    from .vlm import inspect_vlm_target, is_vision_type, is_vlm_type
 
     if is_vlm_type(target):
         report = inspect_vlm_target(target, seed=seed, probe=probe)
         report.vision.model = target
         return report.vision
+    if _is_model_type(target) and not is_vision_type(target):
+        raise UntraceableModel(
+            f"{target} is not a vision tower: its config has no num_channels and no image_size (or it has a "
+            "vocabulary); --vision takes a tower type (clip_vision_model, siglip_vision_model, vit, dinov2, convnext, "
+            "...) or an image-text type"
+        )
     model = build_vision(target, seed=seed)
     try:
         inputs = tower_inputs(model, seed=seed)
     except ValueError as exc:
         raise UntraceableModel(f"cannot run {target}: {exc}") from exc
     return inspect_vision(model, inputs.pop("pixel_values"), name=target, probe=probe, **inputs)
+
+
+def _is_model_type(name: str) -> bool:
+    from transformers import CONFIG_MAPPING
+
+    return name in CONFIG_MAPPING
 
 
 class _CallableModule(types.ModuleType):
