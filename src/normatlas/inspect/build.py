@@ -301,27 +301,125 @@ def build_vision(model_type: str, seed: int = 0, image_size: int = 32, patch_siz
         cls = _model_class_of(cfg)
         if cls is None:
             raise
-        return cls._from_config(cfg, attn_implementation="eager").eval()
+        return _construct(cls, cfg).eval()
 
 
-def _model_class_of(cfg: Any) -> Any:
-    """The first model class defined in the config's modeling module whose ``config_class`` is the config's class
-    and whose ``forward`` reads ``pixel_values`` (None when there is none)."""
+def _construct(cls: type[nn.Module], cfg: Any) -> nn.Module:
+    """``cls`` built from ``cfg``: a ``PreTrainedModel`` through ``_from_config`` (eager attention, its weight
+    init), a plain module (IDEFICS' ``IdeficsVisionTransformer``) by calling it on the config."""
     from transformers import PreTrainedModel
 
+    if issubclass(cls, PreTrainedModel):
+        return cls._from_config(cfg, attn_implementation="eager")
+    return cls(cfg)
+
+
+def _model_class_of(cfg: Any) -> type[nn.Module] | None:
+    """The class the modeling code builds for a tower config AutoModel does not register (None when there is
+    none). First the config's own modeling module (:func:`_tower_class_in`); else, for a config that is a
+    sub-config of a composite whose registered model is another type's code (PP-Chart2Table's vision config, run by
+    ``GotOcr2ForConditionalGeneration``), the class that code builds for the same sub-config key."""
+    import sys
+
+    from transformers import PretrainedConfig
+
+    mod = _modeling_module(type(cfg))
+    found = _tower_class_in(mod, type(cfg), cfg) if mod is not None else None
+    if found is not None:
+        return found
+    own = sys.modules.get(type(cfg).__module__)
+    for parent in vars(own).values() if own is not None else ():
+        if not (isinstance(parent, type) and issubclass(parent, PretrainedConfig)):
+            continue
+        for key, sub in (getattr(parent, "sub_configs", None) or {}).items():
+            if sub is not type(cfg):
+                continue
+            for model_cls in _registered_models(getattr(parent, "model_type", "")):
+                theirs = (getattr(getattr(model_cls, "config_class", None), "sub_configs", None) or {}).get(key)
+                if isinstance(theirs, type) and theirs is not type(cfg):
+                    found = _tower_class_in(sys.modules[model_cls.__module__], theirs, cfg)
+                    if found is not None:
+                        return found
+    return None
+
+
+def _modeling_module(config_cls: type) -> Any:
+    """The ``modeling_*`` module beside a ``configuration_*`` module (None when it does not import: PP-Chart2Table
+    ships none)."""
     try:
-        mod = importlib.import_module(type(cfg).__module__.replace(".configuration_", ".modeling_"))
+        return importlib.import_module(config_cls.__module__.replace(".configuration_", ".modeling_"))
     except ImportError:
         return None
-    for cls in vars(mod).values():
-        if not (isinstance(cls, type) and issubclass(cls, PreTrainedModel) and cls.__module__ == mod.__name__):
-            continue
-        if (
-            getattr(cls, "config_class", None) is type(cfg)
-            and "pixel_values" in pyinspect.signature(cls.forward).parameters
-        ):
-            return cls
-    return None
+
+
+def _registered_models(model_type: str) -> list[type]:
+    """The model classes transformers' auto mappings name for ``model_type`` (every task's mapping, in order)."""
+    import transformers
+    from transformers.models.auto import modeling_auto
+
+    names: list[str] = []
+    for key, mapping in vars(modeling_auto).items():
+        if key.endswith("_MAPPING_NAMES") and isinstance(mapping, dict) and model_type in mapping:
+            val = mapping[model_type]
+            names += [val] if isinstance(val, str) else [v for v in val if isinstance(v, str)]
+    classes: list[type] = []
+    for name in dict.fromkeys(names):
+        with contextlib.suppress(Exception):  # a class whose backend is missing
+            cls = getattr(transformers, name)
+            if isinstance(cls, type):
+                classes.append(cls)
+    return classes
+
+
+def _tower_class_in(mod: Any, config_cls: type, cfg: Any) -> type[nn.Module] | None:
+    """The tower class for ``config_cls`` among the classes ``mod`` defines or imports from its own package (IDEFICS'
+    tower lives in ``vision.py``), whose ``forward`` reads an image (:func:`_reads_image`): the first
+    ``PreTrainedModel`` whose ``config_class`` it is; else, of the plain modules whose ``__init__`` takes it, the
+    largest built on ``cfg`` (the one holding the others: the transformer, not its patch embedding)."""
+    from transformers import PreTrainedModel
+
+    package = mod.__name__.rpartition(".")[0] + "."
+    classes = [
+        c
+        for c in dict.fromkeys(v for v in vars(mod).values() if isinstance(v, type))
+        if issubclass(c, nn.Module) and c.__module__.startswith(package) and _reads_image(c)
+    ]
+    for c in classes:
+        if issubclass(c, PreTrainedModel) and getattr(c, "config_class", None) is config_cls:
+            return c
+    plain = [c for c in classes if not issubclass(c, PreTrainedModel) and _takes_config(c, config_cls)]
+    sizes: dict[type[nn.Module], int] = {}
+    for c in plain:
+        with contextlib.suppress(Exception):
+            sizes[c] = sum(p.numel() for p in c(cfg).parameters())
+    return max(sizes, key=lambda c: sizes[c]) if sizes else None
+
+
+def _reads_image(cls: type) -> bool:
+    """``cls.forward`` takes ``pixel_values``, or its first argument is the image: named for pixels or an image
+    (BridgeTower's tower reads ``image``) or the class's declared ``main_input_name`` (when not ``input_ids``)."""
+    try:
+        params = list(pyinspect.signature(cls.forward).parameters)  # type: ignore[attr-defined]
+    except (TypeError, ValueError, AttributeError):
+        return False
+    if "pixel_values" in params:
+        return True
+    first = params[1] if len(params) > 1 and params[0] == "self" else params[0] if params else ""
+    main = getattr(cls, "main_input_name", "input_ids")
+    return "pixel" in first or "image" in first or (first == main and main != "input_ids")
+
+
+def _takes_config(cls: type, config_cls: type) -> bool:
+    """``cls.__init__`` takes one ``config`` argument annotated with ``config_cls`` (by the class or its name, for
+    annotations left as strings)."""
+    try:
+        params = list(pyinspect.signature(cls.__init__).parameters.values())[1:]  # type: ignore[misc]
+    except (TypeError, ValueError):
+        return False
+    if not params or params[0].name != "config":
+        return False
+    ann = params[0].annotation
+    return ann is config_cls or (isinstance(ann, str) and ann.split(".")[-1] == config_cls.__name__)
 
 
 def _staged_tower(model_type: str, image_size: int) -> Any:
