@@ -287,14 +287,11 @@ def build_vision(model_type: str, seed: int = 0, image_size: int = 32, patch_siz
     with a small image (``image_size`` / ``patch_size``) where the config has those fields."""
     from transformers import AutoModel
 
+    for name, val in (("image_size", image_size), ("patch_size", patch_size)):
+        if type(val) is not int or val < 1:
+            raise ValueError(f"{name} must be a positive int, got {val!r}")
     torch.manual_seed(seed)
-    cfg = _staged_tower(model_type, image_size) or tiny_config(model_type)
-    sizes = (("image_size", image_size), ("patch_size", patch_size)) if not getattr(cfg, "depths", None) else ()
-    for key, val in sizes:
-        if key in cfg.to_dict():
-            now = getattr(cfg, key, None)
-            with contextlib.suppress(Exception):  # an (h, w) pair stays a pair (InternViT)
-                setattr(cfg, key, [val, val] if isinstance(now, (list, tuple)) else val)
+    cfg = _staged_tower(model_type, image_size) or _tiny_tower(model_type, image_size, patch_size)
     try:
         return AutoModel.from_config(cfg, attn_implementation="eager").eval()
     except ValueError:  # a tower's own config (AlignVisionConfig, ...) that AutoModel does not register
@@ -302,6 +299,106 @@ def build_vision(model_type: str, seed: int = 0, image_size: int = 32, patch_siz
         if cls is None:
             raise
         return _construct(cls, cfg).eval()
+
+
+def _tiny_tower(model_type: str, image_size: int, patch_size: int) -> Any:
+    """A plain (unstaged) tower's config: :func:`tiny_config`'s shrink, a small image, the sizes tied to the
+    shrunk ones kept consistent (:func:`_fit_tower`), then built again from its changed fields so that what the
+    config derives from them follows (RADIO's ``patch_dim``, Sapiens2's per-layer key/value heads)."""
+    from transformers import AutoConfig
+
+    orig = AutoConfig.for_model(model_type)
+    before = orig.to_dict()
+    cfg = tiny_config(model_type)
+    sizes = (("image_size", image_size), ("patch_size", patch_size)) if not getattr(cfg, "depths", None) else ()
+    for key, val in sizes:
+        if key in cfg.to_dict():
+            now = getattr(cfg, key, None)
+            with contextlib.suppress(Exception):  # an (h, w) pair stays a pair (InternViT)
+                setattr(cfg, key, [val, val] if isinstance(now, (list, tuple)) else val)
+    deliberate = {k for k in TINY if k in before} | {k for k, _ in sizes}
+    deliberate |= _fit_tower(cfg, before, image_size)
+    return _rederived(cfg, before, deliberate)
+
+
+def _fit_tower(cfg: Any, before: dict[str, Any], image_size: int) -> set[str]:
+    """Keep the sizes the shrink leaves inconsistent in step with it (``before``: the original config's dict); the
+    fields set are returned. A size is shrunk, never grown (ViTPose's one MLP does not become 4 experts); a per-stage
+    width list starting at the hidden size is scaled with it (SAM 2's Hiera: ``embed_dim_per_stage[0]`` is its stem's
+    width); a count of the stack's layers (``*_layers`` / ``*_blocks``) the shrunk depth no longer holds leaves one
+    layer outside it (EoMT's last ``num_blocks`` layers read its queries); and where the patch is unfolded from the
+    last feature map (``output_stride``: MobileViT), the original patch and an image leaving that map one patch."""
+    touched: set[str] = set()
+
+    def put(key: str, val: Any) -> None:
+        with contextlib.suppress(Exception):  # some configs guard their attributes
+            setattr(cfg, key, val)
+            touched.add(key)
+
+    for key in TINY:
+        was, now = before.get(key), getattr(cfg, key, None)
+        if type(was) is int and type(now) is int and was < now:
+            put(key, was)
+    width0, width = before.get("hidden_size"), getattr(cfg, "hidden_size", None)
+    if type(width0) is int and type(width) is int and 0 < width < width0:
+        for key, now in list(vars(cfg).items()):
+            if (
+                key not in TINY
+                and isinstance(now, list)
+                and len(now) > 1
+                and all(type(v) is int for v in now)
+                and now[0] == width0
+                and all(v * width % width0 == 0 for v in now)
+            ):
+                put(key, [v * width // width0 for v in now])
+    depth0, depth = before.get("num_hidden_layers"), getattr(cfg, "num_hidden_layers", None)
+    if type(depth0) is int and type(depth) is int and 0 < depth < depth0:
+        for key, was in before.items():
+            if (
+                key != "num_hidden_layers"
+                and key.endswith(("_layers", "_blocks"))
+                and type(was) is int
+                and depth <= was < depth0
+                and getattr(cfg, key, None) == was
+            ):
+                put(key, max(1, depth - 1))
+    stride, patch0 = before.get("output_stride"), before.get("patch_size")
+    if type(stride) is int and type(patch0) is int and type(getattr(cfg, "patch_size", None)) is int:
+        put("patch_size", min(cfg.patch_size, patch0))
+        if type(getattr(cfg, "image_size", None)) is int:
+            put("image_size", max(image_size, stride * cfg.patch_size))
+    return touched
+
+
+def _rederived(cfg: Any, before: dict[str, Any], deliberate: set[str]) -> Any:
+    """``cfg`` built again from the fields that differ from the original (``before``), less the ones the config
+    derives (its ``__post_init__`` set them from their default) and the shrink did not set on purpose: those are
+    derived again from the shrunk fields. Sub-configs are passed as they are; ``cfg`` itself when the config is not
+    a dataclass or refuses the fields."""
+    import dataclasses
+
+    if not dataclasses.is_dataclass(type(cfg)):
+        return cfg
+    defaults = {f.name: f.default for f in dataclasses.fields(type(cfg)) if f.init}
+    subs = getattr(cfg, "sub_configs", None) or {}
+    kwargs: dict[str, Any] = {}
+    for key, val in cfg.to_dict().items():
+        if key not in defaults or key == "transformers_version":
+            continue
+        if key in subs:
+            kwargs[key] = getattr(cfg, key)
+            continue
+        if val == before.get(key):
+            continue
+        derived = defaults[key] is not dataclasses.MISSING and defaults[key] != before.get(key)
+        if not derived or key in deliberate:
+            kwargs[key] = getattr(cfg, key)
+    try:
+        rebuilt = type(cfg)(**kwargs)
+    except Exception:  # a config validating its fields together: the shrink as it stands
+        return cfg
+    rebuilt._attn_implementation = "eager"
+    return rebuilt
 
 
 def _construct(cls: type[nn.Module], cfg: Any) -> nn.Module:
