@@ -355,7 +355,7 @@ def _fit_tower(cfg: Any, before: dict[str, Any], image_size: int) -> set[str]:
     if type(depth0) is int and type(depth) is int and 0 < depth < depth0:
         for key, was in before.items():
             if (
-                key != "num_hidden_layers"
+                not key.endswith("hidden_layers")  # its own depth, or another stack's (ViTMAE's decoder)
                 and key.endswith(("_layers", "_blocks"))
                 and type(was) is int
                 and depth <= was < depth0
@@ -373,8 +373,8 @@ def _fit_tower(cfg: Any, before: dict[str, Any], image_size: int) -> set[str]:
 def _rederived(cfg: Any, before: dict[str, Any], deliberate: set[str]) -> Any:
     """``cfg`` built again from the fields that differ from the original (``before``), less the ones the config
     derives (its ``__post_init__`` set them from their default) and the shrink did not set on purpose: those are
-    derived again from the shrunk fields. Sub-configs are passed as they are; ``cfg`` itself when the config is not
-    a dataclass or refuses the fields."""
+    derived again from the shrunk fields. Sub-configs are passed as they are, and a size set on purpose that is no
+    field of the config is set again after; ``cfg`` itself when the config is not a dataclass or refuses the fields."""
     import dataclasses
 
     if not dataclasses.is_dataclass(type(cfg)):
@@ -397,6 +397,10 @@ def _rederived(cfg: Any, before: dict[str, Any], deliberate: set[str]) -> Any:
         rebuilt = type(cfg)(**kwargs)
     except Exception:  # a config validating its fields together: the shrink as it stands
         return cfg
+    for key in deliberate - set(kwargs):  # a size set on purpose the config does not take (EfficientNet's depth)
+        if key not in defaults and hasattr(cfg, key):
+            with contextlib.suppress(Exception):
+                setattr(rebuilt, key, getattr(cfg, key))
     rebuilt._attn_implementation = "eager"
     return rebuilt
 
