@@ -308,7 +308,6 @@ def _tiny_tower(model_type: str, image_size: int, patch_size: int) -> Any:
     from transformers import AutoConfig
 
     orig = AutoConfig.for_model(model_type)
-    before = orig.to_dict()
     cfg = tiny_config(model_type)
     sizes = (("image_size", image_size), ("patch_size", patch_size)) if not getattr(cfg, "depths", None) else ()
     for key, val in sizes:
@@ -316,17 +315,28 @@ def _tiny_tower(model_type: str, image_size: int, patch_size: int) -> Any:
             now = getattr(cfg, key, None)
             with contextlib.suppress(Exception):  # an (h, w) pair stays a pair (InternViT)
                 setattr(cfg, key, [val, val] if isinstance(now, (list, tuple)) else val)
-    deliberate = {k for k in TINY if k in before} | {k for k, _ in sizes}
-    deliberate |= _fit_tower(cfg, before, image_size)
-    return _rederived(cfg, before, deliberate)
+    deliberate = set(TINY) | {k for k, _ in sizes} | _fit_tower(cfg, orig, image_size)
+    return _rederived(cfg, orig, deliberate)
 
 
-def _fit_tower(cfg: Any, before: dict[str, Any], image_size: int) -> set[str]:
-    """Keep the sizes the shrink leaves inconsistent in step with it (``before``: the original config's dict); the
-    fields set are returned. A size is shrunk, never grown (ViTPose's one MLP does not become 4 experts); a per-stage
-    width list starting at the hidden size is scaled with it (SAM 2's Hiera: ``embed_dim_per_stage[0]`` is its stem's
-    width); a count of the stack's layers (``*_layers`` / ``*_blocks``) the shrunk depth no longer holds leaves one
-    layer outside it (EoMT's last ``num_blocks`` layers read its queries); and where the patch is unfolded from the
+_ABSENT = object()
+
+
+def _get(c: Any, key: str) -> Any:
+    """``c.key``, or :data:`_ABSENT` where the config has none or refuses to give one (a per-layer attribute of
+    a heterogeneous config raises rather than answer for every layer)."""
+    try:
+        return getattr(c, key, _ABSENT)
+    except Exception:
+        return _ABSENT
+
+
+def _fit_tower(cfg: Any, orig: Any, image_size: int) -> set[str]:
+    """Keep the sizes the shrink leaves inconsistent in step with it (``orig``: the config unshrunk); the fields
+    set are returned. A size is shrunk, never grown (ViTPose's one MLP does not become 4 experts); a per-stage width
+    list starting at the hidden size is scaled with it (SAM 2's Hiera: ``embed_dim_per_stage[0]`` is its stem's
+    width); a count of the stack's blocks (``*_blocks``) the shrunk depth no longer holds leaves one layer outside
+    it (EoMT's last ``num_blocks`` layers read its queries); and where the patch is unfolded from the
     last feature map (``output_stride``: MobileViT), the original patch and an image leaving that map one patch."""
     touched: set[str] = set()
 
@@ -336,10 +346,10 @@ def _fit_tower(cfg: Any, before: dict[str, Any], image_size: int) -> set[str]:
             touched.add(key)
 
     for key in TINY:
-        was, now = before.get(key), getattr(cfg, key, None)
+        was, now = _get(orig, key), _get(cfg, key)
         if type(was) is int and type(now) is int and was < now:
             put(key, was)
-    width0, width = before.get("hidden_size"), getattr(cfg, "hidden_size", None)
+    width0, width = _get(orig, "hidden_size"), _get(cfg, "hidden_size")
     if type(width0) is int and type(width) is int and 0 < width < width0:
         for key, now in list(vars(cfg).items()):
             if (
@@ -351,27 +361,26 @@ def _fit_tower(cfg: Any, before: dict[str, Any], image_size: int) -> set[str]:
                 and all(v * width % width0 == 0 for v in now)
             ):
                 put(key, [v * width // width0 for v in now])
-    depth0, depth = before.get("num_hidden_layers"), getattr(cfg, "num_hidden_layers", None)
+    depth0, depth = _get(orig, "num_hidden_layers"), _get(cfg, "num_hidden_layers")
     if type(depth0) is int and type(depth) is int and 0 < depth < depth0:
-        for key, was in before.items():
+        for key, was in vars(orig).items():
             if (
-                not key.endswith("hidden_layers")  # its own depth, or another stack's (ViTMAE's decoder)
-                and key.endswith(("_layers", "_blocks"))
+                key.endswith("_blocks")  # a ``*_layers`` count may be a stack of its own (Mllama's global layers)
                 and type(was) is int
                 and depth <= was < depth0
-                and getattr(cfg, key, None) == was
+                and _get(cfg, key) == was
             ):
                 put(key, max(1, depth - 1))
-    stride, patch0 = before.get("output_stride"), before.get("patch_size")
-    if type(stride) is int and type(patch0) is int and type(getattr(cfg, "patch_size", None)) is int:
-        put("patch_size", min(cfg.patch_size, patch0))
-        if type(getattr(cfg, "image_size", None)) is int:
+    stride, patch0, patch = _get(orig, "output_stride"), _get(orig, "patch_size"), _get(cfg, "patch_size")
+    if type(stride) is int and type(patch0) is int and type(patch) is int:
+        put("patch_size", min(patch, patch0))
+        if type(_get(cfg, "image_size")) is int:
             put("image_size", max(image_size, stride * cfg.patch_size))
     return touched
 
 
-def _rederived(cfg: Any, before: dict[str, Any], deliberate: set[str]) -> Any:
-    """``cfg`` built again from the fields that differ from the original (``before``), less the ones the config
+def _rederived(cfg: Any, orig: Any, deliberate: set[str]) -> Any:
+    """``cfg`` built again from the fields that differ from the original (``orig``), less the ones the config
     derives (its ``__post_init__`` set them from their default) and the shrink did not set on purpose: those are
     derived again from the shrunk fields. Sub-configs are passed as they are, and a size set on purpose that is no
     field of the config is set again after; ``cfg`` itself when the config is not a dataclass or refuses the fields."""
@@ -382,25 +391,27 @@ def _rederived(cfg: Any, before: dict[str, Any], deliberate: set[str]) -> Any:
     defaults = {f.name: f.default for f in dataclasses.fields(type(cfg)) if f.init}
     subs = getattr(cfg, "sub_configs", None) or {}
     kwargs: dict[str, Any] = {}
-    for key, val in cfg.to_dict().items():
-        if key not in defaults or key == "transformers_version":
+    for key, default in defaults.items():
+        now, was = _get(cfg, key), _get(orig, key)
+        if key == "transformers_version" or now is _ABSENT:
             continue
         if key in subs:
-            kwargs[key] = getattr(cfg, key)
+            kwargs[key] = now
             continue
-        if val == before.get(key):
+        if now == was:
             continue
-        derived = defaults[key] is not dataclasses.MISSING and defaults[key] != before.get(key)
+        derived = default is not dataclasses.MISSING and default != was
         if not derived or key in deliberate:
-            kwargs[key] = getattr(cfg, key)
+            kwargs[key] = now
     try:
         rebuilt = type(cfg)(**kwargs)
     except Exception:  # a config validating its fields together: the shrink as it stands
         return cfg
-    for key in deliberate - set(kwargs):  # a size set on purpose the config does not take (EfficientNet's depth)
-        if key not in defaults and hasattr(cfg, key):
+    for key in deliberate - set(defaults):  # a size set on purpose the config does not take (EfficientNet's depth)
+        now = _get(cfg, key)
+        if now is not _ABSENT and _get(rebuilt, key) != now:
             with contextlib.suppress(Exception):
-                setattr(rebuilt, key, getattr(cfg, key))
+                setattr(rebuilt, key, now)
     rebuilt._attn_implementation = "eager"
     return rebuilt
 
