@@ -77,6 +77,16 @@ def test_tower_reads_its_layout_and_its_design(
         assert getattr(rep, after[0]) is after[1]
 
 
+def test_a_side_stream_inside_each_block_is_no_stage() -> None:
+    """X-CLIP's vision layer runs a message attention on the frames' CLS tokens ``(B, T, D)`` before its attention
+    and MLP on ``(B T, N, D)`` (XCLIPVisionEncoderLayer: message_ln, message_attn, layer_norm1, self_attn,
+    layer_norm2, mlp): the shapes alternate within every layer, so they are three Pre-LN sublayers of each of its
+    2 layers, not 4 layers in alternating stages."""
+    rep = inspect_vision_target("xclip_vision_model", probe=False)
+    assert rep.layers == 2 and rep.placement_by_layer == ["pre/pre/pre", "pre/pre/pre"]
+    assert len(rep.stages) <= 1
+
+
 def test_a_tower_without_residual_adds_lists_its_norms_and_reads_unknown() -> None:
     """Inkling's tower runs on a channels-last clip; its Linear + RMSNorm layers have no residual add, so the
     placement is ``unknown`` (not a guess) while both RMSNorms are still found."""

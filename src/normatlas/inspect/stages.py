@@ -191,6 +191,24 @@ def _nested(run: list[Sublayer], bits: int) -> bool:
     return all(bits >> a & 1 for sub in run for a in sub.adds)
 
 
+def _interleaved(g: Graph, runs: list[list[Sublayer]]) -> list[list[Sublayer]]:
+    """Runs whose shapes recur (A B A B ...) are one run: a stage never returns to an earlier stage's shape, so
+    a shape that comes back is a side stream each block runs beside its main one (X-CLIP's cross-frame message
+    tokens, ``(B, T, D)`` beside ``(B T, N, D)``), its sublayers part of the same blocks."""
+    shapes = [g.nodes[r[-1].adds[-1]].shape for r in runs]
+    out: list[list[Sublayer]] = []
+    i = 0
+    while i < len(runs):
+        j = i
+        k = i
+        while k <= j:  # widen the span to the last recurrence of every shape inside it
+            j = max(j, max(m for m in range(len(runs)) if shapes[m] == shapes[k]))
+            k += 1
+        out.append([sub for r in runs[i : j + 1] for sub in r])
+        i = j + 1
+    return out
+
+
 def find_stages(g: Graph, sites: list[Site]) -> list[Stage]:
     """The tower's stages in execution order (empty when the run has no residual add)."""
     runs = [r for r in (group_sublayers(g, run) for run in _runs(g, sites)) if r]
@@ -206,6 +224,7 @@ def find_stages(g: Graph, sites: list[Site]) -> list[Stage]:
             runs[-1] += r
         else:
             runs.append(r)
+    runs = _interleaved(g, runs)
     if not runs:
         return []
     anchor = max(range(len(runs)), key=lambda i: (sum(len(s.adds) for s in runs[i]), -i))
