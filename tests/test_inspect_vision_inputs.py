@@ -77,6 +77,47 @@ def test_tower_reads_its_layout_and_its_design(
         assert getattr(rep, after[0]) is after[1]
 
 
+def test_tiled_and_refitted_towers() -> None:
+    """Mllama's tower reads aspect-ratio tiles with their ratio ids and mask; its ``intermediate_layers_indices``
+    (5 taps of 32 layers) are refitted to the shrunk depth and ``vision_output_dim`` to the taps' concatenated
+    width, as for the whole image-text model. Its 2 local Pre-LN layers and 8 gated global ones read pre, and no
+    norm follows the global stack (``layernorm_post`` sits between the two stacks)."""
+    model = build_vision("mllama_vision_model")
+    assert model.config.intermediate_layers_indices == [0] and model.config.vision_output_dim == 2 * 64
+    assert _shapes(tower_inputs(model)) == {
+        "pixel_values": (1, 1, 4, 3, 32, 32), "aspect_ratio_ids": (1, 1), "aspect_ratio_mask": (1, 1, 4),
+    }  # fmt: skip
+    rep = inspect_vision_target("mllama_vision_model", probe=False)
+    assert (rep.operator, rep.placement, rep.final_norm, rep.layers) == (LN, Placement.PRE, NONE, 10)
+
+
+def test_a_clip_of_unstated_length() -> None:
+    """VidEoMT's forward reads ``pixel_values_videos`` (5-d) and its config states no frame count: two frames."""
+    assert _shapes(tower_inputs(build_vision("videomt"))) == {"pixel_values": (1, 2, 3, 32, 32)}
+    rep = inspect_vision_target("videomt", probe=False)
+    assert (rep.operator, rep.placement, rep.final_norm) == (LN, Placement.PRE, LN)
+
+
+def test_a_width_stated_by_the_tower_config_is_refitted() -> None:
+    """Dots3's merger reads ``adapter_in_dim`` (the original tower width, 1536): refitted to the shrunk width the
+    tower runs (pre-RMSNorm blocks with QK-norm, a final ``norm``, the merger's ``ln_q`` LayerNorm)."""
+    model = build_vision("dots3_note_vision_encoder")
+    assert model.config.adapter_in_dim == model.config.hidden_size == 64
+    rep = inspect_vision_target("dots3_note_vision_encoder", probe=False)
+    assert rep.operator is RMS and rep.merger_norm is LN
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="reader: a norm on the last stream value followed by another norm is read as the last sublayer's "
+    "post-norm and the next as the final one (residual.final_norm's chained rule), so Dots3's final RMSNorm reads "
+    "as post and the merger's ln_q as final, then merger",
+)
+def test_dots3_final_norm_then_merger_norm() -> None:
+    rep = inspect_vision_target("dots3_note_vision_encoder", probe=False)
+    assert (rep.placement, rep.final_norm) == (Placement.PRE, RMS)
+
+
 def test_a_side_stream_inside_each_block_is_no_stage() -> None:
     """X-CLIP's vision layer runs a message attention on the frames' CLS tokens ``(B, T, D)`` before its attention
     and MLP on ``(B T, N, D)`` (XCLIPVisionEncoderLayer: message_ln, message_attn, layer_norm1, self_attn,

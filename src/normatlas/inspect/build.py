@@ -371,12 +371,39 @@ def _fit_tower(cfg: Any, orig: Any, image_size: int) -> set[str]:
                 and _get(cfg, key) == was
             ):
                 put(key, max(1, depth - 1))
+    touched |= _fit_indices_and_widths(cfg, orig)
     stride, patch0, patch = _get(orig, "output_stride"), _get(orig, "patch_size"), _get(cfg, "patch_size")
     if type(stride) is int and type(patch0) is int and type(patch) is int:
         put("patch_size", min(patch, patch0))
         if type(_get(cfg, "image_size")) is int:
             put("image_size", max(image_size, stride * cfg.patch_size))
     return touched
+
+
+def _fit_indices_and_widths(cfg: Any, orig: Any) -> set[str]:
+    """The tower's fields that index its layers or state its width, refitted as an image-text model's tower is
+    (:mod:`.vlm_build`): layer indices and sets at the same fraction of the shrunk stack, tap lists to every layer
+    but the last with the concatenated width they give (Mllama's ``intermediate_layers_indices`` and
+    ``vision_output_dim``), and the ``*_size`` / ``*_dim`` fields that stated the original width (or k times it)
+    at the shrunk one (Dots3's ``adapter_in_dim``). The fields changed are returned."""
+    from .vlm_build import _TOWER_DERIVED, _TOWER_LAYER_LISTS, _fit_layer_indices, _fit_widths
+
+    before, was = orig.to_dict(), cfg.to_dict()
+    depth0, depth = _get(orig, "num_hidden_layers"), _get(cfg, "num_hidden_layers")
+    if type(depth0) is int and type(depth) is int:
+        _fit_layer_indices(cfg, before, depth0, depth)
+        for key in _TOWER_LAYER_LISTS:
+            if isinstance(_get(cfg, key), list):
+                taps = list(range(max(1, depth - 1)))  # every layer but the last, as the original taps inner ones
+                with contextlib.suppress(Exception):
+                    setattr(cfg, key, taps)
+                    if type(_get(cfg, "vision_output_dim")) is int:  # the last state and the taps, concatenated
+                        cfg.vision_output_dim = cfg.hidden_size * (1 + len(taps))
+    width0, width = _get(orig, "hidden_size"), _get(cfg, "hidden_size")
+    if type(width0) is int and type(width) is int and width < width0:
+        _fit_widths(cfg, {k: v for k, v in before.items() if k not in _TOWER_DERIVED}, {width0: width})
+    now = cfg.to_dict()
+    return {k for k in now if now[k] != was.get(k)}
 
 
 def _rederived(cfg: Any, orig: Any, deliberate: set[str]) -> Any:

@@ -4,10 +4,11 @@ Most towers read one image ``(B, C, H, W)``; many read more, or read it laid out
 their ``(t, h, w)`` grid (Qwen2-VL-style towers: ``grid_thw`` or ``image_grid_thw``, VideoLLaMA 3's ``merge_sizes``
 beside it), each patch as ``(C, p, p)`` in a batch of patches (PaddleOCR-VL), a patch grid beside the image
 (MiniCPM-V's ``target_sizes``), aspect-ratio tiles with their ratio ids and mask (Mllama), a clip of frames
-(VideoMAE, ViViT, TimeSformer: ``(B, T, C, H, W)``; X-CLIP's tower: the frames as the batch; Inkling: a
-channels-last clip), a NaViT patch sequence (SigLIP 2), a prompt image and its mask beside the image (SegGPT).
-:func:`tower_inputs` lists the layouts the signature and the config ask for, most specific first and the plain image
-after them, and keeps the first one the tower runs on: a layout is chosen by running it, never by the tower's name.
+(VideoMAE, ViViT, TimeSformer: ``(B, T, C, H, W)``, two frames where the config states no count: VidEoMT; X-CLIP's
+tower: the frames as the batch; Inkling: a channels-last clip), a NaViT patch sequence (SigLIP 2), a prompt image
+and its mask beside the image (SegGPT). :func:`tower_inputs` lists the layouts the signature and the config ask for,
+most specific first and the plain image after them, and keeps the first one the tower runs on: a layout is chosen by
+running it, never by the tower's name.
 """
 
 from __future__ import annotations
@@ -62,9 +63,8 @@ def _image(cfg: Any, gen: torch.Generator) -> torch.Tensor:
     return torch.randn(1, _channels(cfg), side, side, generator=gen)
 
 
-def _video(cfg: Any, gen: torch.Generator) -> Iterator[dict[str, Any]]:
-    """``num_frames`` frames of the image size, as ``(1, T, C, H, W)`` and as a batch of frames ``(T, C, H, W)``."""
-    frames = int(cfg.num_frames)
+def _video(cfg: Any, gen: torch.Generator, frames: int) -> Iterator[dict[str, Any]]:
+    """``frames`` frames of the image size, as ``(1, T, C, H, W)`` and as a batch of frames ``(T, C, H, W)``."""
     side = _image_side(cfg)
     clip = torch.randn(1, frames, _channels(cfg), side, side, generator=gen)
     yield {"pixel_values": clip}
@@ -112,7 +112,7 @@ def _candidates(cfg: Any, params: Any, gen: torch.Generator) -> Iterator[dict[st
     if "aspect_ratio_ids" in params and d.get("max_num_tiles") and d.get("supported_aspect_ratios"):
         yield _tiled(cfg, gen)
     if isinstance(d.get("num_frames"), int) and d.get("image_size") is not None:
-        yield from _video(cfg, gen)
+        yield from _video(cfg, gen, d["num_frames"])
     if "num_patches" in d and d.get("image_size") is None:  # NaViT-style: SigLIP 2
         yield patch_sequence(cfg, gen)
     image = _image(cfg, gen)
@@ -121,6 +121,8 @@ def _candidates(cfg: Any, params: Any, gen: torch.Generator) -> Iterator[dict[st
     yield {"pixel_values": image}
     yield from _patches(cfg, gen)
     yield from _channels_last_clip(cfg, gen)
+    if not isinstance(d.get("num_frames"), int) and d.get("image_size") is not None:  # a clip, its length unstated
+        yield next(_video(cfg, gen, 2))
 
 
 def _prompted(image: torch.Tensor, gen: torch.Generator) -> Iterator[dict[str, Any]]:
