@@ -20,13 +20,10 @@ line per type says where it stopped:
 
 from __future__ import annotations
 
-import argparse
-import resource
 import warnings
-from pathlib import Path
 from typing import Any
 
-from vlm_sweep import LIMITS, _why, run
+from vlm_sweep import _why, limit_child, sweep_main
 
 COLUMNS = ["model", "status", "operator", "placement", "final", "layers", "stages", "inputs", "reason", "seconds"]
 STATUSES = ("ok", "ok (unread)", "failed build", "failed inputs", "failed run", "failed read", "died")
@@ -34,17 +31,12 @@ STATUSES = ("ok", "ok (unread)", "failed build", "failed inputs", "failed run", 
 
 def one(mt: str) -> dict[str, Any]:
     """Build, feed and inspect one vision tower type; the row never raises."""
-    import torch
-
-    cap = int(LIMITS["memory_gb"] * 2**30)
-    resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
-
+    limit_child()
     from normatlas.inspect import UntraceableModel
     from normatlas.inspect.build import build_vision
     from normatlas.inspect.vision import inspect_vision
     from normatlas.inspect.vision_inputs import tower_inputs
 
-    torch.set_num_threads(1)
     row: dict[str, Any] = {c: "" for c in COLUMNS} | {"model": mt}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -76,23 +68,9 @@ def one(mt: str) -> dict[str, Any]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default="benchmarks/results")
-    ap.add_argument("--timeout", type=float, default=120.0, help="seconds per model type")
-    ap.add_argument("--only", nargs="*", help="model types (default: every vision-tower type)")
-    ap.add_argument("--memory-gb", type=float, default=LIMITS["memory_gb"], help="address-space cap per model type")
-    args = ap.parse_args()
-    LIMITS["memory_gb"] = args.memory_gb
-    import transformers  # noqa: F401  (imported once, before forking)
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
-
-    import normatlas.inspect.vision_inputs  # noqa: F401  (so every child runs the code the sweep started with)
     from normatlas.inspect.vlm import is_vision_type
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        types = args.only or [mt for mt in sorted(CONFIG_MAPPING_NAMES) if is_vision_type(mt)]
-    run(types, one, "vision_sweep", "vision-tower types", COLUMNS, STATUSES, args.timeout, Path(args.out))
+    sweep_main(__doc__, "vision-tower types", 120.0, is_vision_type, one, "vision_sweep", COLUMNS, STATUSES)
 
 
 if __name__ == "__main__":

@@ -44,20 +44,24 @@ def _why(exc: BaseException) -> str:
 LIMITS = {"memory_gb": 4.0}
 
 
-def one(mt: str) -> dict[str, Any]:
-    """Build, feed and inspect one image-text model type; the row never raises."""
+def limit_child() -> None:
+    """A sweep child's limits: the address-space cap (:data:`LIMITS`) and one intra-op thread."""
     import resource
 
     import torch
 
     cap = int(LIMITS["memory_gb"] * 2**30)
     resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
+    torch.set_num_threads(1)
 
+
+def one(mt: str) -> dict[str, Any]:
+    """Build, feed and inspect one image-text model type; the row never raises."""
+    limit_child()
     from normatlas.inspect import UntraceableModel
     from normatlas.inspect.vlm import inspect_vlm
     from normatlas.inspect.vlm_build import build_vlm, vlm_inputs
 
-    torch.set_num_threads(1)
     row: dict[str, Any] = {c: "" for c in COLUMNS} | {"model": mt}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -113,23 +117,46 @@ def reason_group(reason: str) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    from normatlas.inspect.vlm import is_vlm_type
+
+    sweep_main(__doc__, "image-text types", 180.0, is_vlm_type, one, "vlm_sweep", COLUMNS, STATUSES)
+
+
+def sweep_main(
+    doc: str,
+    what: str,
+    timeout: float,
+    is_type: Any,
+    fn: Any,
+    name: str,
+    columns: list[str],
+    statuses: tuple[str, ...],
+) -> None:
+    """The command line of a sweep over the installed transformers' model types that ``is_type`` accepts (``--out``,
+    ``--timeout``, ``--only``, ``--memory-gb``), each run by ``fn`` in a forked child; shared with
+    ``vision_sweep.py``."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
     ap.add_argument("--out", default="benchmarks/results")
-    ap.add_argument("--timeout", type=float, default=180.0, help="seconds per model type")
-    ap.add_argument("--only", nargs="*", help="model types (default: every image-text type)")
+    ap.add_argument("--timeout", type=float, default=timeout, help="seconds per model type")
+    ap.add_argument("--only", nargs="*", help=f"model types (default: every one of the {what})")
     ap.add_argument("--memory-gb", type=float, default=LIMITS["memory_gb"], help="address-space cap per model type")
     args = ap.parse_args()
     LIMITS["memory_gb"] = args.memory_gb
     import transformers  # noqa: F401  (imported once, before forking)
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
-    import normatlas.inspect.vlm_build  # noqa: F401  (so every child runs the code the sweep started with)
-    from normatlas.inspect.vlm import is_vlm_type
+    # imported before forking, so every child runs the code the sweep started with
+    import normatlas.inspect.build
+    import normatlas.inspect.stages
+    import normatlas.inspect.vision
+    import normatlas.inspect.vision_inputs
+    import normatlas.inspect.vlm
+    import normatlas.inspect.vlm_build  # noqa: F401
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        types = args.only or [mt for mt in sorted(CONFIG_MAPPING_NAMES) if is_vlm_type(mt)]
-    run(types, one, "vlm_sweep", "image-text types", COLUMNS, STATUSES, args.timeout, Path(args.out))
+        types = args.only or [mt for mt in sorted(CONFIG_MAPPING_NAMES) if is_type(mt)]
+    run(types, fn, name, what, columns, statuses, args.timeout, Path(args.out))
 
 
 def run(
