@@ -303,7 +303,7 @@ def build_vision(model_type: str, seed: int = 0, image_size: int = 32, patch_siz
 
 def _tiny_tower(model_type: str, image_size: int, patch_size: int) -> Any:
     """A plain (unstaged) tower's config: :func:`tiny_config`'s shrink, a small image, the sizes tied to the
-    shrunk ones kept consistent (:func:`_fit_tower`), then built again from its changed fields so that what the
+    shrunk ones kept consistent (:func:`_fit_tied_sizes`), then built again from its changed fields so that what the
     config derives from them follows (RADIO's ``patch_dim``, Sapiens2's per-layer key/value heads)."""
     from transformers import AutoConfig
 
@@ -315,7 +315,7 @@ def _tiny_tower(model_type: str, image_size: int, patch_size: int) -> Any:
             now = getattr(cfg, key, None)
             with contextlib.suppress(Exception):  # an (h, w) pair stays a pair (InternViT)
                 setattr(cfg, key, [val, val] if isinstance(now, (list, tuple)) else val)
-    deliberate = set(TINY) | {k for k, _ in sizes} | _fit_tower(cfg, orig, image_size)
+    deliberate = set(TINY) | {k for k, _ in sizes} | _fit_tied_sizes(cfg, orig, image_size)
     return _rederived(cfg, orig, deliberate)
 
 
@@ -331,7 +331,7 @@ def _get(c: Any, key: str) -> Any:
         return _ABSENT
 
 
-def _fit_tower(cfg: Any, orig: Any, image_size: int) -> set[str]:
+def _fit_tied_sizes(cfg: Any, orig: Any, image_size: int) -> set[str]:
     """Keep the sizes the shrink leaves inconsistent in step with it (``orig``: the config unshrunk); the fields
     set are returned. A size is shrunk, never grown (ViTPose's one MLP does not become 4 experts); a per-stage width
     list starting at the hidden size is scaled with it (SAM 2's Hiera: ``embed_dim_per_stage[0]`` is its stem's
