@@ -196,13 +196,13 @@ def _interleaved(g: Graph, runs: list[list[Sublayer]]) -> list[list[Sublayer]]:
     a shape that comes back is a side stream each block runs beside its main one (X-CLIP's cross-frame message
     tokens, ``(B, T, D)`` beside ``(B T, N, D)``), its sublayers part of the same blocks."""
     shapes = [g.nodes[r[-1].adds[-1]].shape for r in runs]
+    last = {shape: m for m, shape in enumerate(shapes)}  # each shape's last run
     out: list[list[Sublayer]] = []
     i = 0
     while i < len(runs):
-        j = i
-        k = i
+        j = k = i
         while k <= j:  # widen the span to the last recurrence of every shape inside it
-            j = max(j, max(m for m in range(len(runs)) if shapes[m] == shapes[k]))
+            j = max(j, last[shapes[k]])
             k += 1
         out.append([sub for r in runs[i : j + 1] for sub in r])
         i = j + 1

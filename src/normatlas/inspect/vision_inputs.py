@@ -28,8 +28,8 @@ from .vlm_inputs import (
     _image_side,
     _merge,
     _target_size_layouts,
-    _tiles,
     patch_sequence,
+    tiled_image,
 )
 
 __all__ = ["tower_inputs"]
@@ -71,18 +71,6 @@ def _video(cfg: Any, gen: torch.Generator, frames: int) -> Iterator[dict[str, An
     yield {"pixel_values": clip[0]}
 
 
-def _tiled(cfg: Any, gen: torch.Generator) -> dict[str, Any]:
-    """One image as Mllama's aspect-ratio tiles ``(1, 1, tiles, C, H, W)``: the one used tile random, the others
-    zero and masked, with the ratio id of a whole tile."""
-    tiles, ratio_id, used = _tiles(cfg)
-    side, channels = _image_side(cfg), _channels(cfg)
-    pixels = torch.zeros(1, 1, tiles, channels, side, side)
-    pixels[:, :, :used] = torch.randn(1, 1, used, channels, side, side, generator=gen)
-    mask = torch.zeros(1, 1, tiles, dtype=torch.long)
-    mask[..., :used] = 1
-    return {"pixel_values": pixels, "aspect_ratio_ids": torch.tensor([[ratio_id]]), "aspect_ratio_mask": mask}
-
-
 def _patches(cfg: Any, gen: torch.Generator) -> Iterator[dict[str, Any]]:
     """The image's patches, flattened ``(1, N, C p^2)`` and ``(N, C p^2)``, and as ``(N, C, t, p, p)`` for each
     temporal patch size the config names (a tower whose patch embedding is a 3-d convolution over them)."""
@@ -110,7 +98,7 @@ def _candidates(cfg: Any, params: Any, gen: torch.Generator) -> Iterator[dict[st
     if "target_sizes" in params:
         yield from _target_size_layouts(cfg, gen)
     if "aspect_ratio_ids" in params and d.get("max_num_tiles") and d.get("supported_aspect_ratios"):
-        yield _tiled(cfg, gen)
+        yield tiled_image(cfg, gen)
     if isinstance(d.get("num_frames"), int) and d.get("image_size") is not None:
         yield from _video(cfg, gen, d["num_frames"])
     if "num_patches" in d and d.get("image_size") is None:  # NaViT-style: SigLIP 2

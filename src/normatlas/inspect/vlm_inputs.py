@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["PATCHES_PER_SIDE", "image_config", "patch_sequence", "vlm_inputs"]
+__all__ = ["PATCHES_PER_SIDE", "image_config", "patch_sequence", "tiled_image", "vlm_inputs"]
 
 PATCHES_PER_SIDE = 4
 _MERGES = ("spatial_merge_size", "merge_size", "merge_kernel_size")  # k x k patches merged into one token
@@ -302,6 +302,18 @@ def _tiles(vc: Any) -> tuple[int, int, int]:
     return tiles, pick + 1, math.prod(ratios[pick])
 
 
+def tiled_image(vc: Any, gen: torch.Generator) -> dict[str, Any]:
+    """One image as Mllama's aspect-ratio tiles ``(1, 1, tiles, C, H, W)``: the tiles it uses random, the others
+    zero and masked (``aspect_ratio_mask``), with the ratio id of a whole tile (``aspect_ratio_ids``)."""
+    tiles, ratio_id, used = _tiles(vc)
+    side, channels = _image_side(vc), _channels(vc)
+    pixels = torch.zeros(1, 1, tiles, channels, side, side)
+    pixels[:, :, :used] = torch.randn(1, 1, used, channels, side, side, generator=gen)
+    mask = torch.zeros(1, 1, tiles, dtype=torch.long)
+    mask[..., :used] = 1
+    return {"pixel_values": pixels, "aspect_ratio_ids": torch.tensor([[ratio_id]]), "aspect_ratio_mask": mask}
+
+
 def _cross_attention_inputs(cfg: Any, vocab: int, gen: torch.Generator, params: Any) -> dict[str, Any]:
     """One image that every text position may attend to: ``(B, images, C, H, W)`` with ``image_attention_mask``
     ones over (text x images) (Idefics 1); or, where the forward reads aspect-ratio tiles (Mllama), ``(B, images,
@@ -312,17 +324,9 @@ def _cross_attention_inputs(cfg: Any, vocab: int, gen: torch.Generator, params: 
     ids = _text_ids(vocab, gen, 6).unsqueeze(0)
     inputs: dict[str, Any] = {"input_ids": ids}
     if "aspect_ratio_ids" in params:
-        tiles, ratio_id, used = _tiles(vc)
-        pixels = torch.zeros(1, 1, tiles, channels, side, side)
-        pixels[:, :, :used] = torch.randn(1, 1, used, channels, side, side, generator=gen)
-        mask = torch.zeros(1, 1, tiles, dtype=torch.long)
-        mask[..., :used] = 1
-        inputs |= {
-            "pixel_values": pixels,
-            "aspect_ratio_ids": torch.tensor([[ratio_id]]),
-            "aspect_ratio_mask": mask,
-            "cross_attention_mask": mask.unsqueeze(1).expand(1, ids.shape[1], 1, tiles).clone(),
-        }
+        tiled = tiled_image(vc, gen)
+        mask = tiled["aspect_ratio_mask"]
+        inputs |= tiled | {"cross_attention_mask": mask.unsqueeze(1).expand(1, ids.shape[1], *mask.shape[1:]).clone()}
     else:
         inputs |= {
             "pixel_values": torch.randn(1, 1, channels, side, side, generator=gen),
