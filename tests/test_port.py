@@ -65,18 +65,25 @@ def _type(name: str) -> str:
     return name.split("+")[0]
 
 
-def _build(name: str) -> torch.nn.Module:
+ATTENTION = ("default", "eager")
+"""How each case is built: as ``from_config`` builds it (transformers' default attention: sdpa where the model
+supports it, eager for Gemma 2's soft-capped scores), and with eager attention."""
+
+
+def _build(name: str, attn: str = "default") -> torch.nn.Module:
     cls = MODEL_CLASS.get(_type(name))
-    hf = tiny_model(_type(name), cls, seed=0, attn_implementation="eager", **CASES[name]).float()
+    chosen = {} if attn == "default" else {"attn_implementation": attn}
+    hf = tiny_model(_type(name), cls, seed=0, **chosen, **CASES[name]).float()
     return randomise_(hf, 0.1)  # every gain, bias and weight away from its init
 
 
-@pytest.fixture(scope="module", params=sorted(CASES))
+@pytest.fixture(scope="module", params=[(n, a) for n in sorted(CASES) for a in ATTENTION], ids="-".join)
 def ported(request):
     torch.set_num_threads(1)
-    hf = _build(request.param)
+    name, attn = request.param
+    hf = _build(name, attn)
     p, ours = port(hf)
-    return request.param, hf, p, ours
+    return name, hf, p, ours
 
 
 def _inputs(seed: int = 1):
@@ -122,7 +129,7 @@ def test_same_gradients(ported):
 
 def test_round_trip_state_dict_loads(ported):
     name, hf, p, ours = ported
-    fresh = _build(name)
+    fresh = _build(name, hf.config._attn_implementation)
     with torch.no_grad():
         for q in fresh.parameters():
             q.zero_()

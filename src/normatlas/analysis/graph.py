@@ -22,6 +22,7 @@ can be recorded.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -222,6 +223,11 @@ def _tensors(obj: Any) -> list[Tensor]:
     return [t for t in leaves if isinstance(t, Tensor)]
 
 
+def _eager_compiled() -> contextlib.AbstractContextManager[None]:
+    stance = getattr(torch.compiler, "set_stance", None)  # torch >= 2.6
+    return stance("force_eager") if stance is not None else contextlib.nullcontext()
+
+
 def record(model: nn.Module, example_inputs: Any, kwargs: dict[str, Any] | None = None) -> Graph:
     """Run ``model`` once on ``example_inputs`` (a tensor, a tuple/list of positional arguments or a
     kwargs dict; ``kwargs`` adds keyword arguments to positional ones) under ``torch.no_grad`` and
@@ -250,8 +256,9 @@ def record(model: nn.Module, example_inputs: Any, kwargs: dict[str, Any] | None 
     inputs, extra = example_inputs, kwargs or {}
     for t in _tensors((inputs, extra)):
         rec.nodes[rec.ref(t)].op = "input"
-    try:
-        with torch.no_grad(), reference_only(), rec:  # our own norms run their torch ops, for the recorder to see
+    try:  # our own norms run their torch ops, for the recorder to see; compiled code (transformers' flex
+        # attention) runs its Python eagerly, the same computation, so that every call is recorded
+        with torch.no_grad(), reference_only(), _eager_compiled(), rec:
             if isinstance(inputs, dict):
                 out = model(**inputs, **extra)
             elif isinstance(inputs, (tuple, list)):

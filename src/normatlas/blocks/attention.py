@@ -186,7 +186,8 @@ class Attention(nn.Module):
             scores = torch.tanh(scores / self.softcap) * self.softcap
         if mask is not None:
             scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
-        probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        # at least fp32 (a bf16 model's softmax in fp32, as transformers' eager attention; a float64 one in float64)
+        probs = F.softmax(scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32)).to(q.dtype)
         out = torch.matmul(probs, v).transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim)
         return self.o_proj(out)
 

@@ -26,6 +26,7 @@ __all__ = [
     "CliError",
     "Command",
     "Entry",
+    "add_attention_option",
     "describe_error",
     "is_user_error",
     "main",
@@ -203,6 +204,31 @@ def one_of(allowed: Sequence[str]) -> Callable[[str], str]:
     return parse
 
 
+ATTENTION_CHOICES = ("eager", "sdpa", "flex_attention")  # inspect/build.py's ATTENTION_IMPLEMENTATIONS (no import)
+
+
+def add_attention_option(p: argparse.ArgumentParser) -> None:
+    """``--attn-implementation``: the attention transformers models are built with (default: transformers' own
+    choice, as ``from_pretrained`` makes it: sdpa where the model supports it)."""
+    p.add_argument(
+        "--attn-implementation",
+        type=one_of(ATTENTION_CHOICES),
+        default=None,
+        metavar="{" + ",".join(ATTENTION_CHOICES) + "}",
+        help="build transformers models with this attention (default: transformers' default, sdpa where supported)",
+    )
+
+
+def _run(args: argparse.Namespace) -> int:
+    attn = getattr(args, "attn_implementation", None)
+    if attn is None:
+        return int(args._run(args))
+    from ..inspect.build import attention_implementation
+
+    with attention_implementation(attn):
+        return int(args._run(args))
+
+
 def build_parser() -> argparse.ArgumentParser:
     from .. import __version__
 
@@ -297,7 +323,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         args = parser.parse_args(argv)
         name = f"normatlas {args.command}"
-        code = int(args._run(args))
+        code = _run(args)
         sys.stdout.flush()  # a closed pipe shows up here, inside the handlers below
         return code
     except KeyboardInterrupt:

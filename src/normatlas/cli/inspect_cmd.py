@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from . import CliError, positive_float
+from . import CliError, add_attention_option, positive_float
 from . import _progress as progress
 from ._format import Section, _jsonable, add_format_option, emit
 
@@ -26,6 +26,7 @@ def configure_inspect(p: argparse.ArgumentParser) -> None:
         "(config.json + *.safetensors), or module.path:factory",
     )
     add_format_option(p)  # --format table|json|csv, and --json (json: the full report)
+    add_attention_option(p)
     p.add_argument(
         "--vision",
         action="store_true",

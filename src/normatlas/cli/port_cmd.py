@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from . import CliError
+from . import CliError, add_attention_option
 from . import _progress as progress
 from ._format import Section, add_format_option, emit
 
@@ -18,6 +18,7 @@ def configure_port(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--check", action="store_true", help="compare the fp32 logits and every parameter's gradient with transformers"
     )
+    add_attention_option(p)
     add_format_option(p)
 
 

@@ -2,7 +2,8 @@
 
 Method (all structural, no names):
 
-* **Cores** are ``scaled_dot_product_attention`` calls, or a ``softmax`` fed by a matmul of two
+* **Cores** are fused attention calls (``scaled_dot_product_attention``, flex attention:
+  :mod:`normatlas.analysis.attention_calls`), or a ``softmax`` fed by a matmul of two
   activations (not by a parameter: that is a router or a projection); the value operand is the
   matmul that reads the softmax.
 * **QK / V norms** are found walking back from a core's q / k / v operands to the projections;
@@ -20,6 +21,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from ..analysis.attention_calls import fused_call
 from ..analysis.graph import Graph, Node
 from ..analysis.ops import PROJECTIONS, SHAPE_ONLY
 from ..analysis.walk import scalar_mul, strip, upstream
@@ -68,12 +70,9 @@ def _by_param(g: Graph, n: Node) -> bool:
     return any(g.nodes[strip(g, i, SHAPE_ONLY)].op == "param" for i in n.inputs)
 
 
-def _sdpa(n: Node) -> Core | None:
-    if n.op != "scaled_dot_product_attention" or len(n.inputs) < 3:
-        return None
-    q, k, v = (a.idx for a in n.args[:3])  # type: ignore[union-attr]
-    cap = n.kwargs.get("softcap")
-    return Core(n.idx, q, k, v, cap if isinstance(cap, float) else None)
+def _fused(g: Graph, n: Node) -> Core | None:
+    call = fused_call(g, n)
+    return None if call is None else Core(n.idx, call.q, call.k, call.v, call.softcap)
 
 
 def _scores(g: Graph, n: Node, stream_bit: int) -> tuple[int, float | None]:
@@ -149,7 +148,7 @@ def _operand_norms(
 def find_cores(g: Graph, sites: list[Site], stream_bit: int, stream_inputs: set[int], trig: int) -> list[Core]:
     """Phase 2: every attention core, with the norms on its q / k / v operands."""
     by_output = {s.output: s for s in sites}
-    cores = [c for n in g.nodes if (c := _sdpa(n) or _softmax_core(g, n, stream_bit)) is not None]
+    cores = [c for n in g.nodes if (c := _fused(g, n) or _softmax_core(g, n, stream_bit)) is not None]
     for core in cores:
         qshape = g.nodes[core.q].shape
         core.head_dim = qshape[-1] if qshape else None

@@ -1,13 +1,19 @@
 """Turn a TARGET into (model, example inputs): a transformers model type built tiny
 from its config class (offline, random weights), a local checkpoint folder
-(config.json + safetensors), or ``module.path:factory``."""
+(config.json + safetensors), or ``module.path:factory``.
+
+Models are built as a user's ``from_config`` / ``from_pretrained`` builds them: with transformers' default
+attention implementation (``sdpa`` where the model supports it), unless one is chosen
+(:func:`attention_implementation`, the CLI's ``--attn-implementation``)."""
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import importlib
 import inspect as pyinspect
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +22,48 @@ from torch import nn
 
 from ..checkpoint import PICKLE_SUFFIXES
 
-__all__ = ["KV_SHARED_LAYER_COUNTS", "TINY", "build_target", "build_vision", "example_inputs", "tiny_config"]
+__all__ = [
+    "ATTENTION_IMPLEMENTATIONS",
+    "KV_SHARED_LAYER_COUNTS",
+    "TINY",
+    "attention_implementation",
+    "attention_kwargs",
+    "build_target",
+    "build_vision",
+    "example_inputs",
+    "tiny_config",
+]
+
+ATTENTION_IMPLEMENTATIONS = ("eager", "sdpa", "flex_attention")
+"""The attention implementations a build may be asked for (None: transformers' default for the model)."""
+_ATTENTION: contextvars.ContextVar[str | None] = contextvars.ContextVar("normatlas_attention", default=None)
+
+
+@contextlib.contextmanager
+def attention_implementation(name: str | None) -> Iterator[None]:
+    """Build models inside this block with attention implementation ``name`` (one of
+    :data:`ATTENTION_IMPLEMENTATIONS`; None: transformers' default, as ``from_pretrained`` picks it)."""
+    if name is not None and name not in ATTENTION_IMPLEMENTATIONS:
+        allowed = ", ".join(ATTENTION_IMPLEMENTATIONS)
+        raise ValueError(f"attn_implementation={name!r} is not one of {allowed} (or None: transformers' default)")
+    token = _ATTENTION.set(name)
+    try:
+        yield
+    finally:
+        _ATTENTION.reset(token)
+
+
+def attention_kwargs() -> dict[str, str]:
+    """``from_config``'s keyword for the chosen attention implementation ({} for transformers' default)."""
+    name = _ATTENTION.get()
+    return {} if name is None else {"attn_implementation": name}
+
+
+def _choose_attention(cfg: Any) -> None:
+    name = _ATTENTION.get()
+    if name is not None:
+        cfg._attn_implementation = name
+
 
 # Shrunk sizes (litgpt-style: keep the architecture, shrink the widths). Originals are
 # thousands wide and tens of layers deep; each key is set only where the config has it.
@@ -88,7 +135,7 @@ def tiny_config(model_type: str, **overrides: Any) -> Any:
             if isinstance(vocab, int) and isinstance(tid, int) and tid >= vocab:
                 with contextlib.suppress(Exception):
                     setattr(c, tok, min(2, vocab - 1))
-    cfg._attn_implementation = "eager"
+    _choose_attention(cfg)
     return cfg
 
 
@@ -192,9 +239,9 @@ def _model_from_config(cfg: Any) -> nn.Module:
     from transformers import AutoModel, AutoModelForCausalLM
 
     try:
-        model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
+        model = AutoModelForCausalLM.from_config(cfg, **attention_kwargs())
     except (ValueError, KeyError):
-        model = AutoModel.from_config(cfg, attn_implementation="eager")
+        model = AutoModel.from_config(cfg, **attention_kwargs())
     return model.eval()
 
 
@@ -207,7 +254,7 @@ def _model_for_checkpoint(cfg: Any) -> nn.Module:
         cls = getattr(transformers, arch, None)
         if cls is not None:
             return cls(cfg).eval()
-    return AutoModel.from_config(cfg, attn_implementation="eager").eval()
+    return AutoModel.from_config(cfg, **attention_kwargs()).eval()
 
 
 def example_inputs(model: nn.Module, seq: int = 8, seed: int = 0) -> dict[str, Any]:
@@ -223,8 +270,12 @@ def example_inputs(model: nn.Module, seq: int = 8, seed: int = 0) -> dict[str, A
     return inputs
 
 
-def build_target(target: str, seed: int = 0) -> tuple[nn.Module, Any, str]:
-    """(model, example inputs, display name) for a CLI TARGET."""
+def build_target(target: str, seed: int = 0, attn_implementation: str | None = None) -> tuple[nn.Module, Any, str]:
+    """(model, example inputs, display name) for a CLI TARGET; a transformers model is built with
+    ``attn_implementation`` (None: the one chosen by :func:`attention_implementation`, else transformers' default)."""
+    if attn_implementation is not None:
+        with attention_implementation(attn_implementation):
+            return build_target(target, seed)
     torch.manual_seed(seed)
     path = Path(target)
     if path.is_dir():
@@ -234,7 +285,7 @@ def build_target(target: str, seed: int = 0) -> tuple[nn.Module, Any, str]:
 
         ckpt = locate(path, weights=False)  # the one load policy: config.json as JSON, safetensors only
         cfg = AutoConfig.from_pretrained(str(path))
-        cfg._attn_implementation = "eager"
+        _choose_attention(cfg)
         model = _model_for_checkpoint(cfg)
         files = ckpt.files
         if files:
@@ -293,7 +344,7 @@ def build_vision(model_type: str, seed: int = 0, image_size: int = 32, patch_siz
     torch.manual_seed(seed)
     cfg = _staged_tower(model_type, image_size) or _tiny_tower(model_type, image_size, patch_size)
     try:
-        return AutoModel.from_config(cfg, attn_implementation="eager").eval()
+        return AutoModel.from_config(cfg, **attention_kwargs()).eval()
     except ValueError:  # a tower's own config (AlignVisionConfig, ...) that AutoModel does not register
         cls = _model_class_of(cfg)
         if cls is None:
@@ -439,17 +490,17 @@ def _rederived(cfg: Any, orig: Any, deliberate: set[str]) -> Any:
         if now is not _ABSENT and _get(rebuilt, key) != now:
             with contextlib.suppress(Exception):
                 setattr(rebuilt, key, now)
-    rebuilt._attn_implementation = "eager"
+    _choose_attention(rebuilt)
     return rebuilt
 
 
 def _construct(cls: type[nn.Module], cfg: Any) -> nn.Module:
-    """``cls`` built from ``cfg``: a ``PreTrainedModel`` through ``_from_config`` (eager attention, its weight
-    init), a plain module (IDEFICS' ``IdeficsVisionTransformer``) by calling it on the config."""
+    """``cls`` built from ``cfg``: a ``PreTrainedModel`` through ``_from_config`` (the chosen attention, its
+    weight init), a plain module (IDEFICS' ``IdeficsVisionTransformer``) by calling it on the config."""
     from transformers import PreTrainedModel
 
     if issubclass(cls, PreTrainedModel):
-        return cls._from_config(cfg, attn_implementation="eager")
+        return cls._from_config(cfg, **attention_kwargs())
     return cls(cfg)
 
 
@@ -578,7 +629,7 @@ def _staged_tower(model_type: str, image_size: int) -> Any:
     patch = getattr(cfg, "patch_size", None)
     if isinstance(patch, int) and "image_size" in cfg.to_dict():
         cfg.image_size = max(image_size, patch * window * 2 ** (len(depths) - 1))
-    cfg._attn_implementation = "eager"
+    _choose_attention(cfg)
     return cfg
 
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from ..analysis.attention_calls import ATTENTION_CALLS
 from ..analysis.graph import LEAVES, Graph, Node
 from ..analysis.ops import PROJECTIONS, SHAPE_ONLY
 from ..analysis.walk import learned_mul, scalar_mul, strip
@@ -46,7 +47,6 @@ __all__ = [
     "merged_stream",
 ]
 
-_ATTENTION_CALLS = frozenset({"multi_head_attention_forward", "scaled_dot_product_attention"})
 _SCORE_PRODUCTS = frozenset({"matmul", "bmm", "einsum", "baddbmm"})
 _ACTIVATIONS = frozenset({"relu", "gelu", "silu", "hardswish", "leaky_relu", "relu6", "mish"})
 
@@ -159,7 +159,7 @@ def _learned_queries(g: Graph, boundary: int, entry: int) -> bool:
     for n in g.nodes:
         if not boundary >> n.idx & 1:
             continue
-        if n.op in _ATTENTION_CALLS and n.inputs and not _from(g, entry, n.inputs[0]):
+        if n.op in ATTENTION_CALLS and n.inputs and not _from(g, entry, n.inputs[0]):
             return True
         if n.op == "softmax" and any(not _from(g, entry, i) for i in _score_operands(g, n.idx)):
             return True
@@ -322,7 +322,7 @@ def attention_bits(g: Graph) -> int:
     """Every attention as a bitset: a fused attention call, or a softmax over a product of two activations."""
     bits = 0
     for n in g.nodes:
-        if n.op in _ATTENTION_CALLS or (n.op == "softmax" and _score_operands(g, n.idx)):
+        if n.op in ATTENTION_CALLS or (n.op == "softmax" and _score_operands(g, n.idx)):
             bits |= 1 << n.idx
     return bits
 

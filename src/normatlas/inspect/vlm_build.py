@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .build import _shrink, tiny_config
+from .build import _shrink, attention_kwargs, tiny_config
 from .vlm_inputs import PATCHES_PER_SIDE, image_config, patch_sequence, vlm_inputs
 
 __all__ = ["VISION_TINY", "VQ_TINY", "build_vlm", "image_config", "patch_sequence", "vlm_inputs"]
@@ -252,7 +252,7 @@ def build_vlm(model_type: str, seed: int = 0) -> nn.Module:
             with contextlib.suppress(Exception):
                 setattr(cfg, field, text.vocab_size - offset)
     try:
-        model = AutoModelForImageTextToText.from_config(cfg, attn_implementation="eager")
+        model = AutoModelForImageTextToText.from_config(cfg, **attention_kwargs())
     except ValueError:
-        model = AutoModel.from_config(cfg, attn_implementation="eager")
+        model = AutoModel.from_config(cfg, **attention_kwargs())
     return model.eval()

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..analysis.attention_calls import ATTENTION_CALLS
 from ..analysis.graph import Graph, Node
 from ..analysis.ops import PROJECTIONS, SHAPE_ONLY, SHAPES, SPLITS
 from ..vocabulary import Operator
@@ -38,7 +39,6 @@ _ACTIVATIONS = frozenset({"gelu", "silu", "relu", "tanh", "sigmoid", "mish", "re
 _POOLS = frozenset(
     {"avg_pool1d", "avg_pool2d", "adaptive_avg_pool1d", "adaptive_avg_pool2d", "max_pool2d", "interpolate"}
 )
-_ATTENTION = frozenset({"softmax", "scaled_dot_product_attention"})
 _SCORE_STEPS = frozenset({"mul", "div", "truediv", "add", "sub"})  # a scale or a mask between q k^T and softmax
 
 
@@ -343,7 +343,7 @@ def _attends(g: Graph, nodes: list[Node]) -> bool:
     from ..analysis.walk import strip
 
     for n in nodes:
-        if n.op == "scaled_dot_product_attention":
+        if n.op in ATTENTION_CALLS:
             return True
         if n.op != "softmax" or not n.inputs:
             continue

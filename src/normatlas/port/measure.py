@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from ..analysis.attention_calls import FusedCall, fused_call
 from ..analysis.graph import Graph
 from ..analysis.ops import CASTS, SHAPE_ONLY, SPLITS
 from ..analysis.walk import learned_mul, scalar_mul, strip
@@ -77,7 +78,11 @@ class Scores:
 
 
 def scores_of(g: Graph, core: Core, layer: int) -> Scores:
-    """The constant on q.k, the tanh soft-cap and the mask between the score matmul and the softmax."""
+    """The constant on q.k, the tanh soft-cap and the mask between the score matmul and the softmax, or the
+    arguments of a fused attention call (sdpa, flex attention) that computes them."""
+    call = fused_call(g, g.nodes[core.node])
+    if call is not None:
+        return _fused_scores(call, g, layer)
     start = next((n.idx for n in g.nodes if n.op in ("matmul", "bmm") and n.inputs[:1] == (core.q,)), None)
     scale = 1.0
     if start is None:  # baddbmm(input, q, k, beta=0, alpha=scale)
@@ -111,6 +116,25 @@ def scores_of(g: Graph, core: Core, layer: int) -> Scores:
         raise PortError([f"layer {layer}: a tanh on the attention scores that is not a c * tanh(x / c) soft-cap"])
     causal, window = _mask_shape(mask, layer)
     return Scores(scale * (cap or 1.0), cap, causal, window)
+
+
+def _fused_scores(call: FusedCall, g: Graph, layer: int) -> Scores:
+    """A fused call's scores: its scale, its soft-cap (flex ``score_mod``) and its mask (``attn_mask``, the
+    causal flag, or flex's ``mask_mod``)."""
+    what = "flex attention" if call.op == "flex_attention" else "scaled_dot_product_attention"
+    if call.dropout:
+        raise PortError([f"layer {layer}: {what} with dropout_p={call.dropout} (put the model in eval mode)"])
+    if call.score_mod_other:
+        raise PortError([f"layer {layer}: a flex attention score_mod that is neither identity nor a soft-cap"])
+    if call.bias is not None and bool((call.bias != 0).any()):
+        raise PortError([f"layer {layer}: an additive bias on the attention scores (ALiBi or relative positions)"])
+    qs, ks = g.nodes[call.q].shape, g.nodes[call.k].shape
+    t, s = (int(qs[-2]), int(ks[-2])) if qs and ks else (0, 0)
+    if call.causal and t != s:
+        raise PortError([f"layer {layer}: {what} with is_causal over {t} queries and {s} keys"])
+    causal, window = _mask_shape(call.mask(t, s), layer)
+    cap = call.softcap
+    return Scores(call.scale, cap, causal, window)
 
 
 def _mask_operand(g: Graph, u: object, scores: int) -> Tensor:
