@@ -25,7 +25,7 @@ from torch import Tensor
 
 from .graph import Graph, Node, Ref
 
-__all__ = ["ATTENTION_CALLS", "FusedCall", "fused_call"]
+__all__ = ["ATTENTION_CALLS", "FusedCall", "evaluate_mask_mod", "fused_call"]
 
 SDPA = "scaled_dot_product_attention"
 FLEX = "flex_attention"
@@ -88,7 +88,8 @@ def _sdpa(g: Graph, n: Node) -> FusedCall:
     )  # fmt: skip
 
 
-def _evaluate_mask(mask_mod: Callable[..., Tensor], t: int, s: int) -> Tensor:
+def evaluate_mask_mod(mask_mod: Callable[..., Tensor], t: int, s: int) -> Tensor:
+    """A flex ``mask_mod(b, h, q_idx, kv_idx)`` as a dense (T, S) boolean mask (batch element and head 0)."""
     zero = torch.zeros((), dtype=torch.long)
     qi, ki = torch.arange(t)[:, None], torch.arange(s)[None, :]
     try:
@@ -134,7 +135,7 @@ def _flex(g: Graph, n: Node) -> FusedCall:
     qs, ks = g.nodes[q].shape or (1, 1), g.nodes[k].shape or (1, 1)
     t, s = int(qs[-2]), int(ks[-2])
     mask_mod = block[-1] if isinstance(block, tuple) and block and callable(block[-1]) else None
-    allowed = _evaluate_mask(mask_mod, t, s) if mask_mod is not None else None
+    allowed = evaluate_mask_mod(mask_mod, t, s) if mask_mod is not None else None
     cap, other = _score_mod_kind(score_mod, t, s)
     hd = int(qs[-1])
     sc = float(scale) if isinstance(scale, (int, float)) else 1.0 / math.sqrt(hd)

@@ -10,9 +10,14 @@ block runs intercepts
 * ``softmax(x, dim=-1)`` on a 4-D tensor (eager attention in HF and most code):
   its input is the logits and its output the probabilities.
 
-This covers HF ``sdpa`` and ``eager`` attention, timm and hand-written models alike.
-Models that compute attention otherwise (flash-attn kernels, flex attention) can
-report through :meth:`Monitor.record_attention` from a user hook.
+* flex attention (the ``flex_attention`` higher-order op, which transformers calls compiled):
+  ``softmax(score_mod(q k^T * scale))`` where the block mask's ``mask_mod`` allows, recomputed
+  the same way; while the mode is active, compiled code runs its Python eagerly (the same
+  computation) so that the call is seen.
+
+This covers HF ``sdpa``, ``flex_attention`` and ``eager`` attention, timm and hand-written models
+alike. Models that compute attention otherwise (flash-attn kernels) can report through
+:meth:`Monitor.record_attention` from a user hook.
 """
 
 from __future__ import annotations
@@ -25,9 +30,11 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
+from ..analysis.attention_calls import evaluate_mask_mod
+from ..analysis.ops import op_name
 from .metrics import masked_logits
 
-__all__ = ["AttentionCapture", "sdpa_probs"]
+__all__ = ["AttentionCapture", "flex_probs", "sdpa_probs"]
 
 _SOFTMAX = {torch.softmax, F.softmax, Tensor.softmax, torch.special.softmax}
 _SDPA = F.scaled_dot_product_attention
@@ -79,6 +86,26 @@ def sdpa_probs(
     return logits, probs
 
 
+def flex_probs(
+    query: Tensor,
+    key: Tensor,
+    score_mod: Callable[..., Tensor] | None,
+    mask_mod: Callable[..., Tensor] | None,
+    scale: float | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Attention logits and probabilities as flex attention computes them: ``score_mod`` applied to
+    ``q k^T * scale`` at every (batch, head, query, key) index, keys ``mask_mod`` refuses at ``-inf``.
+    Shapes and dtypes as :func:`sdpa_probs`."""
+    logits, _ = sdpa_probs(query, key, None, False, scale, True)
+    b, h, t, s = logits.shape
+    if score_mod is not None:
+        idx = [torch.arange(n).view(*(1,) * i, n, *(1,) * (3 - i)) for i, n in enumerate((b, h, t, s))]
+        logits = torch.as_tensor(score_mod(logits, *idx), dtype=torch.float32).expand(b, h, t, s)
+    if mask_mod is not None:
+        logits = logits.masked_fill(~evaluate_mask_mod(mask_mod, t, s), -math.inf)
+    return logits, torch.softmax(logits, dim=-1).nan_to_num(0.0)
+
+
 class AttentionCapture(TorchFunctionMode):
     """Calls ``callback(probs, logits)`` for every attention computed while the mode is active.
 
@@ -94,6 +121,19 @@ class AttentionCapture(TorchFunctionMode):
         self.callback = callback
         self.max_examples = max_examples
 
+    def __enter__(self):  # type: ignore[no-untyped-def]
+        stance = getattr(torch.compiler, "set_stance", None)  # torch >= 2.6: compiled flex attention seen eagerly
+        self._stance = stance("force_eager") if stance is not None and not torch.compiler.is_compiling() else None
+        if self._stance is not None:
+            self._stance.__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        super().__exit__(*exc)
+        stance, self._stance = getattr(self, "_stance", None), None
+        if stance is not None:
+            stance.__exit__(*exc)
+
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
@@ -102,6 +142,12 @@ class AttentionCapture(TorchFunctionMode):
                 self._sdpa(*args, **kwargs)
             elif func in _SOFTMAX:
                 self._softmax(out, *args, **kwargs)
+            elif op_name(func) == "flex_attention" and len(args) >= 6:
+                block = args[4]
+                mask_mod = block[-1] if isinstance(block, tuple) and block and callable(block[-1]) else None
+                n = self.max_examples
+                logits, probs = flex_probs(args[0][:n], args[1][:n], args[3], mask_mod, args[5])
+                self.callback(probs, logits)
         except (RuntimeError, ValueError, TypeError, IndexError):
             pass  # a diagnostic never breaks the forward pass
         return out
