@@ -4,9 +4,12 @@ Each model type with a causal-LM class (the inspector sweep's list, :func:`norma
 is built tiny from its config class (offline, random weights, as ``normatlas inspect`` builds it), inspected, and
 ported with :func:`normatlas.port.port` (which checks the fp32 logits itself); the row records the inspector's
 placement, whether it ported, the max abs logit difference, and the refusal's reasons. Each type runs in a forked
-child killed after ``--timeout`` seconds.
+child killed after ``--timeout`` seconds. Models are built with transformers' default attention (sdpa where the
+model supports it), as ``from_config`` builds them; ``--attn-implementation eager`` sweeps the eager build, and the
+row records which implementation ran.
 
     PYTHONPATH=src HF_HUB_OFFLINE=1 nice python benchmarks/port_sweep.py --out benchmarks/results
+    PYTHONPATH=src HF_HUB_OFFLINE=1 nice python benchmarks/port_sweep.py --attn-implementation eager --out /tmp/eager
 """
 
 from __future__ import annotations
@@ -22,7 +25,8 @@ from typing import Any
 
 from normatlas.inspect.sweep import run_isolated
 
-COLUMNS = ["model", "status", "placement", "max_abs_diff", "reason", "seconds"]
+COLUMNS = ["model", "status", "attention", "placement", "max_abs_diff", "reason", "seconds"]
+ATTENTION: str | None = None  # --attn-implementation (None: transformers' default); set before forking
 
 
 def one(mt: str) -> dict[str, Any]:
@@ -38,8 +42,9 @@ def one(mt: str) -> dict[str, Any]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
-            model, inputs, _ = build_target(mt)
+            model, inputs, _ = build_target(mt, attn_implementation=ATTENTION)
             model = model.float()
+            row["attention"] = str(getattr(model.config, "_attn_implementation", ""))
         except Exception as exc:  # a per-architecture row, by design
             return row | {"status": "not built", "reason": f"{type(exc).__name__}: {str(exc)[:160]}"}
         try:
@@ -76,7 +81,11 @@ def main() -> None:
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--timeout", type=float, default=90.0)
     ap.add_argument("--only", nargs="*", help="model types (default: every decoder type)")
+    ap.add_argument("--attn-implementation", choices=("eager", "sdpa", "flex_attention"), default=None,
+                    help="build with this attention (default: transformers' default)")  # fmt: skip
     args = ap.parse_args()
+    global ATTENTION
+    ATTENTION = args.attn_implementation
     import transformers  # noqa: F401  (imported once, before forking)
 
     from normatlas.inspect.sweep import decoder_model_types
@@ -98,6 +107,7 @@ def main() -> None:
         w.writeheader()
         w.writerows(rows)
     print(Counter(r["status"] for r in rows))
+    print(Counter(r.get("attention") or "not built" for r in rows))
     for reason, n in Counter(reason_group(r["reason"]) for r in rows if r["status"] == "refused").most_common():
         print(f"{n:4d}  {reason}")
 
