@@ -5,6 +5,7 @@ Per token ``x`` (``E`` experts, each a gated or plain MLP of width ``d_expert``)
     logits = router(x)                                   (E scores; a linear map, no bias)
     s      = score(logits)                               softmax / sigmoid over all E   (score_after_topk=False)
     sel    = s + selection_bias                          DeepSeek-V3's bias: chooses the experts, never weighs them
+    sel    = sel outside the topk_groups best groups -> -inf   (n_groups > 1: a group's score is its top-2 sum)
     idx    = top_k(sel)                                  the k experts this token goes to
     w      = s[idx]                or  softmax(logits[idx])  (score_after_topk=True: Mixtral's gate written that way)
     w      = w / sum(w)            if renormalize        (Mixtral, OLMoE, Qwen3-MoE's norm_topk_prob)
@@ -25,7 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-__all__ = ["MoE", "MoEConfig", "RouterScore"]
+__all__ = ["MoE", "MoEConfig", "RouterScore", "route"]
 
 
 class RouterScore(enum.Enum):
@@ -42,8 +43,10 @@ class MoEConfig:
     ``n_experts`` routed experts of width ``d_expert``, ``top_k`` of them per token; ``score`` (a
     :class:`RouterScore`) applied over all experts' logits, or (``score_after_topk``, softmax only) over the ``k``
     selected logits; ``renormalize`` divides the ``k`` weights by their sum; ``routed_scale`` multiplies the routed
-    sum; ``selection_bias`` adds a per-expert bias to the scores for choosing only; ``shared_width > 0`` adds shared
-    experts as one MLP of that total width, times ``sigmoid(shared_gate(x))`` when ``shared_gate``.
+    sum; ``selection_bias`` adds a per-expert bias to the scores for choosing only; ``n_groups > 1`` splits the
+    experts into that many equal groups and chooses only in the ``topk_groups`` groups whose two best selection
+    scores sum highest (DeepSeek-V3's ``n_group`` / ``topk_group``); ``shared_width > 0`` adds shared experts as one
+    MLP of that total width, times ``sigmoid(shared_gate(x))`` when ``shared_gate``.
     """
 
     n_experts: int
@@ -56,9 +59,11 @@ class MoEConfig:
     selection_bias: bool = False
     shared_width: int = 0
     shared_gate: bool = False
+    n_groups: int = 1
+    topk_groups: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("n_experts", "top_k", "d_expert"):
+        for name in ("n_experts", "top_k", "d_expert", "n_groups", "topk_groups"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name}={v!r} must be an integer >= 1")
@@ -83,6 +88,47 @@ class MoEConfig:
             raise ValueError(f"shared_width={sw!r} must be an integer >= 0 (0: no shared experts)")
         if self.shared_gate and sw == 0:
             raise ValueError("shared_gate=True needs shared experts (shared_width > 0)")
+        g, tg = self.n_groups, self.topk_groups
+        if g > 1:
+            per = self.n_experts // g
+            if self.n_experts % g or per < 2:
+                raise ValueError(
+                    f"n_groups={g} must divide n_experts={self.n_experts} into groups of at least 2 (top-2 group score)"
+                )
+            if not tg <= g or self.top_k > tg * per:
+                raise ValueError(
+                    f"topk_groups={tg} must be <= n_groups={g} and hold top_k={self.top_k} experts ({per} per group)"
+                )
+        elif tg != 1:
+            raise ValueError(f"topk_groups={tg} needs n_groups > 1 (n_groups={g})")
+
+
+def _limit(sel: Tensor, c: MoEConfig) -> Tensor:
+    """``sel`` with the experts outside the ``topk_groups`` best groups set to -inf (``n_groups > 1``)."""
+    if c.n_groups == 1:
+        return sel
+    per = c.n_experts // c.n_groups
+    grouped = sel.reshape(-1, c.n_groups, per)
+    best = grouped.topk(2, dim=-1).values.sum(-1).topk(c.topk_groups, dim=-1).indices
+    keep = torch.zeros_like(grouped[..., 0], dtype=torch.bool).scatter(1, best, True)
+    return sel.masked_fill(~keep.repeat_interleave(per, dim=1), float("-inf"))
+
+
+def route(logits: Tensor, c: MoEConfig, selection_bias: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """The routing of :class:`MoEConfig` ``c`` from router logits ``(N, E)``: (chosen experts ``(N, k)``, their
+    weights ``(N, k)``, renormalised and scaled as ``c`` says)."""
+    if c.score_after_topk:
+        sel = logits if selection_bias is None else logits + selection_bias
+        idx = _limit(sel, c).topk(c.top_k, dim=-1).indices
+        w = torch.softmax(logits.gather(-1, idx), dim=-1)
+    else:
+        s = torch.softmax(logits, dim=-1) if c.score is RouterScore.SOFTMAX else torch.sigmoid(logits)
+        sel = s if selection_bias is None else s + selection_bias
+        idx = _limit(sel, c).topk(c.top_k, dim=-1).indices
+        w = s.gather(-1, idx)
+    if c.renormalize:
+        w = w / w.sum(-1, keepdim=True)
+    return idx, w * c.routed_scale if c.routed_scale != 1.0 else w
 
 
 class MoE(nn.Module):
@@ -123,20 +169,7 @@ class MoE(nn.Module):
 
     def route(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """(the chosen experts ``(N, k)``, their weights ``(N, k)``) of tokens ``x`` ``(N, d_model)``."""
-        c = self.config
-        logits = self.router(x)
-        if c.score_after_topk:
-            sel = logits if self.selection_bias is None else logits + self.selection_bias
-            idx = sel.topk(c.top_k, dim=-1).indices
-            w = torch.softmax(logits.gather(-1, idx), dim=-1)
-        else:
-            s = torch.softmax(logits, dim=-1) if c.score is RouterScore.SOFTMAX else torch.sigmoid(logits)
-            sel = s if self.selection_bias is None else s + self.selection_bias
-            idx = sel.topk(c.top_k, dim=-1).indices
-            w = s.gather(-1, idx)
-        if c.renormalize:
-            w = w / w.sum(-1, keepdim=True)
-        return idx, w * c.routed_scale if c.routed_scale != 1.0 else w
+        return route(self.router(x), self.config, self.selection_bias)
 
     def expert(self, e: int, x: Tensor) -> Tensor:
         """Expert ``e`` applied to tokens ``x`` ``(n, d_model)``."""

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import Tensor
@@ -28,14 +28,14 @@ from ..analysis.graph import Graph, Node
 from ..analysis.ops import SHAPE_ONLY
 from ..analysis.walk import strip
 from ..blocks.block import Activation
-from ..blocks.moe import MoEConfig, RouterScore
+from ..blocks.moe import MoEConfig, RouterScore, route
 from ..inspect.residual import Sublayer
 from .errors import PortError
 from .read import MlpParts, Proj, own_bits
 
 __all__ = ["MoeReading", "read_moe", "routed"]
 
-_Route = tuple[tuple[RouterScore, bool, bool], Tensor, Tensor]
+_Route = tuple[MoEConfig, Tensor, Tensor]
 
 
 @dataclass(frozen=True)
@@ -80,17 +80,17 @@ def _leaves(g: Graph, bits: int) -> list[Node]:
 
 
 def _close(a: Tensor, b: Tensor, tol: float = 1e-5) -> bool:
-    return a.shape == b.shape and bool((a - b).abs().max() <= tol * (1 + float(b.abs().max())))
+    """Equal to ``tol`` relative to ``b``'s size (not ``1 +`` it: a freshly initialised branch's output is ~1e-3,
+    where an absolute floor would let a wrong routing with a fitted scale pass)."""
+    return a.shape == b.shape and bool((a - b).abs().max() <= tol * float(b.abs().max()) + 1e-30)
 
 
 def read_moe(g: Graph, sub: Sublayer, branch: int, out: int, projs: list[Proj], layer: int) -> MoeReading:
     """The MoE of one MLP branch whose output (before any post-norm or constant scale) is node ``out``."""
     own = own_bits(g, branch, sub.source)
     topks = [n for n in g.nodes if own >> n.idx & 1 and n.op == "topk"]
-    if len(topks) != 1:
-        raise PortError([f"layer {layer}: a router with {len(topks)} top-k steps (groups: n_group / topk_group)"])
-    t = topks[0]
-    k = int(t.kwargs.get("k", t.args[1] if len(t.args) > 1 else 0))
+    t, groups = _stages(g, topks, layer)
+    k = _k(t)
     if t.kwargs.get("largest", t.args[3] if len(t.args) > 3 else True) is False:
         raise PortError([f"layer {layer}: a router that picks the smallest scores"])
     picked = next((u for u in g.users(t.idx) if u.op == "item_of" and u.args[1] == 1), None)
@@ -141,19 +141,18 @@ def read_moe(g: Graph, sub: Sublayer, branch: int, out: int, projs: list[Proj], 
         if shared_gate:
             s_val = torch.sigmoid(g.tensors[shared_gate[0].output].detach().double().reshape(-1, 1)) * s_val
     bias_d = None if sel_bias is None else sel_bias.detach().double().reshape(-1)
-    routes = [r for r in _routes(logits, bias_d, k) if _same_choice(r[1], chosen)]
+    routes = [r for r in _routes(logits, bias_d, n_exp, k, groups, d) if _same_choice(r[1], chosen)]
     if not routes:
         raise PortError([f"layer {layer}: a router whose choice of experts is none of ours (softmax / sigmoid top-k)"])
     for experts, act, gated in _experts(stacked, d):
         o = _run(experts, act, x)  # (E, N, D)
-        for (score, after, renorm), idx, w in routes:
+        for base, idx, w in routes:
             r = (w[..., None] * o[idx, torch.arange(x.shape[0])[:, None]]).sum(1)
             scale = float((r * (y - s_val)).sum() / (r * r).sum().clamp_min(1e-300))
             scale = 1.0 if abs(scale - 1) < 1e-6 else float(f"{scale:.6g}")
             if scale > 0 and _close(scale * r + s_val, y):
-                cfg = MoEConfig(
-                    n_exp, k, int(experts["up"].value().shape[1]), score=score, score_after_topk=after,
-                    renormalize=renorm, routed_scale=scale, selection_bias=sel_bias is not None,
+                cfg = replace(
+                    base, d_expert=int(experts["up"].value().shape[1]), routed_scale=scale,
                     shared_width=0 if shared is None else int(g.tensors[shared[2].input].shape[-1]),
                     shared_gate=bool(shared_gate),
                 )  # fmt: skip
@@ -181,23 +180,37 @@ def _shared(g: Graph, projs: list[Proj], layer: int) -> tuple[Proj | None, Proj,
     return m.gate, m.up, m.down
 
 
-def _routes(logits: Tensor, bias: Tensor | None, k: int) -> Iterator[_Route]:
-    """Every routing our MoE computes: ((score, after top-k, renormalised), chosen experts, their weights)."""
+def _k(n: Node) -> int:
+    return int(n.kwargs.get("k", n.args[1] if len(n.args) > 1 else 0))
+
+
+def _stages(g: Graph, topks: list[Node], layer: int) -> tuple[Node, tuple[int, int]]:
+    """The top-k that chooses the experts and the (n_groups, topk_groups) of a group-limited router before it: the
+    top-2 within each of G groups (a ``(.., G, E / G)`` input), then the best groups (our ``MoEConfig`` groups)."""
+    if len(topks) == 1:
+        return topks[0], (1, 1)
+    if len(topks) == 3 and all(g.feeds(a.idx, topks[-1].idx) for a in topks[:2]):
+        within, best, last = topks
+        shape = tuple(g.tensors[within.inputs[0]].shape)
+        if _k(within) == 2 and len(shape) >= 2 and g.feeds(within.idx, best.idx):
+            return last, (int(shape[-2]), _k(best))
+    raise PortError(
+        [f"layer {layer}: a router with {len(topks)} top-k steps that are not DeepSeek-V3's groups (top-2 sums)"]
+    )
+
+
+def _routes(logits: Tensor, bias: Tensor | None, e: int, k: int, groups: tuple[int, int], d: int) -> Iterator[_Route]:
+    """Every routing our MoE computes (its config with ``d_expert=d`` a placeholder, chosen experts, weights)."""
     for score, after, renorm in (
         (RouterScore.SOFTMAX, False, False), (RouterScore.SOFTMAX, False, True), (RouterScore.SOFTMAX, True, False),
         (RouterScore.SIGMOID, False, False), (RouterScore.SIGMOID, False, True),
     ):  # fmt: skip
-        if after:
-            sel = logits if bias is None else logits + bias
-            idx = sel.topk(k, dim=-1).indices
-            w = torch.softmax(logits.gather(-1, idx), dim=-1)
-        else:
-            s = torch.softmax(logits, dim=-1) if score is RouterScore.SOFTMAX else torch.sigmoid(logits)
-            idx = (s if bias is None else s + bias).topk(k, dim=-1).indices
-            w = s.gather(-1, idx)
-        if renorm:
-            w = w / w.sum(-1, keepdim=True)
-        yield (score, after, renorm), idx, w
+        cfg = MoEConfig(
+            e, k, d, score=score, score_after_topk=after, renormalize=renorm, selection_bias=bias is not None,
+            n_groups=groups[0], topk_groups=groups[1] if groups[0] > 1 else 1,
+        )  # fmt: skip
+        idx, w = route(logits, cfg, bias)
+        yield cfg, idx, w
 
 
 def _same_choice(idx: Tensor, chosen: Tensor) -> bool:
