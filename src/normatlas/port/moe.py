@@ -159,9 +159,25 @@ def read_moe(g: Graph, sub: Sublayer, branch: int, out: int, projs: list[Proj], 
                 return MoeReading(
                     cfg, act, gated, router, experts, sel_bias, shared, shared_gate[0] if shared_gate else None
                 )
+    if _scales_input(g, own, t, x_node):
+        raise PortError([f"layer {layer}: router weights that scale the experts' input (Llama 4), not their output"])
     raise PortError(
         [f"layer {layer}: experts or a combination of their outputs that none of ours computes (the output differs)"]
     )
+
+
+def _scales_input(g: Graph, own: int, t: Node, x: int) -> bool:
+    """Whether a product of a routing weight (fed by the top-k) and the branch input itself (no projection between)
+    happens among the branch's own nodes: the weights applied before the experts."""
+    mats = [n.idx for n in g.nodes if own >> n.idx & 1 and n.op in ("linear", "matmul", "bmm", "grouped_mm", "mm")]
+    for n in g.nodes:
+        if not (own >> n.idx & 1 and n.op == "mul" and len(n.inputs) == 2):
+            continue
+        for w, v in (n.inputs, n.inputs[::-1]):
+            direct = v == x or (g.feeds(x, v) and not any(g.feeds(x, m) and g.feeds(m, v) for m in mats))
+            if g.feeds(t.idx, w) and not g.feeds(t.idx, v) and direct:
+                return True
+    return False
 
 
 def _shared(g: Graph, projs: list[Proj], layer: int) -> tuple[Proj | None, Proj, Proj] | None:
