@@ -248,10 +248,10 @@ def test_a_changed_model_saves_back_where_the_layout_fits():
 def test_refusals_name_what_is_missing():
     from normatlas.inspect.build import build_target
 
-    moe, _, _ = build_target("mixtral")
+    moe, _, _ = build_target("phimoe")  # SparseMixer: experts chosen by a sort, not a top-k (Mixtral ports now)
     with pytest.raises(PortError, match="routed mixture of experts") as err:
         port(moe.float())
-    assert err.value.model == "mixtral" and err.value.missing
+    assert err.value.model == "phimoe" and err.value.missing
     ssm, _, _ = build_target("mamba")
     with pytest.raises(PortError, match="a layer with no attention"):
         port(ssm.float())

@@ -45,7 +45,7 @@ def test_a_checkpoint_folder_ports_its_weights(capsys: pytest.CaptureFixture[str
 
 
 def test_a_refusal_names_what_is_missing(capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, _ = run(capsys, "port", "mixtral")
+    code, out, _ = run(capsys, "port", "phimoe")
     assert code == 1
     assert "cannot port into our Block" in out and "routed mixture of experts" in out
 

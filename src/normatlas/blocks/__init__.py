@@ -9,6 +9,7 @@ from .attention import Attention, Rope, RopeStyle, apply_rope, rope_tables
 from .block import MLP, Activation, Block
 from .hf_port import from_hf, to_hf_state_dict
 from .model import ModelConfig, TransformerLM, ViTConfig, ViTEncoder, ViTPool, as_factory
+from .moe import MoE, MoEConfig, RouterScore
 from .placement import (
     DepthScale,
     Gate,
@@ -50,9 +51,10 @@ PRESETS = {
 
 __all__ = [
     "MLP", "PRESETS", "Activation", "Attention", "Block", "DeepNormArch", "DeepNormConstants",
-    "DepthScale", "Gate", "LayerPlan", "LayerScale", "ModelConfig", "NormFactory", "Placement",
-    "QKGain", "QKNorm", "QKNormConfig", "QKOperator", "QKScope", "ReZero", "ResidualAdd", "Rope",
-    "RopeStyle", "Schedule", "SkipInit", "Sublayer", "TransformerLM", "ViTConfig", "ViTEncoder", "ViTPool",
+    "DepthScale", "Gate", "LayerPlan", "LayerScale", "MoE", "MoEConfig", "ModelConfig", "NormFactory",
+    "Placement", "QKGain", "QKNorm", "QKNormConfig", "QKOperator", "QKScope", "ReZero", "ResidualAdd", "Rope",
+    "RopeStyle", "RouterScore", "Schedule", "SkipInit", "Sublayer", "TransformerLM", "ViTConfig", "ViTEncoder",
+    "ViTPool",
     "apply_rope", "as_factory", "deepnorm", "deepnorm_constants", "depth_scaled_sandwich", "from_hf",
     "hybridnorm", "hybridnorm_star", "layernorm_scaling", "layerscale", "mix_ln", "norm_free",
     "parallel", "peri_ln", "post_ln", "pre_ln", "reordered_norm", "res_post_norm", "rezero", "rope_tables",

@@ -23,6 +23,7 @@ from torch import Tensor, nn
 from ..modules import Norm
 from ..spec import GainConvention
 from .attention import Attention, RopeStyle, _head_dim
+from .moe import MoE, MoEConfig
 from .placement import DepthScale, Gate, NormFactory, Placement
 from .qknorm import QKNormConfig
 from .residual import LayerScale, ResidualAdd, ReZero
@@ -116,6 +117,8 @@ class Block(nn.Module):
             ``placement.has_norm``.
         layer: 0-based index of this layer, ``n_layers`` the depth (for depth-scaled schemes).
         attn_kwargs: passed to :class:`Attention`; ``mlp_kwargs`` to :class:`MLP`.
+        moe: a :class:`MoEConfig` makes the MLP slot a routed mixture of experts (:class:`MoE`, its experts
+            ``activation`` / ``gated`` as the dense MLP's; ``d_ff`` unused); None: the dense :class:`MLP`.
     """
 
     def __init__(
@@ -140,6 +143,7 @@ class Block(nn.Module):
         attn_softcap: float | None = None,
         window: int | None = None,
         rope_theta: float | None = None,
+        moe: MoEConfig | None = None,
     ) -> None:
         super().__init__()
         for name, value in (("d_model", d_model), ("n_layers", n_layers), ("n_heads", n_heads), ("d_ff", d_ff)):
@@ -173,7 +177,13 @@ class Block(nn.Module):
             d_model, n_heads, n_kv_heads, hd, qkv_bias=qkv_bias, out_bias=out_bias, qk_norm=qk_norm,
             qkv_norm=qkv, scale=attn_scale, softcap=attn_softcap,
         )  # fmt: skip
-        self.mlp = MLP(d_model, d_ff, activation, gated, mlp_bias)
+        if moe is not None and not isinstance(moe, MoEConfig):
+            raise TypeError(f"moe={moe!r} must be a MoEConfig or None")
+        if moe is not None and mlp_bias:
+            raise ValueError("mlp_bias=True with moe: our experts have no biases")
+        self.mlp: MLP | MoE = (
+            MLP(d_model, d_ff, activation, gated, mlp_bias) if moe is None else MoE(d_model, moe, activation, gated)
+        )
         p = placement
         for sub, slots in (("attn", p.attn), ("ffn", p.ffn)):
             for slot in ("pre", "post", "after"):
@@ -205,8 +215,13 @@ class Block(nn.Module):
             return
         for lin in (self.attn.q_proj, self.attn.k_proj):
             nn.init.xavier_normal_(lin.weight, gain=1.0)
-        lins = [self.attn.v_proj, self.attn.o_proj, self.mlp.up_proj, self.mlp.down_proj]
-        lins += [self.mlp.gate_proj] if self.mlp.gate_proj is not None else []
+        lins = [self.attn.v_proj, self.attn.o_proj]
+        if isinstance(self.mlp, MLP):
+            lins += [self.mlp.up_proj, self.mlp.down_proj] + ([self.mlp.gate_proj] if self.mlp.gate_proj else [])
+        else:
+            for w in (self.mlp.gate, self.mlp.up, self.mlp.down):
+                for e in range(w.shape[0] if w is not None else 0):
+                    nn.init.xavier_normal_(w.data[e], gain=beta)  # type: ignore[union-attr]
         for lin in lins:
             nn.init.xavier_normal_(lin.weight, gain=beta)
 

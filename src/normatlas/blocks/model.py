@@ -18,7 +18,8 @@ from torch import Tensor, nn
 from ..modules import Norm
 from ..spec import NormSpec
 from .attention import Rope
-from .block import Activation, Block
+from .block import MLP, Activation, Block
+from .moe import MoE, MoEConfig
 from .placement import NormFactory, Placement, Schedule, pre_ln
 from .qknorm import QKNormConfig
 
@@ -51,6 +52,9 @@ class ModelConfig:
     ``layer_windows`` / ``layer_rope_theta`` / ``layer_attn_scale`` give per-layer sliding windows, RoPE bases
     and q.k multipliers (the last overrides ``attn_scale``; GPT-2's ``scale_attn_by_inverse_layer_idx``);
     ``layer_rope`` says which layers rotate q and k at all (False: a NoPE layer, EXAONE 4's global layers).
+    ``moe`` (a :class:`MoEConfig`) makes the MLP slot a routed mixture of experts, in every layer or in those
+    ``layer_moe`` marks True (the others keep the dense ``d_ff`` MLP: DeepSeek's ``first_k_dense_replace``,
+    Qwen2-MoE's ``decoder_sparse_step`` / ``mlp_only_layers``).
     ``pad_token_id`` is the embedding's ``padding_idx`` (its row gets no gradient, as in torch).
     ``scaled_residual_init`` is GPT-2's scaled init: the two projections that write into the residual stream
     (``attn.o_proj``, ``mlp.down_proj``) start at ``init_std / sqrt(2 * n_layers)``, so the stream's variance after
@@ -91,6 +95,8 @@ class ModelConfig:
     layer_rope_theta: tuple[float, ...] | None = None
     layer_rope: tuple[bool, ...] | None = None
     layer_attn_scale: tuple[float, ...] | None = None
+    moe: MoEConfig | None = None
+    layer_moe: tuple[bool, ...] | None = None
     head_transform: bool = False
     head_bias: bool = False
     init_std: float = 0.02
@@ -127,7 +133,16 @@ class ModelConfig:
             for name in ("final_norm", "embed_norm", "head_transform"):
                 if getattr(self, name):
                     raise ValueError(f"{name}=True needs a norm operator but norm=None")
-        for name in ("layer_windows", "layer_rope_theta", "layer_attn_scale", "layer_rope"):
+        if self.moe is not None and not isinstance(self.moe, MoEConfig):
+            raise TypeError(f"moe={self.moe!r} must be a MoEConfig or None")
+        if self.layer_moe is not None:
+            if self.moe is None:
+                raise ValueError("layer_moe is set but moe=None (which layers are MoE needs the MoE's config)")
+            if not all(isinstance(v, bool) for v in self.layer_moe):
+                raise TypeError(f"layer_moe={self.layer_moe!r} must be a tuple of bools, one per layer")
+        if self.moe is not None and self.mlp_bias:
+            raise ValueError("mlp_bias=True with moe: our experts have no biases")
+        for name in ("layer_windows", "layer_rope_theta", "layer_attn_scale", "layer_rope", "layer_moe"):
             v = getattr(self, name)
             if v is not None and len(v) != self.n_layers:
                 raise ValueError(f"{name} has {len(v)} entries but n_layers={self.n_layers}")
@@ -156,6 +171,12 @@ class ModelConfig:
             return lp.placement, lp.norm if lp.norm is not None else as_factory(self.norm)
         return self.placement, as_factory(self.norm)
 
+    def moe_of(self, layer: int) -> MoEConfig | None:
+        """The MoE of ``layer``, or None where it has the dense MLP."""
+        if self.moe is None or (self.layer_moe is not None and not self.layer_moe[layer]):
+            return None
+        return self.moe
+
     def with_(self, **changes: object) -> ModelConfig:
         return replace(self, **changes)  # type: ignore[arg-type]
 
@@ -172,7 +193,7 @@ def _blocks(cfg: ModelConfig) -> nn.ModuleList:
                 qk_norm=cfg.qk_norm, attn_softcap=cfg.attn_softcap,
                 attn_scale=cfg.attn_scale if cfg.layer_attn_scale is None else cfg.layer_attn_scale[i],
                 window=None if cfg.layer_windows is None else cfg.layer_windows[i],
-                rope_theta=None if cfg.layer_rope_theta is None else cfg.layer_rope_theta[i],
+                rope_theta=None if cfg.layer_rope_theta is None else cfg.layer_rope_theta[i], moe=cfg.moe_of(i),
             )
         )  # fmt: skip
     return nn.ModuleList(layers)
@@ -207,10 +228,14 @@ class _Stack(nn.Module):
                 nn.init.normal_(m.weight, std=std)
                 if isinstance(m, nn.Linear) and m.bias is not None:
                     nn.init.zeros_(m.bias)
+            elif isinstance(m, MoE):
+                m.reset_parameters(std)
         for block in self.blocks():
             if self.config.scaled_residual_init:  # GPT-2: the stream writers at std / sqrt(2 L)
-                for lin in (block.attn.o_proj, block.mlp.down_proj):
-                    nn.init.normal_(lin.weight, std=std / math.sqrt(2 * self.config.n_layers))
+                small = std / math.sqrt(2 * self.config.n_layers)
+                nn.init.normal_(block.attn.o_proj.weight, std=small)
+                mlp = block.mlp
+                nn.init.normal_(mlp.down_proj.weight if isinstance(mlp, MLP) else mlp.down, std=small)
             block.deepnorm_init()
 
     def run_layers(self, x: Tensor, attention_mask: Tensor | None = None) -> Tensor:

@@ -70,6 +70,19 @@ def _design_rows(cfg: Any) -> list[dict[str, object]]:
         ("embedding/head", "embed scale / tied", f"{cfg.embed_scale:g} / {cfg.tie_embeddings}"),
         ("embedding/head", "logit scale / softcap", f"{cfg.logit_scale:g} / {cfg.logit_softcap}"),
     ]  # fmt: skip
+    moe = getattr(cfg, "moe", None)
+    if moe is not None:  # a routed mixture of experts in the MLP slot (of the layers layer_moe marks)
+        route = f"{moe.score.value}{' after top-k' if moe.score_after_topk else ''}" + (
+            ", renormalised" if moe.renormalize else ""
+        )
+        groups = f", {moe.topk_groups} of {moe.n_groups} groups" if moe.n_groups > 1 else ""
+        rows[rows.index(("mlp", "bias", cfg.mlp_bias)) + 1 : 0] = [
+            ("mlp", "experts / top-k / width", f"{moe.n_experts} / {moe.top_k} / {moe.d_expert}"),
+            ("mlp", "routing / scale", f"{route}{groups} / {moe.routed_scale:g}"),
+            ("mlp", "selection bias / shared", f"{moe.selection_bias} / {moe.shared_width or None}"
+             + (" (sigmoid gate)" if moe.shared_gate else "")),
+            ("mlp", "MoE layers", "all" if cfg.layer_moe is None else cfg.layer_moe),
+        ]  # fmt: skip
     if hasattr(cfg, "pool"):  # a ViT-style classifier: its ends instead of a token vocabulary
         rows = [r for r in rows if r[0] != "embedding/head"]
         pool = cfg.pool.value

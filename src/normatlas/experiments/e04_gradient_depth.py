@@ -14,7 +14,7 @@ from typing import Any
 
 import torch.nn.functional as F
 
-from ..blocks import Activation, TransformerLM, post_ln, pre_ln
+from ..blocks import MLP, Activation, TransformerLM, post_ln, pre_ln
 from ..presets import LayerNorm
 from ._shared import byte_data, figure, finish
 from .base import Experiment, Outcome, RunContext, Series
@@ -42,6 +42,7 @@ def layer_grads(lm: TransformerLM, data: ByteBatches, batches: int, seq: int) ->
         lm.zero_grad(set_to_none=True)
         F.cross_entropy(lm(x).flatten(0, 1), y.flatten()).backward()
         for i, b in enumerate(lm.blocks()):
+            assert isinstance(b.mlp, MLP)  # a dense FFN (a MoE block has stacked experts)
             g = b.mlp.down_proj.weight.grad
             assert g is not None
             sums[i] += float(g.norm()) / batches

@@ -45,6 +45,7 @@ class Link:
     shape: tuple[int, ...]
     transpose: bool = False
     rows: tuple[int, ...] | None = None
+    axis: int = 0  # the dim ``rows`` index (after the transpose): 1 for a fused gate-and-up stack of experts
 
 
 @dataclass
@@ -192,10 +193,20 @@ def _bias_fields(layers: list[LayerReading]) -> dict[str, Any]:
 
 
 def _mlp_fields(layers: list[LayerReading]) -> dict[str, Any]:
-    mlps = [r.mlp for r in layers]
-    act = _agree([m.activation for m in mlps], "MLP activations")  # type: ignore[union-attr]
-    gated = _agree([m.gated for m in mlps], "gated and plain MLPs")  # type: ignore[union-attr]
-    return {"activation": act, "gated": gated, "d_ff": _agree([r.d_ff for r in layers], "MLP widths")}
+    """The dense MLP's activation, gating and width, and the MoE of the layers that route (one for all of them;
+    experts and dense layers share the activation and gating)."""
+    kinds = [(m.activation, m.gated) for r in layers for m in (r.mlp, r.moe) if m is not None]
+    act = _agree([a for a, _ in kinds], "MLP activations (dense and experts)")
+    gated = _agree([gd for _, gd in kinds], "gated and plain MLPs (dense and experts)")
+    moes = [r.moe for r in layers if r.moe is not None]
+    dense = [r.d_ff for r in layers if r.moe is None]
+    out: dict[str, Any] = {"activation": act, "gated": gated}
+    out["d_ff"] = _agree(dense, "MLP widths") if dense else moes[0].config.d_expert
+    if moes:
+        out["moe"] = _agree([m.config for m in moes], "MoE configs")
+        if dense:
+            out["layer_moe"] = tuple(r.moe is not None for r in layers)
+    return out
 
 
 def _table(module: nn.Module) -> nn.Parameter:
@@ -351,17 +362,18 @@ def _config(hf: nn.Module, r: _Read, seq: int) -> tuple[ModelConfig, dict[str, S
     return cfg, _sources(r, glob)
 
 
-def _names(hf: nn.Module) -> dict[int, tuple[str, ...]]:
+def _names(hf: nn.Module, buffers: bool = False) -> dict[int, tuple[str, ...]]:
     names: dict[int, list[str]] = {}
-    for n, p in hf.named_parameters(remove_duplicate=False):
+    named = hf.named_buffers(remove_duplicate=False) if buffers else hf.named_parameters(remove_duplicate=False)
+    for n, p in named:
         names.setdefault(id(p), []).append(n)
     return {k: tuple(v) for k, v in names.items()}
 
 
 def _pull(src: Source) -> Tensor:
     t = src.param.detach()
-    t = t.t() if src.transpose else t
-    return t[list(src.rows)] if src.rows is not None else t
+    t = t.transpose(-2, -1) if src.transpose else t
+    return t.index_select(src.axis, torch.tensor(src.rows, device=t.device)) if src.rows is not None else t
 
 
 def _links(
@@ -370,6 +382,7 @@ def _links(
     """Every parameter of ours linked to its source; a source parameter the forward reads but nothing of ours
     takes is refused, one it never reads is returned as unused."""
     names = _names(hf)
+    buffer_names = _names(hf, buffers=True)  # a source may be a buffer (a MoE's selection bias); never "unused"
     sd = ours.state_dict()
     missing = [k for k in sd if k not in sources]
     linked = {id(s.param) for s in sources.values()}
@@ -384,11 +397,10 @@ def _links(
     for key, t in sd.items():
         src = sources[key]
         got = _pull(src)
+        theirs = names.get(id(src.param)) or buffer_names[id(src.param)]
         if got.numel() != t.numel():
-            raise PortError(
-                [f"{names[id(src.param)][0]} has {tuple(got.shape)} elements for our {key} {tuple(t.shape)}"]
-            )
-        links.append(Link(key, names[id(src.param)], tuple(src.param.shape), src.transpose, src.rows))
+            raise PortError([f"{theirs[0]} has {tuple(got.shape)} elements for our {key} {tuple(t.shape)}"])
+        links.append(Link(key, theirs, tuple(src.param.shape), src.transpose, src.rows, src.axis))
     return tuple(links), never
 
 
@@ -488,20 +500,20 @@ def to_hf_state_dict(
 
 def _assemble(links: list[Link], src: Mapping[str, Tensor]) -> Tensor:
     first = links[0]
-    shape = first.shape[::-1] if first.transpose and len(first.shape) == 2 else first.shape
+    shape = (*first.shape[:-2], first.shape[-1], first.shape[-2]) if first.transpose else first.shape
     if first.rows is None:
         t = src[first.ours].reshape(shape)
     else:
         t = src[first.ours].new_zeros(shape)
-        covered = 0
+        covered, ax = 0, first.axis
         for link in links:
             part = src[link.ours]
-            if link.rows is None or part.shape[0] != len(link.rows):
+            if link.rows is None or link.axis != ax or part.dim() <= ax or part.shape[ax] != len(link.rows):
                 raise PortError([f"{link.ours}: shape {tuple(part.shape)} does not fit its rows of {link.theirs[0]}"])
-            t[list(link.rows)] = part
+            t.index_copy_(ax, torch.tensor(link.rows, device=t.device), part.to(t.dtype))
             covered += len(link.rows)
-        if covered != shape[0]:
+        if covered != shape[ax]:
             raise PortError(
-                [f"{first.theirs[0]} is fused from {len(links)} of ours, covering {covered}/{shape[0]} rows"]
+                [f"{first.theirs[0]} is fused from {len(links)} of ours, covering {covered}/{shape[ax]} rows"]
             )
-    return t.t().contiguous() if first.transpose else t
+    return t.transpose(-2, -1).contiguous() if first.transpose else t

@@ -27,6 +27,7 @@ from ..spec import CastOrder, Gain, GainConvention, NormSpec, Scale
 from ..vocabulary import Operator, RopeOrder, SublayerKind
 from .errors import PortError
 from .measure import Mlp, RopeReading, Scores, branch_scale, mlp_design, rope_of, scores_of
+from .moe import MoeReading, read_moe, routed
 from .read import Proj, attention_parts, mlp_parts, norm_params
 
 __all__ = ["LayerReading", "Source", "norm_spec", "qk_config", "read_layers"]
@@ -34,12 +35,14 @@ __all__ = ["LayerReading", "Source", "norm_spec", "qk_config", "read_layers"]
 
 @dataclass(frozen=True)
 class Source:
-    """Where one of our parameters comes from: a parameter object of the model, transposed first (Conv1D), then
-    ``rows`` of it taken along dim 0 (a fused projection; None: all)."""
+    """Where one of our parameters comes from: a parameter object of the model (or a buffer: a MoE's selection
+    bias), its last two dims transposed first (Conv1D; stacked experts stored ``(E, in, out)``), then ``rows`` of it
+    taken along dim ``axis`` (a fused projection: 0; a fused gate-and-up stack of experts: 1; None: all)."""
 
     param: nn.Parameter
     transpose: bool = False
     rows: tuple[int, ...] | None = None
+    axis: int = 0
 
 
 @dataclass
@@ -53,6 +56,7 @@ class LayerReading:
     heads: tuple[int, int, int] = (0, 0, 0)  # n_heads, n_kv_heads, head_dim
     d_ff: int = 0
     mlp: Mlp | None = None
+    moe: MoeReading | None = None
     scores: Scores | None = None
     rope: RopeReading | None = None
     core: Core | None = None
@@ -138,6 +142,9 @@ def _attention(g: Graph, r: LayerReading, sub: InspSub, branch: int, cores: list
 
 
 def _mlp(g: Graph, r: LayerReading, sub: InspSub, branch: int, projs: list[Proj]) -> None:
+    if routed(g, sub, branch):
+        _moe(g, r, sub, branch, projs)
+        return
     m = mlp_design(g, mlp_parts(g, sub, branch, projs), r.index)
     r.mlp = m
     if m.gate is not None:
@@ -145,6 +152,32 @@ def _mlp(g: Graph, r: LayerReading, sub: InspSub, branch: int, projs: list[Proj]
     r.sources.update(_proj_sources("mlp.up_proj", m.up, r.biases, "mlp"))
     r.sources.update(_proj_sources("mlp.down_proj", m.down, r.biases, "mlp"))
     r.d_ff = int(g.tensors[m.down.input].shape[-1])
+
+
+def _moe(g: Graph, r: LayerReading, sub: InspSub, branch: int, projs: list[Proj]) -> None:
+    """A routed MoE MLP: read by behaviour (:mod:`.moe`) against the branch's value before its post-norm (or, with
+    none, before its constant scale)."""
+    from ..analysis.ops import SHAPE_ONLY
+    from ..analysis.walk import strip
+
+    stops = {site.output for site in sub.out}
+    _, cur, _ = branch_scale(g, branch, stops)
+    site = next((s for s in sub.out if s.output == cur), None)
+    out = strip(g, site.input, SHAPE_ONLY) if site is not None else cur
+    m = read_moe(g, sub, branch, out, projs, r.index)
+    r.moe = m
+    r.sources["mlp.router.weight"] = Source(m.router)  # type: ignore[arg-type]
+    for name, st in m.experts.items():
+        r.sources[f"mlp.{name}"] = Source(st.param, st.transpose, st.rows, axis=1)  # type: ignore[arg-type]
+    if m.selection_bias is not None:
+        r.sources["mlp.selection_bias"] = Source(m.selection_bias)  # type: ignore[arg-type]
+    if m.shared is not None:
+        unused: dict[str, bool] = {}
+        for name, p in zip(("gate_proj", "up_proj", "down_proj"), m.shared, strict=True):
+            if p is not None:
+                r.sources.update(_proj_sources(f"mlp.shared.{name}", p, unused, "mlp"))
+    if m.shared_gate is not None:
+        r.sources.update(_proj_sources("mlp.shared_gate", m.shared_gate, {}, "mlp"))
 
 
 def _branch_kind(g: Graph, sub: InspSub, branch: int, cores: list[Core]) -> SublayerKind:
