@@ -206,7 +206,10 @@ def _table(module: nn.Module) -> nn.Parameter:
 
 def _embeddings(r: _Read, seq: int) -> tuple[nn.Module, dict[str, Any], dict[str, Source]]:
     """The token embedding (the table reading the input ids) and learned absolute positions (a table read at
-    ``0..T-1`` and added to it); any other table is refused."""
+    ``offset + 0..T-1`` and added to it, its rows counted by the rule a padded batch shows: :mod:`.positions`); any
+    other table is refused."""
+    from .positions import position_rule, table_rows
+
     g = r.g
     tables = [s for s in g.spans if isinstance(s.module, nn.Embedding) and s.inputs]
     tok = [s for s in tables if g.nodes[strip(g, s.inputs[0], SHAPE_ONLY)].op == "input"]
@@ -214,19 +217,31 @@ def _embeddings(r: _Read, seq: int) -> tuple[nn.Module, dict[str, Any], dict[str
         raise PortError([f"{len(tok)} embedding tables read the input ids"])
     fields: dict[str, Any] = {"vocab_size": tok[0].module.num_embeddings, "pad_token_id": tok[0].module.padding_idx}
     sources = {"embed.weight": Source(_table(tok[0].module))}
+    if r.emb_scale is None and len(tables) > 1:  # positions added: the walk back from the stream stops at the add
+        from ..inspect.residual import scale_after
+
+        reads = [n.idx for n in g.nodes if n.op == "embedding" and any(g.tensors.get(i) is _table(tok[0].module)
+                                                                          for i in n.inputs)]  # fmt: skip
+        r.emb_scale = scale_after(g, reads[0]) if reads else None
     for s in tables:
         if s is tok[0]:
             continue
-        idx = g.tensors[s.inputs[0]]
+        idx = table_rows(g, _table(s.module))
+        idx = g.tensors[s.inputs[0]] if idx is None else idx
         if not bool(idx.any()) and "type_embed.weight" not in sources:  # one type id for every token (BERT)
             fields["type_vocab_size"] = s.module.num_embeddings
             sources["type_embed.weight"] = Source(_table(s.module))
             continue
-        if not torch.equal(idx.reshape(-1, idx.shape[-1])[0], torch.arange(idx.shape[-1], device=idx.device)):
-            raise PortError([f"an embedding table ({s.name}) read at something other than the positions 0..T-1"])
+        row = idx.reshape(-1, idx.shape[-1])[0]
+        offset = int(row[0])
+        if not torch.equal(row, torch.arange(offset, offset + row.shape[-1], device=row.device)):
+            raise PortError([f"an embedding table ({s.name}) read at something other than the positions 0..T-1 "
+                             f"from an offset (rows {row.tolist()[:8]})"])  # fmt: skip
         if "pos_embed.weight" in sources:
             raise PortError(["two position tables"])
-        fields["max_positions"] = s.module.num_embeddings
+        ids = g.tensors[tok[0].inputs[0]]
+        rule = position_rule(g.model, _table(s.module), ids, offset, tok[0].module.padding_idx, s.name)  # type: ignore[arg-type]
+        fields.update(max_positions=s.module.num_embeddings, position_offset=offset, position_ids=rule)
         sources["pos_embed.weight"] = Source(_table(s.module))
     return tok[0].module, fields, sources
 
