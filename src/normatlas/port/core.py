@@ -18,7 +18,6 @@ from torch import Tensor, nn
 from ..analysis.graph import Graph, record
 from ..analysis.ops import SHAPE_ONLY
 from ..analysis.walk import strip
-from ..blocks.attention import Rope
 from ..blocks.model import ModelConfig, TransformerLM, ViTConfig, ViTEncoder
 from ..inspect.analyze import analyze
 from ..inspect.attention import find_cores, trig_bits
@@ -150,11 +149,13 @@ def _rope_fields(layers: list[LayerReading]) -> dict[str, Any]:
     live = [r for r in readings if r is not None]
     if not live:
         return {"rope": None}
-    style = _agree([r.style for r in live], "RoPE layouts")
-    rot = _agree([r.rotary_dim for r in live], "rotated widths")
+    _agree([r.style for r in live], "RoPE layouts")
+    _agree([r.rotary_dim for r in live], "rotated widths")
+    _agree([(r.inv_freq, r.attention_factor, r.long_inv_freq, r.long_after) for r in live],
+           "RoPE frequency profiles (scaled inverse frequencies, attention factor)")  # fmt: skip
     hd = layers[0].heads[2]
     thetas = [r.theta for r in live]
-    out: dict[str, Any] = {"rope": Rope(theta=thetas[0], style=style, fraction=rot / hd)}
+    out: dict[str, Any] = {"rope": live[0].rope(hd)}
     if len(set(thetas)) > 1:
         out["layer_rope_theta"] = tuple(r.theta if r is not None else thetas[0] for r in readings)
     if len(live) < len(readings):
