@@ -48,10 +48,11 @@ class Rope:
     interpolation's ``theta ** (-2i/d) / s``, YaRN's or Llama 3's blends). ``attention_factor`` multiplies cos and
     sin (YaRN's and LongRoPE's ``mscale``; it scales each rotated q.k by its square). ``long_inv_freq`` is a second
     profile used instead whenever the sequence (the largest position + 1) is longer than ``long_after`` (LongRoPE's
-    short and long factors)::
+    short and long factors). ``clockwise`` turns every pair the other way, by ``-angle`` (NanoChat's rotate-half
+    ``(x2, -x1)``)::
 
         angle[t, i] = t * f[i],  f = long_inv_freq if max(t) + 1 > long_after else (inv_freq or theta ** (-2i/d))
-        cos, sin    = attention_factor * cos(angle), attention_factor * sin(angle)
+        cos, sin    = attention_factor * cos(angle), attention_factor * sin(angle)   (sin negated if clockwise)
     """
 
     theta: float = 10000.0
@@ -61,8 +62,11 @@ class Rope:
     attention_factor: float = 1.0
     long_inv_freq: tuple[float, ...] | None = None
     long_after: int | None = None
+    clockwise: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.clockwise, bool):
+            raise TypeError(f"clockwise={self.clockwise!r} must be a bool")
         if not isinstance(self.style, RopeStyle):
             raise TypeError(f"style={self.style!r} must be RopeStyle.HALF or RopeStyle.INTERLEAVED")
         if not (isinstance(self.theta, (int, float)) and self.theta > 0):
@@ -119,6 +123,8 @@ def rope_tables(
     freqs = positions.to(dtype)[:, None] * inv_freq[None, :]
     emb = torch.cat((freqs, freqs), -1) if rope.style is RopeStyle.HALF else freqs.repeat_interleave(2, -1)
     cos, sin = emb.cos(), emb.sin()
+    if rope.clockwise:
+        sin = -sin
     if rope.attention_factor != 1.0:
         cos, sin = cos * rope.attention_factor, sin * rope.attention_factor
     return cos, sin

@@ -130,6 +130,9 @@ def _read(hf: nn.Module, inputs: dict[str, Any]) -> _Read:
     place_norms(g, stream, sum(1 << c.node for c in cores), {})
     final = final_norm(g, stream)
     emb_scale, emb_norm = embedding(g, stream)
+    if emb_norm is None:  # a norm whose last op returns its input object (type_as to its own dtype): NanoChat
+        first = strip(g, subs[0].source, SHAPE_ONLY)
+        emb_norm = next((s for s in sites if s.node == first), None)
     projs = projections(g)
     layers = read_layers(g, subs, cores, projs, _known_thetas(hf.config))  # type: ignore[union-attr]
     end = subs[-1]
@@ -151,7 +154,7 @@ def _rope_fields(layers: list[LayerReading]) -> dict[str, Any]:
         return {"rope": None}
     _agree([r.style for r in live], "RoPE layouts")
     _agree([r.rotary_dim for r in live], "rotated widths")
-    _agree([(r.inv_freq, r.attention_factor, r.long_inv_freq, r.long_after) for r in live],
+    _agree([(r.inv_freq, r.attention_factor, r.long_inv_freq, r.long_after, r.clockwise) for r in live],
            "RoPE frequency profiles (scaled inverse frequencies, attention factor)")  # fmt: skip
     hd = layers[0].heads[2]
     thetas = [r.theta for r in live]

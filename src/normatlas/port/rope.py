@@ -42,18 +42,20 @@ class RopeReading:
     attention_factor: float = 1.0
     long_inv_freq: tuple[float, ...] | None = None
     long_after: int | None = None
+    clockwise: bool = False
 
     def rope(self, head_dim: int) -> Rope:
         return Rope(self.theta, self.style, self.rotary_dim / head_dim, self.inv_freq, self.attention_factor,
-                    self.long_inv_freq, self.long_after)  # fmt: skip
+                    self.long_inv_freq, self.long_after, self.clockwise)  # fmt: skip
 
 
 def _reaches(g: Graph, a: int, b: int) -> bool:
     return a == b or g.feeds(a, b)
 
 
-def _tables(g: Graph, core: Core, own: int, source: int) -> tuple[int, int, int | None] | None:
-    """(cos table, sin table, the ``cos`` op node or None) multiplying this layer's queries; None: no RoPE."""
+def _tables(g: Graph, core: Core, own: int, source: int) -> tuple[int, int, int | None, dict[int, int]] | None:
+    """(cos table, sin table, the ``cos`` op node or None, each table's partner in its mul) multiplying this layer's
+    queries; None: no RoPE."""
     found: dict[str, set[int]] = {"cos": set(), "sin": set()}
     trig = {n.idx: n.op for n in g.nodes if n.op in found}
     muls = [
@@ -61,6 +63,7 @@ def _tables(g: Graph, core: Core, own: int, source: int) -> tuple[int, int, int 
         if n.op == "mul" and len(n.inputs) == 2 and own >> n.idx & 1 and _reaches(g, n.idx, core.q)
     ]  # fmt: skip
     operands = [t for n in muls for t in n.inputs if t != source and not g.feeds(source, t)]
+    partner = {t: next(i for i in n.inputs if i != t) for n in muls for t in n.inputs if len(set(n.inputs)) == 2}
     for t in operands:
         kinds = {op for i, op in trig.items() if _reaches(g, i, t)}
         if len(kinds) == 1:
@@ -77,7 +80,7 @@ def _tables(g: Graph, core: Core, own: int, source: int) -> tuple[int, int, int 
         raise PortError([f"{len(found['cos'])} cos and {len(found['sin'])} sin tables rotate the queries"])
     c, s = next(iter(found["cos"])), next(iter(found["sin"]))
     op = [i for i, kind in trig.items() if kind == "cos" and _reaches(g, i, c)]
-    return c, s, (max(op) if op else None)
+    return c, s, (max(op) if op else None), partner
 
 
 def _buffer_table(g: Graph, t: int) -> bool:
@@ -171,7 +174,7 @@ def rope_of(g: Graph, core: Core, layer: int, known: tuple[float, ...], own: int
         raise PortError([f"layer {layer}: {m}" for m in e.missing]) from None
     if found is None:
         return None
-    ci, si, cos_op = found
+    ci, si, cos_op, partner = found
     c, s = _first(g.tensors[ci]), _first(g.tensors[si])
     t, d = c.shape
     factor = float(c[0, 0])
@@ -188,6 +191,7 @@ def rope_of(g: Graph, core: Core, layer: int, known: tuple[float, ...], own: int
         style, inv = RopeStyle.INTERLEAVED, ang[0::2]
     else:
         raise PortError([f"layer {layer}: a RoPE layout that is neither halves nor interleaved pairs"])
+    clockwise = _clockwise(g, partner.get(ci), partner.get(si), style, layer)
     if cos_op is not None and (n := _dynamic(g, g.nodes[cos_op].inputs[0])) is not None:
         raise PortError([f"layer {layer}: RoPE frequencies recomputed once the sequence passes {n} positions "
                          "(dynamic NTK scaling: a cached branch on the sequence length)"])  # fmt: skip
@@ -201,12 +205,28 @@ def rope_of(g: Graph, core: Core, layer: int, known: tuple[float, ...], own: int
     factor_out = 1.0 if math.isclose(factor, 1.0, rel_tol=0, abs_tol=1e-7) else factor
     if long is not None:
         short, lng, after = long
-        return RopeReading(theta or 10000.0, style, d, short, factor_out, lng, after)
+        return RopeReading(theta or 10000.0, style, d, short, factor_out, lng, after, clockwise)
     if theta is not None:
-        return RopeReading(theta, style, d, None, factor_out)
+        return RopeReading(theta, style, d, None, factor_out, clockwise=clockwise)
     if bool((inv <= 0).any()):
         raise PortError([f"layer {layer}: RoPE frequencies that are not all > 0"])
-    return RopeReading(10000.0, style, d, tuple(float(v) for v in inv), factor_out)
+    return RopeReading(10000.0, style, d, tuple(float(v) for v in inv), factor_out, clockwise=clockwise)
+
+
+def _clockwise(g: Graph, q: int | None, rotated: int | None, style: RopeStyle, layer: int) -> bool:
+    """Whether the operand the sine multiplies is ``-rotate(q)`` (NanoChat's ``(x2, -x1)``: each pair turned by
+    ``-angle``) rather than our ``rotate(q)`` of the operand the cosine multiplies."""
+    from ..blocks.attention import _rotate
+
+    qv, rv = g.tensors.get(q) if q is not None else None, g.tensors.get(rotated) if rotated is not None else None
+    if qv is None or rv is None or qv.shape != rv.shape:
+        return False  # not comparable (broadcast operands): the tables' own check decides
+    ours = _rotate(qv.double(), style)
+    if torch.allclose(rv.double(), ours, rtol=1e-5, atol=1e-6):
+        return False
+    if torch.allclose(rv.double(), -ours, rtol=1e-5, atol=1e-6):
+        return True
+    raise PortError([f"layer {layer}: a RoPE rotation of the query pairs that is neither (-x2, x1) nor (x2, -x1)"])
 
 
 def _theta(inv: Tensor, d: int, known: tuple[float, ...]) -> float | None:
