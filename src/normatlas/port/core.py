@@ -115,6 +115,7 @@ class _Read:
     stream_shape: tuple[int, ...]
     last: int  # the last stream value the head reads: the final norm's output, or the last sublayer's
     head_norm: Site | None = None
+    first: int = 0  # the first stream value (the embedding's output, before any embedding norm)
 
 
 def _read(hf: nn.Module, inputs: dict[str, Any]) -> _Read:
@@ -137,7 +138,8 @@ def _read(hf: nn.Module, inputs: dict[str, Any]) -> _Read:
     layers = read_layers(g, subs, cores, projs, _known_thetas(hf.config))  # type: ignore[union-attr]
     end = subs[-1]
     last = final.output if final else (end.post[-1].output if end.post else end.adds[-1])
-    return _Read(g, sites, layers, final, emb_scale, emb_norm, projs, tuple(stream.shape), last)
+    first = emb_norm.input if emb_norm is not None else strip(g, subs[0].source, SHAPE_ONLY)
+    return _Read(g, sites, layers, final, emb_scale, emb_norm, projs, tuple(stream.shape), last, first=first)
 
 
 def _agree(values: list[Any], what: str) -> Any:
@@ -247,7 +249,26 @@ def _embeddings(r: _Read, seq: int) -> tuple[nn.Module, dict[str, Any], dict[str
         rule = position_rule(g.model, _table(s.module), ids, offset, tok[0].module.padding_idx, s.name)  # type: ignore[arg-type]
         fields.update(max_positions=s.module.num_embeddings, position_offset=offset, position_ids=rule)
         sources["pos_embed.weight"] = Source(_table(s.module))
+    _fixed_positions(r, tok[0].module)
     return tok[0].module, fields, sources
+
+
+def _fixed_positions(r: _Read, tok: nn.Module) -> None:
+    """Refuse a position table that is a buffer (CTRL's sinusoids, computed at init) added to the token embeddings
+    before the first layer: our positions are a learned table (or RoPE)."""
+    from .rope import _buffer_table
+
+    g = r.g
+    reads = [n.idx for n in g.nodes if n.op == "embedding" and any(g.tensors.get(i) is _table(tok) for i in n.inputs)]
+    first = r.first
+    for n in g.nodes[reads[0] if reads else 0 : first + 1]:
+        if n.op != "add" or not (n.idx == first or g.feeds(n.idx, first)) or not reads:
+            continue
+        if not any(g.feeds(reads[0], i) or i == reads[0] for i in n.inputs):
+            continue
+        if any(_buffer_table(g, i) and not (g.feeds(reads[0], i) or i == reads[0]) for i in n.inputs):
+            raise PortError(["fixed absolute positions (a buffer, e.g. sinusoids computed at init) added to the "
+                             "token embeddings; our absolute positions are a learned table"])  # fmt: skip
 
 
 def _head(r: _Read, embed: nn.Module) -> tuple[dict[str, Any], dict[str, Source]]:
