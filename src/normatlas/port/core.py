@@ -238,6 +238,9 @@ def _embeddings(r: _Read, seq: int) -> tuple[nn.Module, dict[str, Any], dict[str
             fields["type_vocab_size"] = s.module.num_embeddings
             sources["type_embed.weight"] = Source(_table(s.module))
             continue
+        if not bool(idx.any()):
+            raise PortError([f"a second embedding table ({s.name}) read at all-zeros: an id input besides the tokens "
+                             "and the token types (RoC-BERT's shape / pronunciation ids)"])  # fmt: skip
         row = idx.reshape(-1, idx.shape[-1])[0]
         offset = int(row[0])
         if not torch.equal(row, torch.arange(offset, offset + row.shape[-1], device=row.device)):

@@ -100,9 +100,11 @@ def _first(v: Tensor) -> Tensor:
     return v.double().reshape(-1, *v.shape[-2:])[0]
 
 
-def _angles(g: Graph, cos_op: int | None, d: int, style: RopeStyle, t: int) -> Tensor | None:
+def _angles(g: Graph, cos_op: int | None, d: int, inv: Tensor, t: int) -> Tensor | None:
     """The exact inverse frequencies (d/2,) from the angle tensor the ``cos`` op read, if its rows are
-    ``position * f`` for positions ``0..T-1``; else None."""
+    ``position * f`` for positions ``0..T-1`` and ``f`` (its halves, its even entries, or all of it) is what the
+    tables show (``inv``, from atan2); else None. (GLM takes an angle tensor laid out in halves and interleaves the
+    table it makes of it.)"""
     if cos_op is None:
         return None
     a = g.tensors.get(g.nodes[cos_op].inputs[0]) if g.nodes[cos_op].inputs else None
@@ -114,9 +116,8 @@ def _angles(g: Graph, cos_op: int | None, d: int, style: RopeStyle, t: int) -> T
     f = rows[1]
     if not torch.equal(rows, torch.arange(t, dtype=rows.dtype, device=rows.device)[:, None] * f[None]):
         return None
-    if f.shape[-1] == d:
-        f = f[: d // 2] if style is RopeStyle.HALF else f[0::2]
-    return f
+    cands = [f] if f.shape[-1] == d // 2 else [f[: d // 2], f[0::2]]
+    return next((c for c in cands if torch.allclose(c.double(), inv, rtol=1e-5, atol=1e-6)), None)
 
 
 def _long_profile(g: Graph, freq_of: int) -> tuple[tuple[float, ...], tuple[float, ...], int] | None:
@@ -195,10 +196,8 @@ def rope_of(g: Graph, core: Core, layer: int, known: tuple[float, ...], own: int
     if cos_op is not None and (n := _dynamic(g, g.nodes[cos_op].inputs[0])) is not None:
         raise PortError([f"layer {layer}: RoPE frequencies recomputed once the sequence passes {n} positions "
                          "(dynamic NTK scaling: a cached branch on the sequence length)"])  # fmt: skip
-    exact = _angles(g, cos_op, d, style, t)
+    exact = _angles(g, cos_op, d, inv, t)
     if exact is not None:
-        if not torch.allclose(exact.double(), inv, rtol=1e-5, atol=1e-6):
-            raise PortError([f"layer {layer}: RoPE tables that are not the cos / sin of their own angles"])
         inv = exact.double()
     long = _long_profile(g, g.nodes[cos_op].inputs[0]) if cos_op is not None else None
     theta = _theta(inv, d, known)
