@@ -27,39 +27,107 @@ class RopeStyle(enum.Enum):
     INTERLEAVED = "interleaved"  # (2i, 2i + 1): GPT-J, Cohere, GLM
 
 
+def _floats(value: object, name: str) -> tuple[float, ...] | None:
+    """A tuple of finite floats > 0, or None."""
+    if value is None:
+        return None
+    if not isinstance(value, tuple) or not value:
+        raise TypeError(f"{name}={value!r} must be a non-empty tuple of floats or None")
+    for v in value:
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not (math.isfinite(v) and v > 0):
+            raise ValueError(f"{name} holds {v!r}; every entry must be a finite float > 0")
+    return tuple(float(v) for v in value)
+
+
 @dataclass(frozen=True)
 class Rope:
-    """Rotary position embedding (Su et al., 2021) over the first ``fraction`` of the head dim."""
+    """Rotary position embedding (Su et al., 2021) over the first ``fraction`` of the head dim.
+
+    Pair ``i`` of the ``d`` rotated dims turns by ``position * inv_freq[i]``: ``inv_freq = theta ** (-2i/d)``
+    by default, or the explicit ``inv_freq`` (one per pair, in order: any scaled profile, e.g. position
+    interpolation's ``theta ** (-2i/d) / s``, YaRN's or Llama 3's blends). ``attention_factor`` multiplies cos and
+    sin (YaRN's and LongRoPE's ``mscale``; it scales each rotated q.k by its square). ``long_inv_freq`` is a second
+    profile used instead whenever the sequence (the largest position + 1) is longer than ``long_after`` (LongRoPE's
+    short and long factors). ``clockwise`` turns every pair the other way, by ``-angle`` (NanoChat's rotate-half
+    ``(x2, -x1)``)::
+
+        angle[t, i] = t * f[i],  f = long_inv_freq if max(t) + 1 > long_after else (inv_freq or theta ** (-2i/d))
+        cos, sin    = attention_factor * cos(angle), attention_factor * sin(angle)   (sin negated if clockwise)
+    """
 
     theta: float = 10000.0
     style: RopeStyle = RopeStyle.HALF
     fraction: float = 1.0
+    inv_freq: tuple[float, ...] | None = None
+    attention_factor: float = 1.0
+    long_inv_freq: tuple[float, ...] | None = None
+    long_after: int | None = None
+    clockwise: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.clockwise, bool):
+            raise TypeError(f"clockwise={self.clockwise!r} must be a bool")
         if not isinstance(self.style, RopeStyle):
             raise TypeError(f"style={self.style!r} must be RopeStyle.HALF or RopeStyle.INTERLEAVED")
         if not (isinstance(self.theta, (int, float)) and self.theta > 0):
             raise ValueError(f"theta={self.theta!r} must be > 0")
         if not (0 < self.fraction <= 1):
             raise ValueError(f"fraction={self.fraction!r} must lie in (0, 1]")
+        inv, long = _floats(self.inv_freq, "inv_freq"), _floats(self.long_inv_freq, "long_inv_freq")
+        object.__setattr__(self, "inv_freq", inv)
+        object.__setattr__(self, "long_inv_freq", long)
+        a = self.attention_factor
+        if isinstance(a, bool) or not isinstance(a, (int, float)) or not (math.isfinite(a) and a > 0):
+            raise ValueError(f"attention_factor={a!r} must be a finite float > 0")
+        if (long is None) != (self.long_after is None):
+            raise ValueError(
+                f"long_inv_freq and long_after={self.long_after!r} go together: give both (LongRoPE) or neither"
+            )
+        if self.long_after is not None and (
+            isinstance(self.long_after, bool) or not isinstance(self.long_after, int) or self.long_after < 1
+        ):
+            raise ValueError(f"long_after={self.long_after!r} must be an integer >= 1 (a sequence length)")
+        if inv is not None and long is not None and len(inv) != len(long):
+            raise ValueError(f"inv_freq has {len(inv)} entries but long_inv_freq {len(long)}; one per rotated pair")
 
     def rotary_dim(self, head_dim: int) -> int:
         d = int(head_dim * self.fraction)
         if d % 2:
             raise ValueError(f"rotary dim {d} (head_dim={head_dim} * fraction={self.fraction}) must be even")
+        for name in ("inv_freq", "long_inv_freq"):
+            v = getattr(self, name)
+            if v is not None and len(v) != d // 2:
+                raise ValueError(
+                    f"{name} has {len(v)} entries; the rotary dim {d} (head_dim={head_dim} * fraction="
+                    f"{self.fraction}) rotates {d // 2} pairs, one frequency each"
+                )
         return d
+
+    def frequencies(self, head_dim: int, length: int, dtype: torch.dtype = torch.float32) -> Tensor:
+        """The inverse frequency of each rotated pair for a sequence of ``length`` positions, in ``dtype``."""
+        d = self.rotary_dim(head_dim)
+        if self.long_inv_freq is not None and self.long_after is not None and length > self.long_after:
+            return torch.tensor(self.long_inv_freq, dtype=dtype)
+        if self.inv_freq is not None:
+            return torch.tensor(self.inv_freq, dtype=dtype)
+        steps = torch.arange(0, d, 2, dtype=torch.int64).to(dtype) / d
+        return 1.0 / (self.theta**steps)
 
 
 def rope_tables(
     rope: Rope, head_dim: int, positions: Tensor, dtype: torch.dtype = torch.float32
 ) -> tuple[Tensor, Tensor]:
     """cos and sin of shape ``(T, rotary_dim)`` laid out for ``rope.style``, in ``dtype`` (fp32 as HF)."""
-    d = rope.rotary_dim(head_dim)
-    steps = torch.arange(0, d, 2, dtype=torch.int64, device=positions.device).to(dtype) / d
-    inv_freq = 1.0 / (rope.theta**steps)
+    length = int(positions.max()) + 1 if positions.numel() else 0
+    inv_freq = rope.frequencies(head_dim, length, dtype).to(positions.device)
     freqs = positions.to(dtype)[:, None] * inv_freq[None, :]
     emb = torch.cat((freqs, freqs), -1) if rope.style is RopeStyle.HALF else freqs.repeat_interleave(2, -1)
-    return emb.cos(), emb.sin()
+    cos, sin = emb.cos(), emb.sin()
+    if rope.clockwise:
+        sin = -sin
+    if rope.attention_factor != 1.0:
+        cos, sin = cos * rope.attention_factor, sin * rope.attention_factor
+    return cos, sin
 
 
 def _rotate(x: Tensor, style: RopeStyle) -> Tensor:

@@ -21,6 +21,7 @@ from .attention import Rope
 from .block import MLP, Activation, Block
 from .moe import MoE, MoEConfig
 from .placement import NormFactory, Placement, Schedule, pre_ln
+from .positions import PositionIds, position_rows
 from .qknorm import QKNormConfig
 
 __all__ = ["ModelConfig", "TransformerLM", "ViTConfig", "ViTEncoder", "ViTPool", "as_factory"]
@@ -48,7 +49,10 @@ class ModelConfig:
     ``norm`` is the operator for every norm slot (a NormSpec or a factory ``dim -> module``
     such as ``normatlas.RMSNorm`` or ``DyT``); ``placement`` a :class:`Placement` for
     every layer or a :class:`Schedule` with one entry per layer. ``max_positions > 0``
-    adds learned absolute positions (GPT-2, BERT); ``rope=None`` disables RoPE.
+    adds learned absolute positions (GPT-2, BERT); token ``t`` reads their row ``t + position_offset`` by default
+    (``position_ids=PositionIds.ARANGE``), or a row counted over the kept tokens only (``FROM_MASK``: OPT, BioGPT;
+    ``FROM_PADDING``: RoBERTa, whose ``pad_token_id`` sets which tokens do not count; see :mod:`.positions`).
+    ``rope=None`` disables RoPE.
     ``layer_windows`` / ``layer_rope_theta`` / ``layer_attn_scale`` give per-layer sliding windows, RoPE bases
     and q.k multipliers (the last overrides ``attn_scale``; GPT-2's ``scale_attn_by_inverse_layer_idx``);
     ``layer_rope`` says which layers rotate q and k at all (False: a NoPE layer, EXAONE 4's global layers).
@@ -83,6 +87,8 @@ class ModelConfig:
     mlp_bias: bool = False
     rope: Rope | None = field(default_factory=Rope)
     max_positions: int = 0
+    position_offset: int = 0
+    position_ids: PositionIds = PositionIds.ARANGE
     type_vocab_size: int = 0
     causal: bool = True
     tie_embeddings: bool = True
@@ -146,6 +152,9 @@ class ModelConfig:
             v = getattr(self, name)
             if v is not None and len(v) != self.n_layers:
                 raise ValueError(f"{name} has {len(v)} entries but n_layers={self.n_layers}")
+        self._check_positions()
+        if self.rope is not None:
+            self.rope.rotary_dim(self.head_dim or self.d_model // self.n_heads)  # inv_freq: one per rotated pair
         if self.pad_token_id is not None and not 0 <= self.pad_token_id < self.vocab_size:
             raise ValueError(f"pad_token_id={self.pad_token_id} must lie in [0, vocab_size={self.vocab_size})")
         for name in ("layer_rope_theta", "layer_rope"):
@@ -163,6 +172,28 @@ class ModelConfig:
             raise ValueError(f"init_std={self.init_std!r} must be > 0")
         if not isinstance(self.scaled_residual_init, bool):
             raise TypeError(f"scaled_residual_init={self.scaled_residual_init!r} must be a bool")
+
+    def _check_positions(self) -> None:
+        if not isinstance(self.position_ids, PositionIds):
+            allowed = ", ".join(f"PositionIds.{m.name}" for m in PositionIds)
+            raise TypeError(f"position_ids={self.position_ids!r} must be one of {allowed}")
+        off = self.position_offset
+        if isinstance(off, bool) or not isinstance(off, int) or off < 0:
+            raise ValueError(f"position_offset={off!r} must be an integer >= 0 (the table row of position 0)")
+        if off and not self.max_positions:
+            raise ValueError(f"position_offset={off} needs a learned position table (max_positions > 0)")
+        if self.position_ids is not PositionIds.ARANGE:
+            if not self.max_positions:
+                raise ValueError(f"position_ids={self.position_ids} needs a learned position table (max_positions > 0)")
+            if off < 1:
+                raise ValueError(
+                    f"position_ids={self.position_ids} reads row position_offset - 1 for an uncounted token, so "
+                    f"position_offset={off} must be >= 1"
+                )
+        if self.position_ids is PositionIds.FROM_PADDING and self.pad_token_id is None:
+            raise ValueError(
+                "position_ids=PositionIds.FROM_PADDING counts the tokens that are not pad_token_id; set it"
+            )
 
     def plan(self, layer: int) -> tuple[Placement, NormFactory | None]:
         """The placement and norm operator of ``layer``."""
@@ -289,13 +320,16 @@ class TransformerLM(_Stack):
         if self.lm_head.bias is not None:
             nn.init.zeros_(self.lm_head.bias)
 
-    def embed_tokens(self, input_ids: Tensor, token_type_ids: Tensor | None = None) -> Tensor:
+    def embed_tokens(
+        self, input_ids: Tensor, token_type_ids: Tensor | None = None, attention_mask: Tensor | None = None
+    ) -> Tensor:
         cfg = self.config
         x = self.embed(input_ids)
         if cfg.embed_scale != 1.0:
             x = x * torch.tensor(cfg.embed_scale, dtype=x.dtype)
         if self.pos_embed is not None:
-            x = x + self.pos_embed(torch.arange(input_ids.shape[1], device=input_ids.device))[None]
+            rows = position_rows(cfg.position_ids, cfg.position_offset, input_ids, attention_mask, cfg.pad_token_id)
+            x = x + self.pos_embed(rows)
         if self.type_embed is not None:
             tt = torch.zeros_like(input_ids) if token_type_ids is None else token_type_ids
             x = x + self.type_embed(tt)
@@ -304,7 +338,7 @@ class TransformerLM(_Stack):
     def forward(
         self, input_ids: Tensor, attention_mask: Tensor | None = None, token_type_ids: Tensor | None = None
     ) -> Tensor:
-        x = self.run_layers(self.embed_tokens(input_ids, token_type_ids), attention_mask)
+        x = self.run_layers(self.embed_tokens(input_ids, token_type_ids, attention_mask), attention_mask)
         if self.final_norm is not None:
             x = self.final_norm(x)
         if self.head_dense is not None:

@@ -18,7 +18,6 @@ from torch import Tensor, nn
 from ..analysis.graph import Graph, record
 from ..analysis.ops import SHAPE_ONLY
 from ..analysis.walk import strip
-from ..blocks.attention import Rope
 from ..blocks.model import ModelConfig, TransformerLM, ViTConfig, ViTEncoder
 from ..inspect.analyze import analyze
 from ..inspect.attention import find_cores, trig_bits
@@ -117,6 +116,7 @@ class _Read:
     stream_shape: tuple[int, ...]
     last: int  # the last stream value the head reads: the final norm's output, or the last sublayer's
     head_norm: Site | None = None
+    first: int = 0  # the first stream value (the embedding's output, before any embedding norm)
 
 
 def _read(hf: nn.Module, inputs: dict[str, Any]) -> _Read:
@@ -132,11 +132,15 @@ def _read(hf: nn.Module, inputs: dict[str, Any]) -> _Read:
     place_norms(g, stream, sum(1 << c.node for c in cores), {})
     final = final_norm(g, stream)
     emb_scale, emb_norm = embedding(g, stream)
+    if emb_norm is None:  # a norm whose last op returns its input object (type_as to its own dtype): NanoChat
+        first = strip(g, subs[0].source, SHAPE_ONLY)
+        emb_norm = next((s for s in sites if s.node == first), None)
     projs = projections(g)
     layers = read_layers(g, subs, cores, projs, _known_thetas(hf.config))  # type: ignore[union-attr]
     end = subs[-1]
     last = final.output if final else (end.post[-1].output if end.post else end.adds[-1])
-    return _Read(g, sites, layers, final, emb_scale, emb_norm, projs, tuple(stream.shape), last)
+    first = emb_norm.input if emb_norm is not None else strip(g, subs[0].source, SHAPE_ONLY)
+    return _Read(g, sites, layers, final, emb_scale, emb_norm, projs, tuple(stream.shape), last, first=first)
 
 
 def _agree(values: list[Any], what: str) -> Any:
@@ -151,11 +155,13 @@ def _rope_fields(layers: list[LayerReading]) -> dict[str, Any]:
     live = [r for r in readings if r is not None]
     if not live:
         return {"rope": None}
-    style = _agree([r.style for r in live], "RoPE layouts")
-    rot = _agree([r.rotary_dim for r in live], "rotated widths")
+    _agree([r.style for r in live], "RoPE layouts")
+    _agree([r.rotary_dim for r in live], "rotated widths")
+    _agree([(r.inv_freq, r.attention_factor, r.long_inv_freq, r.long_after, r.clockwise) for r in live],
+           "RoPE frequency profiles (scaled inverse frequencies, attention factor)")  # fmt: skip
     hd = layers[0].heads[2]
     thetas = [r.theta for r in live]
-    out: dict[str, Any] = {"rope": Rope(theta=thetas[0], style=style, fraction=rot / hd)}
+    out: dict[str, Any] = {"rope": live[0].rope(hd)}
     if len(set(thetas)) > 1:
         out["layer_rope_theta"] = tuple(r.theta if r is not None else thetas[0] for r in readings)
     if len(live) < len(readings):
@@ -217,7 +223,10 @@ def _table(module: nn.Module) -> nn.Parameter:
 
 def _embeddings(r: _Read, seq: int) -> tuple[nn.Module, dict[str, Any], dict[str, Source]]:
     """The token embedding (the table reading the input ids) and learned absolute positions (a table read at
-    ``0..T-1`` and added to it); any other table is refused."""
+    ``offset + 0..T-1`` and added to it, its rows counted by the rule a padded batch shows: :mod:`.positions`); any
+    other table is refused."""
+    from .positions import position_rule, table_rows
+
     g = r.g
     tables = [s for s in g.spans if isinstance(s.module, nn.Embedding) and s.inputs]
     tok = [s for s in tables if g.nodes[strip(g, s.inputs[0], SHAPE_ONLY)].op == "input"]
@@ -225,21 +234,55 @@ def _embeddings(r: _Read, seq: int) -> tuple[nn.Module, dict[str, Any], dict[str
         raise PortError([f"{len(tok)} embedding tables read the input ids"])
     fields: dict[str, Any] = {"vocab_size": tok[0].module.num_embeddings, "pad_token_id": tok[0].module.padding_idx}
     sources = {"embed.weight": Source(_table(tok[0].module))}
+    if r.emb_scale is None and len(tables) > 1:  # positions added: the walk back from the stream stops at the add
+        from ..inspect.residual import scale_after
+
+        reads = [n.idx for n in g.nodes if n.op == "embedding" and any(g.tensors.get(i) is _table(tok[0].module)
+                                                                          for i in n.inputs)]  # fmt: skip
+        r.emb_scale = scale_after(g, reads[0]) if reads else None
     for s in tables:
         if s is tok[0]:
             continue
-        idx = g.tensors[s.inputs[0]]
+        idx = table_rows(g, _table(s.module))
+        idx = g.tensors[s.inputs[0]] if idx is None else idx
         if not bool(idx.any()) and "type_embed.weight" not in sources:  # one type id for every token (BERT)
             fields["type_vocab_size"] = s.module.num_embeddings
             sources["type_embed.weight"] = Source(_table(s.module))
             continue
-        if not torch.equal(idx.reshape(-1, idx.shape[-1])[0], torch.arange(idx.shape[-1], device=idx.device)):
-            raise PortError([f"an embedding table ({s.name}) read at something other than the positions 0..T-1"])
+        if not bool(idx.any()):
+            raise PortError([f"a second embedding table ({s.name}) read at all-zeros: an id input besides the tokens "
+                             "and the token types (RoC-BERT's shape / pronunciation ids)"])  # fmt: skip
+        row = idx.reshape(-1, idx.shape[-1])[0]
+        offset = int(row[0])
+        if not torch.equal(row, torch.arange(offset, offset + row.shape[-1], device=row.device)):
+            raise PortError([f"an embedding table ({s.name}) read at something other than the positions 0..T-1 "
+                             f"from an offset (rows {row.tolist()[:8]})"])  # fmt: skip
         if "pos_embed.weight" in sources:
             raise PortError(["two position tables"])
-        fields["max_positions"] = s.module.num_embeddings
+        ids = g.tensors[tok[0].inputs[0]]
+        rule = position_rule(g.model, _table(s.module), ids, offset, tok[0].module.padding_idx, s.name)  # type: ignore[arg-type]
+        fields.update(max_positions=s.module.num_embeddings, position_offset=offset, position_ids=rule)
         sources["pos_embed.weight"] = Source(_table(s.module))
+    _fixed_positions(r, tok[0].module)
     return tok[0].module, fields, sources
+
+
+def _fixed_positions(r: _Read, tok: nn.Module) -> None:
+    """Refuse a position table that is a buffer (CTRL's sinusoids, computed at init) added to the token embeddings
+    before the first layer: our positions are a learned table (or RoPE)."""
+    from .rope import _buffer_table
+
+    g = r.g
+    reads = [n.idx for n in g.nodes if n.op == "embedding" and any(g.tensors.get(i) is _table(tok) for i in n.inputs)]
+    first = r.first
+    for n in g.nodes[reads[0] if reads else 0 : first + 1]:
+        if n.op != "add" or not (n.idx == first or g.feeds(n.idx, first)) or not reads:
+            continue
+        if not any(g.feeds(reads[0], i) or i == reads[0] for i in n.inputs):
+            continue
+        if any(_buffer_table(g, i) and not (g.feeds(reads[0], i) or i == reads[0]) for i in n.inputs):
+            raise PortError(["fixed absolute positions (a buffer, e.g. sinusoids computed at init) added to the "
+                             "token embeddings; our absolute positions are a learned table"])  # fmt: skip
 
 
 def _head(r: _Read, embed: nn.Module) -> tuple[dict[str, Any], dict[str, Source]]:

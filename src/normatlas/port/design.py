@@ -125,6 +125,7 @@ def _attention(g: Graph, r: LayerReading, sub: InspSub, branch: int, cores: list
     r.heads = (q_out // hd, k_out // hd, hd)
     r.core = parts.core
     r.scores = scores_of(g, parts.core, r.index)
+    r.scores.scale *= _q_scale(g, parts.core.q)  # OPT scales q before the score matmul
     for role in ("q", "k"):  # one norm reached on the rotated and the passed-through part (partial RoPE) is one
         parts.core.norms[role] = list({s.node: (s, rope) for s, rope in parts.core.norms[role]}.values())
     r.qk = tuple(s for s, _ in [*parts.core.norms["q"], *parts.core.norms["k"]])
@@ -139,6 +140,24 @@ def _attention(g: Graph, r: LayerReading, sub: InspSub, branch: int, cores: list
             raise PortError([f"layer {r.index}: QK-norm on {len(q_sites)} query and {len(k_sites)} key norms"])
         for slot, (site, _) in (("attn.q_norm", q_sites[0]), ("attn.k_norm", k_sites[0])):
             r.sources.update(_norm_sources(g, slot, site))
+
+
+def _q_scale(g: Graph, q: int) -> float:
+    """Constant multipliers on the query between its last non-constant op and the score matmul (OPT's
+    ``q_proj(x) * head_dim ** -0.5``), walking back through views and casts."""
+    from ..analysis.ops import CASTS, SHAPE_ONLY
+    from ..analysis.walk import scalar_mul
+
+    scale, cur = 1.0, q
+    while True:
+        n = g.nodes[cur]
+        sm = scalar_mul(g, n)
+        if sm is not None:
+            scale, cur = scale * sm[1], sm[0]
+        elif (n.op in SHAPE_ONLY or n.op in CASTS) and n.inputs:
+            cur = n.inputs[0]
+        else:
+            return scale
 
 
 def _mlp(g: Graph, r: LayerReading, sub: InspSub, branch: int, projs: list[Proj]) -> None:

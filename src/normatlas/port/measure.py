@@ -9,7 +9,6 @@ not what its config or names say. A value that fits no candidate raises :class:`
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -19,11 +18,11 @@ from ..analysis.attention_calls import FusedCall, fused_call
 from ..analysis.graph import Graph
 from ..analysis.ops import CASTS, SHAPE_ONLY, SPLITS
 from ..analysis.walk import learned_mul, scalar_mul, strip
-from ..blocks.attention import RopeStyle
 from ..blocks.block import Activation
 from ..inspect.attention import Core
 from .errors import PortError
 from .read import MlpParts, Proj
+from .rope import RopeReading, rope_of
 
 __all__ = ["Mlp", "RopeReading", "Scores", "branch_scale", "logit_ends", "mlp_design", "rope_of", "scores_of"]
 
@@ -169,69 +168,6 @@ def _mask_shape(mask: Tensor | None, layer: int) -> tuple[bool, int | None]:
     if not torch.equal(m, band):
         raise PortError([f"layer {layer}: a causal mask that is not a sliding window"])
     return True, (w if w < t else None)
-
-
-@dataclass(frozen=True)
-class RopeReading:
-    theta: float
-    style: RopeStyle
-    rotary_dim: int
-
-
-def rope_of(g: Graph, core: Core, layer: int, known: tuple[float, ...], own: int, source: int) -> RopeReading | None:
-    """The rotation applied to this layer's queries, read off the cos / sin tables its own nodes multiply the
-    queries by (``own``: the layer's nodes; a table reaching the queries only through the stream is an earlier
-    layer's): their layout (halves or interleaved pairs), the rotated width and the base ``theta`` of
-    ``inv_freq_i = theta ** (-2i/d)`` (fitted in log space; ``known`` values within 1e-3 of the fit are taken
-    exactly, e.g. the config's). None: no RoPE reaches the queries."""
-    if any(n.op in ("view_as_complex", "polar") and own >> n.idx & 1 for n in g.nodes):
-        raise PortError([f"layer {layer}: RoPE written with complex numbers"])
-    tables: dict[str, set[int]] = {"cos": set(), "sin": set()}
-    trig = {n.idx: n.op for n in g.nodes if n.op in tables}
-    for n in g.nodes:
-        if n.op != "mul" or len(n.inputs) != 2 or not own >> n.idx & 1 or not _reaches(g, n.idx, core.q):
-            continue
-        for t in n.inputs:
-            if t == source or g.feeds(source, t):
-                continue
-            kinds = {op for i, op in trig.items() if i == t or g.feeds(i, t)}
-            if len(kinds) == 1:
-                tables[kinds.pop()].add(t)
-    if not tables["cos"] and not tables["sin"]:
-        return None
-    if len(tables["cos"]) != 1 or len(tables["sin"]) != 1:
-        raise PortError(
-            [f"layer {layer}: {len(tables['cos'])} cos and {len(tables['sin'])} sin tables rotate the queries"]
-        )
-    c, s = (g.tensors[next(iter(tables[k]))].double() for k in ("cos", "sin"))
-    c, s = c.reshape(-1, *c.shape[-2:])[0], s.reshape(-1, *s.shape[-2:])[0]
-    if c.shape[0] < 2 or not torch.allclose(c[0], torch.ones_like(c[0])):
-        raise PortError([f"layer {layer}: RoPE tables that do not start at position 0 with cos = 1 (scaled RoPE)"])
-    ang, d = torch.atan2(s[1], c[1]), c.shape[-1]
-    if torch.allclose(ang[: d // 2], ang[d // 2 :], atol=1e-6):
-        style, inv = RopeStyle.HALF, ang[: d // 2]
-    elif torch.allclose(ang[0::2], ang[1::2], atol=1e-6):
-        style, inv = RopeStyle.INTERLEAVED, ang[0::2]
-    else:
-        raise PortError([f"layer {layer}: a RoPE layout that is neither halves nor interleaved pairs"])
-    return RopeReading(_theta(inv, d, layer, known), style, d)
-
-
-def _reaches(g: Graph, a: int, b: int) -> bool:
-    return a == b or g.feeds(a, b)
-
-
-def _theta(inv: Tensor, d: int, layer: int, known: tuple[float, ...]) -> float:
-    k = torch.arange(len(inv), dtype=torch.float64)
-    if len(inv) < 2 or abs(float(inv[0]) - 1) > 1e-6 or bool((inv <= 0).any()):
-        raise PortError([f"layer {layer}: RoPE frequencies that are not theta ** (-2i/d) (scaled RoPE)"])
-    log_theta = float(-(torch.log(inv[1:]) * d / (2 * k[1:])).mean())
-    fit = torch.exp(-2 * k / d * log_theta)
-    if float(((fit - inv) / inv).abs().max()) > 1e-4:
-        raise PortError([f"layer {layer}: RoPE frequencies that are not theta ** (-2i/d) (scaled RoPE)"])
-    theta = math.exp(log_theta)
-    exact = [t for t in known if t > 0 and abs(t / theta - 1) < 1e-3]
-    return float(exact[0]) if exact else float(f"{theta:.5g}")
 
 
 def branch_scale(g: Graph, branch: int, stops: set[int]) -> tuple[float, int, int | None]:
