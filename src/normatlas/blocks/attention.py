@@ -131,6 +131,7 @@ class Attention(nn.Module):
         if n_heads % n_kv_heads:
             raise ValueError(f"n_kv_heads={n_kv_heads} must divide n_heads={n_heads}")
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
+        self.rope_head_dim = head_dim  # the width the RoPE tables span (Rope.fraction of it is rotated)
         self.scale = head_dim**-0.5 if scale is None else scale
         if softcap is not None and not (math.isfinite(softcap) and softcap > 0):
             raise ValueError(f"softcap={softcap!r} must be a finite float > 0 or None")

@@ -23,6 +23,7 @@ from torch import Tensor, nn
 from ..modules import Norm
 from ..spec import GainConvention
 from .attention import Attention, RopeStyle, _head_dim
+from .mla import MLAConfig, MLAttention
 from .placement import DepthScale, Gate, NormFactory, Placement
 from .qknorm import QKNormConfig
 from .residual import LayerScale, ResidualAdd, ReZero
@@ -140,6 +141,7 @@ class Block(nn.Module):
         attn_softcap: float | None = None,
         window: int | None = None,
         rope_theta: float | None = None,
+        mla: MLAConfig | None = None,
     ) -> None:
         super().__init__()
         for name, value in (("d_model", d_model), ("n_layers", n_layers), ("n_heads", n_heads), ("d_ff", d_ff)):
@@ -164,15 +166,25 @@ class Block(nn.Module):
         self.ffn_post_norm: nn.Module | None
         self.ffn_after_norm: nn.Module | None
         self.window, self.rope_theta = window, rope_theta
-        hd = _head_dim(d_model, n_heads, head_dim)  # raises unless n_heads divides d_model or head_dim is given
-        qkv = None
-        if placement.qkv_norm:
-            assert norm is not None
-            qkv = (norm(hd), norm(hd), norm(hd))
-        self.attn = Attention(
-            d_model, n_heads, n_kv_heads, hd, qkv_bias=qkv_bias, out_bias=out_bias, qk_norm=qk_norm,
-            qkv_norm=qkv, scale=attn_scale, softcap=attn_softcap,
-        )  # fmt: skip
+        self.attn: Attention | MLAttention
+        if mla is not None:
+            if not isinstance(mla, MLAConfig):
+                raise TypeError(f"mla={mla!r} must be an MLAConfig or None")
+            if qk_norm is not None or placement.qkv_norm:
+                raise ValueError(f"mla={mla!r} with a QK-norm or QKV-norm: MLA's norms are on its latents")
+            self.attn = MLAttention(
+                d_model, n_heads, mla, bias=qkv_bias, out_bias=out_bias, scale=attn_scale, softcap=attn_softcap
+            )
+        else:
+            hd = _head_dim(d_model, n_heads, head_dim)  # raises unless n_heads divides d_model or head_dim is given
+            qkv = None
+            if placement.qkv_norm:
+                assert norm is not None
+                qkv = (norm(hd), norm(hd), norm(hd))
+            self.attn = Attention(
+                d_model, n_heads, n_kv_heads, hd, qkv_bias=qkv_bias, out_bias=out_bias, qk_norm=qk_norm,
+                qkv_norm=qkv, scale=attn_scale, softcap=attn_softcap,
+            )  # fmt: skip
         self.mlp = MLP(d_model, d_ff, activation, gated, mlp_bias)
         p = placement
         for sub, slots in (("attn", p.attn), ("ffn", p.ffn)):
@@ -203,9 +215,15 @@ class Block(nn.Module):
         beta = self.placement.branch_init_beta
         if beta is None:
             return
-        for lin in (self.attn.q_proj, self.attn.k_proj):
-            nn.init.xavier_normal_(lin.weight, gain=1.0)
-        lins = [self.attn.v_proj, self.attn.o_proj, self.mlp.up_proj, self.mlp.down_proj]
+        a = self.attn
+        if isinstance(a, MLAttention):  # the query side at gain 1; the kv latent feeds v, so beta
+            qs, vs = [a.q_proj, a.q_a_proj, a.q_b_proj], [a.kv_a_proj, a.kv_b_proj]
+        else:
+            qs, vs = [a.q_proj, a.k_proj], [a.v_proj]
+        for lin in qs:
+            if lin is not None:
+                nn.init.xavier_normal_(lin.weight, gain=1.0)
+        lins = [*vs, a.o_proj, self.mlp.up_proj, self.mlp.down_proj]
         lins += [self.mlp.gate_proj] if self.mlp.gate_proj is not None else []
         for lin in lins:
             nn.init.xavier_normal_(lin.weight, gain=beta)

@@ -19,6 +19,7 @@ from ..modules import Norm
 from ..spec import NormSpec
 from .attention import Rope
 from .block import Activation, Block
+from .mla import MLAConfig
 from .placement import NormFactory, Placement, Schedule, pre_ln
 from .qknorm import QKNormConfig
 
@@ -70,6 +71,7 @@ class ModelConfig:
     norm: NormFactory | NormSpec | None = None
     placement: Placement | Schedule = field(default_factory=pre_ln)
     qk_norm: QKNormConfig | None = None
+    mla: MLAConfig | None = None
     final_norm: bool = True
     embed_norm: bool = False
     activation: Activation = Activation.SILU
@@ -103,7 +105,7 @@ class ModelConfig:
         _positive(kv, "n_kv_heads")
         if self.n_heads % kv:
             raise ValueError(f"n_kv_heads={kv} must divide n_heads={self.n_heads} (grouped-query attention)")
-        if self.head_dim is None and self.d_model % self.n_heads:
+        if self.head_dim is None and self.mla is None and self.d_model % self.n_heads:
             raise ValueError(f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}; set head_dim")
         if self.head_dim is not None:
             _positive(self.head_dim, "head_dim")
@@ -116,6 +118,7 @@ class ModelConfig:
         if self.qk_norm is not None and not isinstance(self.qk_norm, QKNormConfig):
             raise TypeError(f"qk_norm={self.qk_norm!r} must be a QKNormConfig or None")
         as_factory(self.norm)  # type check
+        self._check_mla()
         if self.norm is None:
             for i in range(self.n_layers):
                 p = self.plan(i)
@@ -149,6 +152,24 @@ class ModelConfig:
         if not isinstance(self.scaled_residual_init, bool):
             raise TypeError(f"scaled_residual_init={self.scaled_residual_init!r} must be a bool")
 
+    def _check_mla(self) -> None:
+        """MLA sets its own head widths: ``head_dim`` (if given) is its q / k head, every head its own kv head."""
+        m = self.mla
+        if m is None:
+            return
+        if not isinstance(m, MLAConfig):
+            raise TypeError(f"mla={m!r} must be an MLAConfig or None")
+        if self.head_dim not in (None, m.qk_head_dim):
+            raise ValueError(f"head_dim={self.head_dim} with mla: it must be None or mla.qk_head_dim={m.qk_head_dim}")
+        if self.n_kv_heads not in (None, self.n_heads):
+            raise ValueError(f"n_kv_heads={self.n_kv_heads} with mla: MLA's k / v have n_heads={self.n_heads} heads")
+        if self.qk_norm is not None:
+            raise ValueError(f"qk_norm={self.qk_norm!r} with mla: MLA's norms are on its latents (mla.latent_norm)")
+        if self.rope is not None and self.rope.fraction != 1.0:
+            raise ValueError(
+                f"rope.fraction={self.rope.fraction} with mla: MLA rotates all of its qk_rope_head_dim part; use 1.0"
+            )
+
     def plan(self, layer: int) -> tuple[Placement, NormFactory | None]:
         """The placement and norm operator of ``layer``."""
         if isinstance(self.placement, Schedule):
@@ -169,7 +190,7 @@ def _blocks(cfg: ModelConfig) -> nn.ModuleList:
                 cfg.d_model, placement, norm, layer=i, n_layers=cfg.n_layers, n_heads=cfg.n_heads,
                 n_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim, d_ff=cfg.d_ff, activation=cfg.activation,
                 gated=cfg.gated, mlp_bias=cfg.mlp_bias, qkv_bias=cfg.qkv_bias, out_bias=cfg.out_bias,
-                qk_norm=cfg.qk_norm, attn_softcap=cfg.attn_softcap,
+                qk_norm=cfg.qk_norm, attn_softcap=cfg.attn_softcap, mla=cfg.mla,
                 attn_scale=cfg.attn_scale if cfg.layer_attn_scale is None else cfg.layer_attn_scale[i],
                 window=None if cfg.layer_windows is None else cfg.layer_windows[i],
                 rope_theta=None if cfg.layer_rope_theta is None else cfg.layer_rope_theta[i],
@@ -233,7 +254,7 @@ class _Stack(nn.Module):
             if cfg.rope is not None and (cfg.layer_rope is None or cfg.layer_rope[i]):
                 theta = cfg.rope.theta if block.rope_theta is None else block.rope_theta
                 if theta not in tables:
-                    tables[theta] = rope_tables(replace(cfg.rope, theta=theta), block.attn.head_dim, pos)
+                    tables[theta] = rope_tables(replace(cfg.rope, theta=theta), block.attn.rope_head_dim, pos)
                 rope = (*tables[theta], cfg.rope.style)
             x = block(x, rope, full)
         return x

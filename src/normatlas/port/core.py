@@ -132,7 +132,7 @@ def _read(hf: nn.Module, inputs: dict[str, Any]) -> _Read:
     final = final_norm(g, stream)
     emb_scale, emb_norm = embedding(g, stream)
     projs = projections(g)
-    layers = read_layers(g, subs, cores, projs, _known_thetas(hf.config))  # type: ignore[union-attr]
+    layers = read_layers(g, subs, cores, projs, _known_thetas(hf.config), sites)  # type: ignore[union-attr]
     end = subs[-1]
     last = final.output if final else (end.post[-1].output if end.post else end.adds[-1])
     return _Read(g, sites, layers, final, emb_scale, emb_norm, projs, tuple(stream.shape), last)
@@ -152,7 +152,7 @@ def _rope_fields(layers: list[LayerReading]) -> dict[str, Any]:
         return {"rope": None}
     style = _agree([r.style for r in live], "RoPE layouts")
     rot = _agree([r.rotary_dim for r in live], "rotated widths")
-    hd = layers[0].heads[2]
+    hd = layers[0].rope_head or layers[0].heads[2]
     thetas = [r.theta for r in live]
     out: dict[str, Any] = {"rope": Rope(theta=thetas[0], style=style, fraction=rot / hd)}
     if len(set(thetas)) > 1:
@@ -168,6 +168,7 @@ def _attention_fields(layers: list[LayerReading]) -> dict[str, Any]:
     n_heads, n_kv, hd = _agree([r.heads for r in layers], "attention shapes (heads, kv heads, head dim)")
     scales = [s.scale for s in scores]  # type: ignore[union-attr]
     out: dict[str, Any] = dict(n_heads=n_heads, n_kv_heads=n_kv, head_dim=hd)
+    out["mla"] = _agree([r.mla for r in layers], "attention kinds (MLA and not, or MLA shapes)")
     out["causal"] = _agree([s.causal for s in scores], "causal masks")  # type: ignore[union-attr]
     out["attn_softcap"] = _agree([s.softcap for s in scores], "attention soft-caps")  # type: ignore[union-attr]
     windows = tuple(s.window for s in scores)  # type: ignore[union-attr]

@@ -32,7 +32,18 @@ from ..inspect.norms import Site
 from ..inspect.residual import Sublayer
 from .errors import PortError
 
-__all__ = ["AttnParts", "MlpParts", "Proj", "attention_parts", "mlp_parts", "norm_params", "own_bits", "projections"]
+__all__ = [
+    "AttnParts",
+    "MlpParts",
+    "Proj",
+    "Roles",
+    "attention_parts",
+    "attention_roles",
+    "mlp_parts",
+    "norm_params",
+    "own_bits",
+    "projections",
+]
 
 
 @dataclass
@@ -95,9 +106,20 @@ def _feeds(g: Graph, a: int, b: int) -> bool:
     return a == b or g.feeds(a, b)
 
 
-def attention_parts(g: Graph, sub: Sublayer, branch: int, cores: list[Core], projs: list[Proj]) -> AttnParts:
-    """q, k, v and output projections of one attention branch; raises :class:`PortError` when they are not four
-    (or three fused and one) plain projections around one core."""
+@dataclass
+class Roles:
+    """One attention branch's core, the projections inside the branch, those feeding each operand, and those
+    reading the core's output."""
+
+    core: Core
+    inside: list[Proj]
+    qkv: dict[str, list[Proj]]
+    outs: list[Proj]
+
+
+def attention_roles(g: Graph, sub: Sublayer, branch: int, cores: list[Core], projs: list[Proj]) -> Roles:
+    """The one core of an attention branch and the projections around it (raises unless there is one core with a
+    value operand)."""
     own = own_bits(g, branch, sub.source)
     mine = [c for c in cores if own >> c.node & 1]
     if len(mine) != 1:
@@ -108,6 +130,14 @@ def attention_parts(g: Graph, sub: Sublayer, branch: int, cores: list[Core], pro
         raise PortError([f"layer {sub.layer}: the attention's value operand was not found"])
     roles: dict[str, list[Proj]] = {r: [p for p in inside if _feeds(g, p.output, getattr(core, r))] for r in "qkv"}
     outs = [p for p in inside if _feeds(g, core.node, p.input)]
+    return Roles(core, inside, roles, outs)
+
+
+def attention_parts(g: Graph, sub: Sublayer, branch: int, cores: list[Core], projs: list[Proj]) -> AttnParts:
+    """q, k, v and output projections of one attention branch; raises :class:`PortError` when they are not four
+    (or three fused and one) plain projections around one core."""
+    found = attention_roles(g, sub, branch, cores, projs)
+    core, inside, roles, outs = found.core, found.inside, found.qkv, found.outs
     used = {id(p) for ps in (*roles.values(), outs) for p in ps}
     extra = [p.label for p in inside if id(p) not in used]
     problems = [
