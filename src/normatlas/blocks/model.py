@@ -18,6 +18,7 @@ from torch import Tensor, nn
 from ..modules import Norm
 from ..spec import NormSpec
 from .attention import Rope
+from .attn_gate import OutputGate
 from .block import Activation, Block
 from .mla import MLAConfig
 from .placement import NormFactory, Placement, Schedule, pre_ln
@@ -72,6 +73,8 @@ class ModelConfig:
     placement: Placement | Schedule = field(default_factory=pre_ln)
     qk_norm: QKNormConfig | None = None
     mla: MLAConfig | None = None
+    attn_sinks: bool = False
+    attn_gate: OutputGate | None = None
     final_norm: bool = True
     embed_norm: bool = False
     activation: Activation = Activation.SILU
@@ -119,6 +122,10 @@ class ModelConfig:
             raise TypeError(f"qk_norm={self.qk_norm!r} must be a QKNormConfig or None")
         as_factory(self.norm)  # type check
         self._check_mla()
+        if not isinstance(self.attn_sinks, bool):
+            raise TypeError(f"attn_sinks={self.attn_sinks!r} must be a bool")
+        if self.attn_gate is not None and not isinstance(self.attn_gate, OutputGate):
+            raise TypeError(f"attn_gate={self.attn_gate!r} must be an OutputGate or None")
         if self.norm is None:
             for i in range(self.n_layers):
                 p = self.plan(i)
@@ -163,6 +170,8 @@ class ModelConfig:
             raise ValueError(f"head_dim={self.head_dim} with mla: it must be None or mla.qk_head_dim={m.qk_head_dim}")
         if self.n_kv_heads not in (None, self.n_heads):
             raise ValueError(f"n_kv_heads={self.n_kv_heads} with mla: MLA's k / v have n_heads={self.n_heads} heads")
+        if self.attn_sinks or self.attn_gate is not None:
+            raise ValueError(f"attn_sinks / attn_gate with mla={m!r}: MLA has neither")
         if self.qk_norm is not None:
             raise ValueError(f"qk_norm={self.qk_norm!r} with mla: MLA's norms are on its latents (mla.latent_norm)")
         if self.rope is not None and self.rope.fraction != 1.0:
@@ -191,6 +200,7 @@ def _blocks(cfg: ModelConfig) -> nn.ModuleList:
                 n_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim, d_ff=cfg.d_ff, activation=cfg.activation,
                 gated=cfg.gated, mlp_bias=cfg.mlp_bias, qkv_bias=cfg.qkv_bias, out_bias=cfg.out_bias,
                 qk_norm=cfg.qk_norm, attn_softcap=cfg.attn_softcap, mla=cfg.mla,
+                attn_sinks=cfg.attn_sinks, attn_gate=cfg.attn_gate,
                 attn_scale=cfg.attn_scale if cfg.layer_attn_scale is None else cfg.layer_attn_scale[i],
                 window=None if cfg.layer_windows is None else cfg.layer_windows[i],
                 rope_theta=None if cfg.layer_rope_theta is None else cfg.layer_rope_theta[i],

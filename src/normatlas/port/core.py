@@ -169,6 +169,8 @@ def _attention_fields(layers: list[LayerReading]) -> dict[str, Any]:
     scales = [s.scale for s in scores]  # type: ignore[union-attr]
     out: dict[str, Any] = dict(n_heads=n_heads, n_kv_heads=n_kv, head_dim=hd)
     out["mla"] = _agree([r.mla for r in layers], "attention kinds (MLA and not, or MLA shapes)")
+    out["attn_sinks"] = _agree([r.sinks for r in layers], "attention sinks (in some layers only)")
+    out["attn_gate"] = _agree([r.gate for r in layers], "attention output gates")
     out["causal"] = _agree([s.causal for s in scores], "causal masks")  # type: ignore[union-attr]
     out["attn_softcap"] = _agree([s.softcap for s in scores], "attention soft-caps")  # type: ignore[union-attr]
     windows = tuple(s.window for s in scores)  # type: ignore[union-attr]

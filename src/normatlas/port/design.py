@@ -17,6 +17,7 @@ from typing import Any
 from torch import nn
 
 from ..analysis.graph import Graph
+from ..blocks.attn_gate import OutputGate
 from ..blocks.mla import MLAConfig
 from ..blocks.model import ModelConfig
 from ..blocks.placement import Gate, Placement, Schedule, Sublayer
@@ -60,6 +61,8 @@ class LayerReading:
     qk: tuple[Site, ...] = ()
     qk_order: RopeOrder = RopeOrder.NOT_APPLICABLE
     biases: dict[str, bool] = field(default_factory=dict)
+    sinks: bool = False  # a learned logit per head in the softmax (``attn.sinks``)
+    gate: OutputGate | None = None  # a gate on the attention output (``attn.gate_proj``)
     mla: MLAConfig | None = None  # a multi-head latent attention (heads: n_heads, n_heads, its q / k head dim)
     mla_rope: RopeReading | None = None  # MLA's decoupled RoPE, read by :mod:`.mla`
     rope_head: int = 0  # the width the RoPE tables span when it is not the head dim (MLA's rotated part)
@@ -142,6 +145,14 @@ def _attention(
     r.heads = (q_out // hd, k_out // hd, hd)
     r.core = parts.core
     r.scores = scores_of(g, parts.core, r.index)
+    if r.scores.sink is not None:
+        r.sinks = True
+        r.sources["attn.sinks"] = Source(g.tensors[r.scores.sink])  # type: ignore[arg-type]
+    if parts.gate is not None:
+        from .gates import gate_design
+
+        r.gate = gate_design(g, parts, r.index)
+        r.sources.update(_proj_sources("attn.gate_proj", parts.gate, {}, "attn"))
     for role in ("q", "k"):  # one norm reached on the rotated and the passed-through part (partial RoPE) is one
         parts.core.norms[role] = list({s.node: (s, rope) for s, rope in parts.core.norms[role]}.values())
     r.qk = tuple(s for s, _ in [*parts.core.norms["q"], *parts.core.norms["k"]])

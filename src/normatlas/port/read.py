@@ -78,6 +78,7 @@ class AttnParts:
     v: Proj
     o: Proj
     core: Core
+    gate: Proj | None = None  # a projection gating the core's output before o (read by :mod:`.gates`)
 
 
 @dataclass
@@ -127,6 +128,8 @@ def attention_roles(g: Graph, sub: Sublayer, branch: int, cores: list[Core], pro
     core = mine[0]
     inside = [p for p in projs if own >> p.output & 1]
     if core.v < 0:
+        core.v = _value_through(g, core.node)
+    if core.v < 0:
         raise PortError([f"layer {sub.layer}: the attention's value operand was not found"])
     roles: dict[str, list[Proj]] = {r: [p for p in inside if _feeds(g, p.output, getattr(core, r))] for r in "qkv"}
     outs = [p for p in inside if _feeds(g, core.node, p.input)]
@@ -139,6 +142,13 @@ def attention_parts(g: Graph, sub: Sublayer, branch: int, cores: list[Core], pro
     found = attention_roles(g, sub, branch, cores, projs)
     core, inside, roles, outs = found.core, found.inside, found.qkv, found.outs
     used = {id(p) for ps in (*roles.values(), outs) for p in ps}
+    gates = [
+        p for p in inside
+        if id(p) not in used and len(outs) == 1 and _feeds(g, p.output, outs[0].input)
+        and not any(_feeds(g, p.output, getattr(core, r)) for r in "qkv")
+    ]  # fmt: skip
+    gate = gates[0] if len(gates) == 1 else None
+    used |= {id(gate)} if gate is not None else set()
     extra = [p.label for p in inside if id(p) not in used]
     problems = [
         f"layer {sub.layer}: {r} is computed by {len(ps)} projections" + (" (low-rank: MLA)" if len(ps) > 1 else "")
@@ -155,7 +165,24 @@ def attention_parts(g: Graph, sub: Sublayer, branch: int, cores: list[Core], pro
     for r, (p,) in roles.items():
         fused = sum(p is ps[0] for ps in roles.values()) > 1
         picked[r] = p.with_rows(rows_of(g, p, getattr(core, r)) if fused else None)
-    return AttnParts(picked["q"], picked["k"], picked["v"], outs[0], core)
+    return AttnParts(picked["q"], picked["k"], picked["v"], outs[0], core, gate)
+
+
+def _value_through(g: Graph, softmax: int) -> int:
+    """The value operand of a core whose probabilities pass a slice first (attention sinks drop the sink's
+    column): the second operand of the matmul the softmax reaches through splits and value-preserving ops."""
+    frontier, seen = [softmax], set()
+    while frontier:
+        here = frontier.pop()
+        for u in g.users(here):
+            if u.idx in seen:
+                continue
+            seen.add(u.idx)
+            if u.op in ("matmul", "bmm") and len(u.inputs) == 2 and u.inputs[0] == here:
+                return u.inputs[1]
+            if u.op in SHAPE_ONLY or u.op in SPLITS:
+                frontier.append(u.idx)
+    return -1
 
 
 def mlp_parts(g: Graph, sub: Sublayer, branch: int, projs: list[Proj]) -> MlpParts:
