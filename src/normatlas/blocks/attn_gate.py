@@ -65,8 +65,9 @@ class OutputGate:
 
 
 def softmax_with_sinks(scores: Tensor, sinks: Tensor) -> Tensor:
-    """``softmax([scores, sink_h])`` over the keys with the sink's share dropped, in fp32; ``scores`` is
-    ``(B, H, T, S)``, ``sinks`` ``(H,)``. The rows sum to less than one by the sink's share."""
-    s = scores.float()
-    sink = sinks.float().reshape(1, -1, 1, 1).expand(*s.shape[:-1], 1)
+    """``softmax([scores, sink_h])`` over the keys with the sink's share dropped, in at least fp32 (float64 stays
+    float64); ``scores`` is ``(B, H, T, S)``, ``sinks`` ``(H,)``. The rows sum to less than one by the sink's share."""
+    dt = torch.promote_types(scores.dtype, torch.float32)
+    s = scores.to(dt)
+    sink = sinks.to(dt).reshape(1, -1, 1, 1).expand(*s.shape[:-1], 1)
     return F.softmax(torch.cat((s, sink), dim=-1), dim=-1)[..., :-1]
