@@ -2,7 +2,8 @@
 
 * Multi-head Latent Attention (:class:`~normatlas.blocks.mla.MLAConfig`): DeepSeek-V2 (complex RoPE), DeepSeek-V3
   (``rope_interleave``: interleaved pairs in, halves out; and plain halves), a full-rank q (``q_lora_rank=None``);
-* attention sinks (Flint's dense tiny build; gpt-oss's attention reads the same but its MLP is a routed MoE);
+* attention sinks: in the softmax (Flint's dense tiny build; gpt-oss's attention reads the same but its MLP is a
+  routed MoE) and as Granite-SWA's ``sigmoid(lse - sink)`` factor after the core;
 * a gate on the attention output (:class:`~normatlas.blocks.attn_gate.OutputGate`): AFMoE's sigmoid per element,
   Laguna's softplus per head (their dense tiny builds).
 
@@ -46,6 +47,8 @@ CASES = {
     "deepseek_v2": dict(_MLA, first_k_dense_replace=2),
     # Flint: a learned sink logit per head; its tiny build's two layers are dense (mlp_only_layers [0, 1])
     "flint": dict(),
+    # Granite-SWA: the same sinks written after the core, attn * sigmoid(logsumexp(scores) - sink)
+    "granite_swa": dict(),
     # AFMoE: sigmoid(gate_proj(x)) per element on the attention output (num_dense_layers: the dense MLPs)
     "afmoe": dict(num_dense_layers=2),
     # Laguna: softplus(g_proj(x)) per head
@@ -94,7 +97,7 @@ def test_config_reads_the_feature(ported):
         assert isinstance(ours.layers[0].attn.kv_norm, Norm)
         style = RopeStyle.INTERLEAVED if name == "deepseek_v2" else RopeStyle.HALF
         assert cfg.rope is not None and cfg.rope.style is style and cfg.rope.fraction == 1.0
-    elif name == "flint":
+    elif name in ("flint", "granite_swa"):
         assert cfg.attn_sinks and cfg.attn_gate is None
     elif name == "afmoe":
         assert cfg.attn_gate == OutputGate(GateActivation.SIGMOID, GateScope.ELEMENT)

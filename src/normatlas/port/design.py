@@ -29,7 +29,7 @@ from ..spec import CastOrder, Gain, GainConvention, NormSpec, Scale
 from ..vocabulary import Operator, RopeOrder, SublayerKind
 from .errors import PortError
 from .measure import Mlp, RopeReading, Scores, branch_scale, mlp_design, rope_of, scores_of
-from .read import Proj, attention_parts, attention_roles, mlp_parts, norm_params
+from .read import Proj, attention_parts, attention_roles, mlp_parts, norm_params, own_bits
 
 __all__ = ["LayerReading", "Source", "norm_spec", "qk_config", "read_layers"]
 
@@ -131,6 +131,9 @@ def _attention(
     from .mla import mla_parts
 
     roles = attention_roles(g, sub, branch, cores, projs)
+    own = own_bits(g, branch, sub.source)
+    if any(n.op == "topk" and own >> n.idx & 1 and g.feeds(n.idx, roles.core.node) for n in g.nodes):
+        raise PortError([f"layer {r.index}: a sparse-attention indexer (top-k over its own key scores picks the keys)"])
     mla = mla_parts(g, roles.qkv, roles.outs, roles.core)
     if mla is not None:
         _mla(g, r, mla, roles, ctx)
@@ -145,6 +148,11 @@ def _attention(
     r.heads = (q_out // hd, k_out // hd, hd)
     r.core = parts.core
     r.scores = scores_of(g, parts.core, r.index)
+    if r.scores.sink is None:
+        from .gates import lse_sink
+
+        linked = {id(s.param) for s in r.sources.values()}
+        r.scores.sink = lse_sink(g, parts, r.scores, own_bits(g, branch, sub.source), linked, r.index)
     if r.scores.sink is not None:
         r.sinks = True
         r.sources["attn.sinks"] = Source(g.tensors[r.scores.sink])  # type: ignore[arg-type]

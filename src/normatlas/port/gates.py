@@ -8,16 +8,18 @@ projection read, ``attn`` being the core's recorded output with its heads merged
 
 from __future__ import annotations
 
+import torch
+
 from ..analysis.graph import Graph
 from ..analysis.ops import SHAPE_ONLY
 from ..analysis.walk import strip
 from ..blocks.attn_gate import GateActivation, GateScope, OutputGate
 from ..inspect.attention import Core
 from .errors import PortError
-from .measure import _close
+from .measure import Scores, _close
 from .read import AttnParts
 
-__all__ = ["core_output", "gate_design"]
+__all__ = ["core_output", "gate_design", "lse_sink"]
 
 
 def core_output(g: Graph, core: Core) -> int:
@@ -58,3 +60,42 @@ def gate_design(g: Graph, parts: AttnParts, layer: int) -> OutputGate:
     raise PortError(
         [f"layer {layer}: an attention output gate ({gate.label}) that is none of {names}, per element or per head"]
     )
+
+
+def lse_sink(g: Graph, parts: AttnParts, scores: Scores, own: int, linked: set[int], layer: int) -> int | None:
+    """The parameter node of attention sinks applied after the core (Granite-SWA: ``attn * sigmoid(lse - sink)``,
+    equal to a sink logit in the softmax), found by behaviour: the one per-head parameter of the branch no other
+    role takes for which the core's recorded output times ``sigmoid(logsumexp(scores) - sink)`` is what the output
+    projection read (scores recomputed from the recorded q and k with the read scale, cap and mask). None: none."""
+    q = g.tensors[parts.core.q]
+    heads = int(q.shape[1])
+    cands = [
+        n.idx for n in g.nodes
+        if n.op == "param" and own >> n.idx & 1 and id(g.tensors[n.idx]) not in linked
+        and g.tensors[n.idx].numel() == heads
+    ]  # fmt: skip
+    node = core_output(g, parts.core)
+    if not cands or node < 0 or parts.gate is not None:
+        return None
+    k = g.tensors[parts.core.k]
+    sdpa = g.nodes[parts.core.node].op == "scaled_dot_product_attention"
+    s = (q.double() @ (k.double().transpose(-1, -2) if sdpa else k.double())) * scores.scale
+    if scores.softcap is not None:
+        s = torch.tanh(s / scores.softcap) * scores.softcap
+    t = s.shape[-1]
+    i = torch.arange(t)
+    allowed = torch.ones(t, t, dtype=torch.bool)
+    if scores.causal:
+        allowed &= i[:, None] >= i[None, :]
+    if scores.window is not None:
+        allowed &= (i[:, None] - i[None, :]) < scores.window
+    lse = torch.logsumexp(s.masked_fill(~allowed, float("-inf")), dim=-1)
+    a = g.tensors[node].double()
+    target = g.tensors[parts.o.input]
+    for c in cands:
+        sink = g.tensors[c].double().reshape(1, -1, 1)
+        got = a * torch.sigmoid(lse - sink)[..., None]
+        merged = got.transpose(1, 2).reshape(target.shape) if got.numel() == target.numel() else None
+        if merged is not None and _close(merged, target):
+            return c
+    return None
