@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..vocabulary import RopeOrder
+from .attn_gate import OutputGate, softmax_with_sinks
 from .qknorm import QKNorm, QKNormConfig, QKScope
 
 __all__ = ["Attention", "Rope", "RopeStyle", "apply_rope", "rope_tables"]
@@ -177,6 +178,8 @@ class Attention(nn.Module):
             with ``qkv_norm_factory`` given and no qk_norm, q and k get one each too.
         scale: multiplier on q.k (default head_dim ** -0.5).
         softcap: ``cap * tanh(scores / cap)`` before the softmax (Gemma 2).
+        sinks: a learned logit per head in each softmax's denominator (parameter ``sinks``, gpt-oss).
+        out_gate: an :class:`~normatlas.blocks.attn_gate.OutputGate` on the attention output (``gate_proj``), or None.
     """
 
     def __init__(
@@ -192,13 +195,20 @@ class Attention(nn.Module):
         qkv_norm: tuple[nn.Module, nn.Module, nn.Module] | None = None,
         scale: float | None = None,
         softcap: float | None = None,
+        sinks: bool = False,
+        out_gate: OutputGate | None = None,
     ) -> None:
         super().__init__()
         head_dim = _head_dim(d_model, n_heads, head_dim)
+        if not isinstance(sinks, bool):
+            raise TypeError(f"sinks={sinks!r} must be a bool")
+        if out_gate is not None and not isinstance(out_gate, OutputGate):
+            raise TypeError(f"out_gate={out_gate!r} must be an OutputGate or None")
         n_kv_heads = n_heads if n_kv_heads is None else _positive(n_kv_heads, "n_kv_heads")
         if n_heads % n_kv_heads:
             raise ValueError(f"n_kv_heads={n_kv_heads} must divide n_heads={n_heads}")
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
+        self.rope_head_dim = head_dim  # the width the RoPE tables span (Rope.fraction of it is rotated)
         self.scale = head_dim**-0.5 if scale is None else scale
         if softcap is not None and not (math.isfinite(softcap) and softcap > 0):
             raise ValueError(f"softcap={softcap!r} must be a finite float > 0 or None")
@@ -207,6 +217,11 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(d_model, n_kv_heads * head_dim, bias=qkv_bias)
         self.v_proj = nn.Linear(d_model, n_kv_heads * head_dim, bias=qkv_bias)
         self.o_proj = nn.Linear(n_heads * head_dim, d_model, bias=out_bias)
+        self.sinks = nn.Parameter(torch.zeros(n_heads)) if sinks else None
+        self.out_gate = out_gate
+        self.gate_proj = (
+            nn.Linear(d_model, out_gate.width(n_heads, head_dim), bias=out_gate.bias) if out_gate is not None else None
+        )
         self.qk_config = qk_norm
         self.q_norm: nn.Module | None = None
         self.k_norm: nn.Module | None = None
@@ -254,9 +269,15 @@ class Attention(nn.Module):
             scores = torch.tanh(scores / self.softcap) * self.softcap
         if mask is not None:
             scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
-        # at least fp32 (a bf16 model's softmax in fp32, as transformers' eager attention; a float64 one in float64)
-        probs = F.softmax(scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32)).to(q.dtype)
+        if self.sinks is not None:
+            probs = softmax_with_sinks(scores, self.sinks).to(q.dtype)
+        else:
+            # at least fp32 (a bf16 model's softmax in fp32, as transformers' eager attention; a float64 one in float64)
+            probs = F.softmax(scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32)).to(q.dtype)
         out = torch.matmul(probs, v).transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim)
+        if self.gate_proj is not None:
+            assert self.out_gate is not None
+            out = self.out_gate.apply(out, self.gate_proj(x), self.n_heads)
         return self.o_proj(out)
 
     @staticmethod

@@ -23,6 +23,8 @@ from torch import Tensor, nn
 from ..modules import Norm
 from ..spec import GainConvention
 from .attention import Attention, RopeStyle, _head_dim
+from .attn_gate import OutputGate
+from .mla import MLAConfig, MLAttention
 from .moe import MoE, MoEConfig
 from .placement import DepthScale, Gate, NormFactory, Placement
 from .qknorm import QKNormConfig
@@ -144,6 +146,9 @@ class Block(nn.Module):
         window: int | None = None,
         rope_theta: float | None = None,
         moe: MoEConfig | None = None,
+        mla: MLAConfig | None = None,
+        attn_sinks: bool = False,
+        attn_gate: OutputGate | None = None,
     ) -> None:
         super().__init__()
         for name, value in (("d_model", d_model), ("n_layers", n_layers), ("n_heads", n_heads), ("d_ff", d_ff)):
@@ -168,15 +173,27 @@ class Block(nn.Module):
         self.ffn_post_norm: nn.Module | None
         self.ffn_after_norm: nn.Module | None
         self.window, self.rope_theta = window, rope_theta
-        hd = _head_dim(d_model, n_heads, head_dim)  # raises unless n_heads divides d_model or head_dim is given
-        qkv = None
-        if placement.qkv_norm:
-            assert norm is not None
-            qkv = (norm(hd), norm(hd), norm(hd))
-        self.attn = Attention(
-            d_model, n_heads, n_kv_heads, hd, qkv_bias=qkv_bias, out_bias=out_bias, qk_norm=qk_norm,
-            qkv_norm=qkv, scale=attn_scale, softcap=attn_softcap,
-        )  # fmt: skip
+        self.attn: Attention | MLAttention
+        if mla is not None:
+            if not isinstance(mla, MLAConfig):
+                raise TypeError(f"mla={mla!r} must be an MLAConfig or None")
+            if qk_norm is not None or placement.qkv_norm:
+                raise ValueError(f"mla={mla!r} with a QK-norm or QKV-norm: MLA's norms are on its latents")
+            if attn_sinks or attn_gate is not None:
+                raise ValueError(f"mla with attn_sinks={attn_sinks} / attn_gate={attn_gate!r}: not expressed for MLA")
+            self.attn = MLAttention(
+                d_model, n_heads, mla, bias=qkv_bias, out_bias=out_bias, scale=attn_scale, softcap=attn_softcap
+            )
+        else:
+            hd = _head_dim(d_model, n_heads, head_dim)  # raises unless n_heads divides d_model or head_dim is given
+            qkv = None
+            if placement.qkv_norm:
+                assert norm is not None
+                qkv = (norm(hd), norm(hd), norm(hd))
+            self.attn = Attention(
+                d_model, n_heads, n_kv_heads, hd, qkv_bias=qkv_bias, out_bias=out_bias, qk_norm=qk_norm,
+                qkv_norm=qkv, scale=attn_scale, softcap=attn_softcap, sinks=attn_sinks, out_gate=attn_gate,
+            )  # fmt: skip
         if moe is not None and not isinstance(moe, MoEConfig):
             raise TypeError(f"moe={moe!r} must be a MoEConfig or None")
         if moe is not None and mlp_bias:
@@ -213,9 +230,15 @@ class Block(nn.Module):
         beta = self.placement.branch_init_beta
         if beta is None:
             return
-        for lin in (self.attn.q_proj, self.attn.k_proj):
-            nn.init.xavier_normal_(lin.weight, gain=1.0)
-        lins = [self.attn.v_proj, self.attn.o_proj]
+        a = self.attn
+        if isinstance(a, MLAttention):  # the query side at gain 1; the kv latent feeds v, so beta
+            qs, vs = [a.q_proj, a.q_a_proj, a.q_b_proj], [a.kv_a_proj, a.kv_b_proj]
+        else:
+            qs, vs = [a.q_proj, a.k_proj], [a.v_proj]
+        for lin in qs:
+            if lin is not None:
+                nn.init.xavier_normal_(lin.weight, gain=1.0)
+        lins = [*vs, a.o_proj]
         if isinstance(self.mlp, MLP):
             lins += [self.mlp.up_proj, self.mlp.down_proj] + ([self.mlp.gate_proj] if self.mlp.gate_proj else [])
         else:

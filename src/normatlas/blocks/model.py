@@ -18,7 +18,9 @@ from torch import Tensor, nn
 from ..modules import Norm
 from ..spec import NormSpec
 from .attention import Rope
+from .attn_gate import OutputGate
 from .block import MLP, Activation, Block
+from .mla import MLAConfig
 from .moe import MoE, MoEConfig
 from .placement import NormFactory, Placement, Schedule, pre_ln
 from .positions import PositionIds, position_rows
@@ -78,6 +80,9 @@ class ModelConfig:
     norm: NormFactory | NormSpec | None = None
     placement: Placement | Schedule = field(default_factory=pre_ln)
     qk_norm: QKNormConfig | None = None
+    mla: MLAConfig | None = None
+    attn_sinks: bool = False
+    attn_gate: OutputGate | None = None
     final_norm: bool = True
     embed_norm: bool = False
     activation: Activation = Activation.SILU
@@ -115,7 +120,7 @@ class ModelConfig:
         _positive(kv, "n_kv_heads")
         if self.n_heads % kv:
             raise ValueError(f"n_kv_heads={kv} must divide n_heads={self.n_heads} (grouped-query attention)")
-        if self.head_dim is None and self.d_model % self.n_heads:
+        if self.head_dim is None and self.mla is None and self.d_model % self.n_heads:
             raise ValueError(f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}; set head_dim")
         if self.head_dim is not None:
             _positive(self.head_dim, "head_dim")
@@ -128,6 +133,11 @@ class ModelConfig:
         if self.qk_norm is not None and not isinstance(self.qk_norm, QKNormConfig):
             raise TypeError(f"qk_norm={self.qk_norm!r} must be a QKNormConfig or None")
         as_factory(self.norm)  # type check
+        self._check_mla()
+        if not isinstance(self.attn_sinks, bool):
+            raise TypeError(f"attn_sinks={self.attn_sinks!r} must be a bool")
+        if self.attn_gate is not None and not isinstance(self.attn_gate, OutputGate):
+            raise TypeError(f"attn_gate={self.attn_gate!r} must be an OutputGate or None")
         if self.norm is None:
             for i in range(self.n_layers):
                 p = self.plan(i)
@@ -195,6 +205,26 @@ class ModelConfig:
                 "position_ids=PositionIds.FROM_PADDING counts the tokens that are not pad_token_id; set it"
             )
 
+    def _check_mla(self) -> None:
+        """MLA sets its own head widths: ``head_dim`` (if given) is its q / k head, every head its own kv head."""
+        m = self.mla
+        if m is None:
+            return
+        if not isinstance(m, MLAConfig):
+            raise TypeError(f"mla={m!r} must be an MLAConfig or None")
+        if self.head_dim not in (None, m.qk_head_dim):
+            raise ValueError(f"head_dim={self.head_dim} with mla: it must be None or mla.qk_head_dim={m.qk_head_dim}")
+        if self.n_kv_heads not in (None, self.n_heads):
+            raise ValueError(f"n_kv_heads={self.n_kv_heads} with mla: MLA's k / v have n_heads={self.n_heads} heads")
+        if self.attn_sinks or self.attn_gate is not None:
+            raise ValueError(f"attn_sinks / attn_gate with mla={m!r}: MLA has neither")
+        if self.qk_norm is not None:
+            raise ValueError(f"qk_norm={self.qk_norm!r} with mla: MLA's norms are on its latents (mla.latent_norm)")
+        if self.rope is not None and self.rope.fraction != 1.0:
+            raise ValueError(
+                f"rope.fraction={self.rope.fraction} with mla: MLA rotates all of its qk_rope_head_dim part; use 1.0"
+            )
+
     def plan(self, layer: int) -> tuple[Placement, NormFactory | None]:
         """The placement and norm operator of ``layer``."""
         if isinstance(self.placement, Schedule):
@@ -221,7 +251,8 @@ def _blocks(cfg: ModelConfig) -> nn.ModuleList:
                 cfg.d_model, placement, norm, layer=i, n_layers=cfg.n_layers, n_heads=cfg.n_heads,
                 n_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim, d_ff=cfg.d_ff, activation=cfg.activation,
                 gated=cfg.gated, mlp_bias=cfg.mlp_bias, qkv_bias=cfg.qkv_bias, out_bias=cfg.out_bias,
-                qk_norm=cfg.qk_norm, attn_softcap=cfg.attn_softcap,
+                qk_norm=cfg.qk_norm, attn_softcap=cfg.attn_softcap, mla=cfg.mla,
+                attn_sinks=cfg.attn_sinks, attn_gate=cfg.attn_gate,
                 attn_scale=cfg.attn_scale if cfg.layer_attn_scale is None else cfg.layer_attn_scale[i],
                 window=None if cfg.layer_windows is None else cfg.layer_windows[i],
                 rope_theta=None if cfg.layer_rope_theta is None else cfg.layer_rope_theta[i], moe=cfg.moe_of(i),
@@ -289,7 +320,7 @@ class _Stack(nn.Module):
             if cfg.rope is not None and (cfg.layer_rope is None or cfg.layer_rope[i]):
                 theta = cfg.rope.theta if block.rope_theta is None else block.rope_theta
                 if theta not in tables:
-                    tables[theta] = rope_tables(replace(cfg.rope, theta=theta), block.attn.head_dim, pos)
+                    tables[theta] = rope_tables(replace(cfg.rope, theta=theta), block.attn.rope_head_dim, pos)
                 rope = (*tables[theta], cfg.rope.style)
             x = block(x, rope, full)
         return x

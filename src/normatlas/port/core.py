@@ -136,7 +136,7 @@ def _read(hf: nn.Module, inputs: dict[str, Any]) -> _Read:
         first = strip(g, subs[0].source, SHAPE_ONLY)
         emb_norm = next((s for s in sites if s.node == first), None)
     projs = projections(g)
-    layers = read_layers(g, subs, cores, projs, _known_thetas(hf.config))  # type: ignore[union-attr]
+    layers = read_layers(g, subs, cores, projs, _known_thetas(hf.config), sites)  # type: ignore[union-attr]
     end = subs[-1]
     last = final.output if final else (end.post[-1].output if end.post else end.adds[-1])
     first = emb_norm.input if emb_norm is not None else strip(g, subs[0].source, SHAPE_ONLY)
@@ -159,7 +159,7 @@ def _rope_fields(layers: list[LayerReading]) -> dict[str, Any]:
     _agree([r.rotary_dim for r in live], "rotated widths")
     _agree([(r.inv_freq, r.attention_factor, r.long_inv_freq, r.long_after, r.clockwise) for r in live],
            "RoPE frequency profiles (scaled inverse frequencies, attention factor)")  # fmt: skip
-    hd = layers[0].heads[2]
+    hd = layers[0].rope_head or layers[0].heads[2]
     thetas = [r.theta for r in live]
     out: dict[str, Any] = {"rope": live[0].rope(hd)}
     if len(set(thetas)) > 1:
@@ -175,6 +175,9 @@ def _attention_fields(layers: list[LayerReading]) -> dict[str, Any]:
     n_heads, n_kv, hd = _agree([r.heads for r in layers], "attention shapes (heads, kv heads, head dim)")
     scales = [s.scale for s in scores]  # type: ignore[union-attr]
     out: dict[str, Any] = dict(n_heads=n_heads, n_kv_heads=n_kv, head_dim=hd)
+    out["mla"] = _agree([r.mla for r in layers], "attention kinds (MLA and not, or MLA shapes)")
+    out["attn_sinks"] = _agree([r.sinks for r in layers], "attention sinks (in some layers only)")
+    out["attn_gate"] = _agree([r.gate for r in layers], "attention output gates")
     out["causal"] = _agree([s.causal for s in scores], "causal masks")  # type: ignore[union-attr]
     out["attn_softcap"] = _agree([s.softcap for s in scores], "attention soft-caps")  # type: ignore[union-attr]
     windows = tuple(s.window for s in scores)  # type: ignore[union-attr]

@@ -17,6 +17,8 @@ from typing import Any
 from torch import nn
 
 from ..analysis.graph import Graph
+from ..blocks.attn_gate import OutputGate
+from ..blocks.mla import MLAConfig
 from ..blocks.model import ModelConfig
 from ..blocks.placement import Gate, Placement, Schedule, Sublayer
 from ..blocks.qknorm import QKGain, QKNormConfig, QKOperator, QKScope
@@ -28,7 +30,7 @@ from ..vocabulary import Operator, RopeOrder, SublayerKind
 from .errors import PortError
 from .measure import Mlp, RopeReading, Scores, branch_scale, mlp_design, rope_of, scores_of
 from .moe import MoeReading, read_moe, routed
-from .read import Proj, attention_parts, mlp_parts, norm_params
+from .read import Proj, attention_parts, attention_roles, mlp_parts, norm_params, own_bits
 
 __all__ = ["LayerReading", "Source", "norm_spec", "qk_config", "read_layers"]
 
@@ -63,6 +65,19 @@ class LayerReading:
     qk: tuple[Site, ...] = ()
     qk_order: RopeOrder = RopeOrder.NOT_APPLICABLE
     biases: dict[str, bool] = field(default_factory=dict)
+    sinks: bool = False  # a learned logit per head in the softmax (``attn.sinks``)
+    gate: OutputGate | None = None  # a gate on the attention output (``attn.gate_proj``)
+    mla: MLAConfig | None = None  # a multi-head latent attention (heads: n_heads, n_heads, its q / k head dim)
+    mla_rope: RopeReading | None = None  # MLA's decoupled RoPE, read by :mod:`.mla`
+    rope_head: int = 0  # the width the RoPE tables span when it is not the head dim (MLA's rotated part)
+
+
+@dataclass(frozen=True)
+class _Ctx:
+    """What every layer's reading shares: the norm sites and the RoPE bases the config states."""
+
+    sites: list[Site]
+    known: tuple[float, ...]
 
 
 def norm_spec(site: Site) -> NormSpec:
@@ -114,7 +129,19 @@ def _one(sites: list[Site], what: str, layer: int) -> Site | None:
     return sites[0] if sites else None
 
 
-def _attention(g: Graph, r: LayerReading, sub: InspSub, branch: int, cores: list[Core], projs: list[Proj]) -> None:
+def _attention(
+    g: Graph, r: LayerReading, sub: InspSub, branch: int, cores: list[Core], projs: list[Proj], ctx: _Ctx
+) -> None:
+    from .mla import mla_parts
+
+    roles = attention_roles(g, sub, branch, cores, projs)
+    own = own_bits(g, branch, sub.source)
+    if any(n.op == "topk" and own >> n.idx & 1 and g.feeds(n.idx, roles.core.node) for n in g.nodes):
+        raise PortError([f"layer {r.index}: a sparse-attention indexer (top-k over its own key scores picks the keys)"])
+    mla = mla_parts(g, roles.qkv, roles.outs, roles.core)
+    if mla is not None:
+        _mla(g, r, mla, roles, ctx)
+        return
     parts = attention_parts(g, sub, branch, cores, projs)
     for name in ("q", "k", "v", "o"):
         r.sources.update(_proj_sources(f"attn.{name}_proj", getattr(parts, name), r.biases, "attn"))
@@ -126,6 +153,19 @@ def _attention(g: Graph, r: LayerReading, sub: InspSub, branch: int, cores: list
     r.core = parts.core
     r.scores = scores_of(g, parts.core, r.index)
     r.scores.scale *= _q_scale(g, parts.core.q)  # OPT scales q before the score matmul
+    if r.scores.sink is None:
+        from .gates import lse_sink
+
+        linked = {id(s.param) for s in r.sources.values()}
+        r.scores.sink = lse_sink(g, parts, r.scores, own_bits(g, branch, sub.source), linked, r.index)
+    if r.scores.sink is not None:
+        r.sinks = True
+        r.sources["attn.sinks"] = Source(g.tensors[r.scores.sink])  # type: ignore[arg-type]
+    if parts.gate is not None:
+        from .gates import gate_design
+
+        r.gate = gate_design(g, parts, r.index)
+        r.sources.update(_proj_sources("attn.gate_proj", parts.gate, {}, "attn"))
     for role in ("q", "k"):  # one norm reached on the rotated and the passed-through part (partial RoPE) is one
         parts.core.norms[role] = list({s.node: (s, rope) for s, rope in parts.core.norms[role]}.values())
     r.qk = tuple(s for s, _ in [*parts.core.norms["q"], *parts.core.norms["k"]])
@@ -158,6 +198,40 @@ def _q_scale(g: Graph, q: int) -> float:
             cur = n.inputs[0]
         else:
             return scale
+
+
+def _mla(g: Graph, r: LayerReading, parts: Any, roles: Any, ctx: _Ctx) -> None:
+    """An MLA branch (:mod:`.mla`): its config, the rows each of our projections takes, its latent norms."""
+    from .mla import read_mla
+
+    used = {id(p) for p in (parts.q, parts.q_a, parts.kv_a, parts.kv_b, parts.o) if p is not None}
+    extra = [p.label for p in roles.inside if id(p) not in used]
+    if extra:
+        raise PortError([f"layer {r.index}: attention projections with no role in our Block: {', '.join(extra)}"])
+    m = read_mla(g, parts, ctx.sites, r.index, ctx.known)
+    named: list[tuple[str, Proj, tuple[int, ...] | None]] = [
+        ("attn.q_proj" if parts.q_a is None else "attn.q_b_proj", parts.q, m.rows["q"]),
+        ("attn.kv_a_proj", parts.kv_a, m.rows["kv_a_proj"]),
+        ("attn.kv_b_proj", parts.kv_b, m.rows["kv_b_proj"]),
+    ]
+    if parts.q_a is not None:
+        named.append(("attn.q_a_proj", parts.q_a, None))
+    for prefix, p, rows in named:
+        biased = prefix in ("attn.q_a_proj", "attn.kv_a_proj")
+        if p.bias() is not None and not biased:
+            raise PortError([f"layer {r.index}: a bias on MLA's {prefix.split('.')[1]} (ours: on q_a / kv_a only)"])
+        r.sources.update(_proj_sources(prefix, p.with_rows(rows), r.biases if biased else {}, "attn"))
+    r.sources.update(_proj_sources("attn.o_proj", parts.o, r.biases, "attn"))
+    for slot, site in m.norms.items():
+        r.sources.update(_norm_sources(g, f"attn.{slot}", site))
+    r.mla = m.config
+    r.heads = (m.heads, m.heads, m.config.qk_head_dim)
+    r.rope_head = m.config.qk_rope_head_dim
+    r.core = parts.core
+    r.scores = scores_of(g, parts.core, r.index)
+    r.mla_rope = m.rope
+    if any(parts.core.norms[k] for k in "qkv"):
+        raise PortError([f"layer {r.index}: MLA with a norm on its q / k / v operands"])
 
 
 def _mlp(g: Graph, r: LayerReading, sub: InspSub, branch: int, projs: list[Proj]) -> None:
@@ -225,10 +299,17 @@ def _scalings(g: Graph, subs: list[InspSub], layer: int) -> dict[str, Any]:
 
 
 def read_layer(
-    g: Graph, index: int, subs: list[InspSub], cores: list[Core], projs: list[Proj], known: tuple[float, ...]
+    g: Graph,
+    index: int,
+    subs: list[InspSub],
+    cores: list[Core],
+    projs: list[Proj],
+    known: tuple[float, ...],
+    sites: list[Site] | None = None,
 ) -> LayerReading:
     """One layer: its sublayers must be attention then MLP, or one parallel sublayer of both."""
     kinds = [s.kind for s in subs]
+    ctx = _Ctx(sites or [], known)
     r = LayerReading(index, Placement())
     sc = _scalings(g, subs, index)
     common: dict[str, Any] = {"residual_alpha": sc["residual_alpha"], "branch_scale": sc["branch_scale"]}
@@ -240,7 +321,7 @@ def read_layer(
             r.sources[f"{tag}_residual.gate.gamma"] = Source(g.tensors[node])  # type: ignore[arg-type]
     if kinds == [SublayerKind.ATTENTION, SublayerKind.MLP]:
         a, m = subs
-        _attention(g, r, a, a.branches[0], cores, projs)
+        _attention(g, r, a, a.branches[0], cores, projs, ctx)
         _mlp(g, r, m, m.branches[0], projs)
         r.placement = Placement(f"layer{index}", _slots(a), _slots(m), **common)
         for sub, tag in ((a, "attn"), (m, "ffn")):
@@ -249,7 +330,7 @@ def read_layer(
                 if site is not None:
                     r.norms[f"{tag}_{slot}_norm"] = site
     elif kinds == [SublayerKind.PARALLEL]:
-        _parallel(g, r, subs[0], cores, projs, common)
+        _parallel(g, r, subs[0], cores, projs, common, ctx)
     elif SublayerKind.ATTENTION not in kinds and SublayerKind.PARALLEL not in kinds:
         raise PortError([f"layer {index}: a layer with no attention (an SSM, recurrent or convolution mixer)"])
     else:
@@ -259,13 +340,13 @@ def read_layer(
 
 
 def _parallel(
-    g: Graph, r: LayerReading, sub: InspSub, cores: list[Core], projs: list[Proj], common: dict[str, Any]
+    g: Graph, r: LayerReading, sub: InspSub, cores: list[Core], projs: list[Proj], common: dict[str, Any], ctx: _Ctx
 ) -> None:
     by_kind = {_branch_kind(g, sub, b, cores): b for b in sub.branches}
     if set(by_kind) != {SublayerKind.ATTENTION, SublayerKind.MLP}:
         raise PortError([f"layer {r.index}: a parallel sublayer that is not one attention and one MLP branch"])
     ab, mb = by_kind[SublayerKind.ATTENTION], by_kind[SublayerKind.MLP]
-    _attention(g, r, sub, ab, cores, projs)
+    _attention(g, r, sub, ab, cores, projs, ctx)
     _mlp(g, r, sub, mb, projs)
     pre = {tag: [s for s in sub.pre if g.feeds(s.output, b)] for tag, b in (("attn", ab), ("ffn", mb))}
     shared = len(sub.pre) == 1
@@ -318,7 +399,12 @@ def _qk_one(r: LayerReading) -> QKNormConfig:
 
 
 def read_layers(
-    g: Graph, subs: list[InspSub], cores: list[Core], projs: list[Proj], known: tuple[float, ...]
+    g: Graph,
+    subs: list[InspSub],
+    cores: list[Core],
+    projs: list[Proj],
+    known: tuple[float, ...],
+    sites: list[Site] | None = None,
 ) -> list[LayerReading]:
     """Every layer, in order; problems in any layer are collected into one :class:`PortError`."""
     by_layer: dict[int, list[InspSub]] = {}
@@ -327,7 +413,7 @@ def read_layers(
     out, problems = [], []
     for i, layer in enumerate(sorted(by_layer)):
         try:
-            r = read_layer(g, i, by_layer[layer], cores, projs, known)
+            r = read_layer(g, i, by_layer[layer], cores, projs, known, sites)
             r.rope = _rope(g, r, by_layer[layer], known)
             out.append(r)
         except PortError as e:
@@ -342,6 +428,8 @@ def _rope(g: Graph, r: LayerReading, subs: list[InspSub], known: tuple[float, ..
 
     if r.core is None:
         return None
+    if r.mla is not None:
+        return r.mla_rope
     sub = subs[0]
     own = 0
     for b in sub.branches:

@@ -74,6 +74,7 @@ class Scores:
     softcap: float | None
     causal: bool
     window: int | None
+    sink: int | None = None  # the parameter node of a learned per-head logit joining the softmax (attention sinks)
 
 
 def scores_of(g: Graph, core: Core, layer: int) -> Scores:
@@ -92,9 +93,10 @@ def scores_of(g: Graph, core: Core, layer: int) -> Scores:
         scale = float(fused[0].kwargs.get("alpha", 1.0)) if fused else 1.0
     if start is None or g.nodes[core.node].op != "softmax":
         raise PortError([f"layer {layer}: the attention scores are not a matmul of q and k before a softmax"])
-    cur, capped, mask = start, False, None
+    cur, capped, mask, sink = start, False, None, None
     while cur != core.node:
         nxt = [u for u in g.users(cur) if u.idx == core.node or g.feeds(u.idx, core.node)]
+        nxt = _past_max_shift(g, nxt, cur)
         if len(nxt) != 1:
             raise PortError([f"layer {layer}: the attention scores branch before the softmax"])
         u = nxt[0]
@@ -107,6 +109,10 @@ def scores_of(g: Graph, core: Core, layer: int) -> Scores:
             capped = True
         elif u.op in ("add", "where", "masked_fill"):
             mask = _mask_operand(g, u, cur)
+        elif u.op == "cat" and sink is None and (s := _sink_of(g, u, cur, core)) is not None:
+            sink = s
+        elif u.op == "sub" and _is_max_shift(g, u, cur):
+            pass  # x - max(x): the softmax is the same
         elif not (u.op in SHAPE_ONLY or u.op in SPLITS):
             raise PortError([f"layer {layer}: an op ({u.op}) on the attention scores our attention does not have"])
         cur = u.idx
@@ -114,7 +120,43 @@ def scores_of(g: Graph, core: Core, layer: int) -> Scores:
     if capped and cap is None:
         raise PortError([f"layer {layer}: a tanh on the attention scores that is not a c * tanh(x / c) soft-cap"])
     causal, window = _mask_shape(mask, layer)
-    return Scores(scale * (cap or 1.0), cap, causal, window)
+    return Scores(scale * (cap or 1.0), cap, causal, window, sink)
+
+
+def _is_max(g: Graph, i: int, of: int) -> bool:
+    n = g.nodes[strip(g, i, SHAPE_ONLY | SPLITS | frozenset({"item_of"}))]
+    return n.op in ("max", "amax") and n.inputs[:1] == (of,)
+
+
+def _is_max_shift(g: Graph, u: object, cur: int) -> bool:
+    """``u`` is ``cur - max(cur)`` (a softmax's overflow guard, gpt-oss)."""
+    n = g.nodes[u.idx]  # type: ignore[attr-defined]
+    return len(n.inputs) == 2 and n.inputs[0] == cur and _is_max(g, n.inputs[1], cur)
+
+
+def _past_max_shift(g: Graph, nxt: list, cur: int) -> list:
+    """The users of ``cur`` on the way to the softmax, with the max a ``cur - max(cur)`` guard reads left out."""
+    if len(nxt) < 2:
+        return nxt
+    shifts = [u for u in nxt if u.op == "sub" and _is_max_shift(g, u, cur)]
+    if len(shifts) != 1:
+        return nxt
+    return [u for u in nxt if u is shifts[0] or not _is_max(g, u.idx, cur)]
+
+
+def _sink_of(g: Graph, u: object, cur: int, core: Core) -> int | None:
+    """The parameter node of a learned logit per head concatenated after the keys (attention sinks), if ``u`` is
+    that concatenation along the last dim."""
+    n = g.nodes[u.idx]  # type: ignore[attr-defined]
+    dim, nd = n.kwargs.get("dim", n.args[1] if len(n.args) > 1 else 0), len(n.shape or ())
+    if len(n.inputs) != 2 or n.inputs[0] != cur or not isinstance(dim, int) or not nd or dim % nd != nd - 1:
+        return None
+    leaf = g.nodes[strip(g, n.inputs[1], SHAPE_ONLY)]
+    heads = g.nodes[core.q].shape
+    t = g.tensors.get(leaf.idx)
+    if leaf.op != "param" or t is None or heads is None or t.numel() != heads[1]:
+        return None
+    return leaf.idx
 
 
 def _fused_scores(call: FusedCall, g: Graph, layer: int) -> Scores:

@@ -32,7 +32,18 @@ from ..inspect.norms import Site
 from ..inspect.residual import Sublayer
 from .errors import PortError
 
-__all__ = ["AttnParts", "MlpParts", "Proj", "attention_parts", "mlp_parts", "norm_params", "own_bits", "projections"]
+__all__ = [
+    "AttnParts",
+    "MlpParts",
+    "Proj",
+    "Roles",
+    "attention_parts",
+    "attention_roles",
+    "mlp_parts",
+    "norm_params",
+    "own_bits",
+    "projections",
+]
 
 
 @dataclass
@@ -67,6 +78,7 @@ class AttnParts:
     v: Proj
     o: Proj
     core: Core
+    gate: Proj | None = None  # a projection gating the core's output before o (read by :mod:`.gates`)
 
 
 @dataclass
@@ -95,9 +107,20 @@ def _feeds(g: Graph, a: int, b: int) -> bool:
     return a == b or g.feeds(a, b)
 
 
-def attention_parts(g: Graph, sub: Sublayer, branch: int, cores: list[Core], projs: list[Proj]) -> AttnParts:
-    """q, k, v and output projections of one attention branch; raises :class:`PortError` when they are not four
-    (or three fused and one) plain projections around one core."""
+@dataclass
+class Roles:
+    """One attention branch's core, the projections inside the branch, those feeding each operand, and those
+    reading the core's output."""
+
+    core: Core
+    inside: list[Proj]
+    qkv: dict[str, list[Proj]]
+    outs: list[Proj]
+
+
+def attention_roles(g: Graph, sub: Sublayer, branch: int, cores: list[Core], projs: list[Proj]) -> Roles:
+    """The one core of an attention branch and the projections around it (raises unless there is one core with a
+    value operand)."""
     own = own_bits(g, branch, sub.source)
     mine = [c for c in cores if own >> c.node & 1]
     if len(mine) != 1:
@@ -105,10 +128,27 @@ def attention_parts(g: Graph, sub: Sublayer, branch: int, cores: list[Core], pro
     core = mine[0]
     inside = [p for p in projs if own >> p.output & 1]
     if core.v < 0:
+        core.v = _value_through(g, core.node)
+    if core.v < 0:
         raise PortError([f"layer {sub.layer}: the attention's value operand was not found"])
     roles: dict[str, list[Proj]] = {r: [p for p in inside if _feeds(g, p.output, getattr(core, r))] for r in "qkv"}
     outs = [p for p in inside if _feeds(g, core.node, p.input)]
+    return Roles(core, inside, roles, outs)
+
+
+def attention_parts(g: Graph, sub: Sublayer, branch: int, cores: list[Core], projs: list[Proj]) -> AttnParts:
+    """q, k, v and output projections of one attention branch; raises :class:`PortError` when they are not four
+    (or three fused and one) plain projections around one core."""
+    found = attention_roles(g, sub, branch, cores, projs)
+    core, inside, roles, outs = found.core, found.inside, found.qkv, found.outs
     used = {id(p) for ps in (*roles.values(), outs) for p in ps}
+    gates = [
+        p for p in inside
+        if id(p) not in used and len(outs) == 1 and _feeds(g, p.output, outs[0].input)
+        and not any(_feeds(g, p.output, getattr(core, r)) for r in "qkv")
+    ]  # fmt: skip
+    gate = gates[0] if len(gates) == 1 else None
+    used |= {id(gate)} if gate is not None else set()
     extra = [p.label for p in inside if id(p) not in used]
     problems = [
         f"layer {sub.layer}: {r} is computed by {len(ps)} projections" + (" (low-rank: MLA)" if len(ps) > 1 else "")
@@ -125,7 +165,24 @@ def attention_parts(g: Graph, sub: Sublayer, branch: int, cores: list[Core], pro
     for r, (p,) in roles.items():
         fused = sum(p is ps[0] for ps in roles.values()) > 1
         picked[r] = p.with_rows(rows_of(g, p, getattr(core, r)) if fused else None)
-    return AttnParts(picked["q"], picked["k"], picked["v"], outs[0], core)
+    return AttnParts(picked["q"], picked["k"], picked["v"], outs[0], core, gate)
+
+
+def _value_through(g: Graph, softmax: int) -> int:
+    """The value operand of a core whose probabilities pass a slice first (attention sinks drop the sink's
+    column): the second operand of the matmul the softmax reaches through splits and value-preserving ops."""
+    frontier, seen = [softmax], set()
+    while frontier:
+        here = frontier.pop()
+        for u in g.users(here):
+            if u.idx in seen:
+                continue
+            seen.add(u.idx)
+            if u.op in ("matmul", "bmm") and len(u.inputs) == 2 and u.inputs[0] == here:
+                return u.inputs[1]
+            if u.op in SHAPE_ONLY or u.op in SPLITS:
+                frontier.append(u.idx)
+    return -1
 
 
 def mlp_parts(g: Graph, sub: Sublayer, branch: int, projs: list[Proj]) -> MlpParts:
