@@ -150,6 +150,11 @@ UTILITIES: dict[str, str] = _reasons(
             ("ResidualAdd",),
         ),
         ("an activation enum (SiLU / GELU / ReLU) for the MLP", _B, ("Activation",)),
+        (
+            "the MLP slot's routed mixture-of-experts value, so that routed decoders port (not a normalization method)",
+            _B,
+            ("MoE", "MoEConfig"),
+        ),
         ("reports of what a conversion changed", _L, ("Change", "ConversionReport")),
         (
             "torch.nn.utils.parametrize plumbing shared by weight_norm and spectral_norm",
