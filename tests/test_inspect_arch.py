@@ -48,7 +48,7 @@ EXPECTED: dict[str, dict[str, Any]] = {
     ),
     "gemma3_text": dict(placement="peri", qk_norm="per-head", qk_norm_rope="before-rope", attn_softcap=None),
     # OLMo 1: LayerNorm without affine parameters
-    "olmo": dict(operator="layernorm-nonparam", placement="pre", gain_convention=None, bias=False),
+    "olmo": dict(operator="layernorm-nonparam", placement="pre", gain_convention="none", bias=False),
     # OLMo 2: norms on branch outputs (reordered / res-post), q_norm over all heads before the head split
     "olmo2": dict(
         operator="rmsnorm", placement="res-post", qk_norm="flattened", qk_norm_rope="before-rope", final_norm="rmsnorm"

@@ -114,3 +114,5 @@ class SublayerKind(enum.Enum):
     ATTENTION = "attention"
     MLP = "mlp"
     PARALLEL = "attention+mlp"  # attention and MLP branches added at one add
+    MIXER = "mixer"  # a token mixer without an attention core: an SSM (Mamba), a convolution, linear attention
+    ATTENTION_MIXER = "attention+mixer"  # attention beside a mixer at one add (Falcon-H1, Hymba)

@@ -73,3 +73,7 @@ SHAPE_ONLY = VALUE_PRESERVING | SHAPES
 SPLITS = frozenset({"getitem", "split", "chunk", "unbind", "narrow"})
 ROW_PRESERVING = frozenset({"view", "reshape", "getitem", "flatten", "unflatten", "squeeze", "unsqueeze"})
 PROJECTIONS = frozenset({"linear", "addmm", "mm", "conv1d", "conv2d", "embedding", "einsum", "baddbmm", "bmm"})
+# ops that mix positions along a sequence without an attention core: a causal convolution over time (Mamba's
+# conv1d), a scan written as a cumulative sum or product (chunked SSD, linear attention's running state), a
+# triangular solve (gated delta rule)
+TOKEN_MIXING = frozenset({"conv1d", "cumsum", "cumprod", "logcumsumexp", "linalg_solve_triangular"})

@@ -119,6 +119,8 @@ def inspect_cmd(args: argparse.Namespace) -> int:
         *([Section("sublayers", subs, "per sublayer")] if subs else []),
     ]
     if args.norms:
+        from ..inspect.report import gain_word
+
         sites = [
             {
                 "#": n.index,
@@ -127,7 +129,7 @@ def inspect_cmd(args: argparse.Namespace) -> int:
                 "operator": n.operator.value,
                 "size": n.size,
                 "eps": n.eps,
-                "gain": n.gain_convention,
+                "gain": gain_word(n.gain_convention),
                 "bias": n.bias,
                 "cast": n.cast_order,
                 "probe": None if not n.probe else ("agrees" if n.probe.get("agrees") else "DISAGREES"),

@@ -87,9 +87,14 @@ inspect = inspect_model
 
 
 def inspect_target(target: str, *, seed: int = 0, probe: bool = True) -> InspectionReport:
-    """Build a CLI TARGET (model type, checkpoint folder, ``module:factory``) and inspect it."""
+    """Build a CLI TARGET (model type, checkpoint folder, ``module:factory``) and inspect it. A model type whose
+    config describes an image encoder alone (:func:`.vlm.is_vision_type`: image channels, no vocabulary) is read as
+    a vision tower (:func:`inspect_vision_target`), so ``inspect vit`` reads what ``inspect --vision vit`` does."""
     from .build import build_target
+    from .vlm import is_vision_type
 
+    if _is_model_type(target) and is_vision_type(target):
+        return inspect_vision_target(target, seed=seed, probe=probe)
     model, inputs, label = build_target(target, seed=seed)
     return inspect_model(model, inputs, name=label, probe=probe)
 

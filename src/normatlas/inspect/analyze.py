@@ -14,6 +14,7 @@ Everything is structural: module paths are labels in the report, never read to d
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import Counter
 from collections.abc import Iterable
@@ -26,7 +27,17 @@ from ..vocabulary import Operator, PlacementKind, QKNormKind, RopeOrder, SiteRol
 from .attention import Core, find_cores, qk_kind, rope_order, trig_bits
 from .norms import Site, find_sites
 from .report import AttentionInfo, InspectionReport, NormInfo, SublayerInfo
-from .residual import Stream, Sublayer, embedding, final_norm, find_stream, layer_of, place_norms, scale_after
+from .residual import (
+    Stream,
+    Sublayer,
+    embedding,
+    final_norm,
+    find_stream,
+    layer_of,
+    place_norms,
+    scale_after,
+    stream_root,
+)
 
 __all__ = ["analyze"]
 
@@ -57,13 +68,20 @@ def analyze(
     attention = _attention_infos(g, cores, roles, trig, layers)
     sub_infos = [_sublayer_info(s) for s in subs]
     notes: list[str] = []
+    as_pre = _embedding_norm_as_pre(g, subs, sub_infos, emb_norm)
+    if as_pre:
+        notes.append(
+            f"layer {subs[0].layer}'s {subs[0].kind.value} sublayer has no pre-norm of its own: the embedding norm "
+            f"feeds it, so it reads as {sub_infos[0].placement.value} and the summary keeps the other layers' scheme"
+        )
     report = InspectionReport(
         model=name,
         tracer=tracer,
         layers=len({s.layer for s in subs}),
         hidden_size=stream.shape[-1],
         **_norm_summary(sites, roles, notes),
-        **_placement_summary(stream, sub_infos),
+        **_placement_summary(stream, _as_pre(sub_infos) if as_pre else sub_infos),
+        embedding_norm_as_pre=as_pre,
         **_attention_summary(attention),
         final_norm=final.operator if final else Operator.NONE,
         final_logit_softcap=_logit_cap(g, final),
@@ -135,6 +153,24 @@ def _sublayer_info(sub: Sublayer) -> SublayerInfo:
     )  # fmt: skip
 
 
+def _embedding_norm_as_pre(g: Graph, subs: list[Sublayer], infos: list[SublayerInfo], emb: Site | None) -> bool:
+    """Whether the first sublayer has no pre-norm where the embedding norm's output is its stream value, and reading
+    that norm as its pre-norm gives the scheme every other sublayer of its kind has (the embedding norm doubles
+    as layer 0's pre-norm: the placement is that scheme, not ``mix``)."""
+    if emb is None or not subs or subs[0].pre or stream_root(g, subs[0].source) != stream_root(g, emb.output):
+        return False
+    first = infos[0]
+    alt = PlacementKind.of_slots(True, bool(first.out), bool(first.post))
+    same = [i.placement for i in infos[1:] if i.kind is first.kind]
+    return alt is not first.placement and bool(same) and all(p is alt for p in same)
+
+
+def _as_pre(infos: list[SublayerInfo]) -> list[SublayerInfo]:
+    first = infos[0]
+    alt = PlacementKind.of_slots(True, bool(first.out), bool(first.post))
+    return [dataclasses.replace(first, placement=alt), *infos[1:]]
+
+
 def _logit_cap(g: Graph, final: Site | None) -> float | None:
     """A tanh soft-cap downstream of the final norm: ``c * tanh(x / c)``."""
     cap = None
@@ -195,6 +231,7 @@ def _placement_summary(stream: Stream, subs: list[SublayerInfo]) -> dict[str, An
         "placement": _summary_of(kinds, PlacementKind.UNKNOWN, PlacementKind.MIX),
         "placement_attention": _mix(per_kind[SublayerKind.ATTENTION]) if SublayerKind.ATTENTION in per_kind else "n/a",
         "placement_mlp": _mix(per_kind[SublayerKind.MLP]) if SublayerKind.MLP in per_kind else "n/a",
+        "placement_mixer": _mix(mixers) if (mixers := per_kind.get(SublayerKind.MIXER)) else "n/a",
         "placement_by_layer": ["/".join(v) for _, v in sorted(by_layer.items())],
         "residual_scale": ", ".join(sorted({f"{s.skip_scale:.6g}" for s in subs if s.skip_scale} | learned)) or None,
         "branch_scale": ", ".join(sorted({s.branch_scale for s in subs if s.branch_scale})) or None,

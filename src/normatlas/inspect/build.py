@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from ..checkpoint import PICKLE_SUFFIXES
+from .build_fit import build_running
 
 __all__ = [
     "ATTENTION_IMPLEMENTATIONS",
@@ -159,7 +160,8 @@ def _parts(cfg: Any) -> list[Any]:
 def _shrink(c: Any, sizes: dict[str, Any]) -> None:
     """Set ``sizes`` where ``c`` has them, then fit its per-layer schedules to the shrunk depth: every list with
     one entry per original layer is cut to the new depth (a size set above becomes one entry per layer), a hybrid
-    keeps every layer kind, and KV sharing (:data:`KV_SHARED_LAYER_COUNTS`) keeps a producer of each kind."""
+    keeps every layer kind and KV sharing (:data:`KV_SHARED_LAYER_COUNTS`) keeps a producer of each kind (widths stated
+    as products of each other are refitted where the model does not run: :func:`.build_fit.build_running`)."""
     before = c.to_dict()
     depth = getattr(c, "num_hidden_layers", None)
     for key, val in sizes.items():
@@ -328,8 +330,32 @@ def build_target(target: str, seed: int = 0, attn_implementation: str | None = N
         locate(path)  # refuses the pickle with the load policy's message
     if path.exists():
         raise FileNotFoundError(f"{target}: not a folder (need a checkpoint folder with config.json)")
+    from transformers import AutoConfig
+
     cfg = tiny_config(target)
-    return _model_from_config(cfg), None, target
+    orig = AutoConfig.for_model(target)
+    parts = list(zip(_parts(cfg), (p.to_dict() for p in _parts(orig)), strict=False))
+    model = build_running(cfg, parts, set(TINY), _model_from_config, _runs, lambda c: _rederived_shrink(c, orig))
+    return model, None, target
+
+
+def _rederived_shrink(cfg: Any, orig: Any) -> Any:
+    """``cfg`` built again from its shrunk fields (:func:`_rederived`), keeping what the shrink set: the sizes of
+    :data:`TINY` (under the names the config's ``attribute_map`` gives them) and the per-layer lists it cut."""
+    aliases = getattr(cfg, "attribute_map", {}) or {}
+    was = orig.to_dict()
+    cut = {k for k, v in cfg.to_dict().items() if isinstance(v, list) and v != was.get(k)}
+    return _rederived(cfg, orig, set(TINY) | {aliases[k] for k in TINY if k in aliases} | cut)
+
+
+def _runs(model: nn.Module) -> bool:
+    """Whether ``model`` runs one forward on its example inputs."""
+    try:
+        with torch.no_grad():
+            model(**example_inputs(model))
+    except Exception:
+        return False
+    return True
 
 
 def build_vision(model_type: str, seed: int = 0, image_size: int = 32, patch_size: int = 8) -> nn.Module:

@@ -1,7 +1,9 @@
 """The typed inspection report, in the design vocabulary (:mod:`normatlas.vocabulary`, :mod:`normatlas.spec`).
 
 Enums inside; strings only in :meth:`InspectionReport.to_dict` (each enum's ``value``). A field that
-is ``None`` was not found or not measurable (a fused kernel hides its cast order; no norm has no eps).
+is ``None`` was not found or not measurable (a fused kernel hides its cast order; no norm has no eps), except the
+gain convention: a norm without a gain has none, and every view of the report (JSON, tables, CSV, the sweep) says
+:data:`NO_GAIN` there, one word for one fact.
 """
 
 from __future__ import annotations
@@ -13,7 +15,14 @@ from typing import Any
 from ..spec import CastOrder, EpsPlacement, GainConvention
 from ..vocabulary import Operator, PlacementKind, QKNormKind, RopeOrder, SiteRole, SublayerKind
 
-__all__ = ["AttentionInfo", "InspectionReport", "NormInfo", "SublayerInfo"]
+__all__ = ["NO_GAIN", "AttentionInfo", "InspectionReport", "NormInfo", "SublayerInfo", "gain_word"]
+
+NO_GAIN = "none"  # the gain convention of a norm without a gain (GainConvention names the conventions of a gain)
+
+
+def gain_word(conv: GainConvention | None) -> str:
+    """A gain convention as the report spells it: its value, or :data:`NO_GAIN` for a norm without a gain."""
+    return conv.value if conv is not None else NO_GAIN
 
 
 @dataclass(frozen=True)
@@ -88,6 +97,8 @@ class InspectionReport:
     final_logit_softcap: float | None
     embedding_scale: float | None
     embedding_norm: Operator
+    placement_mixer: str = "n/a"  # the placement of the mixer sublayers (an SSM, a convolution, linear attention)
+    embedding_norm_as_pre: bool = False  # layer 0 has no pre-norm of its own: the embedding norm is it (a note)
     norms: list[NormInfo] = field(default_factory=list)
     sublayers: list[SublayerInfo] = field(default_factory=list)
     attention: list[AttentionInfo] = field(default_factory=list)
@@ -97,6 +108,9 @@ class InspectionReport:
     def to_dict(self, detail: bool = True) -> dict[str, Any]:
         """JSON-ready dict; enums become their string values."""
         d = asdict(self)
+        d["gain_convention"] = gain_word(self.gain_convention)
+        for n, info in zip(d["norms"], self.norms, strict=True):
+            n["gain_convention"] = gain_word(info.gain_convention)
         if not detail:
             for k in ("norms", "sublayers", "attention"):
                 d.pop(k)

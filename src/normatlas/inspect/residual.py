@@ -24,7 +24,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from ..analysis.graph import Graph
-from ..analysis.ops import CASTS, PROJECTIONS, SHAPE_ONLY
+from ..analysis.ops import CASTS, PROJECTIONS, SHAPE_ONLY, TOKEN_MIXING
 from ..analysis.walk import components, learned_mul, scalar_mul, strip
 from ..vocabulary import SublayerKind
 from .norms import Site
@@ -290,12 +290,28 @@ def _branch_norms(g: Graph, sub: Sublayer, by_output: dict[int, Site]) -> None:
                 sub.branch_scales.append(f"{by_output[node].output_scale:.6g}")
 
 
+def _mixes_tokens(g: Graph, source: int, own: int) -> bool:
+    """A branch's own compute holds, on the path from its stream value, a floating op that mixes positions without
+    an attention core (:data:`TOKEN_MIXING`: an SSM's convolution and scan, linear attention's running sum)."""
+    return any(
+        own >> n.idx & 1 and n.op in TOKEN_MIXING and n.dtype is not None and n.dtype.is_floating_point
+        and g.feeds(source, n.idx)
+        for n in g.nodes
+    )  # fmt: skip
+
+
 def _classify(g: Graph, sub: Sublayer, attn_bits: int) -> None:
+    """Each branch is attention (an attention core in its own compute), a mixer (positions mixed otherwise:
+    :func:`_mixes_tokens`) or an MLP (neither); the sublayer is the branches' kind, or two of them beside each
+    other at one add (attention + MLP, attention + mixer)."""
     own = [g.anc(b) & ~g.anc(sub.source) for b in sub.branches]
     attends = [bool(o & attn_bits) for o in own]
-    sub.kind = SublayerKind.ATTENTION if any(attends) else SublayerKind.MLP
+    mixes = [not a and _mixes_tokens(g, sub.source, o) for a, o in zip(attends, own, strict=True)]
+    sub.kind = SublayerKind.ATTENTION if any(attends) else SublayerKind.MIXER if any(mixes) else SublayerKind.MLP
     if len(sub.branches) > 1:
-        if set(attends) == {True, False}:
+        if any(attends) and any(mixes):
+            sub.kind = SublayerKind.ATTENTION_MIXER
+        elif set(attends) == {True, False}:
             sub.kind = SublayerKind.PARALLEL
         else:  # two branches of one kind (routed + shared experts): one sublayer, not parallel
             sub.parallel_same = True

@@ -27,6 +27,7 @@ COLUMNS = [
     "placement",
     "placement_attention",
     "placement_mlp",
+    "placement_mixer",
     "residual_scale",
     "branch_scale",
     "depth_scaling",

@@ -47,7 +47,7 @@ from torch import nn
 from ..analysis.graph import record
 from ..vocabulary import Operator, QKNormKind
 from . import vlm_graph as vg
-from .report import InspectionReport, _plain
+from .report import InspectionReport, _plain, gain_word
 from .vision import VisionReport, vision_report
 from .vlm_graph import ConnectorInfo, ConnectorKind, Injection
 
@@ -124,7 +124,7 @@ class VLMReport:
             "qk_norm": lm.qk_norm.value,
             "final norm": lm.final_norm.value,
             "embedding scale": lm.embedding_scale,
-            "gain convention": lm.gain_convention.value if lm.gain_convention else None,
+            "gain convention": gain_word(lm.gain_convention),
             "image-side key norm": self.image_key_norm.value,
         }
         return {

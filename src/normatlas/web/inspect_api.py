@@ -16,7 +16,7 @@ from typing import Any
 
 from ..vocabulary import PlacementKind, SublayerKind
 
-__all__ = ["MAX_CONCURRENT", "Busy", "Forbidden", "Inspector"]
+__all__ = ["MAX_CONCURRENT", "Busy", "Forbidden", "Inspector", "Unreadable"]
 
 MAX_CONCURRENT = 1
 _MODEL_TYPE = re.compile(r"[a-z0-9][a-z0-9_-]{0,63}")
@@ -30,6 +30,11 @@ class Forbidden(PermissionError):
 
 class Busy(RuntimeError):
     """Every inspection slot is taken."""
+
+
+class Unreadable(ValueError):
+    """A valid target whose model could not be built or read (a config that does not build, a model that does not
+    run): the request was understood and cannot be answered (422), with the failure named; never a 500."""
 
 
 def _slots(sub: Any) -> dict[str, bool]:
@@ -120,7 +125,11 @@ class Inspector:
         try:
             from ..inspect import inspect_target
 
-            report = inspect_target(target)
+            try:
+                report = inspect_target(target)
+            except Exception as exc:  # building or tracing a model fails in many ways: one named line
+                first = (str(exc).splitlines() or [""])[0][:300]
+                raise Unreadable(f"cannot build or inspect {target}: {type(exc).__name__}: {first}") from exc
             doc = report.to_dict() | {"drawing": drawing(report)}
             doc["seconds"] = round(float(doc.get("seconds") or 0.0), 3)
         finally:

@@ -27,7 +27,7 @@ from urllib.parse import unquote, urlsplit
 
 from .axes_api import normalize_view, taxonomy_view
 from .catalog import NAME, experiments_view, models_view, papers_view, placements_view
-from .inspect_api import Busy, Forbidden, Inspector
+from .inspect_api import Busy, Forbidden, Inspector, Unreadable
 
 __all__ = ["CSP", "MAX_BODY", "AtlasServer", "Config", "make_server", "static_files"]
 
@@ -211,6 +211,8 @@ class Handler(BaseHTTPRequestHandler):
             self._error(exc.status, str(exc), exc.headers)
         except Forbidden as exc:
             self._error(HTTPStatus.FORBIDDEN, str(exc))
+        except Unreadable as exc:
+            self._error(HTTPStatus.UNPROCESSABLE_ENTITY, str(exc))
         except Busy as exc:
             self._error(HTTPStatus.SERVICE_UNAVAILABLE, str(exc), {"Retry-After": "2"})
         except FileNotFoundError as exc:
