@@ -153,7 +153,7 @@ UTILITIES: dict[str, str] = _reasons(
         (
             "the MLP slot's routed mixture-of-experts value, so that routed decoders port (not a normalization method)",
             _B,
-            ("MoE", "MoEConfig"),
+            ("MoE", "MoEConfig", "RouterScore"),
         ),
         ("reports of what a conversion changed", _L, ("Change", "ConversionReport")),
         (
