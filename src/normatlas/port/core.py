@@ -26,6 +26,7 @@ from ..inspect.norms import Site, find_sites
 from ..inspect.report import InspectionReport
 from ..inspect.residual import embedding, final_norm, find_stream, place_norms
 from .design import LayerReading, Source, make_config, norm_spec, qk_config, read_layers
+from .ends import EmbedProjection, embed_projection, table_index
 from .errors import PortError
 from .measure import logit_ends
 from .read import Proj, projections
@@ -117,6 +118,7 @@ class _Read:
     stream_shape: tuple[int, ...]
     last: int  # the last stream value the head reads: the final norm's output, or the last sublayer's
     head_norm: Site | None = None
+    embed_proj: EmbedProjection | None = None  # a projection from the embedding width onto the stream (ELECTRA)
 
 
 def _read(hf: nn.Module, inputs: dict[str, Any]) -> _Read:
@@ -133,10 +135,13 @@ def _read(hf: nn.Module, inputs: dict[str, Any]) -> _Read:
     final = final_norm(g, stream)
     emb_scale, emb_norm = embedding(g, stream)
     projs = projections(g)
+    ep = embed_projection(g, projs, subs[0].source, stream.by_output) if emb_norm is None and not emb_scale else None
+    if ep is not None:
+        emb_scale, emb_norm = ep.scale, ep.norm
     layers = read_layers(g, subs, cores, projs, _known_thetas(hf.config))  # type: ignore[union-attr]
     end = subs[-1]
     last = final.output if final else (end.post[-1].output if end.post else end.adds[-1])
-    return _Read(g, sites, layers, final, emb_scale, emb_norm, projs, tuple(stream.shape), last)
+    return _Read(g, sites, layers, final, emb_scale, emb_norm, projs, tuple(stream.shape), last, embed_proj=ep)
 
 
 def _agree(values: list[Any], what: str) -> Any:
@@ -220,7 +225,7 @@ def _embeddings(r: _Read, seq: int) -> tuple[nn.Module, dict[str, Any], dict[str
     ``0..T-1`` and added to it); any other table is refused."""
     g = r.g
     tables = [s for s in g.spans if isinstance(s.module, nn.Embedding) and s.inputs]
-    tok = [s for s in tables if g.nodes[strip(g, s.inputs[0], SHAPE_ONLY)].op == "input"]
+    tok = [s for s in tables if g.nodes[strip(g, table_index(g, s), SHAPE_ONLY)].op == "input"]
     if len(tok) != 1:
         raise PortError([f"{len(tok)} embedding tables read the input ids"])
     fields: dict[str, Any] = {"vocab_size": tok[0].module.num_embeddings, "pad_token_id": tok[0].module.padding_idx}
@@ -228,7 +233,7 @@ def _embeddings(r: _Read, seq: int) -> tuple[nn.Module, dict[str, Any], dict[str
     for s in tables:
         if s is tok[0]:
             continue
-        idx = g.tensors[s.inputs[0]]
+        idx = g.tensors[table_index(g, s)]
         if not bool(idx.any()) and "type_embed.weight" not in sources:  # one type id for every token (BERT)
             fields["type_vocab_size"] = s.module.num_embeddings
             sources["type_embed.weight"] = Source(_table(s.module))
@@ -250,14 +255,12 @@ def _head(r: _Read, embed: nn.Module) -> tuple[dict[str, Any], dict[str, Source]
     if len(heads) != 1 or heads[-1].kind != "linear":
         raise PortError(["the logits are not one linear head projection"])
     head = heads[-1]
-    if head.weight().shape[0] != embed.num_embeddings:  # type: ignore[operator]
-        raise PortError(
-            [f"a head over {head.weight().shape[0]} tokens for an embedding table of {embed.num_embeddings}"]
-        )
     transform = _head_transform(r, head)
     scale, cap = logit_ends(g, head)
     tied = head.weight() is embed.weight
     fields = {"tie_embeddings": tied, "logit_scale": scale, "logit_softcap": cap, "head_bias": head.bias() is not None}
+    if head.weight().shape[0] != embed.num_embeddings:  # an untied head over another vocabulary (Mllama, Moshi)
+        fields["head_vocab_size"] = int(head.weight().shape[0])
     sources = {"lm_head.weight": Source(head.weight())}
     if head.bias() is not None:
         sources["lm_head.bias"] = Source(head.bias())  # type: ignore[arg-type]
@@ -266,6 +269,9 @@ def _head(r: _Read, embed: nn.Module) -> tuple[dict[str, Any], dict[str, Source]
 
         dense, site = transform
         fields["head_transform"] = True
+        fields["head_transform_bias"] = dense.bias() is not None
+        if (width := int(dense.weight().shape[0])) != r.stream_shape[-1]:
+            fields["head_width"] = width
         sources["head_dense.weight"] = Source(dense.weight())
         if dense.bias() is not None:
             sources["head_dense.bias"] = Source(dense.bias())  # type: ignore[arg-type]
@@ -347,6 +353,12 @@ def _config(hf: nn.Module, r: _Read, seq: int) -> tuple[ModelConfig, dict[str, S
     glob.update(head_src)
     if head_fields.pop("head_bias"):
         fields["head_bias"] = True
+    if r.embed_proj is not None:
+        p = r.embed_proj.proj
+        fields.update(embed_dim=int(p.weight().shape[1]), embed_proj_bias=p.bias() is not None)
+        glob["embed_proj.weight"] = Source(p.weight())
+        if p.bias() is not None:
+            glob["embed_proj.bias"] = Source(p.bias())  # type: ignore[arg-type]
     spec = _spec(r)
     base = dict(
         d_model=r.stream_shape[-1], n_layers=len(r.layers), qk_norm=qk_config(r.layers),
