@@ -416,6 +416,12 @@ def _links(
     return tuple(links), never
 
 
+def _logit_params(g: Graph) -> set[int]:
+    """The parameters the logits depend on (a pooler the forward computes beside them, BigBird's, is not one)."""
+    out = g.outputs[0] if g.outputs else None
+    return {id(g.tensors[n.idx]) for n in g.nodes if n.op == "param" and (out is None or g.feeds(n.idx, out))}
+
+
 def _load(hf: nn.Module, ours: nn.Module, links: tuple[Link, ...], sources: dict[str, Source]) -> None:
     sd = ours.state_dict()
     filled = {k: _pull(sources[k]).reshape(sd[k].shape).clone() for k in sd}
@@ -450,7 +456,7 @@ def port(hf_model: nn.Module, *, check: bool = True) -> tuple[Port, Any]:
         r = _read(hf_model, _inputs(hf_model, seq, batch=1, seed=0))
         cfg, sources = _config(hf_model, r, seq)
         ours = (ViTEncoder(cfg) if isinstance(cfg, ViTConfig) else TransformerLM(cfg)).to(dtype=dtype).eval()
-        links, unused = _links(hf_model, ours, sources, {id(r.g.tensors[n.idx]) for n in r.g.nodes if n.op == "param"})
+        links, unused = _links(hf_model, ours, sources, _logit_params(r.g))
         _load(hf_model, ours, links, sources)
         report = analyze(r.g, name)
     except PortError as e:

@@ -93,7 +93,7 @@ def scores_of(g: Graph, core: Core, layer: int) -> Scores:
         scale = float(fused[0].kwargs.get("alpha", 1.0)) if fused else 1.0
     if start is None or g.nodes[core.node].op != "softmax":
         raise PortError([f"layer {layer}: the attention scores are not a matmul of q and k before a softmax"])
-    cur, capped, mask = start, False, None
+    cur, capped, mask, mult = start, False, None, None
     while cur != core.node:
         nxt = [u for u in g.users(cur) if u.idx == core.node or g.feeds(u.idx, core.node)]
         if len(nxt) != 1:
@@ -106,8 +106,13 @@ def scores_of(g: Graph, core: Core, layer: int) -> Scores:
             scale *= 1.0 if capped else sm[1]
         elif u.op == "tanh":
             capped = True
+        elif u.op == "mul" and (m := _mul_mask(g, u, cur)) is not None:
+            mult = mask = m if mask is None else mask & m  # GPT-1: scores * b + -1e4 * (1 - b)
         elif u.op in ("add", "where", "masked_fill"):
-            mask = _mask_operand(g, u, cur)
+            m = _mask_operand(g, u, cur, mult)
+            mask = m if mask is None else mask & m
+        elif u.op in ("max", "maximum", "clamp_min") and _floor_noop(g, u, cur):
+            pass  # XGLM's max(scores, finfo.min): equal on every finite score
         elif not (u.op in SHAPE_ONLY or u.op in SPLITS):
             raise PortError([f"layer {layer}: an op ({u.op}) on the attention scores our attention does not have"])
         cur = u.idx
@@ -137,7 +142,31 @@ def _fused_scores(call: FusedCall, g: Graph, layer: int) -> Scores:
     return Scores(call.scale, cap, causal, window)
 
 
-def _mask_operand(g: Graph, u: object, scores: int) -> Tensor:
+def _mul_mask(g: Graph, u: object, scores: int) -> Tensor | None:
+    """The keys a multiplication of the scores by a 0 / 1 tensor keeps (GPT-1's ``scores * b``), or None when the
+    other factor is not such a mask."""
+    node = g.nodes[u.idx]  # type: ignore[attr-defined]
+    others = [i for i in node.inputs if i != scores and not g.feeds(scores, i)]
+    t = g.tensors.get(others[0]) if len(others) == 1 else None
+    if t is None or t.numel() < 2 or not bool(((t == 0) | (t == 1)).all()):
+        return None
+    return t.bool()
+
+
+def _floor_noop(g: Graph, u: object, scores: int) -> bool:
+    """Whether ``max(scores, c)`` has a floor ``c`` at or below the dtype's lowest finite value (a no-op on every
+    finite score: XGLM's clamp against an overflowing mask)."""
+    from ..analysis.walk import scalar_of
+
+    node = g.nodes[u.idx]  # type: ignore[attr-defined]
+    others = [a for a in (*node.args, *node.kwargs.values()) if not (hasattr(a, "idx") and a.idx == scores)]
+    st = g.tensors.get(scores)
+    floors = [scalar_of(g, a) for a in others]
+    lowest = torch.finfo(st.dtype).min if st is not None and st.is_floating_point() else None
+    return lowest is not None and len(floors) == 1 and floors[0] is not None and floors[0] <= lowest
+
+
+def _mask_operand(g: Graph, u: object, scores: int, mult: Tensor | None = None) -> Tensor:
     node = g.nodes[u.idx]  # type: ignore[attr-defined]
     others = [i for i in node.inputs if i != scores and not g.feeds(scores, i)]
     t = g.tensors[others[0]] if others else None
@@ -146,6 +175,10 @@ def _mask_operand(g: Graph, u: object, scores: int) -> Tensor:
     if node.op == "add":
         if not t.is_floating_point():
             return t.bool()
+        if mult is not None:  # the fill of a multiplicative mask: 0 where it keeps, <= -1e4 (exp gives 0) elsewhere
+            tb, mb = torch.broadcast_tensors(t, mult)
+            if bool((tb[mb] == 0).all()) and bool((tb[~mb] <= -1e4).all()):
+                return mult
         allowed = t > torch.finfo(t.dtype).min / 2
         if bool((t[allowed] != 0).any()):
             raise PortError(["an additive bias on the attention scores (ALiBi or relative positions)"])
