@@ -172,6 +172,11 @@ class ModelConfig:
             if v is not None and not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
                 raise ValueError(f"{name}={v!r} must be a finite float > 0 or None")
         self._check_ends()
+        if self.activation.learned and (self.moe is not None or self.head_transform):
+            raise ValueError(
+                f"activation={self.activation.value!r} has learned parameters, which only the dense MLP holds; "
+                f"got moe={self.moe is not None}, head_transform={self.head_transform} (both must be off)"
+            )
         if not (math.isfinite(self.init_std) and self.init_std > 0):
             raise ValueError(f"init_std={self.init_std!r} must be > 0")
         if not isinstance(self.scaled_residual_init, bool):

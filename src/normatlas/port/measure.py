@@ -40,6 +40,7 @@ class Mlp:
     gate: Proj | None
     up: Proj
     down: Proj
+    learned: tuple[Tensor, ...] = ()  # a learned activation's parameters, in its module's order (xIELU: a_p, a_n)
 
 
 def mlp_design(g: Graph, parts: MlpParts, layer: int) -> Mlp:
@@ -62,11 +63,39 @@ def mlp_design(g: Graph, parts: MlpParts, layer: int) -> Mlp:
             cands.append((p.with_rows(hi), p.with_rows(lo), y[..., n:], y[..., :n]))
     for act in Activation:
         for gate, up, gv, uv in cands:
+            if act.learned:
+                found = _xielu(g, parts, uv if gv is None else gv, None if gv is None else uv)
+                if found is not None:
+                    return Mlp(act, gate is not None, gate, up, parts.down, found)
+                continue
             got = act(uv) if gv is None else act(gv) * uv
             if _close(got, d):
                 return Mlp(act, gate is not None, gate, up, parts.down)
     names = ", ".join(a.value for a in Activation)
     raise PortError([f"layer {layer}: an MLP activation or gating that is none of {names} (gated or not)"])
+
+
+def _xielu(g: Graph, parts: MlpParts, x: Tensor, up: Tensor | None) -> tuple[Tensor, ...] | None:
+    """xIELU's two learned scalars (a_p, a_n before their softplus), when the down projection's input equals
+    :class:`~normatlas.blocks.XIELU` of ``x`` (times ``up``, gated) with them in one order or the other: the
+    parameters of one element the branch reads after its first projections."""
+    from ..blocks.block import XIELU
+
+    d = g.tensors[parts.down.input]
+    starts = [p.output for p in parts.firsts]
+    params = [n.idx for n in g.nodes if n.op == "param" and math.prod(n.shape or ()) == 1
+              and g.feeds(n.idx, parts.down.input) and not any(g.feeds(n.idx, s) for s in starts)]  # fmt: skip
+    if len(params) != 2:
+        return None
+    act = XIELU().double()
+    for a_p, a_n in (params, params[::-1]):
+        with torch.no_grad():
+            act.alpha_p.copy_(g.tensors[a_p].detach().reshape(1))
+            act.alpha_n.copy_(g.tensors[a_n].detach().reshape(1))
+            got = act(x.double()) if up is None else act(x.double()) * up.double()
+        if _close(got, d):
+            return g.tensors[a_p], g.tensors[a_n]
+    return None
 
 
 @dataclass
