@@ -72,7 +72,11 @@ def mlp_design(g: Graph, parts: MlpParts, layer: int) -> Mlp:
             if _close(got, d):
                 return Mlp(act, gate is not None, gate, up, parts.down)
     names = ", ".join(a.value for a in Activation)
-    raise PortError([f"layer {layer}: an MLP activation or gating that is none of {names} (gated or not)"])
+    starts = [p.output for p in parts.firsts]
+    clamps = [n for n in g.nodes if n.op in ("clamp", "clamp_max", "clamp_min") and g.feeds(n.idx, parts.down.input)
+              and any(g.feeds(s, n.idx) for s in starts)]  # fmt: skip
+    why = ": it clamps its inputs (a gpt-oss style clamped SwiGLU)" if clamps else ""  # MiniMax-M3: (up + 1) g s(a g)
+    raise PortError([f"layer {layer}: an MLP activation or gating that is none of {names} (gated or not){why}"])
 
 
 def _xielu(g: Graph, parts: MlpParts, x: Tensor, up: Tensor | None) -> tuple[Tensor, ...] | None:
