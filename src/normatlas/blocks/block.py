@@ -5,7 +5,7 @@ For each sublayer ``F`` (attention, then FFN) the block computes::
     h = N_pre(x) * pre_scale        if placement.<sub>.pre        (pre_scale: LayerNorm Scaling)
     y = F(h)
     y = N_post(y)                   if placement.<sub>.post       (Sandwich / Peri-LN / res-post-norm)
-    x = residual_add(x, y)          alpha * x + branch_scale * gate(y)
+    x = residual_add(x, y)          alpha * skip_gate(x) + branch_scale * gate(y)
     x = N_after(x)                  if placement.<sub>.after_add  (Post-LN / DeepNorm)
 
 and, with ``placement.parallel``, ``x = N_after(residual_add(x, F_attn(h) + F_ffn(h')))``.
@@ -15,6 +15,7 @@ The norms are attributes ``{attn,ffn}_{pre,post,after}_norm`` (absent when the s
 from __future__ import annotations
 
 import enum
+import math
 
 import torch
 import torch.nn.functional as F
@@ -30,7 +31,7 @@ from .placement import DepthScale, Gate, NormFactory, Placement
 from .qknorm import QKNormConfig
 from .residual import LayerScale, ResidualAdd, ReZero
 
-__all__ = ["MLP", "Activation", "Block"]
+__all__ = ["MLP", "XIELU", "Activation", "Block"]
 
 
 class Activation(enum.Enum):
@@ -39,8 +40,16 @@ class Activation(enum.Enum):
     GELU_TANH = "gelu_tanh"  # tanh approximation: GPT-2 ("gelu_new"), Gemma ("gelu_pytorch_tanh")
     RELU = "relu"
     RELU2 = "relu2"  # ReLU squared (So et al., 2021, Primer): Nemotron, Arcee, Jais 2, BitNet
+    XIELU = "xielu"  # xIELU (Huang & Schlag, 2024): learned alpha_p / alpha_n, a module of the MLP (:class:`XIELU`)
+
+    @property
+    def learned(self) -> bool:
+        """Whether the activation has parameters of its own (it is then a module of the MLP, not a function)."""
+        return self is Activation.XIELU
 
     def __call__(self, x: Tensor) -> Tensor:
+        if self.learned:
+            raise TypeError(f"Activation.{self.name} has learned parameters: call the MLP's module ({self.value})")
         if self is Activation.SILU:
             return F.silu(x)
         if self is Activation.GELU:
@@ -52,8 +61,48 @@ class Activation(enum.Enum):
         return F.relu(x)
 
 
+class XIELU(nn.Module):
+    """xIELU (Huang & Schlag, "Deriving Activation Functions Using Integration", 2024; Apertus)::
+
+        a_p = softplus(alpha_p),  a_n = beta + softplus(alpha_n)
+        f(x) = a_p x^2 + beta x                         x > 0
+               a_n (expm1(min(x, eps)) - x) + beta x    x <= 0
+
+    ``alpha_p`` / ``alpha_n`` are learned (one value each, stored before the softplus); ``beta`` and ``eps`` are
+    constants. Initialised so that ``a_p = alpha_p_init`` and ``a_n = alpha_n_init``.
+    """
+
+    def __init__(
+        self, alpha_p_init: float = 0.8, alpha_n_init: float = 0.8, beta: float = 0.5, eps: float = -1e-6
+    ) -> None:
+        super().__init__()
+        for name, v in (("alpha_p_init", alpha_p_init), ("alpha_n_init", alpha_n_init), ("beta", beta), ("eps", eps)):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise TypeError(f"{name}={v!r} must be a finite float")
+        if alpha_p_init <= 0 or alpha_n_init <= beta:
+            raise ValueError(
+                f"alpha_p_init={alpha_p_init} must be > 0 and alpha_n_init={alpha_n_init} > beta={beta} "
+                "(each is a softplus of a parameter, plus beta for alpha_n)"
+            )
+        if eps > 0:
+            raise ValueError(f"eps={eps} must be <= 0 (the negative branch's expm1 reads min(x, eps))")
+        self.beta, self.eps = float(beta), float(eps)
+        self.alpha_p = nn.Parameter(torch.tensor([math.log(math.expm1(alpha_p_init))]))
+        self.alpha_n = nn.Parameter(torch.tensor([math.log(math.expm1(alpha_n_init - beta))]))
+
+    def forward(self, x: Tensor) -> Tensor:
+        a_p = F.softplus(self.alpha_p)
+        a_n = self.beta + F.softplus(self.alpha_n)
+        neg = (torch.expm1(torch.clamp(x, max=self.eps)) - x) * a_n
+        return torch.where(x > 0, a_p * x * x, neg) + self.beta * x
+
+    def extra_repr(self) -> str:
+        return f"beta={self.beta:g}, eps={self.eps:g}"
+
+
 class MLP(nn.Module):
-    """Gated (SwiGLU / GeGLU: ``down(act(gate(x)) * up(x))``) or plain (``down(act(up(x)))``) FFN."""
+    """Gated (SwiGLU / GeGLU: ``down(act(gate(x)) * up(x))``) or plain (``down(act(up(x)))``) FFN; a learned
+    activation (:attr:`Activation.learned`: xIELU) is the module ``act``."""
 
     def __init__(self, d_model: int, d_ff: int, activation: Activation, gated: bool, bias: bool = False) -> None:
         super().__init__()
@@ -63,19 +112,28 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(d_model, d_ff, bias=bias) if gated else None
         self.up_proj = nn.Linear(d_model, d_ff, bias=bias)
         self.down_proj = nn.Linear(d_ff, d_model, bias=bias)
+        self.act: nn.Module | None = XIELU() if activation is Activation.XIELU else None
+
+    def _act(self, x: Tensor) -> Tensor:
+        return self.act(x) if self.act is not None else self.activation(x)
 
     def forward(self, x: Tensor) -> Tensor:
         if self.gate_proj is not None:
-            return self.down_proj(self.activation(self.gate_proj(x)) * self.up_proj(x))
-        return self.down_proj(self.activation(self.up_proj(x)))
+            return self.down_proj(self._act(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self._act(self.up_proj(x)))
 
 
-def _gate(placement: Placement, d_model: int) -> nn.Module | None:
-    if placement.gate is Gate.SCALAR:
-        return ReZero(placement.gate_init)
-    if placement.gate is Gate.VECTOR:
-        return LayerScale(d_model, placement.gate_init)
+def _gate(gate: Gate, init: float, d_model: int) -> nn.Module | None:
+    if gate is Gate.SCALAR:
+        return ReZero(init)
+    if gate is Gate.VECTOR:
+        return LayerScale(d_model, init)
     return None
+
+
+def _residual(p: Placement, sublayer: str, d_model: int) -> ResidualAdd:
+    alpha, scale = p.scalings(sublayer)
+    return ResidualAdd(alpha, scale, _gate(p.gate, p.gate_init, d_model), _gate(p.skip_gate, 1.0, d_model))
 
 
 def _gain_of(norm: nn.Module) -> tuple[Tensor, bool]:
@@ -209,8 +267,8 @@ class Block(nn.Module):
                     on = False  # one add (attn's after-norm) and, when shared, one pre-norm
                 setattr(self, f"{sub}_{slot}_norm", norm(d_model) if on and norm is not None else None)
         self.pre_scale = p.pre_norm_scale.factor(layer, n_layers)
-        self.attn_residual = ResidualAdd(p.residual_alpha, p.branch_scale, _gate(p, d_model))
-        self.ffn_residual = None if p.parallel else ResidualAdd(p.residual_alpha, p.branch_scale, _gate(p, d_model))
+        self.attn_residual = _residual(p, "attn", d_model)
+        self.ffn_residual = None if p.parallel else _residual(p, "ffn", d_model)
         self._init_post_gains()
 
     def _init_post_gains(self) -> None:

@@ -67,6 +67,13 @@ class ModelConfig:
     ``2 * n_layers`` branch additions stays near that of one (the essay's "why scaled init isn't enough": it fixes the
     start, not the growth Pre-LN accumulates while training, which LayerNorm Scaling addresses). A DeepNorm layer
     keeps DeepNet's own init (``Block.deepnorm_init``) either way.
+    ``embed_dim`` (None: ``d_model``) is the width of the embedding tables and their norm; a projection
+    ``embed_proj`` (``embed_dim -> d_model``, with a bias when ``embed_proj_bias``) after the embedding norm maps
+    them onto the stream (ELECTRA, RemBERT, ALBERT). ``head_width`` (None: ``d_model``) is the width the head
+    transform writes and the head reads (ELECTRA's generator head returns to the embedding width);
+    ``head_transform_bias`` whether its dense map has a bias (ModernBERT's has none). ``head_vocab_size``
+    (None: ``vocab_size``) is an untied head over another vocabulary than the embedding table (Mllama's table
+    has 8 rows more for image tokens; Moshi's one more).
     """
 
     vocab_size: int = 256
@@ -110,6 +117,11 @@ class ModelConfig:
     layer_moe: tuple[bool, ...] | None = None
     head_transform: bool = False
     head_bias: bool = False
+    head_transform_bias: bool = True
+    head_width: int | None = None
+    head_vocab_size: int | None = None
+    embed_dim: int | None = None
+    embed_proj_bias: bool = True
     init_std: float = 0.02
     scaled_residual_init: bool = False
 
@@ -178,6 +190,12 @@ class ModelConfig:
             v = getattr(self, name)
             if v is not None and not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
                 raise ValueError(f"{name}={v!r} must be a finite float > 0 or None")
+        self._check_ends()
+        if self.activation.learned and (self.moe is not None or self.head_transform):
+            raise ValueError(
+                f"activation={self.activation.value!r} has learned parameters, which only the dense MLP holds; "
+                f"got moe={self.moe is not None}, head_transform={self.head_transform} (both must be off)"
+            )
         if not (math.isfinite(self.init_std) and self.init_std > 0):
             raise ValueError(f"init_std={self.init_std!r} must be > 0")
         if not isinstance(self.scaled_residual_init, bool):
@@ -224,6 +242,39 @@ class ModelConfig:
             raise ValueError(
                 f"rope.fraction={self.rope.fraction} with mla: MLA rotates all of its qk_rope_head_dim part; use 1.0"
             )
+
+    def _check_ends(self) -> None:
+        """The embedding projection and the head's widths (see the class docstring)."""
+        for name in ("head_width", "head_vocab_size", "embed_dim"):
+            if getattr(self, name) is not None:
+                _positive(getattr(self, name), name)
+        for name in ("head_transform_bias", "embed_proj_bias"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name}={getattr(self, name)!r} must be a bool")
+        if self.head_width is not None and not self.head_transform:
+            raise ValueError(f"head_width={self.head_width} needs head_transform=True (its dense map writes it)")
+        if not self.head_transform_bias and not self.head_transform:
+            raise ValueError("head_transform_bias=False needs head_transform=True (there is no transform otherwise)")
+        if self.head_vocab_size is not None and self.tie_embeddings and self.head_vocab_size != self.vocab_size:
+            raise ValueError(
+                f"head_vocab_size={self.head_vocab_size} with tie_embeddings=True: a tied head reads the embedding "
+                f"table of vocab_size={self.vocab_size} rows; untie it or drop head_vocab_size"
+            )
+        if self.tie_embeddings and self.head_in != self.embed_width:
+            raise ValueError(
+                f"tie_embeddings=True needs the head's input width ({self.head_in}: head_width or d_model) to equal "
+                f"the embedding width ({self.embed_width}: embed_dim or d_model)"
+            )
+
+    @property
+    def embed_width(self) -> int:
+        """The width of the embedding tables (``embed_dim``, else ``d_model``)."""
+        return self.d_model if self.embed_dim is None else self.embed_dim
+
+    @property
+    def head_in(self) -> int:
+        """The width the head reads (``head_width``, else ``d_model``)."""
+        return self.d_model if self.head_width is None else self.head_width
 
     def plan(self, layer: int) -> tuple[Placement, NormFactory | None]:
         """The placement and norm operator of ``layer``."""
@@ -329,22 +380,23 @@ class _Stack(nn.Module):
 class TransformerLM(_Stack):
     """Token ids in, logits out. A decoder-only LM, or a BERT-style encoder with ``causal=False``.
 
-    Parameter names: ``embed``, ``pos_embed``, ``type_embed``, ``embed_norm``, ``layers.{i}.*``,
+    Parameter names: ``embed``, ``pos_embed``, ``type_embed``, ``embed_norm``, ``embed_proj``, ``layers.{i}.*``,
     ``final_norm``, ``head_dense`` / ``head_norm`` (MLM transform), ``lm_head`` (its weight is
     ``embed.weight`` when tied; ``head_bias`` adds a separate bias).
     """
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__(config, ModelConfig)
-        cfg, norm, d = config, as_factory(config.norm), config.d_model
-        self.embed = nn.Embedding(cfg.vocab_size, d, padding_idx=cfg.pad_token_id)
-        self.pos_embed = nn.Embedding(cfg.max_positions, d) if cfg.max_positions else None
-        self.type_embed = nn.Embedding(cfg.type_vocab_size, d) if cfg.type_vocab_size else None
-        self.embed_norm = norm(d) if cfg.embed_norm and norm else None
+        cfg, norm, d, e, h = config, as_factory(config.norm), config.d_model, config.embed_width, config.head_in
+        self.embed = nn.Embedding(cfg.vocab_size, e, padding_idx=cfg.pad_token_id)
+        self.pos_embed = nn.Embedding(cfg.max_positions, e) if cfg.max_positions else None
+        self.type_embed = nn.Embedding(cfg.type_vocab_size, e) if cfg.type_vocab_size else None
+        self.embed_norm = norm(e) if cfg.embed_norm and norm else None
+        self.embed_proj = nn.Linear(e, d, bias=cfg.embed_proj_bias) if cfg.embed_dim is not None else None
         self._add_layers(norm)
-        self.head_dense = nn.Linear(d, d) if cfg.head_transform else None
-        self.head_norm = norm(d) if cfg.head_transform and norm else None
-        self.lm_head = nn.Linear(d, cfg.vocab_size, bias=cfg.head_bias)
+        self.head_dense = nn.Linear(d, h, bias=cfg.head_transform_bias) if cfg.head_transform else None
+        self.head_norm = norm(h) if cfg.head_transform and norm else None
+        self.lm_head = nn.Linear(h, cfg.head_vocab_size or cfg.vocab_size, bias=cfg.head_bias)
         self._init_weights()
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed.weight
@@ -364,7 +416,8 @@ class TransformerLM(_Stack):
         if self.type_embed is not None:
             tt = torch.zeros_like(input_ids) if token_type_ids is None else token_type_ids
             x = x + self.type_embed(tt)
-        return x if self.embed_norm is None else self.embed_norm(x)
+        x = x if self.embed_norm is None else self.embed_norm(x)
+        return x if self.embed_proj is None else self.embed_proj(x)
 
     def forward(
         self, input_ids: Tensor, attention_mask: Tensor | None = None, token_type_ids: Tensor | None = None

@@ -134,6 +134,11 @@ class Placement:
         qkv_norm: norm Q, K and V over the head dim inside attention (HybridNorm).
         residual_alpha: the stream is multiplied by alpha before the add (DeepNorm).
         branch_scale: constant multiplier on each branch output (Granite's residual multiplier).
+        ffn_residual_alpha, ffn_branch_scale: the FFN sublayer's own alpha and branch scale where they differ
+            from the attention's (None: the same); Beam's depth-scaled adds ``sqrt((k-1)/k) x + F / sqrt(k)`` count
+            k over every add, so the two sublayers of a layer differ. Not with ``parallel`` (one add).
+        skip_gate: a learned multiplier on the stream itself before the add, initialised at 1 (Doge's
+            ``input_residual * x + F``): ``Gate.SCALAR`` one value, ``Gate.VECTOR`` one per channel.
         branch_init_beta: DeepNorm's beta: v/o/FFN weights initialised Xavier-normal with gain beta.
         gate, gate_init: learned branch multiplier (ReZero/SkipInit scalar at 0, LayerScale vector at 1e-5).
         pre_norm_scale: factor on the pre-norm output (LayerNorm Scaling: 1/sqrt(l)).
@@ -148,6 +153,9 @@ class Placement:
     qkv_norm: bool = False
     residual_alpha: float = 1.0
     branch_scale: float = 1.0
+    ffn_residual_alpha: float | None = None
+    ffn_branch_scale: float | None = None
+    skip_gate: Gate = Gate.NONE
     branch_init_beta: float | None = None
     gate: Gate = Gate.NONE
     gate_init: float = 0.0
@@ -162,13 +170,24 @@ class Placement:
         for name in ("parallel", "shared_pre_norm", "qkv_norm"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name}={getattr(self, name)!r} must be bool")
-        for name, enum_type in (("gate", Gate), ("pre_norm_scale", DepthScale), ("post_gain_init", DepthScale)):
+        for name, enum_type in (
+            ("gate", Gate), ("skip_gate", Gate), ("pre_norm_scale", DepthScale), ("post_gain_init", DepthScale)
+        ):  # fmt: skip
             if not isinstance(getattr(self, name), enum_type):
                 allowed = ", ".join(f"{enum_type.__name__}.{m.name}" for m in enum_type)
                 raise TypeError(f"{name}={getattr(self, name)!r} must be one of {allowed}")
         _finite(self.residual_alpha, "residual_alpha", positive=True)
         _finite(self.branch_scale, "branch_scale", nonzero=True)
         _finite(self.gate_init, "gate_init")
+        if self.ffn_residual_alpha is not None:
+            _finite(self.ffn_residual_alpha, "ffn_residual_alpha", positive=True)
+        if self.ffn_branch_scale is not None:
+            _finite(self.ffn_branch_scale, "ffn_branch_scale", nonzero=True)
+        if self.parallel and (self.ffn_residual_alpha is not None or self.ffn_branch_scale is not None):
+            raise ValueError(
+                f"parallel=True has one residual add, so ffn_residual_alpha={self.ffn_residual_alpha} and "
+                f"ffn_branch_scale={self.ffn_branch_scale} must be None (set residual_alpha / branch_scale)"
+            )
         _finite(self.post_gain_c, "post_gain_c", positive=True)
         if self.branch_init_beta is not None:
             _finite(self.branch_init_beta, "branch_init_beta", positive=True)
@@ -185,6 +204,15 @@ class Placement:
             raise ValueError(f"post_gain_init={self.post_gain_init.value!r} needs a post-branch norm slot")
         if self.gate is Gate.NONE and self.gate_init != 0.0:
             raise ValueError(f"gate_init={self.gate_init} is set but gate=Gate.NONE; choose Gate.SCALAR or VECTOR")
+
+    def scalings(self, sublayer: str) -> tuple[float, float]:
+        """(residual alpha, branch scale) of ``sublayer`` (``"attn"`` or ``"ffn"``)."""
+        if sublayer not in ("attn", "ffn"):
+            raise ValueError(f"sublayer={sublayer!r} must be 'attn' or 'ffn'")
+        if sublayer == "attn":
+            return self.residual_alpha, self.branch_scale
+        alpha, scale = self.ffn_residual_alpha, self.ffn_branch_scale
+        return (self.residual_alpha if alpha is None else alpha), (self.branch_scale if scale is None else scale)
 
     @property
     def kinds(self) -> tuple[PlacementKind, ...]:
@@ -224,9 +252,12 @@ def _formula(s: Sublayer, p: Placement, f: str) -> str:
         branch = f"N({branch})"
     if p.gate is not Gate.NONE:
         branch = f"g*{branch}"
-    if p.branch_scale != 1.0:
-        branch = f"{p.branch_scale:g}*{branch}"
-    stream = "x" if p.residual_alpha == 1.0 else f"{p.residual_alpha:.4g}*x"
+    alpha, scale = p.scalings("attn" if f.startswith("A") else "ffn")
+    if scale != 1.0:
+        branch = f"{scale:g}*{branch}"
+    stream = "x" if alpha == 1.0 else f"{alpha:.4g}*x"
+    if p.skip_gate is not Gate.NONE:
+        stream = f"s*{stream}"
     out = f"{stream} + {branch}"
     return f"x <- N({out})" if s.after_add else f"x <- {out}"
 

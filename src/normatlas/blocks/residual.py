@@ -139,18 +139,23 @@ class SkipInit(ReZero):
 
 
 class ResidualAdd(nn.Module):
-    """``alpha * residual + scale * gate(branch)``: the residual add as a hookable module.
+    """``alpha * skip_gate(residual) + scale * gate(branch)``: the residual add as a hookable module.
 
     Args:
         alpha: constant multiplier on the stream (DeepNorm's alpha; 1 otherwise).
         branch_scale: constant multiplier on the branch (Granite's residual multiplier).
         gate: an optional learned multiplier module (:class:`ReZero`, :class:`SkipInit`,
             :class:`LayerScale`), or None.
+        skip_gate: an optional learned multiplier on the stream itself (the same modules, initialised at 1:
+            Doge's ``input_residual``), or None.
 
     ``forward(residual, branch)``; a forward hook receives ``(residual, branch)`` as its inputs.
     """
 
-    def __init__(self, alpha: float = 1.0, branch_scale: float = 1.0, gate: nn.Module | None = None) -> None:
+    def __init__(
+        self, alpha: float = 1.0, branch_scale: float = 1.0, gate: nn.Module | None = None,
+        skip_gate: nn.Module | None = None,
+    ) -> None:  # fmt: skip
         super().__init__()
         for name, v in (("alpha", alpha), ("branch_scale", branch_scale)):
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
@@ -158,10 +163,13 @@ class ResidualAdd(nn.Module):
         self.alpha = float(alpha)
         self.branch_scale = float(branch_scale)
         self.gate = gate
+        self.skip_gate = skip_gate
 
     def forward(self, residual: Tensor, branch: Tensor) -> Tensor:
         if self.gate is not None:
             branch = self.gate(branch)
+        if self.skip_gate is not None:
+            residual = self.skip_gate(residual)
         if self.branch_scale != 1.0:
             branch = branch * self.branch_scale
         if self.alpha != 1.0:

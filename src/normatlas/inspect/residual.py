@@ -65,7 +65,7 @@ class Sublayer:
 
 
 def _has_compute(g: Graph, branch: int, source: int) -> bool:
-    own = g.anc(branch) & ~g.anc(source)
+    own = g.anc(branch) & ~(g.anc(source) | 1 << source)  # the source's own op is not the branch's (gelu_new's cube)
     return any(own >> n.idx & 1 for n in g.nodes if n.op in PROJECTIONS or n.op == "matmul")
 
 

@@ -25,6 +25,7 @@ from ..inspect.norms import Site, find_sites
 from ..inspect.report import InspectionReport
 from ..inspect.residual import embedding, final_norm, find_stream, place_norms
 from .design import LayerReading, Source, make_config, norm_spec, qk_config, read_layers
+from .ends import EmbedProjection, embed_projection, table_index
 from .errors import PortError
 from .measure import logit_ends
 from .read import Proj, projections
@@ -117,6 +118,7 @@ class _Read:
     last: int  # the last stream value the head reads: the final norm's output, or the last sublayer's
     head_norm: Site | None = None
     first: int = 0  # the first stream value (the embedding's output, before any embedding norm)
+    embed_proj: EmbedProjection | None = None  # a projection from the embedding width onto the stream (ELECTRA)
 
 
 def _read(hf: nn.Module, inputs: dict[str, Any]) -> _Read:
@@ -136,11 +138,15 @@ def _read(hf: nn.Module, inputs: dict[str, Any]) -> _Read:
         first = strip(g, subs[0].source, SHAPE_ONLY)
         emb_norm = next((s for s in sites if s.node == first), None)
     projs = projections(g)
+    ep = embed_projection(g, projs, subs[0].source, stream.by_output) if emb_norm is None and not emb_scale else None
+    if ep is not None:
+        emb_scale, emb_norm = ep.scale, ep.norm
     layers = read_layers(g, subs, cores, projs, _known_thetas(hf.config), sites)  # type: ignore[union-attr]
     end = subs[-1]
     last = final.output if final else (end.post[-1].output if end.post else end.adds[-1])
     first = emb_norm.input if emb_norm is not None else strip(g, subs[0].source, SHAPE_ONLY)
-    return _Read(g, sites, layers, final, emb_scale, emb_norm, projs, tuple(stream.shape), last, first=first)
+    return _Read(g, sites, layers, final, emb_scale, emb_norm, projs, tuple(stream.shape), last, first=first,
+                 embed_proj=ep)  # fmt: skip
 
 
 def _agree(values: list[Any], what: str) -> Any:
@@ -232,7 +238,7 @@ def _embeddings(r: _Read, seq: int) -> tuple[nn.Module, dict[str, Any], dict[str
 
     g = r.g
     tables = [s for s in g.spans if isinstance(s.module, nn.Embedding) and s.inputs]
-    tok = [s for s in tables if g.nodes[strip(g, s.inputs[0], SHAPE_ONLY)].op == "input"]
+    tok = [s for s in tables if g.nodes[strip(g, table_index(g, s), SHAPE_ONLY)].op == "input"]
     if len(tok) != 1:
         raise PortError([f"{len(tok)} embedding tables read the input ids"])
     fields: dict[str, Any] = {"vocab_size": tok[0].module.num_embeddings, "pad_token_id": tok[0].module.padding_idx}
@@ -247,7 +253,7 @@ def _embeddings(r: _Read, seq: int) -> tuple[nn.Module, dict[str, Any], dict[str
         if s is tok[0]:
             continue
         idx = table_rows(g, _table(s.module))
-        idx = g.tensors[s.inputs[0]] if idx is None else idx
+        idx = g.tensors[table_index(g, s)] if idx is None else idx
         if not bool(idx.any()) and "type_embed.weight" not in sources:  # one type id for every token (BERT)
             fields["type_vocab_size"] = s.module.num_embeddings
             sources["type_embed.weight"] = Source(_table(s.module))
@@ -296,14 +302,12 @@ def _head(r: _Read, embed: nn.Module) -> tuple[dict[str, Any], dict[str, Source]
     if len(heads) != 1 or heads[-1].kind != "linear":
         raise PortError(["the logits are not one linear head projection"])
     head = heads[-1]
-    if head.weight().shape[0] != embed.num_embeddings:  # type: ignore[operator]
-        raise PortError(
-            [f"a head over {head.weight().shape[0]} tokens for an embedding table of {embed.num_embeddings}"]
-        )
     transform = _head_transform(r, head)
     scale, cap = logit_ends(g, head)
     tied = head.weight() is embed.weight
     fields = {"tie_embeddings": tied, "logit_scale": scale, "logit_softcap": cap, "head_bias": head.bias() is not None}
+    if head.weight().shape[0] != embed.num_embeddings:  # an untied head over another vocabulary (Mllama, Moshi)
+        fields["head_vocab_size"] = int(head.weight().shape[0])
     sources = {"lm_head.weight": Source(head.weight())}
     if head.bias() is not None:
         sources["lm_head.bias"] = Source(head.bias())  # type: ignore[arg-type]
@@ -312,6 +316,9 @@ def _head(r: _Read, embed: nn.Module) -> tuple[dict[str, Any], dict[str, Source]
 
         dense, site = transform
         fields["head_transform"] = True
+        fields["head_transform_bias"] = dense.bias() is not None
+        if (width := int(dense.weight().shape[0])) != r.stream_shape[-1]:
+            fields["head_width"] = width
         sources["head_dense.weight"] = Source(dense.weight())
         if dense.bias() is not None:
             sources["head_dense.bias"] = Source(dense.bias())  # type: ignore[arg-type]
@@ -393,6 +400,12 @@ def _config(hf: nn.Module, r: _Read, seq: int) -> tuple[ModelConfig, dict[str, S
     glob.update(head_src)
     if head_fields.pop("head_bias"):
         fields["head_bias"] = True
+    if r.embed_proj is not None:
+        p = r.embed_proj.proj
+        fields.update(embed_dim=int(p.weight().shape[1]), embed_proj_bias=p.bias() is not None)
+        glob["embed_proj.weight"] = Source(p.weight())
+        if p.bias() is not None:
+            glob["embed_proj.bias"] = Source(p.bias())  # type: ignore[arg-type]
     spec = _spec(r)
     base = dict(
         d_model=r.stream_shape[-1], n_layers=len(r.layers), qk_norm=qk_config(r.layers),
@@ -450,6 +463,12 @@ def _links(
     return tuple(links), never
 
 
+def _logit_params(g: Graph) -> set[int]:
+    """The parameters the logits depend on (a pooler the forward computes beside them, BigBird's, is not one)."""
+    out = g.outputs[0] if g.outputs else None
+    return {id(g.tensors[n.idx]) for n in g.nodes if n.op == "param" and (out is None or g.feeds(n.idx, out))}
+
+
 def _load(hf: nn.Module, ours: nn.Module, links: tuple[Link, ...], sources: dict[str, Source]) -> None:
     sd = ours.state_dict()
     filled = {k: _pull(sources[k]).reshape(sd[k].shape).clone() for k in sd}
@@ -484,7 +503,7 @@ def port(hf_model: nn.Module, *, check: bool = True) -> tuple[Port, Any]:
         r = _read(hf_model, _inputs(hf_model, seq, batch=1, seed=0))
         cfg, sources = _config(hf_model, r, seq)
         ours = (ViTEncoder(cfg) if isinstance(cfg, ViTConfig) else TransformerLM(cfg)).to(dtype=dtype).eval()
-        links, unused = _links(hf_model, ours, sources, {id(r.g.tensors[n.idx]) for n in r.g.nodes if n.op == "param"})
+        links, unused = _links(hf_model, ours, sources, _logit_params(r.g))
         _load(hf_model, ours, links, sources)
         report = analyze(r.g, name)
     except PortError as e:

@@ -11,6 +11,7 @@ collected, so a refusal names all of them at once (:class:`PortError`).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -244,6 +245,8 @@ def _mlp(g: Graph, r: LayerReading, sub: InspSub, branch: int, projs: list[Proj]
         r.sources.update(_proj_sources("mlp.gate_proj", m.gate, r.biases, "mlp"))
     r.sources.update(_proj_sources("mlp.up_proj", m.up, r.biases, "mlp"))
     r.sources.update(_proj_sources("mlp.down_proj", m.down, r.biases, "mlp"))
+    for name, t in zip(("alpha_p", "alpha_n"), m.learned, strict=False):  # a learned activation's own parameters
+        r.sources[f"mlp.act.{name}"] = Source(t)  # type: ignore[arg-type]
     r.d_ff = int(g.tensors[m.down.input].shape[-1])
 
 
@@ -280,22 +283,53 @@ def _branch_kind(g: Graph, sub: InspSub, branch: int, cores: list[Core]) -> Subl
     return SublayerKind.ATTENTION if any(own >> c.node & 1 for c in cores) else SublayerKind.MLP
 
 
+def _skip(g: Graph, sub: InspSub, layer: int) -> int | None:
+    """The parameter node of a learned multiplier on the stream itself before the add (Doge's ``input_residual *
+    x``), walking the add's skip operand back to the stream value; anything else on the way is refused by name."""
+    from ..analysis.ops import SHAPE_ONLY
+    from ..analysis.walk import learned_mul, scalar_mul, strip
+
+    add = g.nodes[sub.adds[0]]
+    skip = next((i for i in add.inputs if i != sub.branches[0] and not g.feeds(sub.branches[0], i)), None)
+    cur, learned = skip, None
+    while cur is not None and cur != sub.source:
+        n = g.nodes[cur]
+        if (sm := scalar_mul(g, n)) is not None:
+            cur = sm[0]
+        elif learned is None and learned_mul(g, n) is not None:
+            learned = next(strip(g, i, SHAPE_ONLY) for i in n.inputs if g.nodes[strip(g, i, SHAPE_ONLY)].op == "param")
+            cur = next(i for i in n.inputs if g.nodes[strip(g, i, SHAPE_ONLY)].op != "param")
+        elif n.op in SHAPE_ONLY and n.inputs:
+            cur = strip(g, cur, SHAPE_ONLY)
+        else:
+            what = "a learned bias" if n.op == "add" else f"an op ({n.op})"
+            raise PortError([f"layer {layer}: {what} on the residual stream itself before its add"])
+    return learned
+
+
 def _scalings(g: Graph, subs: list[InspSub], layer: int) -> dict[str, Any]:
-    """Residual alpha, constant branch scale and learned per-channel gate, which must agree across sublayers."""
-    alphas = {round(s.skip_scale, 12) for s in subs}
-    scales: set[float] = set()
+    """Per sublayer: residual alpha, constant branch scale, learned per-channel branch gate (LayerScale) and learned
+    multiplier on the stream itself (Doge); the gates must be on every sublayer or none."""
+    per: list[tuple[float, float]] = []
     gates: list[int | None] = []
+    skips: list[int | None] = []
     for s in subs:
-        if s.skip_learned:
-            raise PortError([f"layer {layer}: a learned multiplier on the residual stream itself"])
         stops = {site.output for site in s.out}
+        scales = set()
         for b in s.branches:
             scale, _, learned = branch_scale(g, b, stops)
             scales.add(round(scale, 12))
             gates.append(learned)
-    if len(alphas) > 1 or len(scales) > 1 or len({p is None for p in gates}) > 1:
-        raise PortError([f"layer {layer}: residual or branch scalings that differ between its sublayers"])
-    return {"residual_alpha": alphas.pop(), "branch_scale": scales.pop(), "gate": gates}
+        if len(scales) > 1:
+            raise PortError([f"layer {layer}: parallel branches with different constant scales"])
+        per.append((round(s.skip_scale, 12), scales.pop()))
+        skips.append(_skip(g, s, layer))
+    if len({p is None for p in gates}) > 1 or len({p is None for p in skips}) > 1:
+        raise PortError([f"layer {layer}: a learned residual multiplier on some of its sublayers only"])
+    out: dict[str, Any] = {"residual_alpha": per[0][0], "branch_scale": per[0][1], "gate": gates, "skip": skips}
+    if len(per) > 1 and per[1] != per[0]:
+        out.update(ffn_residual_alpha=per[1][0], ffn_branch_scale=per[1][1])
+    return out
 
 
 def read_layer(
@@ -312,7 +346,16 @@ def read_layer(
     ctx = _Ctx(sites or [], known)
     r = LayerReading(index, Placement())
     sc = _scalings(g, subs, index)
-    common: dict[str, Any] = {"residual_alpha": sc["residual_alpha"], "branch_scale": sc["branch_scale"]}
+    keys = ("residual_alpha", "branch_scale", "ffn_residual_alpha", "ffn_branch_scale")
+    common: dict[str, Any] = {k: sc[k] for k in keys if k in sc}
+    if any(p is not None for p in sc["skip"]):
+        shapes = {tuple(g.tensors[p].shape) for p in sc["skip"]}
+        scalar = all(math.prod(sh) == 1 for sh in shapes)
+        common["skip_gate"] = Gate.SCALAR if scalar else Gate.VECTOR
+        tags = ("attn", "ffn") if len(sc["skip"]) == 2 else ("attn",)
+        for tag, node in zip(tags, sc["skip"], strict=True):
+            name = "alpha" if scalar else "gamma"
+            r.sources[f"{tag}_residual.skip_gate.{name}"] = Source(g.tensors[node])  # type: ignore[arg-type]
     if any(p is not None for p in sc["gate"]):
         if len(sc["gate"]) != 2:
             raise PortError([f"layer {index}: a learned branch multiplier on a parallel block"])

@@ -9,6 +9,7 @@ not what its config or names say. A value that fits no candidate raises :class:`
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -39,6 +40,7 @@ class Mlp:
     gate: Proj | None
     up: Proj
     down: Proj
+    learned: tuple[Tensor, ...] = ()  # a learned activation's parameters, in its module's order (xIELU: a_p, a_n)
 
 
 def mlp_design(g: Graph, parts: MlpParts, layer: int) -> Mlp:
@@ -61,11 +63,43 @@ def mlp_design(g: Graph, parts: MlpParts, layer: int) -> Mlp:
             cands.append((p.with_rows(hi), p.with_rows(lo), y[..., n:], y[..., :n]))
     for act in Activation:
         for gate, up, gv, uv in cands:
+            if act.learned:
+                found = _xielu(g, parts, uv if gv is None else gv, None if gv is None else uv)
+                if found is not None:
+                    return Mlp(act, gate is not None, gate, up, parts.down, found)
+                continue
             got = act(uv) if gv is None else act(gv) * uv
             if _close(got, d):
                 return Mlp(act, gate is not None, gate, up, parts.down)
     names = ", ".join(a.value for a in Activation)
-    raise PortError([f"layer {layer}: an MLP activation or gating that is none of {names} (gated or not)"])
+    starts = [p.output for p in parts.firsts]
+    clamps = [n for n in g.nodes if n.op in ("clamp", "clamp_max", "clamp_min") and g.feeds(n.idx, parts.down.input)
+              and any(g.feeds(s, n.idx) for s in starts)]  # fmt: skip
+    why = ": it clamps its inputs (a gpt-oss style clamped SwiGLU)" if clamps else ""  # MiniMax-M3: (up + 1) g s(a g)
+    raise PortError([f"layer {layer}: an MLP activation or gating that is none of {names} (gated or not){why}"])
+
+
+def _xielu(g: Graph, parts: MlpParts, x: Tensor, up: Tensor | None) -> tuple[Tensor, ...] | None:
+    """xIELU's two learned scalars (a_p, a_n before their softplus), when the down projection's input equals
+    :class:`~normatlas.blocks.XIELU` of ``x`` (times ``up``, gated) with them in one order or the other: the
+    parameters of one element the branch reads after its first projections."""
+    from ..blocks.block import XIELU
+
+    d = g.tensors[parts.down.input]
+    starts = [p.output for p in parts.firsts]
+    params = [n.idx for n in g.nodes if n.op == "param" and math.prod(n.shape or ()) == 1
+              and g.feeds(n.idx, parts.down.input) and not any(g.feeds(n.idx, s) for s in starts)]  # fmt: skip
+    if len(params) != 2:
+        return None
+    act = XIELU().double()
+    for a_p, a_n in (params, params[::-1]):
+        with torch.no_grad():
+            act.alpha_p.copy_(g.tensors[a_p].detach().reshape(1))
+            act.alpha_n.copy_(g.tensors[a_n].detach().reshape(1))
+            got = act(x.double()) if up is None else act(x.double()) * up.double()
+        if _close(got, d):
+            return g.tensors[a_p], g.tensors[a_n]
+    return None
 
 
 @dataclass
@@ -93,7 +127,7 @@ def scores_of(g: Graph, core: Core, layer: int) -> Scores:
         scale = float(fused[0].kwargs.get("alpha", 1.0)) if fused else 1.0
     if start is None or g.nodes[core.node].op != "softmax":
         raise PortError([f"layer {layer}: the attention scores are not a matmul of q and k before a softmax"])
-    cur, capped, mask, sink = start, False, None, None
+    cur, capped, mask, sink, mult = start, False, None, None, None
     while cur != core.node:
         nxt = [u for u in g.users(cur) if u.idx == core.node or g.feeds(u.idx, core.node)]
         nxt = _past_max_shift(g, nxt, cur)
@@ -107,8 +141,13 @@ def scores_of(g: Graph, core: Core, layer: int) -> Scores:
             scale *= 1.0 if capped else sm[1]
         elif u.op == "tanh":
             capped = True
+        elif u.op == "mul" and (m := _mul_mask(g, u, cur)) is not None:
+            mult = mask = m if mask is None else mask & m  # GPT-1: scores * b + -1e4 * (1 - b)
         elif u.op in ("add", "where", "masked_fill"):
-            mask = _mask_operand(g, u, cur)
+            m = _mask_operand(g, u, cur, mult)
+            mask = m if mask is None else mask & m
+        elif u.op in ("max", "maximum", "clamp_min") and _floor_noop(g, u, cur):
+            pass  # XGLM's max(scores, finfo.min): equal on every finite score
         elif u.op == "cat" and sink is None and (s := _sink_of(g, u, cur, core)) is not None:
             sink = s
         elif u.op == "sub" and _is_max_shift(g, u, cur):
@@ -178,7 +217,31 @@ def _fused_scores(call: FusedCall, g: Graph, layer: int) -> Scores:
     return Scores(call.scale, cap, causal, window)
 
 
-def _mask_operand(g: Graph, u: object, scores: int) -> Tensor:
+def _mul_mask(g: Graph, u: object, scores: int) -> Tensor | None:
+    """The keys a multiplication of the scores by a 0 / 1 tensor keeps (GPT-1's ``scores * b``), or None when the
+    other factor is not such a mask."""
+    node = g.nodes[u.idx]  # type: ignore[attr-defined]
+    others = [i for i in node.inputs if i != scores and not g.feeds(scores, i)]
+    t = g.tensors.get(others[0]) if len(others) == 1 else None
+    if t is None or t.numel() < 2 or not bool(((t == 0) | (t == 1)).all()):
+        return None
+    return t.bool()
+
+
+def _floor_noop(g: Graph, u: object, scores: int) -> bool:
+    """Whether ``max(scores, c)`` has a floor ``c`` at or below the dtype's lowest finite value (a no-op on every
+    finite score: XGLM's clamp against an overflowing mask)."""
+    from ..analysis.walk import scalar_of
+
+    node = g.nodes[u.idx]  # type: ignore[attr-defined]
+    others = [a for a in (*node.args, *node.kwargs.values()) if not (hasattr(a, "idx") and a.idx == scores)]
+    st = g.tensors.get(scores)
+    floors = [scalar_of(g, a) for a in others]
+    lowest = torch.finfo(st.dtype).min if st is not None and st.is_floating_point() else None
+    return lowest is not None and len(floors) == 1 and floors[0] is not None and floors[0] <= lowest
+
+
+def _mask_operand(g: Graph, u: object, scores: int, mult: Tensor | None = None) -> Tensor:
     node = g.nodes[u.idx]  # type: ignore[attr-defined]
     others = [i for i in node.inputs if i != scores and not g.feeds(scores, i)]
     t = g.tensors[others[0]] if others else None
@@ -187,6 +250,10 @@ def _mask_operand(g: Graph, u: object, scores: int) -> Tensor:
     if node.op == "add":
         if not t.is_floating_point():
             return t.bool()
+        if mult is not None:  # the fill of a multiplicative mask: 0 where it keeps, <= -1e4 (exp gives 0) elsewhere
+            tb, mb = torch.broadcast_tensors(t, mult)
+            if bool((tb[mb] == 0).all()) and bool((tb[~mb] <= -1e4).all()):
+                return mult
         allowed = t > torch.finfo(t.dtype).min / 2
         if bool((t[allowed] != 0).any()):
             raise PortError(["an additive bias on the attention scores (ALiBi or relative positions)"])
