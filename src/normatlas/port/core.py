@@ -301,7 +301,7 @@ def _head(r: _Read, embed: nn.Module) -> tuple[dict[str, Any], dict[str, Source]
             [f"a head over {head.weight().shape[0]} tokens for an embedding table of {embed.num_embeddings}"]
         )
     transform = _head_transform(r, head)
-    scale, cap = logit_ends(g, head)
+    scale, cap = logit_ends(g, head, r.last)
     tied = head.weight() is embed.weight
     fields = {"tie_embeddings": tied, "logit_scale": scale, "logit_softcap": cap, "head_bias": head.bias() is not None}
     sources = {"lm_head.weight": Source(head.weight())}

@@ -230,10 +230,30 @@ def branch_scale(g: Graph, branch: int, stops: set[int]) -> tuple[float, int, in
     return scale, cur, learned
 
 
-def logit_ends(g: Graph, head: Proj) -> tuple[float, float | None]:
-    """(constant scale, tanh soft-cap) between the head projection and the logits."""
+def head_input_scale(g: Graph, head: Proj, stop: int | None = None) -> float:
+    """The constant multipliers on the head's input after the last stream value (``stop``: MiniCPM3's
+    ``hidden / logits_scaling``), walking back through views and casts. Through a linear head without bias it is
+    a scale on the logits; with a bias it is refused by name."""
+    cur, scale = head.input, 1.0
+    while cur != stop:
+        n = g.nodes[cur]
+        sm = scalar_mul(g, n)
+        if sm is not None:
+            scale, cur = scale * sm[1], sm[0]
+        elif (n.op in SHAPE_ONLY or n.op in CASTS or n.op in SPLITS) and n.inputs:
+            cur = n.inputs[0]
+        else:
+            break
+    if scale != 1.0 and head.bias() is not None:
+        raise PortError([f"a constant scale ({scale:g}) on the input of a head projection with a bias"])
+    return scale
+
+
+def logit_ends(g: Graph, head: Proj, stop: int | None = None) -> tuple[float, float | None]:
+    """(constant scale, tanh soft-cap) between the head projection and the logits, with the constant on the head's
+    input after ``stop`` (the last stream value) folded in (:func:`head_input_scale`)."""
     out = g.outputs[0] if g.outputs else head.output
-    cur, scale, cap = head.output, 1.0, None
+    cur, scale, cap = head.output, head_input_scale(g, head, stop), None
     while cur != out:
         nxt = [u for u in g.users(cur) if u.idx == out or g.feeds(u.idx, out)]
         if len(nxt) != 1:
