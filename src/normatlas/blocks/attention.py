@@ -1,4 +1,4 @@
-"""Multi-head attention with GQA, RoPE, QK-norm / QKV-norm, logit soft-capping and sliding windows.
+"""Multi-head attention with GQA, RoPE or ALiBi, QK-norm / QKV-norm, logit soft-capping and sliding windows.
 
 The arithmetic follows the eager reference of HF transformers (scores in the
 input dtype, softmax in fp32), so ported weights reproduce the reference logits.
@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..vocabulary import RopeOrder
+from .alibi import Alibi, alibi_bias
 from .attn_gate import OutputGate, softmax_with_sinks
 from .qknorm import QKNorm, QKNormConfig, QKScope
 
@@ -180,6 +181,8 @@ class Attention(nn.Module):
         softcap: ``cap * tanh(scores / cap)`` before the softmax (Gemma 2).
         sinks: a learned logit per head in each softmax's denominator (parameter ``sinks``, gpt-oss).
         out_gate: an :class:`~normatlas.blocks.attn_gate.OutputGate` on the attention output (``gate_proj``), or None.
+        alibi: an :class:`~normatlas.blocks.alibi.Alibi` (one slope per head) added to the scores after the scale
+            and soft-cap, before the mask (BLOOM, MPT), or None.
     """
 
     def __init__(
@@ -197,9 +200,15 @@ class Attention(nn.Module):
         softcap: float | None = None,
         sinks: bool = False,
         out_gate: OutputGate | None = None,
+        alibi: Alibi | None = None,
     ) -> None:
         super().__init__()
         head_dim = _head_dim(d_model, n_heads, head_dim)
+        if alibi is not None:
+            if not isinstance(alibi, Alibi):
+                raise TypeError(f"alibi={alibi!r} must be an Alibi or None")
+            alibi.check_heads(n_heads)
+        self.alibi = alibi
         if not isinstance(sinks, bool):
             raise TypeError(f"sinks={sinks!r} must be a bool")
         if out_gate is not None and not isinstance(out_gate, OutputGate):
@@ -267,6 +276,8 @@ class Attention(nn.Module):
         scores = torch.matmul(q, k.transpose(2, 3)) * self.scale
         if self.softcap is not None:
             scores = torch.tanh(scores / self.softcap) * self.softcap
+        if self.alibi is not None:
+            scores = scores + alibi_bias(self.alibi, t, k.shape[-2], scores.dtype, scores.device)
         if mask is not None:
             scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
         if self.sinks is not None:

@@ -17,6 +17,7 @@ from torch import Tensor, nn
 
 from ..modules import Norm
 from ..spec import NormSpec
+from .alibi import Alibi
 from .attention import Rope
 from .attn_gate import OutputGate
 from .block import MLP, Activation, Block
@@ -58,6 +59,8 @@ class ModelConfig:
     ``layer_windows`` / ``layer_rope_theta`` / ``layer_attn_scale`` give per-layer sliding windows, RoPE bases
     and q.k multipliers (the last overrides ``attn_scale``; GPT-2's ``scale_attn_by_inverse_layer_idx``);
     ``layer_rope`` says which layers rotate q and k at all (False: a NoPE layer, EXAONE 4's global layers).
+    ``alibi`` (an :class:`~normatlas.blocks.alibi.Alibi`, one slope per head) adds ALiBi's ``slope * (j - i)`` to
+    every layer's scores (BLOOM, MPT; usually with ``rope=None``).
     ``moe`` (a :class:`MoEConfig`) makes the MLP slot a routed mixture of experts, in every layer or in those
     ``layer_moe`` marks True (the others keep the dense ``d_ff`` MLP: DeepSeek's ``first_k_dense_replace``,
     Qwen2-MoE's ``decoder_sparse_step`` / ``mlp_only_layers``).
@@ -83,6 +86,7 @@ class ModelConfig:
     mla: MLAConfig | None = None
     attn_sinks: bool = False
     attn_gate: OutputGate | None = None
+    alibi: Alibi | None = None
     final_norm: bool = True
     embed_norm: bool = False
     activation: Activation = Activation.SILU
@@ -138,6 +142,10 @@ class ModelConfig:
             raise TypeError(f"attn_sinks={self.attn_sinks!r} must be a bool")
         if self.attn_gate is not None and not isinstance(self.attn_gate, OutputGate):
             raise TypeError(f"attn_gate={self.attn_gate!r} must be an OutputGate or None")
+        if self.alibi is not None:
+            if not isinstance(self.alibi, Alibi):
+                raise TypeError(f"alibi={self.alibi!r} must be an Alibi or None")
+            self.alibi.check_heads(self.n_heads)
         if self.norm is None:
             for i in range(self.n_layers):
                 p = self.plan(i)
@@ -252,7 +260,7 @@ def _blocks(cfg: ModelConfig) -> nn.ModuleList:
                 n_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim, d_ff=cfg.d_ff, activation=cfg.activation,
                 gated=cfg.gated, mlp_bias=cfg.mlp_bias, qkv_bias=cfg.qkv_bias, out_bias=cfg.out_bias,
                 qk_norm=cfg.qk_norm, attn_softcap=cfg.attn_softcap, mla=cfg.mla,
-                attn_sinks=cfg.attn_sinks, attn_gate=cfg.attn_gate,
+                attn_sinks=cfg.attn_sinks, attn_gate=cfg.attn_gate, alibi=cfg.alibi,
                 attn_scale=cfg.attn_scale if cfg.layer_attn_scale is None else cfg.layer_attn_scale[i],
                 window=None if cfg.layer_windows is None else cfg.layer_windows[i],
                 rope_theta=None if cfg.layer_rope_theta is None else cfg.layer_rope_theta[i], moe=cfg.moe_of(i),

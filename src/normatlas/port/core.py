@@ -18,6 +18,7 @@ from torch import Tensor, nn
 from ..analysis.graph import Graph, record
 from ..analysis.ops import SHAPE_ONLY
 from ..analysis.walk import strip
+from ..blocks.alibi import Alibi
 from ..blocks.model import ModelConfig, TransformerLM, ViTConfig, ViTEncoder
 from ..inspect.analyze import analyze
 from ..inspect.attention import find_cores, trig_bits
@@ -178,6 +179,8 @@ def _attention_fields(layers: list[LayerReading]) -> dict[str, Any]:
     out["mla"] = _agree([r.mla for r in layers], "attention kinds (MLA and not, or MLA shapes)")
     out["attn_sinks"] = _agree([r.sinks for r in layers], "attention sinks (in some layers only)")
     out["attn_gate"] = _agree([r.gate for r in layers], "attention output gates")
+    slopes = _agree([s.alibi for s in scores], "ALiBi slopes (or ALiBi in some layers only)")  # type: ignore[union-attr]
+    out["alibi"] = None if slopes is None else Alibi(slopes)
     out["causal"] = _agree([s.causal for s in scores], "causal masks")  # type: ignore[union-attr]
     out["attn_softcap"] = _agree([s.softcap for s in scores], "attention soft-caps")  # type: ignore[union-attr]
     windows = tuple(s.window for s in scores)  # type: ignore[union-attr]

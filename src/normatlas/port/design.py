@@ -153,6 +153,8 @@ def _attention(
     r.core = parts.core
     r.scores = scores_of(g, parts.core, r.index)
     r.scores.scale *= _q_scale(g, parts.core.q)  # OPT scales q before the score matmul
+    if r.scores.alibi is not None and len(r.scores.alibi) != r.heads[0]:
+        raise PortError([f"layer {r.index}: an additive bias with {len(r.scores.alibi)} slopes for {r.heads[0]} heads"])
     if r.scores.sink is None:
         from .gates import lse_sink
 
@@ -230,6 +232,8 @@ def _mla(g: Graph, r: LayerReading, parts: Any, roles: Any, ctx: _Ctx) -> None:
     r.core = parts.core
     r.scores = scores_of(g, parts.core, r.index)
     r.mla_rope = m.rope
+    if r.scores.alibi is not None:
+        raise PortError([f"layer {r.index}: MLA with an additive bias on its scores (ALiBi)"])
     if any(parts.core.norms[k] for k in "qkv"):
         raise PortError([f"layer {r.index}: MLA with a norm on its q / k / v operands"])
 
