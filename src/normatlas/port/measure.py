@@ -85,7 +85,8 @@ def scores_of(g: Graph, core: Core, layer: int) -> Scores:
     if call is not None:
         return _fused_scores(call, g, layer)
     start = next((n.idx for n in g.nodes if n.op in ("matmul", "bmm") and n.inputs[:1] == (core.q,)), None)
-    scale, terms = 1.0, list[tuple[int, int, float]]()  # terms: (bias operand, the node it is added into, the scale on q.k there)
+    scale = 1.0
+    terms: list[tuple[int, int, float]] = []  # (a bias operand, the node it is added into, the scale on q.k there)
     if start is None:  # baddbmm(input, q, k, beta, alpha=scale): beta * input is a bias
         fused = [n for n in g.nodes if n.op == "baddbmm" and n.inputs[1:2] == (core.q,)]
         start = fused[0].idx if fused else None
