@@ -151,6 +151,7 @@ class Block(nn.Module):
         attn_sinks: bool = False,
         attn_gate: OutputGate | None = None,
         alibi: Alibi | None = None,
+        v_norm: QKNormConfig | None = None,
     ) -> None:
         super().__init__()
         for name, value in (("d_model", d_model), ("n_layers", n_layers), ("n_heads", n_heads), ("d_ff", d_ff)):
@@ -181,9 +182,9 @@ class Block(nn.Module):
                 raise TypeError(f"mla={mla!r} must be an MLAConfig or None")
             if qk_norm is not None or placement.qkv_norm:
                 raise ValueError(f"mla={mla!r} with a QK-norm or QKV-norm: MLA's norms are on its latents")
-            if attn_sinks or attn_gate is not None or alibi is not None:
+            if attn_sinks or attn_gate is not None or alibi is not None or v_norm is not None:
                 raise ValueError(
-                    f"mla with attn_sinks={attn_sinks} / attn_gate={attn_gate!r} / alibi={alibi!r}: "
+                    f"mla with attn_sinks={attn_sinks} / attn_gate={attn_gate!r} / alibi={alibi!r} / v_norm={v_norm!r}: "
                     "not expressed for MLA"
                 )
             self.attn = MLAttention(
@@ -198,7 +199,7 @@ class Block(nn.Module):
             self.attn = Attention(
                 d_model, n_heads, n_kv_heads, hd, qkv_bias=qkv_bias, out_bias=out_bias, qk_norm=qk_norm,
                 qkv_norm=qkv, scale=attn_scale, softcap=attn_softcap, sinks=attn_sinks, out_gate=attn_gate,
-                alibi=alibi,
+                alibi=alibi, v_norm=v_norm,
             )  # fmt: skip
         if moe is not None and not isinstance(moe, MoEConfig):
             raise TypeError(f"moe={moe!r} must be a MoEConfig or None")

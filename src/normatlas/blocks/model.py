@@ -59,6 +59,8 @@ class ModelConfig:
     ``layer_windows`` / ``layer_rope_theta`` / ``layer_attn_scale`` give per-layer sliding windows, RoPE bases
     and q.k multipliers (the last overrides ``attn_scale``; GPT-2's ``scale_attn_by_inverse_layer_idx``);
     ``layer_rope`` says which layers rotate q and k at all (False: a NoPE layer, EXAONE 4's global layers).
+    ``v_norm`` (a :class:`QKNormConfig`, before RoPE) is a norm on the attention values beside the QK-norm
+    (Gemma 3n, Gemma 4).
     ``alibi`` (an :class:`~normatlas.blocks.alibi.Alibi`, one slope per head) adds ALiBi's ``slope * (j - i)`` to
     every layer's scores (BLOOM, MPT; usually with ``rope=None``).
     ``moe`` (a :class:`MoEConfig`) makes the MLP slot a routed mixture of experts, in every layer or in those
@@ -83,6 +85,7 @@ class ModelConfig:
     norm: NormFactory | NormSpec | None = None
     placement: Placement | Schedule = field(default_factory=pre_ln)
     qk_norm: QKNormConfig | None = None
+    v_norm: QKNormConfig | None = None
     mla: MLAConfig | None = None
     attn_sinks: bool = False
     attn_gate: OutputGate | None = None
@@ -134,8 +137,9 @@ class ModelConfig:
             self.placement.check_depth(self.n_layers)
         if not isinstance(self.activation, Activation):
             raise TypeError(f"activation={self.activation!r} must be an Activation")
-        if self.qk_norm is not None and not isinstance(self.qk_norm, QKNormConfig):
-            raise TypeError(f"qk_norm={self.qk_norm!r} must be a QKNormConfig or None")
+        for name in ("qk_norm", "v_norm"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), QKNormConfig):
+                raise TypeError(f"{name}={getattr(self, name)!r} must be a QKNormConfig or None")
         as_factory(self.norm)  # type check
         self._check_mla()
         if not isinstance(self.attn_sinks, bool):
@@ -226,8 +230,11 @@ class ModelConfig:
             raise ValueError(f"n_kv_heads={self.n_kv_heads} with mla: MLA's k / v have n_heads={self.n_heads} heads")
         if self.attn_sinks or self.attn_gate is not None:
             raise ValueError(f"attn_sinks / attn_gate with mla={m!r}: MLA has neither")
-        if self.qk_norm is not None:
-            raise ValueError(f"qk_norm={self.qk_norm!r} with mla: MLA's norms are on its latents (mla.latent_norm)")
+        if self.qk_norm is not None or self.v_norm is not None:
+            raise ValueError(
+                f"qk_norm={self.qk_norm!r} / v_norm={self.v_norm!r} with mla: MLA's norms are on its latents "
+                "(mla.latent_norm)"
+            )
         if self.rope is not None and self.rope.fraction != 1.0:
             raise ValueError(
                 f"rope.fraction={self.rope.fraction} with mla: MLA rotates all of its qk_rope_head_dim part; use 1.0"
@@ -259,7 +266,7 @@ def _blocks(cfg: ModelConfig) -> nn.ModuleList:
                 cfg.d_model, placement, norm, layer=i, n_layers=cfg.n_layers, n_heads=cfg.n_heads,
                 n_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim, d_ff=cfg.d_ff, activation=cfg.activation,
                 gated=cfg.gated, mlp_bias=cfg.mlp_bias, qkv_bias=cfg.qkv_bias, out_bias=cfg.out_bias,
-                qk_norm=cfg.qk_norm, attn_softcap=cfg.attn_softcap, mla=cfg.mla,
+                qk_norm=cfg.qk_norm, v_norm=cfg.v_norm, attn_softcap=cfg.attn_softcap, mla=cfg.mla,
                 attn_sinks=cfg.attn_sinks, attn_gate=cfg.attn_gate, alibi=cfg.alibi,
                 attn_scale=cfg.attn_scale if cfg.layer_attn_scale is None else cfg.layer_attn_scale[i],
                 window=None if cfg.layer_windows is None else cfg.layer_windows[i],

@@ -25,7 +25,7 @@ from ..inspect.attention import find_cores, trig_bits
 from ..inspect.norms import Site, find_sites
 from ..inspect.report import InspectionReport
 from ..inspect.residual import embedding, final_norm, find_stream, place_norms
-from .design import LayerReading, Source, make_config, norm_spec, qk_config, read_layers
+from .design import LayerReading, Source, make_config, norm_spec, qk_config, read_layers, v_config
 from .errors import PortError
 from .measure import logit_ends
 from .read import Proj, projections
@@ -377,7 +377,7 @@ def _vision_config(hf: nn.Module, r: _Read) -> tuple[ModelConfig, dict[str, Sour
     attention = _attention_fields(r.layers)
     if attention.pop("causal") or attention.get("layer_windows"):
         raise PortError(["a vision encoder with a causal or windowed mask"])
-    if any(layer.rope is not None for layer in r.layers) or qk_config(r.layers) is not None:
+    if any(layer.rope is not None for layer in r.layers) or qk_config(r.layers) or v_config(r.layers):
         raise PortError(["a vision encoder with RoPE or QK-norm (our ViTEncoder has learned positions only)"])
     base = dict(
         d_model=r.stream_shape[-1], n_layers=len(r.layers), final_norm=r.final is not None, **fields,
@@ -398,7 +398,7 @@ def _config(hf: nn.Module, r: _Read, seq: int) -> tuple[ModelConfig, dict[str, S
         fields["head_bias"] = True
     spec = _spec(r)
     base = dict(
-        d_model=r.stream_shape[-1], n_layers=len(r.layers), qk_norm=qk_config(r.layers),
+        d_model=r.stream_shape[-1], n_layers=len(r.layers), qk_norm=qk_config(r.layers), v_norm=v_config(r.layers),
         final_norm=r.final is not None, embed_norm=r.emb_norm is not None, embed_scale=r.emb_scale or 1.0,
         **fields, **head_fields, **_attention_fields(r.layers), **_mlp_fields(r.layers), **_bias_fields(r.layers),
         **_rope_fields(r.layers),
