@@ -184,8 +184,8 @@ class Block(nn.Module):
                 raise ValueError(f"mla={mla!r} with a QK-norm or QKV-norm: MLA's norms are on its latents")
             if attn_sinks or attn_gate is not None or alibi is not None or v_norm is not None:
                 raise ValueError(
-                    f"mla with attn_sinks={attn_sinks} / attn_gate={attn_gate!r} / alibi={alibi!r} / v_norm={v_norm!r}: "
-                    "not expressed for MLA"
+                    f"mla with attn_sinks={attn_sinks} / attn_gate={attn_gate!r} / alibi={alibi!r} / "
+                    f"v_norm={v_norm!r}: not expressed for MLA"
                 )
             self.attn = MLAttention(
                 d_model, n_heads, mla, bias=qkv_bias, out_bias=out_bias, scale=attn_scale, softcap=attn_softcap
