@@ -9,7 +9,7 @@ Per token ``x`` (``E`` experts, each a gated or plain MLP of width ``d_expert``)
     idx    = top_k(sel)                                  the k experts this token goes to
     w      = s[idx]                or  softmax(logits[idx])  (score_after_topk=True: Mixtral's gate written that way)
     w      = w / sum(w)            if renormalize        (Mixtral, OLMoE, Qwen3-MoE's norm_topk_prob)
-    y      = routed_scale * sum_j w_j * expert_{idx_j}(x)      or  sum_j expert_{idx_j}(w_j * x)   (weight_input: Llama 4)
+    y      = routed_scale * sum_j w_j * expert_{idx_j}(x)    or  sum_j expert_{idx_j}(w_j * x)  (weight_input: Llama 4)
     y     += [sigmoid(shared_gate(x)) *] shared(x)       shared experts: one MLP, shared_width wide (Qwen2-MoE's gate)
 
 The experts' weights are three stacked tensors, ``gate`` and ``up`` ``(E, d_expert, d_model)`` and ``down``
@@ -87,7 +87,9 @@ class MoEConfig:
         if isinstance(rs, bool) or not isinstance(rs, (int, float)) or not math.isfinite(rs) or rs <= 0:
             raise ValueError(f"routed_scale={rs!r} must be a finite number > 0")
         if self.weight_input and rs != 1.0:
-            raise ValueError(f"routed_scale={rs!r} with weight_input=True: the weights scale the experts' input; use 1.0")
+            raise ValueError(
+                f"routed_scale={rs!r} with weight_input=True: the weights scale the experts' input; use 1.0"
+            )
         sw = self.shared_width
         if isinstance(sw, bool) or not isinstance(sw, int) or sw < 0:
             raise ValueError(f"shared_width={sw!r} must be an integer >= 0 (0: no shared experts)")
