@@ -171,8 +171,8 @@ def read_moe(g: Graph, sub: Sublayer, branch: int, out: int, projs: list[Proj], 
         for experts, act, gated in _experts(stacked, d):
             for base, idx, w in routes:
                 rows = torch.arange(x.shape[0])
-                r = sum(_run(experts, act, x * w[:, j : j + 1])[idx[:, j], rows] for j in range(k))
-                if _close(r + s_val, y):  # type: ignore[operator]
+                parts = [_run(experts, act, x * w[:, j : j + 1])[idx[:, j], rows] for j in range(k)]
+                if _close(torch.stack(parts).sum(0) + s_val, y):
                     cfg = replace(
                         base, d_expert=int(experts["up"].value().shape[1]), weight_input=True,
                         shared_width=0 if shared is None else int(g.tensors[shared[2].input].shape[-1]),
