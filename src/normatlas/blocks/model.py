@@ -58,7 +58,8 @@ class ModelConfig:
     ``rope=None`` disables RoPE.
     ``layer_windows`` / ``layer_rope_theta`` / ``layer_attn_scale`` give per-layer sliding windows, RoPE bases
     and q.k multipliers (the last overrides ``attn_scale``; GPT-2's ``scale_attn_by_inverse_layer_idx``);
-    ``layer_rope`` says which layers rotate q and k at all (False: a NoPE layer, EXAONE 4's global layers).
+    ``layer_kv_heads`` gives each layer's key / value head count (overriding ``n_kv_heads``; MiMo-V2-Flash's
+    full and sliding-window layers differ). ``layer_rope`` says which layers rotate q and k at all (False: a NoPE layer, EXAONE 4's global layers).
     ``v_norm`` (a :class:`QKNormConfig`, before RoPE) is a norm on the attention values beside the QK-norm
     (Gemma 3n, Gemma 4).
     ``alibi`` (an :class:`~normatlas.blocks.alibi.Alibi`, one slope per head) adds ALiBi's ``slope * (j - i)`` to
@@ -113,6 +114,7 @@ class ModelConfig:
     layer_rope_theta: tuple[float, ...] | None = None
     layer_rope: tuple[bool, ...] | None = None
     layer_attn_scale: tuple[float, ...] | None = None
+    layer_kv_heads: tuple[int, ...] | None = None
     moe: MoEConfig | None = None
     layer_moe: tuple[bool, ...] | None = None
     head_transform: bool = False
@@ -170,7 +172,8 @@ class ModelConfig:
                 raise TypeError(f"layer_moe={self.layer_moe!r} must be a tuple of bools, one per layer")
         if self.moe is not None and self.mlp_bias:
             raise ValueError("mlp_bias=True with moe: our experts have no biases")
-        for name in ("layer_windows", "layer_rope_theta", "layer_attn_scale", "layer_rope", "layer_moe"):
+        self._check_kv_heads()
+        for name in ("layer_windows", "layer_rope_theta", "layer_attn_scale", "layer_rope", "layer_moe", "layer_kv_heads"):
             v = getattr(self, name)
             if v is not None and len(v) != self.n_layers:
                 raise ValueError(f"{name} has {len(v)} entries but n_layers={self.n_layers}")
@@ -194,6 +197,18 @@ class ModelConfig:
             raise ValueError(f"init_std={self.init_std!r} must be > 0")
         if not isinstance(self.scaled_residual_init, bool):
             raise TypeError(f"scaled_residual_init={self.scaled_residual_init!r} must be a bool")
+
+    def _check_kv_heads(self) -> None:
+        v = self.layer_kv_heads
+        if v is None:
+            return
+        if not isinstance(v, tuple) or not all(isinstance(h, int) and not isinstance(h, bool) for h in v):
+            raise TypeError(f"layer_kv_heads={v!r} must be a tuple of ints, one per layer")
+        bad = [h for h in v if h < 1 or self.n_heads % h]
+        if bad:
+            raise ValueError(f"layer_kv_heads holds {bad[0]}; each must be >= 1 and divide n_heads={self.n_heads}")
+        if self.mla is not None:
+            raise ValueError("layer_kv_heads with mla: MLA's k / v have n_heads heads in every layer")
 
     def _check_positions(self) -> None:
         if not isinstance(self.position_ids, PositionIds):
@@ -264,7 +279,7 @@ def _blocks(cfg: ModelConfig) -> nn.ModuleList:
         layers.append(
             Block(
                 cfg.d_model, placement, norm, layer=i, n_layers=cfg.n_layers, n_heads=cfg.n_heads,
-                n_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim, d_ff=cfg.d_ff, activation=cfg.activation,
+                n_kv_heads=cfg.n_kv_heads if cfg.layer_kv_heads is None else cfg.layer_kv_heads[i], head_dim=cfg.head_dim, d_ff=cfg.d_ff, activation=cfg.activation,
                 gated=cfg.gated, mlp_bias=cfg.mlp_bias, qkv_bias=cfg.qkv_bias, out_bias=cfg.out_bias,
                 qk_norm=cfg.qk_norm, v_norm=cfg.v_norm, attn_softcap=cfg.attn_softcap, mla=cfg.mla,
                 attn_sinks=cfg.attn_sinks, attn_gate=cfg.attn_gate, alibi=cfg.alibi,

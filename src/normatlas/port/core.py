@@ -173,9 +173,12 @@ def _rope_fields(layers: list[LayerReading]) -> dict[str, Any]:
 def _attention_fields(layers: list[LayerReading]) -> dict[str, Any]:
     scores = [r.scores for r in layers]
     assert all(s is not None for s in scores)
-    n_heads, n_kv, hd = _agree([r.heads for r in layers], "attention shapes (heads, kv heads, head dim)")
+    n_heads, hd = _agree([(r.heads[0], r.heads[2]) for r in layers], "attention shapes (heads, head dim)")
+    kv = tuple(r.heads[1] for r in layers)
     scales = [s.scale for s in scores]  # type: ignore[union-attr]
-    out: dict[str, Any] = dict(n_heads=n_heads, n_kv_heads=n_kv, head_dim=hd)
+    out: dict[str, Any] = dict(n_heads=n_heads, n_kv_heads=kv[0], head_dim=hd)
+    if len(set(kv)) > 1:  # kv head counts per layer (MiMo-V2-Flash)
+        out["layer_kv_heads"] = kv
     out["mla"] = _agree([r.mla for r in layers], "attention kinds (MLA and not, or MLA shapes)")
     out["attn_sinks"] = _agree([r.sinks for r in layers], "attention sinks (in some layers only)")
     out["attn_gate"] = _agree([r.gate for r in layers], "attention output gates")
