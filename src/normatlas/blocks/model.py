@@ -59,7 +59,8 @@ class ModelConfig:
     ``layer_windows`` / ``layer_rope_theta`` / ``layer_attn_scale`` give per-layer sliding windows, RoPE bases
     and q.k multipliers (the last overrides ``attn_scale``; GPT-2's ``scale_attn_by_inverse_layer_idx``);
     ``layer_kv_heads`` gives each layer's key / value head count (overriding ``n_kv_heads``; MiMo-V2-Flash's
-    full and sliding-window layers differ). ``layer_rope`` says which layers rotate q and k at all (False: a NoPE layer, EXAONE 4's global layers).
+    full and sliding-window layers differ).
+    ``layer_rope`` says which layers rotate q and k at all (False: a NoPE layer, EXAONE 4's global layers).
     ``v_norm`` (a :class:`QKNormConfig`, before RoPE) is a norm on the attention values beside the QK-norm
     (Gemma 3n, Gemma 4).
     ``alibi`` (an :class:`~normatlas.blocks.alibi.Alibi`, one slope per head) adds ALiBi's ``slope * (j - i)`` to
@@ -173,7 +174,8 @@ class ModelConfig:
         if self.moe is not None and self.mlp_bias:
             raise ValueError("mlp_bias=True with moe: our experts have no biases")
         self._check_kv_heads()
-        for name in ("layer_windows", "layer_rope_theta", "layer_attn_scale", "layer_rope", "layer_moe", "layer_kv_heads"):
+        per_layer = ("layer_windows", "layer_rope_theta", "layer_attn_scale", "layer_rope", "layer_moe", "layer_kv_heads")
+        for name in per_layer:
             v = getattr(self, name)
             if v is not None and len(v) != self.n_layers:
                 raise ValueError(f"{name} has {len(v)} entries but n_layers={self.n_layers}")
@@ -279,7 +281,8 @@ def _blocks(cfg: ModelConfig) -> nn.ModuleList:
         layers.append(
             Block(
                 cfg.d_model, placement, norm, layer=i, n_layers=cfg.n_layers, n_heads=cfg.n_heads,
-                n_kv_heads=cfg.n_kv_heads if cfg.layer_kv_heads is None else cfg.layer_kv_heads[i], head_dim=cfg.head_dim, d_ff=cfg.d_ff, activation=cfg.activation,
+                n_kv_heads=cfg.n_kv_heads if cfg.layer_kv_heads is None else cfg.layer_kv_heads[i],
+                head_dim=cfg.head_dim, d_ff=cfg.d_ff, activation=cfg.activation,
                 gated=cfg.gated, mlp_bias=cfg.mlp_bias, qkv_bias=cfg.qkv_bias, out_bias=cfg.out_bias,
                 qk_norm=cfg.qk_norm, v_norm=cfg.v_norm, attn_softcap=cfg.attn_softcap, mla=cfg.mla,
                 attn_sinks=cfg.attn_sinks, attn_gate=cfg.attn_gate, alibi=cfg.alibi,
