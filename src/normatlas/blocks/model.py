@@ -174,7 +174,7 @@ class ModelConfig:
         if self.moe is not None and self.mlp_bias:
             raise ValueError("mlp_bias=True with moe: our experts have no biases")
         self._check_kv_heads()
-        per_layer = ("layer_windows", "layer_rope_theta", "layer_attn_scale", "layer_rope", "layer_moe")
+        per_layer: tuple[str, ...] = ("layer_windows", "layer_rope_theta", "layer_attn_scale", "layer_rope", "layer_moe")
         per_layer += ("layer_kv_heads",)
         for name in per_layer:
             v = getattr(self, name)
