@@ -174,9 +174,8 @@ class ModelConfig:
         if self.moe is not None and self.mlp_bias:
             raise ValueError("mlp_bias=True with moe: our experts have no biases")
         self._check_kv_heads()
-        per_layer: tuple[str, ...] = ("layer_windows", "layer_rope_theta", "layer_attn_scale", "layer_rope", "layer_moe")
-        per_layer += ("layer_kv_heads",)
-        for name in per_layer:
+        for name in ("layer_windows", "layer_rope_theta", "layer_attn_scale", "layer_rope", "layer_moe",
+                     "layer_kv_heads"):  # fmt: skip
             v = getattr(self, name)
             if v is not None and len(v) != self.n_layers:
                 raise ValueError(f"{name} has {len(v)} entries but n_layers={self.n_layers}")
