@@ -92,7 +92,8 @@ class _Attn(nn.Module):
         b, t, _ = x.shape
         q, k, v = (z.view(b, t, 2, 8).transpose(1, 2) for z in self.qkv(x).chunk(3, -1))
         band = torch.ones(t, t, dtype=torch.bool).tril()
-        mask = torch.zeros(t, t).masked_fill(~band, -math.inf) + self.bias * band
+        i = torch.arange(t, dtype=torch.float32)
+        mask = torch.zeros(t, t).masked_fill(~band, -math.inf) + self.bias * band * i[:, None] * i[None, :]  # not ALiBi
         y = F.scaled_dot_product_attention(q, k, v, mask, self.dropout, False, scale=0.3)
         return self.o(y.transpose(1, 2).reshape(b, t, 16))
 

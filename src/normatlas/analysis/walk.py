@@ -12,6 +12,8 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterator
 
+import torch
+
 from .graph import Graph, Node, Ref
 from .ops import CASTS, SHAPE_ONLY
 
@@ -30,15 +32,23 @@ def strip(g: Graph, idx: int, ops: frozenset[str] = CASTS) -> int:
 
 
 def scalar_of(g: Graph, arg: object) -> float | None:
-    """The float value of a Python number or a one-element non-parameter tensor argument."""
+    """The float value of a Python number or a one-element non-parameter tensor argument (a 0-d buffer too, an
+    integer one cast to float included: MiniCPM3's ``embed_scale``)."""
     if isinstance(arg, bool):
         return None
     if isinstance(arg, (int, float)):
         return float(arg)
     if isinstance(arg, Ref):
         n = g.nodes[strip(g, arg.idx)]
-        if n.op != "param":
+        if n.op == "param":
+            return None
+        if n.scalar is not None:
             return n.scalar
+        got = g.nodes[arg.idx].scalar  # the cast's float value of an integer constant
+        if got is None and n.op == "buffer" and n.value is not None and n.value.numel() == 1:
+            v = n.value.reshape(())
+            got = float(v.item()) if v.dtype != torch.bool else None
+        return got
     return None
 
 

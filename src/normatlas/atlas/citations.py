@@ -155,6 +155,11 @@ UTILITIES: dict[str, str] = _reasons(
             _B,
             ("MoE", "MoEConfig", "RouterScore"),
         ),
+        (
+            "a position bias on the attention scores, so that ALiBi decoders port (not a normalization method)",
+            _B,
+            ("Alibi", "geometric_slopes"),
+        ),
         ("reports of what a conversion changed", _L, ("Change", "ConversionReport")),
         (
             "torch.nn.utils.parametrize plumbing shared by weight_norm and spectral_norm",

@@ -5,6 +5,7 @@
 models from their dataflow (:mod:`normatlas.port`, imported lazily; no key maps).
 """
 
+from .alibi import Alibi, geometric_slopes
 from .attention import Attention, Rope, RopeStyle, apply_rope, rope_tables
 from .block import MLP, Activation, Block
 from .hf_port import from_hf, to_hf_state_dict
@@ -50,13 +51,13 @@ PRESETS = {
 """Presets that take no required argument (deepnorm, scaled_residual, mix_ln, hybridnorm_star take depth/values)."""
 
 __all__ = [
-    "MLP", "PRESETS", "Activation", "Attention", "Block", "DeepNormArch", "DeepNormConstants",
+    "MLP", "PRESETS", "Activation", "Alibi", "Attention", "Block", "DeepNormArch", "DeepNormConstants",
     "DepthScale", "Gate", "LayerPlan", "LayerScale", "MoE", "MoEConfig", "ModelConfig", "NormFactory",
     "Placement", "QKGain", "QKNorm", "QKNormConfig", "QKOperator", "QKScope", "ReZero", "ResidualAdd", "Rope",
     "RopeStyle", "RouterScore", "Schedule", "SkipInit", "Sublayer", "TransformerLM", "ViTConfig", "ViTEncoder",
     "ViTPool",
     "apply_rope", "as_factory", "deepnorm", "deepnorm_constants", "depth_scaled_sandwich", "from_hf",
-    "hybridnorm", "hybridnorm_star", "layernorm_scaling", "layerscale", "mix_ln", "norm_free",
+    "geometric_slopes", "hybridnorm", "hybridnorm_star", "layernorm_scaling", "layerscale", "mix_ln", "norm_free",
     "parallel", "peri_ln", "post_ln", "pre_ln", "reordered_norm", "res_post_norm", "rezero", "rope_tables",
     "sandwich_ln", "scaled_residual", "skipinit", "to_hf_state_dict",
 ]  # fmt: skip

@@ -1,4 +1,4 @@
-"""Multi-head attention with GQA, RoPE, QK-norm / QKV-norm, logit soft-capping and sliding windows.
+"""Multi-head attention with GQA, RoPE or ALiBi, QK-norm / QKV-norm, logit soft-capping and sliding windows.
 
 The arithmetic follows the eager reference of HF transformers (scores in the
 input dtype, softmax in fp32), so ported weights reproduce the reference logits.
@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..vocabulary import RopeOrder
+from .alibi import Alibi, alibi_bias
 from .attn_gate import OutputGate, softmax_with_sinks
 from .qknorm import QKNorm, QKNormConfig, QKScope
 
@@ -174,12 +175,16 @@ class Attention(nn.Module):
         d_model, n_heads, n_kv_heads, head_dim: projection sizes (GQA when n_kv_heads < n_heads).
         qkv_bias, out_bias: biases on the q/k/v and output projections.
         qk_norm: a :class:`QKNormConfig`, or None.
-        v_norm: a norm module for V over the head dim (HybridNorm's QKV-norm), or None;
-            with ``qkv_norm_factory`` given and no qk_norm, q and k get one each too.
+        qkv_norm: three norm modules for q, k and V over the head dim (HybridNorm's QKV-norm), or None;
+            with no qk_norm, q and k take the first two.
+        v_norm: a :class:`QKNormConfig` for a norm on the values alone (Gemma 3n, Gemma 4: gain-free RMS per head),
+            as a QK-norm's operator, scope, gain and eps (its ``order`` must be ``BEFORE_ROPE``: V is not rotated).
         scale: multiplier on q.k (default head_dim ** -0.5).
         softcap: ``cap * tanh(scores / cap)`` before the softmax (Gemma 2).
         sinks: a learned logit per head in each softmax's denominator (parameter ``sinks``, gpt-oss).
         out_gate: an :class:`~normatlas.blocks.attn_gate.OutputGate` on the attention output (``gate_proj``), or None.
+        alibi: an :class:`~normatlas.blocks.alibi.Alibi` (one slope per head) added to the scores after the scale
+            and soft-cap, before the mask (BLOOM, MPT), or None.
     """
 
     def __init__(
@@ -197,9 +202,16 @@ class Attention(nn.Module):
         softcap: float | None = None,
         sinks: bool = False,
         out_gate: OutputGate | None = None,
+        alibi: Alibi | None = None,
+        v_norm: QKNormConfig | None = None,
     ) -> None:
         super().__init__()
         head_dim = _head_dim(d_model, n_heads, head_dim)
+        if alibi is not None:
+            if not isinstance(alibi, Alibi):
+                raise TypeError(f"alibi={alibi!r} must be an Alibi or None")
+            alibi.check_heads(n_heads)
+        self.alibi = alibi
         if not isinstance(sinks, bool):
             raise TypeError(f"sinks={sinks!r} must be a bool")
         if out_gate is not None and not isinstance(out_gate, OutputGate):
@@ -233,6 +245,15 @@ class Attention(nn.Module):
             if qk_norm is None:
                 self.q_norm, self.k_norm = qkv_norm[0], qkv_norm[1]
             self.v_norm = qkv_norm[2]
+        self.v_config = v_norm
+        if v_norm is not None:
+            if not isinstance(v_norm, QKNormConfig):
+                raise TypeError(f"v_norm={v_norm!r} must be a QKNormConfig or None")
+            if qkv_norm is not None:
+                raise ValueError(f"v_norm={v_norm!r} with a QKV-norm placement: V has one norm slot")
+            if v_norm.order is not RopeOrder.BEFORE_ROPE:
+                raise ValueError(f"v_norm.order={v_norm.order!r}: V is not rotated; use RopeOrder.BEFORE_ROPE")
+            self.v_norm = QKNorm(v_norm, n_kv_heads, head_dim)
 
     def forward(
         self,
@@ -246,13 +267,16 @@ class Attention(nn.Module):
         flat = self.qk_config is not None and self.qk_config.scope is QKScope.FLAT
         if flat:
             q, k = self._qk(q, self.q_norm), self._qk(k, self.k_norm)
+        v_flat = self.v_config is not None and self.v_config.scope is QKScope.FLAT
+        if v_flat:
+            v = self._qk(v, self.v_norm)
         q = q.view(b, t, self.n_heads, self.head_dim)
         k = k.view(b, t, self.n_kv_heads, self.head_dim)
         v = v.view(b, t, self.n_kv_heads, self.head_dim)
         after = self.qk_config is not None and self.qk_config.order is RopeOrder.AFTER_ROPE
         if not flat and not after:
             q, k = self._qk(q, self.q_norm), self._qk(k, self.k_norm)
-        if self.v_norm is not None:
+        if self.v_norm is not None and not v_flat:
             v = self.v_norm(v)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if rope is not None:
@@ -267,6 +291,8 @@ class Attention(nn.Module):
         scores = torch.matmul(q, k.transpose(2, 3)) * self.scale
         if self.softcap is not None:
             scores = torch.tanh(scores / self.softcap) * self.softcap
+        if self.alibi is not None:
+            scores = scores + alibi_bias(self.alibi, t, k.shape[-2], scores.dtype, scores.device)
         if mask is not None:
             scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
         if self.sinks is not None:

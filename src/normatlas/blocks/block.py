@@ -23,6 +23,7 @@ from torch import Tensor, nn
 
 from ..modules import Norm
 from ..spec import GainConvention
+from .alibi import Alibi
 from .attention import Attention, RopeStyle, _head_dim
 from .attn_gate import OutputGate
 from .mla import MLAConfig, MLAttention
@@ -207,6 +208,8 @@ class Block(nn.Module):
         mla: MLAConfig | None = None,
         attn_sinks: bool = False,
         attn_gate: OutputGate | None = None,
+        alibi: Alibi | None = None,
+        v_norm: QKNormConfig | None = None,
     ) -> None:
         super().__init__()
         for name, value in (("d_model", d_model), ("n_layers", n_layers), ("n_heads", n_heads), ("d_ff", d_ff)):
@@ -237,8 +240,11 @@ class Block(nn.Module):
                 raise TypeError(f"mla={mla!r} must be an MLAConfig or None")
             if qk_norm is not None or placement.qkv_norm:
                 raise ValueError(f"mla={mla!r} with a QK-norm or QKV-norm: MLA's norms are on its latents")
-            if attn_sinks or attn_gate is not None:
-                raise ValueError(f"mla with attn_sinks={attn_sinks} / attn_gate={attn_gate!r}: not expressed for MLA")
+            if attn_sinks or attn_gate is not None or alibi is not None or v_norm is not None:
+                raise ValueError(
+                    f"mla with attn_sinks={attn_sinks} / attn_gate={attn_gate!r} / alibi={alibi!r} / "
+                    f"v_norm={v_norm!r}: not expressed for MLA"
+                )
             self.attn = MLAttention(
                 d_model, n_heads, mla, bias=qkv_bias, out_bias=out_bias, scale=attn_scale, softcap=attn_softcap
             )
@@ -251,6 +257,7 @@ class Block(nn.Module):
             self.attn = Attention(
                 d_model, n_heads, n_kv_heads, hd, qkv_bias=qkv_bias, out_bias=out_bias, qk_norm=qk_norm,
                 qkv_norm=qkv, scale=attn_scale, softcap=attn_softcap, sinks=attn_sinks, out_gate=attn_gate,
+                alibi=alibi, v_norm=v_norm,
             )  # fmt: skip
         if moe is not None and not isinstance(moe, MoEConfig):
             raise TypeError(f"moe={moe!r} must be a MoEConfig or None")

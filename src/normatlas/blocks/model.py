@@ -17,6 +17,7 @@ from torch import Tensor, nn
 
 from ..modules import Norm
 from ..spec import NormSpec
+from .alibi import Alibi
 from .attention import Rope
 from .attn_gate import OutputGate
 from .block import MLP, Activation, Block
@@ -57,7 +58,13 @@ class ModelConfig:
     ``rope=None`` disables RoPE.
     ``layer_windows`` / ``layer_rope_theta`` / ``layer_attn_scale`` give per-layer sliding windows, RoPE bases
     and q.k multipliers (the last overrides ``attn_scale``; GPT-2's ``scale_attn_by_inverse_layer_idx``);
+    ``layer_kv_heads`` gives each layer's key / value head count (overriding ``n_kv_heads``; MiMo-V2-Flash's
+    full and sliding-window layers differ).
     ``layer_rope`` says which layers rotate q and k at all (False: a NoPE layer, EXAONE 4's global layers).
+    ``v_norm`` (a :class:`QKNormConfig`, before RoPE) is a norm on the attention values beside the QK-norm
+    (Gemma 3n, Gemma 4).
+    ``alibi`` (an :class:`~normatlas.blocks.alibi.Alibi`, one slope per head) adds ALiBi's ``slope * (j - i)`` to
+    every layer's scores (BLOOM, MPT; usually with ``rope=None``).
     ``moe`` (a :class:`MoEConfig`) makes the MLP slot a routed mixture of experts, in every layer or in those
     ``layer_moe`` marks True (the others keep the dense ``d_ff`` MLP: DeepSeek's ``first_k_dense_replace``,
     Qwen2-MoE's ``decoder_sparse_step`` / ``mlp_only_layers``).
@@ -87,9 +94,11 @@ class ModelConfig:
     norm: NormFactory | NormSpec | None = None
     placement: Placement | Schedule = field(default_factory=pre_ln)
     qk_norm: QKNormConfig | None = None
+    v_norm: QKNormConfig | None = None
     mla: MLAConfig | None = None
     attn_sinks: bool = False
     attn_gate: OutputGate | None = None
+    alibi: Alibi | None = None
     final_norm: bool = True
     embed_norm: bool = False
     activation: Activation = Activation.SILU
@@ -113,6 +122,7 @@ class ModelConfig:
     layer_rope_theta: tuple[float, ...] | None = None
     layer_rope: tuple[bool, ...] | None = None
     layer_attn_scale: tuple[float, ...] | None = None
+    layer_kv_heads: tuple[int, ...] | None = None
     moe: MoEConfig | None = None
     layer_moe: tuple[bool, ...] | None = None
     head_transform: bool = False
@@ -142,14 +152,19 @@ class ModelConfig:
             self.placement.check_depth(self.n_layers)
         if not isinstance(self.activation, Activation):
             raise TypeError(f"activation={self.activation!r} must be an Activation")
-        if self.qk_norm is not None and not isinstance(self.qk_norm, QKNormConfig):
-            raise TypeError(f"qk_norm={self.qk_norm!r} must be a QKNormConfig or None")
+        for name in ("qk_norm", "v_norm"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), QKNormConfig):
+                raise TypeError(f"{name}={getattr(self, name)!r} must be a QKNormConfig or None")
         as_factory(self.norm)  # type check
         self._check_mla()
         if not isinstance(self.attn_sinks, bool):
             raise TypeError(f"attn_sinks={self.attn_sinks!r} must be a bool")
         if self.attn_gate is not None and not isinstance(self.attn_gate, OutputGate):
             raise TypeError(f"attn_gate={self.attn_gate!r} must be an OutputGate or None")
+        if self.alibi is not None:
+            if not isinstance(self.alibi, Alibi):
+                raise TypeError(f"alibi={self.alibi!r} must be an Alibi or None")
+            self.alibi.check_heads(self.n_heads)
         if self.norm is None:
             for i in range(self.n_layers):
                 p = self.plan(i)
@@ -170,7 +185,9 @@ class ModelConfig:
                 raise TypeError(f"layer_moe={self.layer_moe!r} must be a tuple of bools, one per layer")
         if self.moe is not None and self.mlp_bias:
             raise ValueError("mlp_bias=True with moe: our experts have no biases")
-        for name in ("layer_windows", "layer_rope_theta", "layer_attn_scale", "layer_rope", "layer_moe"):
+        self._check_kv_heads()
+        for name in ("layer_windows", "layer_rope_theta", "layer_attn_scale", "layer_rope", "layer_moe",
+                     "layer_kv_heads"):  # fmt: skip
             v = getattr(self, name)
             if v is not None and len(v) != self.n_layers:
                 raise ValueError(f"{name} has {len(v)} entries but n_layers={self.n_layers}")
@@ -200,6 +217,18 @@ class ModelConfig:
             raise ValueError(f"init_std={self.init_std!r} must be > 0")
         if not isinstance(self.scaled_residual_init, bool):
             raise TypeError(f"scaled_residual_init={self.scaled_residual_init!r} must be a bool")
+
+    def _check_kv_heads(self) -> None:
+        v = self.layer_kv_heads
+        if v is None:
+            return
+        if not isinstance(v, tuple) or not all(isinstance(h, int) and not isinstance(h, bool) for h in v):
+            raise TypeError(f"layer_kv_heads={v!r} must be a tuple of ints, one per layer")
+        bad = [h for h in v if h < 1 or self.n_heads % h]
+        if bad:
+            raise ValueError(f"layer_kv_heads holds {bad[0]}; each must be >= 1 and divide n_heads={self.n_heads}")
+        if self.mla is not None:
+            raise ValueError("layer_kv_heads with mla: MLA's k / v have n_heads heads in every layer")
 
     def _check_positions(self) -> None:
         if not isinstance(self.position_ids, PositionIds):
@@ -236,8 +265,11 @@ class ModelConfig:
             raise ValueError(f"n_kv_heads={self.n_kv_heads} with mla: MLA's k / v have n_heads={self.n_heads} heads")
         if self.attn_sinks or self.attn_gate is not None:
             raise ValueError(f"attn_sinks / attn_gate with mla={m!r}: MLA has neither")
-        if self.qk_norm is not None:
-            raise ValueError(f"qk_norm={self.qk_norm!r} with mla: MLA's norms are on its latents (mla.latent_norm)")
+        if self.qk_norm is not None or self.v_norm is not None:
+            raise ValueError(
+                f"qk_norm={self.qk_norm!r} / v_norm={self.v_norm!r} with mla: MLA's norms are on its latents "
+                "(mla.latent_norm)"
+            )
         if self.rope is not None and self.rope.fraction != 1.0:
             raise ValueError(
                 f"rope.fraction={self.rope.fraction} with mla: MLA rotates all of its qk_rope_head_dim part; use 1.0"
@@ -300,10 +332,11 @@ def _blocks(cfg: ModelConfig) -> nn.ModuleList:
         layers.append(
             Block(
                 cfg.d_model, placement, norm, layer=i, n_layers=cfg.n_layers, n_heads=cfg.n_heads,
-                n_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim, d_ff=cfg.d_ff, activation=cfg.activation,
+                n_kv_heads=cfg.n_kv_heads if cfg.layer_kv_heads is None else cfg.layer_kv_heads[i],
+                head_dim=cfg.head_dim, d_ff=cfg.d_ff, activation=cfg.activation,
                 gated=cfg.gated, mlp_bias=cfg.mlp_bias, qkv_bias=cfg.qkv_bias, out_bias=cfg.out_bias,
-                qk_norm=cfg.qk_norm, attn_softcap=cfg.attn_softcap, mla=cfg.mla,
-                attn_sinks=cfg.attn_sinks, attn_gate=cfg.attn_gate,
+                qk_norm=cfg.qk_norm, v_norm=cfg.v_norm, attn_softcap=cfg.attn_softcap, mla=cfg.mla,
+                attn_sinks=cfg.attn_sinks, attn_gate=cfg.attn_gate, alibi=cfg.alibi,
                 attn_scale=cfg.attn_scale if cfg.layer_attn_scale is None else cfg.layer_attn_scale[i],
                 window=None if cfg.layer_windows is None else cfg.layer_windows[i],
                 rope_theta=None if cfg.layer_rope_theta is None else cfg.layer_rope_theta[i], moe=cfg.moe_of(i),

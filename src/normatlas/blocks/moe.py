@@ -9,7 +9,7 @@ Per token ``x`` (``E`` experts, each a gated or plain MLP of width ``d_expert``)
     idx    = top_k(sel)                                  the k experts this token goes to
     w      = s[idx]                or  softmax(logits[idx])  (score_after_topk=True: Mixtral's gate written that way)
     w      = w / sum(w)            if renormalize        (Mixtral, OLMoE, Qwen3-MoE's norm_topk_prob)
-    y      = routed_scale * sum_j w_j * expert_{idx_j}(x)
+    y      = routed_scale * sum_j w_j * expert_{idx_j}(x)    or  sum_j expert_{idx_j}(w_j * x)  (weight_input: Llama 4)
     y     += [sigmoid(shared_gate(x)) *] shared(x)       shared experts: one MLP, shared_width wide (Qwen2-MoE's gate)
 
 The experts' weights are three stacked tensors, ``gate`` and ``up`` ``(E, d_expert, d_model)`` and ``down``
@@ -46,7 +46,9 @@ class MoEConfig:
     sum; ``selection_bias`` adds a per-expert bias to the scores for choosing only; ``n_groups > 1`` splits the
     experts into that many equal groups and chooses only in the ``topk_groups`` groups whose two best selection
     scores sum highest (DeepSeek-V3's ``n_group`` / ``topk_group``); ``shared_width > 0`` adds shared experts as one
-    MLP of that total width, times ``sigmoid(shared_gate(x))`` when ``shared_gate``.
+    MLP of that total width, times ``sigmoid(shared_gate(x))`` when ``shared_gate``; ``weight_input`` applies each
+    routing weight to the token an expert reads instead of to what it writes (Llama 4; ``routed_scale`` must be 1,
+    as it no longer factors out of the experts).
     """
 
     n_experts: int
@@ -61,6 +63,7 @@ class MoEConfig:
     shared_gate: bool = False
     n_groups: int = 1
     topk_groups: int = 1
+    weight_input: bool = False
 
     def __post_init__(self) -> None:
         for name in ("n_experts", "top_k", "d_expert", "n_groups", "topk_groups"):
@@ -72,7 +75,7 @@ class MoEConfig:
         if not isinstance(self.score, RouterScore):
             allowed = ", ".join(f"RouterScore.{m.name}" for m in RouterScore)
             raise TypeError(f"score={self.score!r} must be one of {allowed}")
-        for name in ("score_after_topk", "renormalize", "selection_bias", "shared_gate"):
+        for name in ("score_after_topk", "renormalize", "selection_bias", "shared_gate", "weight_input"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name}={getattr(self, name)!r} must be a bool")
         if self.score_after_topk and self.score is not RouterScore.SOFTMAX:
@@ -83,6 +86,10 @@ class MoEConfig:
         rs = self.routed_scale
         if isinstance(rs, bool) or not isinstance(rs, (int, float)) or not math.isfinite(rs) or rs <= 0:
             raise ValueError(f"routed_scale={rs!r} must be a finite number > 0")
+        if self.weight_input and rs != 1.0:
+            raise ValueError(
+                f"routed_scale={rs!r} with weight_input=True: the weights scale the experts' input; use 1.0"
+            )
         sw = self.shared_width
         if isinstance(sw, bool) or not isinstance(sw, int) or sw < 0:
             raise ValueError(f"shared_width={sw!r} must be an integer >= 0 (0: no shared experts)")
@@ -184,8 +191,13 @@ class MoE(nn.Module):
         out = torch.zeros_like(flat)
         for e in range(self.config.n_experts):
             tok, slot = torch.nonzero(idx == e, as_tuple=True)
-            if tok.numel():
-                out = out.index_add(0, tok, self.expert(e, flat[tok]) * w[tok, slot, None].to(flat.dtype))
+            if not tok.numel():
+                continue
+            wt = w[tok, slot, None].to(flat.dtype)
+            if self.config.weight_input:
+                out = out.index_add(0, tok, self.expert(e, flat[tok] * wt))
+            else:
+                out = out.index_add(0, tok, self.expert(e, flat[tok]) * wt)
         if self.shared is not None:
             s = self.shared(flat)
             out = out + (torch.sigmoid(self.shared_gate(flat)) * s if self.shared_gate is not None else s)

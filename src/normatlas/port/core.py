@@ -18,13 +18,14 @@ from torch import Tensor, nn
 from ..analysis.graph import Graph, record
 from ..analysis.ops import SHAPE_ONLY
 from ..analysis.walk import strip
+from ..blocks.alibi import Alibi
 from ..blocks.model import ModelConfig, TransformerLM, ViTConfig, ViTEncoder
 from ..inspect.analyze import analyze
 from ..inspect.attention import find_cores, trig_bits
 from ..inspect.norms import Site, find_sites
 from ..inspect.report import InspectionReport
 from ..inspect.residual import embedding, final_norm, find_stream, place_norms
-from .design import LayerReading, Source, make_config, norm_spec, qk_config, read_layers
+from .design import LayerReading, Source, make_config, norm_spec, qk_config, read_layers, v_config
 from .ends import EmbedProjection, embed_projection, table_index
 from .errors import PortError
 from .measure import logit_ends
@@ -178,12 +179,17 @@ def _rope_fields(layers: list[LayerReading]) -> dict[str, Any]:
 def _attention_fields(layers: list[LayerReading]) -> dict[str, Any]:
     scores = [r.scores for r in layers]
     assert all(s is not None for s in scores)
-    n_heads, n_kv, hd = _agree([r.heads for r in layers], "attention shapes (heads, kv heads, head dim)")
+    n_heads, hd = _agree([(r.heads[0], r.heads[2]) for r in layers], "attention shapes (heads, head dim)")
+    kv = tuple(r.heads[1] for r in layers)
     scales = [s.scale for s in scores]  # type: ignore[union-attr]
-    out: dict[str, Any] = dict(n_heads=n_heads, n_kv_heads=n_kv, head_dim=hd)
+    out: dict[str, Any] = dict(n_heads=n_heads, n_kv_heads=kv[0], head_dim=hd)
+    if len(set(kv)) > 1:  # kv head counts per layer (MiMo-V2-Flash)
+        out["layer_kv_heads"] = kv
     out["mla"] = _agree([r.mla for r in layers], "attention kinds (MLA and not, or MLA shapes)")
     out["attn_sinks"] = _agree([r.sinks for r in layers], "attention sinks (in some layers only)")
     out["attn_gate"] = _agree([r.gate for r in layers], "attention output gates")
+    slopes = _agree([s.alibi for s in scores], "ALiBi slopes (or ALiBi in some layers only)")  # type: ignore[union-attr]
+    out["alibi"] = None if slopes is None else Alibi(slopes)
     out["causal"] = _agree([s.causal for s in scores], "causal masks")  # type: ignore[union-attr]
     out["attn_softcap"] = _agree([s.softcap for s in scores], "attention soft-caps")  # type: ignore[union-attr]
     windows = tuple(s.window for s in scores)  # type: ignore[union-attr]
@@ -303,7 +309,7 @@ def _head(r: _Read, embed: nn.Module) -> tuple[dict[str, Any], dict[str, Source]
         raise PortError(["the logits are not one linear head projection"])
     head = heads[-1]
     transform = _head_transform(r, head)
-    scale, cap = logit_ends(g, head)
+    scale, cap = logit_ends(g, head, r.last)
     tied = head.weight() is embed.weight
     fields = {"tie_embeddings": tied, "logit_scale": scale, "logit_softcap": cap, "head_bias": head.bias() is not None}
     if head.weight().shape[0] != embed.num_embeddings:  # an untied head over another vocabulary (Mllama, Moshi)
@@ -381,7 +387,7 @@ def _vision_config(hf: nn.Module, r: _Read) -> tuple[ModelConfig, dict[str, Sour
     attention = _attention_fields(r.layers)
     if attention.pop("causal") or attention.get("layer_windows"):
         raise PortError(["a vision encoder with a causal or windowed mask"])
-    if any(layer.rope is not None for layer in r.layers) or qk_config(r.layers) is not None:
+    if any(layer.rope is not None for layer in r.layers) or qk_config(r.layers) or v_config(r.layers):
         raise PortError(["a vision encoder with RoPE or QK-norm (our ViTEncoder has learned positions only)"])
     base = dict(
         d_model=r.stream_shape[-1], n_layers=len(r.layers), final_norm=r.final is not None, **fields,
@@ -408,7 +414,7 @@ def _config(hf: nn.Module, r: _Read, seq: int) -> tuple[ModelConfig, dict[str, S
             glob["embed_proj.bias"] = Source(p.bias())  # type: ignore[arg-type]
     spec = _spec(r)
     base = dict(
-        d_model=r.stream_shape[-1], n_layers=len(r.layers), qk_norm=qk_config(r.layers),
+        d_model=r.stream_shape[-1], n_layers=len(r.layers), qk_norm=qk_config(r.layers), v_norm=v_config(r.layers),
         final_norm=r.final is not None, embed_norm=r.emb_norm is not None, embed_scale=r.emb_scale or 1.0,
         **fields, **head_fields, **_attention_fields(r.layers), **_mlp_fields(r.layers), **_bias_fields(r.layers),
         **_rope_fields(r.layers),

@@ -33,7 +33,7 @@ from .measure import Mlp, RopeReading, Scores, branch_scale, mlp_design, rope_of
 from .moe import MoeReading, read_moe, routed
 from .read import Proj, attention_parts, attention_roles, mlp_parts, norm_params, own_bits
 
-__all__ = ["LayerReading", "Source", "norm_spec", "qk_config", "read_layers"]
+__all__ = ["LayerReading", "Source", "norm_spec", "qk_config", "read_layers", "v_config"]
 
 
 @dataclass(frozen=True)
@@ -64,6 +64,7 @@ class LayerReading:
     rope: RopeReading | None = None
     core: Core | None = None
     qk: tuple[Site, ...] = ()
+    v_norm: Site | None = None  # a norm on the core's value operand (V-norm)
     qk_order: RopeOrder = RopeOrder.NOT_APPLICABLE
     biases: dict[str, bool] = field(default_factory=dict)
     sinks: bool = False  # a learned logit per head in the softmax (``attn.sinks``)
@@ -154,6 +155,8 @@ def _attention(
     r.core = parts.core
     r.scores = scores_of(g, parts.core, r.index)
     r.scores.scale *= _q_scale(g, parts.core.q)  # OPT scales q before the score matmul
+    if r.scores.alibi is not None and len(r.scores.alibi) != r.heads[0]:
+        raise PortError([f"layer {r.index}: an additive bias with {len(r.scores.alibi)} slopes for {r.heads[0]} heads"])
     if r.scores.sink is None:
         from .gates import lse_sink
 
@@ -170,8 +173,12 @@ def _attention(
     for role in ("q", "k"):  # one norm reached on the rotated and the passed-through part (partial RoPE) is one
         parts.core.norms[role] = list({s.node: (s, rope) for s, rope in parts.core.norms[role]}.values())
     r.qk = tuple(s for s, _ in [*parts.core.norms["q"], *parts.core.norms["k"]])
-    if parts.core.norms["v"]:
-        raise PortError([f"layer {r.index}: a norm on the attention values (V-norm)"])
+    v_sites = list({s.node: s for s, _ in parts.core.norms["v"]}.values())
+    if len(v_sites) > 1:
+        raise PortError([f"layer {r.index}: {len(v_sites)} norms on the attention values"])
+    if v_sites:
+        r.v_norm = v_sites[0]
+        r.sources.update(_norm_sources(g, "attn.v_norm", v_sites[0]))
     if r.qk:
         from ..inspect.attention import rope_order, trig_bits
 
@@ -231,6 +238,8 @@ def _mla(g: Graph, r: LayerReading, parts: Any, roles: Any, ctx: _Ctx) -> None:
     r.core = parts.core
     r.scores = scores_of(g, parts.core, r.index)
     r.mla_rope = m.rope
+    if r.scores.alibi is not None:
+        raise PortError([f"layer {r.index}: MLA with an additive bias on its scores (ALiBi)"])
     if any(parts.core.norms[k] for k in "qkv"):
         raise PortError([f"layer {r.index}: MLA with a norm on its q / k / v operands"])
 
@@ -421,12 +430,24 @@ def qk_config(layers: list[LayerReading]) -> QKNormConfig | None:
     return configs.pop()
 
 
-def _qk_one(r: LayerReading) -> QKNormConfig:
-    q = r.qk[0]
+def v_config(layers: list[LayerReading]) -> QKNormConfig | None:
+    """One V-norm for every layer (or none anywhere), read from its site as a QK-norm's fields."""
+    configs = {None if r.v_norm is None else _qk_one(r, (r.v_norm,), "V-norm") for r in layers}
+    if len(configs) > 1:
+        raise PortError(["V-norms that differ between layers (or in some layers only)"])
+    return configs.pop()
+
+
+_QK_OPS = {Operator.RMSNORM: QKOperator.RMS, Operator.L2: QKOperator.L2, Operator.LAYERNORM: QKOperator.LAYERNORM}
+
+
+def _qk_one(r: LayerReading, sites: tuple[Site, ...] | None = None, what: str = "QK-norm") -> QKNormConfig:
+    sites = r.qk if sites is None else sites
+    q = sites[0]
     hd = r.heads[2]
-    ops = {Operator.RMSNORM: QKOperator.RMS, Operator.L2: QKOperator.L2, Operator.LAYERNORM: QKOperator.LAYERNORM}
-    if any(s.operator not in ops or s.operator is not q.operator for s in r.qk):
-        raise PortError([f"layer {r.index}: a QK-norm operator ({q.operator.value}) our QKNorm does not compute"])
+    ops = _QK_OPS
+    if any(s.operator not in ops or s.operator is not q.operator for s in sites):
+        raise PortError([f"layer {r.index}: a {what} operator ({q.operator.value}) our QKNorm does not compute"])
     scope = QKScope.HEAD if q.size == hd else QKScope.FLAT
     if not q.gain:
         gain = QKGain.NONE
@@ -434,7 +455,8 @@ def _qk_one(r: LayerReading) -> QKNormConfig:
         gain = QKGain.PER_HEAD
     else:
         gain = QKGain.SHARED
-    order = RopeOrder.AFTER_ROPE if r.qk_order is RopeOrder.AFTER_ROPE else RopeOrder.BEFORE_ROPE
+    after = r.qk_order is RopeOrder.AFTER_ROPE and what == "QK-norm"
+    order = RopeOrder.AFTER_ROPE if after else RopeOrder.BEFORE_ROPE
     return QKNormConfig(
         ops[q.operator], scope, gain, zero_centred=q.gain_convention is GainConvention.ONE_PLUS_W, order=order,
         eps=q.eps or 1e-6, bias=q.bias,

@@ -109,6 +109,7 @@ class Scores:
     causal: bool
     window: int | None
     sink: int | None = None  # the parameter node of a learned per-head logit joining the softmax (attention sinks)
+    alibi: tuple[float, ...] | None = None  # ALiBi's slope per head, read from an additive bias (:mod:`.alibi`)
 
 
 def scores_of(g: Graph, core: Core, layer: int) -> Scores:
@@ -119,12 +120,14 @@ def scores_of(g: Graph, core: Core, layer: int) -> Scores:
         return _fused_scores(call, g, layer)
     start = next((n.idx for n in g.nodes if n.op in ("matmul", "bmm") and n.inputs[:1] == (core.q,)), None)
     scale = 1.0
-    if start is None:  # baddbmm(input, q, k, beta=0, alpha=scale)
+    terms: list[tuple[int, int, float]] = []  # (a bias operand, the node it is added into, the scale on q.k there)
+    if start is None:  # baddbmm(input, q, k, beta, alpha=scale): beta * input is a bias
         fused = [n for n in g.nodes if n.op == "baddbmm" and n.inputs[1:2] == (core.q,)]
-        if fused and fused[0].kwargs.get("beta", 1) != 0:
-            raise PortError([f"layer {layer}: an additive bias on the attention scores (ALiBi)"])
         start = fused[0].idx if fused else None
         scale = float(fused[0].kwargs.get("alpha", 1.0)) if fused else 1.0
+        beta = float(fused[0].kwargs.get("beta", 1.0)) if fused else 0.0
+        if beta != 0 and bool((g.tensors[fused[0].inputs[0]] != 0).any()):
+            terms.append((fused[0].inputs[0], fused[0].idx, scale / beta))
     if start is None or g.nodes[core.node].op != "softmax":
         raise PortError([f"layer {layer}: the attention scores are not a matmul of q and k before a softmax"])
     cur, capped, mask, sink, mult = start, False, None, None, None
@@ -140,12 +143,16 @@ def scores_of(g: Graph, core: Core, layer: int) -> Scores:
         if sm is not None and sm[0] == cur:
             scale *= 1.0 if capped else sm[1]
         elif u.op == "tanh":
+            if terms:
+                raise PortError([f"layer {layer}: an additive bias on the attention scores before a soft-cap"])
             capped = True
         elif u.op == "mul" and (m := _mul_mask(g, u, cur)) is not None:
             mult = mask = m if mask is None else mask & m  # GPT-1: scores * b + -1e4 * (1 - b)
         elif u.op in ("add", "where", "masked_fill"):
-            m = _mask_operand(g, u, cur, mult)
-            mask = m if mask is None else mask & m
+            got, operand = _mask_operand(g, u, cur, mult)
+            if operand is not None:
+                terms.append((operand, u.idx, scale))
+            mask = got if mask is None else (mask if got is None else mask & got)
         elif u.op in ("max", "maximum", "clamp_min") and _floor_noop(g, u, cur):
             pass  # XGLM's max(scores, finfo.min): equal on every finite score
         elif u.op == "cat" and sink is None and (s := _sink_of(g, u, cur, core)) is not None:
@@ -159,7 +166,15 @@ def scores_of(g: Graph, core: Core, layer: int) -> Scores:
     if capped and cap is None:
         raise PortError([f"layer {layer}: a tanh on the attention scores that is not a c * tanh(x / c) soft-cap"])
     causal, window = _mask_shape(mask, layer)
-    return Scores(scale * (cap or 1.0), cap, causal, window, sink)
+    slopes = None
+    if terms:
+        if sink is not None:
+            raise PortError([f"layer {layer}: an additive bias on the attention scores with attention sinks"])
+        from .alibi import eager_bias, fit_slopes
+
+        bias, allowed = eager_bias(g, terms, core.node, scale)
+        slopes = fit_slopes(bias, allowed, layer)
+    return Scores(scale * (cap or 1.0), cap, causal, window, sink, slopes)
 
 
 def _is_max(g: Graph, i: int, of: int) -> bool:
@@ -206,15 +221,20 @@ def _fused_scores(call: FusedCall, g: Graph, layer: int) -> Scores:
         raise PortError([f"layer {layer}: {what} with dropout_p={call.dropout} (put the model in eval mode)"])
     if call.score_mod_other:
         raise PortError([f"layer {layer}: a flex attention score_mod that is neither identity nor a soft-cap"])
-    if call.bias is not None and bool((call.bias != 0).any()):
-        raise PortError([f"layer {layer}: an additive bias on the attention scores (ALiBi or relative positions)"])
     qs, ks = g.nodes[call.q].shape, g.nodes[call.k].shape
     t, s = (int(qs[-2]), int(ks[-2])) if qs and ks else (0, 0)
     if call.causal and t != s:
         raise PortError([f"layer {layer}: {what} with is_causal over {t} queries and {s} keys"])
-    causal, window = _mask_shape(call.mask(t, s), layer)
-    cap = call.softcap
-    return Scores(call.scale, cap, causal, window)
+    allowed = call.mask(t, s)
+    causal, window = _mask_shape(allowed, layer)
+    slopes = None
+    if call.bias is not None and bool((call.bias != 0).any()):  # a float attn_mask: ALiBi's slopes, or refused
+        from .alibi import fit_slopes
+
+        h = int(qs[-3]) if qs and len(qs) >= 3 else 1
+        bias = call.bias.expand(torch.broadcast_shapes(call.bias.shape, (h, t, s))).reshape(-1, h, t, s)[0]
+        slopes = fit_slopes(bias, allowed if allowed is not None else torch.ones(t, s, dtype=torch.bool), layer)
+    return Scores(call.scale, call.softcap, causal, window, alibi=slopes)
 
 
 def _mul_mask(g: Graph, u: object, scores: int) -> Tensor | None:
@@ -241,7 +261,9 @@ def _floor_noop(g: Graph, u: object, scores: int) -> bool:
     return lowest is not None and len(floors) == 1 and floors[0] is not None and floors[0] <= lowest
 
 
-def _mask_operand(g: Graph, u: object, scores: int, mult: Tensor | None = None) -> Tensor:
+def _mask_operand(g: Graph, u: object, scores: int, mult: Tensor | None = None) -> tuple[Tensor | None, int | None]:
+    """(the "may attend" mask, None where it allows every key; the operand's node when it also adds a nonzero
+    bias where it allows); ``mult``: the keys a multiplicative mask before it keeps (GPT-1)."""
     node = g.nodes[u.idx]  # type: ignore[attr-defined]
     others = [i for i in node.inputs if i != scores and not g.feeds(scores, i)]
     t = g.tensors[others[0]] if others else None
@@ -249,16 +271,15 @@ def _mask_operand(g: Graph, u: object, scores: int, mult: Tensor | None = None) 
         raise PortError(["an attention mask that was not recorded"])
     if node.op == "add":
         if not t.is_floating_point():
-            return t.bool()
+            return t.bool(), None
         if mult is not None:  # the fill of a multiplicative mask: 0 where it keeps, <= -1e4 (exp gives 0) elsewhere
             tb, mb = torch.broadcast_tensors(t, mult)
             if bool((tb[mb] == 0).all()) and bool((tb[~mb] <= -1e4).all()):
-                return mult
+                return mult, None
         allowed = t > torch.finfo(t.dtype).min / 2
-        if bool((t[allowed] != 0).any()):
-            raise PortError(["an additive bias on the attention scores (ALiBi or relative positions)"])
-        return allowed
-    return t.bool() if node.op == "where" else ~t.bool()
+        biased = others[0] if bool((t[allowed] != 0).any()) else None
+        return (None if bool(allowed.all()) else allowed), biased
+    return (t.bool() if node.op == "where" else ~t.bool()), None
 
 
 def _mask_shape(mask: Tensor | None, layer: int) -> tuple[bool, int | None]:
@@ -297,10 +318,30 @@ def branch_scale(g: Graph, branch: int, stops: set[int]) -> tuple[float, int, in
     return scale, cur, learned
 
 
-def logit_ends(g: Graph, head: Proj) -> tuple[float, float | None]:
-    """(constant scale, tanh soft-cap) between the head projection and the logits."""
+def head_input_scale(g: Graph, head: Proj, stop: int | None = None) -> float:
+    """The constant multipliers on the head's input after the last stream value (``stop``: MiniCPM3's
+    ``hidden / logits_scaling``), walking back through views and casts. Through a linear head without bias it is
+    a scale on the logits; with a bias it is refused by name."""
+    cur, scale = head.input, 1.0
+    while cur != stop:
+        n = g.nodes[cur]
+        sm = scalar_mul(g, n)
+        if sm is not None:
+            scale, cur = scale * sm[1], sm[0]
+        elif (n.op in SHAPE_ONLY or n.op in CASTS or n.op in SPLITS) and n.inputs:
+            cur = n.inputs[0]
+        else:
+            break
+    if scale != 1.0 and head.bias() is not None:
+        raise PortError([f"a constant scale ({scale:g}) on the input of a head projection with a bias"])
+    return scale
+
+
+def logit_ends(g: Graph, head: Proj, stop: int | None = None) -> tuple[float, float | None]:
+    """(constant scale, tanh soft-cap) between the head projection and the logits, with the constant on the head's
+    input after ``stop`` (the last stream value) folded in (:func:`head_input_scale`)."""
     out = g.outputs[0] if g.outputs else head.output
-    cur, scale, cap = head.output, 1.0, None
+    cur, scale, cap = head.output, head_input_scale(g, head, stop), None
     while cur != out:
         nxt = [u for u in g.users(cur) if u.idx == out or g.feeds(u.idx, out)]
         if len(nxt) != 1:

@@ -137,7 +137,15 @@ def read_moe(g: Graph, sub: Sublayer, branch: int, out: int, projs: list[Proj], 
     shared = _shared(g, shared_projs, layer)
     s_val = torch.zeros_like(y)
     if shared is not None:
-        s_val = g.tensors[shared[2].output].detach().double().reshape(-1, d)
+        dn = shared[2]  # recomputed from its input: an in-place add (Llama 4's out.add_) mutates the recorded output
+        b_dn = dn.bias()
+        if dn.kind == "linear":
+            s_val = torch.nn.functional.linear(
+                g.tensors[dn.input].detach().double(), dn.weight().detach().double(),
+                None if b_dn is None else b_dn.detach().double(),
+            ).reshape(-1, d)  # fmt: skip
+        else:
+            s_val = g.tensors[dn.output].detach().double().reshape(-1, d)
         if shared_gate:
             s_val = torch.sigmoid(g.tensors[shared_gate[0].output].detach().double().reshape(-1, 1)) * s_val
     bias_d = None if sel_bias is None else sel_bias.detach().double().reshape(-1)
@@ -159,8 +167,22 @@ def read_moe(g: Graph, sub: Sublayer, branch: int, out: int, projs: list[Proj], 
                 return MoeReading(
                     cfg, act, gated, router, experts, sel_bias, shared, shared_gate[0] if shared_gate else None
                 )
-    if _scales_input(g, own, t, x_node):
-        raise PortError([f"layer {layer}: router weights that scale the experts' input (Llama 4), not their output"])
+    if _scales_input(g, own, t, x_node):  # the weights on the experts' input: sum_j expert_j(w_j * x)
+        for experts, act, gated in _experts(stacked, d):
+            for base, idx, w in routes:
+                rows = torch.arange(x.shape[0])
+                parts = [_run(experts, act, x * w[:, j : j + 1])[idx[:, j], rows] for j in range(k)]
+                if _close(torch.stack(parts).sum(0) + s_val, y):
+                    cfg = replace(
+                        base, d_expert=int(experts["up"].value().shape[1]), weight_input=True,
+                        shared_width=0 if shared is None else int(g.tensors[shared[2].input].shape[-1]),
+                        shared_gate=bool(shared_gate),
+                    )  # fmt: skip
+                    return MoeReading(
+                        cfg, act, gated, router, experts, sel_bias, shared, shared_gate[0] if shared_gate else None
+                    )
+        raise PortError([f"layer {layer}: router weights that scale the experts' input, with experts or a "
+                         "combination none of ours computes"])  # fmt: skip
     raise PortError(
         [f"layer {layer}: experts or a combination of their outputs that none of ours computes (the output differs)"]
     )
@@ -264,7 +286,7 @@ def _experts(stacked: list[Tensor], d: int) -> Iterator[tuple[dict[str, Stacked]
                     for a, b in (halves, halves[::-1], pairs, pairs[::-1]):
                         cands.append({"gate": Stacked(firsts[0], tr, a), "up": Stacked(firsts[0], tr, b), "down": dn})
     for c in cands:
-        for act in Activation:
+        for act in (a for a in Activation if not a.learned):  # a learned activation is not an expert's
             yield c, act, "gate" in c
 
 
