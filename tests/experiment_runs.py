@@ -1,8 +1,10 @@
-"""Each experiment run once per test session in quick mode (seed 0), shared by the experiment test files.
+"""Each experiment run once per test session at quick scale and seed 0, shared by the experiment test files.
 
 :func:`quick_run` runs an experiment through :func:`~normatlas.experiments.runner.run_experiment` into a
 temporary folder and keeps the record, the folder and the :class:`~normatlas.experiments.Outcome` the
-experiment returned (captured by wrapping its ``run``), so the files can be checked against the series.
+experiment returned (captured by wrapping its ``run``), so the files can be checked against the series. One
+seed keeps the suite fast; the verdicts over three seeds are asserted only where they are stable
+(``test_experiments_verdicts.py``).
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ class QuickRun:
 
 
 @cache
-def quick_run(name: str) -> QuickRun:
+def quick_run(name: str, seeds: tuple[int, ...] = (0,)) -> QuickRun:
+    """``name`` at quick scale and ``seeds`` (each tuple of seeds has its own folder)."""
     exp = experiment(name)
     seen: list[Outcome] = []
 
@@ -38,5 +41,6 @@ def quick_run(name: str) -> QuickRun:
         seen.append(exp.run(ctx))
         return seen[-1]
 
-    record = run_experiment(replace(exp, run=capture), _ROOT, quick=True, seed=0)
-    return QuickRun(record, _ROOT / name, seen[0])
+    root = _ROOT / "-".join(map(str, seeds))
+    record = run_experiment(replace(exp, run=capture), root, scale="quick", seeds=seeds)
+    return QuickRun(record, root / name, seen[0])

@@ -42,9 +42,17 @@ def test_quick_run_writes_every_field(name: str) -> None:
     on_disk = json.loads((run.folder / "result.json").read_text())
     assert [f for f in RESULT_FIELDS if f not in on_disk] == []
     assert on_disk == run.record
-    assert isinstance(on_disk["holds"], bool) and on_disk["quick"] is True and on_disk["seed"] == 0
+    assert on_disk["verdict"] in ("holds", "does not hold", "inconclusive")
+    assert on_disk["holds"] is (on_disk["verdict"] == "holds")
+    assert on_disk["scale"] == "quick" and on_disk["quick"] is True and on_disk["seeds"] == [0]
     assert on_disk["measured"], "an experiment must measure something"
     assert on_disk["seconds"] > 0 and name in on_disk["command"]
+    rule = experiment(name).rule
+    assert [c["statistic"] for c in on_disk["clauses"]] == list(rule.statistics)
+    for c in on_disk["clauses"]:
+        assert set(c["per_seed"]) == {"0"} and c["says"] and c["verdict"] in ("holds", "does not hold", "inconclusive")
+    if on_disk["verdict"] != "holds":
+        assert on_disk["reasons"], "a verdict other than holds says why"
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -70,6 +78,7 @@ def test_csv_match_the_series(name: str) -> None:
     assert sorted(run.record["files"]) == sorted(
         [f"{k}.csv" for k in run.outcome.series] + ["figure.png", "figure.svg"]
     )
+    assert (run.folder / "seeds" / "quick-seed0" / "outcome.json").is_file()
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -96,23 +105,26 @@ def test_measured_numbers_are_finite_or_absent(name: str) -> None:
 
 
 def test_same_seed_same_numbers(tmp_path: Path) -> None:
-    again = run_experiment(experiment(CHEAP), tmp_path, quick=True, seed=0)
+    again = run_experiment(experiment(CHEAP), tmp_path, scale="quick", seeds=(0,))
     assert again["measured"] == quick_run(CHEAP).record["measured"]
+    assert again["clauses"] == quick_run(CHEAP).record["clauses"]
 
 
 def test_cli_list(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["experiments", "list", "--format", "json"]) == 0
     rows = json.loads(capsys.readouterr().out)["experiments"]
     assert [r["name"] for r in rows] == NAMES
-    assert all(r["full"] > 0 and r["quick"] > 0 and r["claim"] for r in rows)
+    assert all(r["default_s"] > 0 and r["quick_s"] > 0 and r["paper_s"] > 0 and r["claim"] for r in rows)
+    assert all(r["rule"] for r in rows)
 
 
 def test_cli_run_and_report(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["experiments", "run", CHEAP, "--quick", "--out", str(tmp_path), "--seed", "0"]) == 0
+    assert main(["experiments", "run", CHEAP, "--quick", "--out", str(tmp_path), "--seeds", "1"]) == 0
     out = capsys.readouterr().out
-    assert re.search(rf"^{CHEAP}: (holds|does NOT hold) \(", out, re.M) and "claims hold" in out
+    assert re.search(rf"^{CHEAP}: (holds|does not hold|inconclusive) \(", out, re.M) and "of 1 claims" in out
     record = json.loads((tmp_path / CHEAP / "result.json").read_text())
-    assert record["command"].startswith(f"normatlas experiments run {CHEAP} --quick --seed 0")
+    assert record["command"].startswith(f"normatlas experiments run {CHEAP} --scale quick --seed 0 --seeds 1")
+    assert record["seeds"] == [0] and record["scale"] == "quick"
     assert main(["experiments", "report", "--out", str(tmp_path)]) == 0
     md = (tmp_path / "report.md").read_text()
     html = (tmp_path / "report.html").read_text()
@@ -126,12 +138,13 @@ def test_report_of_every_quick_run() -> None:
         quick_run(name)
     records = find_results(folder)
     assert [r["name"] for r in records] == NAMES
-    md, _, _ = write_report(folder)
+    md, _, _, problems = write_report(folder)
+    assert problems == []
     text = md.read_text()
     assert text.count("\n## ") == len(NAMES)
     for line in text.splitlines():  # a '|' inside a cell (||W||) is escaped: every table row keeps its columns
         if line.startswith("| "):
-            assert len(re.findall(r"(?<!\\)\|", line)) in (3, 5), line
+            assert len(re.findall(r"(?<!\\)\|", line)) in (3, 5, 6), line
     assert render_html(records).count("<section") == len(NAMES)
 
 
@@ -148,7 +161,15 @@ def test_bad_seed(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
         main(["experiments", "run", CHEAP, "--seed", "-1", "--out", str(tmp_path)])
     assert exc.value.code == 2 and "--seed" in capsys.readouterr().err
     with pytest.raises(ValueError, match="seed=-1"):
-        run_experiment(experiment(CHEAP), tmp_path, seed=-1)
+        run_experiment(experiment(CHEAP), tmp_path, seeds=(-1,))
+    with pytest.raises(SystemExit):
+        main(["experiments", "run", CHEAP, "--seeds", "0", "--out", str(tmp_path)])
+    assert "--seeds" in capsys.readouterr().err
+
+
+def test_quick_and_scale_disagreeing(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    assert main(["experiments", "run", CHEAP, "--quick", "--scale", "paper", "--out", str(tmp_path)]) == 2
+    assert "--quick is --scale quick" in capsys.readouterr().err
 
 
 def test_all_stands_alone(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
@@ -158,5 +179,5 @@ def test_all_stands_alone(capsys: pytest.CaptureFixture[str], tmp_path: Path) ->
 
 def test_report_without_results(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     assert main(["experiments", "report", "--out", str(tmp_path)]) == 2
-    assert "no */result.json" in capsys.readouterr().err
+    assert "no readable */result.json" in capsys.readouterr().err
     assert main(["experiments", "report", "--out", str(tmp_path / "missing")]) == 2

@@ -22,13 +22,14 @@ from normatlas.experiments.e13_vlm_norm_gap import EXPERIMENT as E13
 from normatlas.experiments.e13_vlm_norm_gap import rotation_by_norm
 from normatlas.experiments.e14_bf16_headroom import EXPERIMENT as E14
 from normatlas.experiments.e14_bf16_headroom import op_errors
-from normatlas.experiments.runner import run_experiment
+
+from .experiment_runs import quick_run
 
 
 def _quick(exp, tmp_path):  # type: ignore[no-untyped-def]
-    record = run_experiment(exp, tmp_path, quick=True, seed=0)
-    assert (tmp_path / exp.name / "figure.png").stat().st_size > 10_000
-    return record["measured"], record["holds"]
+    run = quick_run(exp.name)  # the session's shared quick run at seed 0
+    assert (run.folder / "figure.png").stat().st_size > 10_000
+    return run.record["measured"], run.record["holds"]
 
 
 # ---------------------------------------------------------------- helpers, exact and fast
@@ -114,4 +115,4 @@ def test_e09_dyt_in_quick_mode(tmp_path) -> None:  # type: ignore[no-untyped-def
 
 
 def test_run_contexts_size_by_mode() -> None:
-    assert RunContext(quick=True, seed=0).size(300, 20) == 20
+    assert RunContext(scale="quick", seed=0).size(300, 20) == 20

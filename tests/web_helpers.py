@@ -11,7 +11,9 @@ from typing import Any
 import torch
 
 from normatlas.experiments import Experiment, Outcome, RunContext, Series
+from normatlas.experiments.base import estimates
 from normatlas.experiments.runner import run_experiment, use_agg
+from normatlas.experiments.verdict import Clause, Direction, VerdictRule
 from normatlas.functional import normalize
 from normatlas.spec import Axis, Layout, NormSpec
 from normatlas.web import AtlasServer, Config, make_server
@@ -53,7 +55,8 @@ def _depth_run(ctx: RunContext) -> Outcome:
     ax.legend()
     measured = {"pre_last": pre[-1], "post_last": post[-1]}
     series = {"variance": Series(("placement", "layer", "variance"), rows)}
-    return Outcome(measured, pre[-1] > pre[0] and abs(post[-1] - 1) < 0.1, series, fig, notes="test fixture")
+    statistics = {"pre_last_over_first": pre[-1] / pre[0], "post_last_error": abs(post[-1] - 1)}
+    return Outcome(statistics, measured, series, fig, notes="test fixture")
 
 
 DEPTH_EXPERIMENT = Experiment(
@@ -64,13 +67,17 @@ DEPTH_EXPERIMENT = Experiment(
     guide_words="the residual stream grows with depth",
     anchor="xiong2020",
     anchor_reports="(test fixture)",
-    expected="pre_last > pre_first and post_last ~ 1",
-    estimate_s=1.0,
-    quick_estimate_s=1.0,
+    rule=VerdictRule(
+        (
+            Clause("pre_last_over_first", Direction.ABOVE, 1.0, "Pre-LN's stream grows"),
+            Clause("post_last_error", Direction.BELOW, 0.1, "Post-LN's stays at one"),
+        )
+    ),
+    estimates_s=estimates(default=1.0, quick=1.0, paper=1.0),
     run=_depth_run,
 )
 
 
 def write_experiments(out: Path) -> dict[str, Any]:
     """``out/variance-depth/`` written by the real runner from the tiny experiment above."""
-    return run_experiment(DEPTH_EXPERIMENT, out, quick=True, seed=0)
+    return run_experiment(DEPTH_EXPERIMENT, out, scale="quick", seeds=(0,))

@@ -1,34 +1,47 @@
 """``normatlas experiments list | run NAME... | report``: the guide's quantitative claims, each measured here.
 
-``run`` writes ``DIR/NAME/result.json``, ``figure.png`` / ``.svg`` and one CSV per series (see
-:mod:`normatlas.experiments.runner`) and prints one verdict line per experiment. A claim that does not hold is a
-result, not an error: the exit code is 0 either way; a crash or a bad argument exits non-zero. ``report`` writes
-``DIR/report.md`` and ``DIR/report.html`` from the ``result.json`` files found under ``DIR``.
+``run`` runs each experiment at ``--seeds N`` seeds (default 3, from ``--seed``) and ``--scale quick|default|paper``
+(``--quick`` is ``--scale quick``), writes ``DIR/NAME/result.json``, ``figure.png`` / ``.svg`` and one CSV per series
+(see :mod:`normatlas.experiments.runner`) and prints one verdict line per experiment: ``holds``, ``does not hold``
+or ``inconclusive``, with the deciding clause's spread over seeds and its margin. Each seed's outcome is cached
+under ``DIR/NAME/seeds/``, so a killed run continues where it stopped (``--fresh`` reruns every seed). A claim that
+does not hold is a result, not an error: the exit code is 0 either way; a crash or a bad argument exits non-zero.
+``report`` writes ``DIR/report.md`` and ``DIR/report.html`` from the ``result.json`` files found under ``DIR``; a
+file it cannot read is named and the rest are shown.
 """
 
 from __future__ import annotations
 
 import argparse
 import shlex
+import sys
 from pathlib import Path
 
-from . import CliError, nonnegative_int
+from . import CliError, nonnegative_int, positive_int
 from . import _progress as progress
 from ._format import Section, add_format_option, emit
 
 DEFAULT_OUT = Path("experiments-out")
+SCALES = ("quick", "default", "paper")
 
 
 def configure_experiments(p: argparse.ArgumentParser) -> None:
     sub = p.add_subparsers(dest="action", metavar="ACTION")
     sub.required = True
-    ls = sub.add_parser("list", help="every experiment: name, claim, runtime estimate (full and --quick)")
+    ls = sub.add_parser("list", help="every experiment: name, claim, its rule, runtime per seed at each scale")
     add_format_option(ls)
-    run = sub.add_parser("run", help="run experiments and write result.json, figure.png/.svg and CSV per series")
+    run = sub.add_parser("run", help="run experiments over seeds and write result.json, figures and CSV per series")
     run.add_argument("names", nargs="+", metavar="NAME", help="experiment names (see `experiments list`), or all")
-    run.add_argument("--quick", action="store_true", help="a few seconds each: smaller models, fewer steps")
+    run.add_argument(
+        "--scale", choices=SCALES, default=None,
+        help="quick: seconds (the tests); default: about a minute per seed; paper: the deep, long runs the claims "
+        "are about (see `experiments list` for each estimate)",
+    )  # fmt: skip
+    run.add_argument("--quick", action="store_true", help="the same as --scale quick")
+    run.add_argument("--seeds", type=positive_int, default=3, help="how many seeds, from --seed on (default 3)")
+    run.add_argument("--seed", type=nonnegative_int, default=0, help="the first seed (default 0)")
+    run.add_argument("--fresh", action="store_true", help="rerun every seed instead of reading cached ones")
     run.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"output folder (default: ./{DEFAULT_OUT})")
-    run.add_argument("--seed", type=nonnegative_int, default=0, help="the seed of every generator (default 0)")
     add_format_option(run)
     rep = sub.add_parser("report", help="write DIR/report.md and DIR/report.html from the result.json files")
     rep.add_argument(
@@ -44,26 +57,22 @@ def experiments(args: argparse.Namespace) -> int:
 
 def _list(args: argparse.Namespace) -> int:
     from ..experiments import experiments as found
+    from ..experiments.base import Scale
 
     rows = [
-        {"number": e.number, "name": e.name, "claim": e.claim, "full": e.estimate_s, "quick": e.quick_estimate_s}
+        {
+            "number": e.number, "name": e.name, "claim": e.claim, "rule": e.expected,
+            **{f"{s.value}_s": e.estimate_s(s) for s in Scale},
+        }
         for e in found()
-    ]
-    emit(
-        [
-            Section(
-                "experiments",
-                rows,
-                f"{len(rows)} experiments (runtime in seconds, full and --quick, measured on an idle 2-core CPU)",
-            )
-        ],
-        args.format,
-    )
+    ]  # fmt: skip
+    note = "runtime in seconds per seed at each scale, measured on an idle 2-core CPU (paper: estimated)"
+    emit([Section("experiments", rows, f"{len(rows)} experiments ({note})")], args.format)
     return 0
 
 
 def selected(names: list[str]) -> list[str]:
-    """The experiment names asked for, in the order given (``all``: every experiment); a ValueError names the
+    """The experiment names asked for, in the order given (``all``: every experiment); a CliError names the
     unknown ones and lists the known."""
     from ..experiments import experiments as found
 
@@ -78,26 +87,48 @@ def selected(names: list[str]) -> list[str]:
     return list(dict.fromkeys(names))
 
 
+def scale_of(args: argparse.Namespace) -> str:
+    """``--scale``, with ``--quick`` as its alias (the two disagreeing is an error)."""
+    if args.quick and args.scale not in (None, "quick"):
+        raise CliError(f"--quick is --scale quick, but --scale {args.scale} was given too")
+    return "quick" if args.quick else (args.scale or "default")
+
+
 def _run(args: argparse.Namespace) -> int:
     from ..experiments import experiment
+    from ..experiments.report import deciding_clause, margin, spread
     from ..experiments.runner import run_experiment
 
     names = selected(args.names)
+    scale = scale_of(args)
+    seeds = tuple(range(args.seed, args.seed + args.seeds))
     rows = []
     for i, name in enumerate(names, 1):
         exp = experiment(name)
-        command = f"normatlas experiments run {name}{' --quick' if args.quick else ''} --seed {args.seed}"
+        command = f"normatlas experiments run {name} --scale {scale} --seed {args.seed} --seeds {args.seeds}"
         command += f" --out {shlex.quote(str(args.out))}"
         with progress.phase(f"experiment {i}/{len(names)}: {name}") as ph:
-            rec = run_experiment(exp, args.out, quick=args.quick, seed=args.seed, progress=ph.update, command=command)
-        rows.append({"name": name, "holds": rec["holds"], "seconds": rec["seconds"], "folder": str(args.out / name)})
+            rec = run_experiment(
+                exp, args.out, scale=scale, seeds=seeds, progress=ph.update, command=command, fresh=args.fresh
+            )
+        c = deciding_clause(rec)
+        rows.append({
+            "name": name, "verdict": rec["verdict"], "deciding": spread(c), "margin": margin(c),
+            "seconds": rec["seconds"], "cached_seeds": rec["cached_seeds"], "folder": str(args.out / name),
+        })  # fmt: skip
         if args.format == "table":
             progress.clear()
-            verdict = "holds" if rec["holds"] else "does NOT hold"
-            print(f"{name}: {verdict} ({rec['seconds']:.1f} s) -> {args.out / name}", flush=True)
-    held = sum(r["holds"] for r in rows)
-    meta = {"held": held, "total": len(rows), "quick": args.quick, "seed": args.seed}
-    summary = f"{held} of {len(rows)} claims hold{' (quick mode)' if args.quick else ''}; results in {args.out}"
+            cached = f", {len(rec['cached_seeds'])} seed(s) cached" if rec["cached_seeds"] else ""
+            print(f"{name}: {rec['verdict']} ({spread(c)}; margin {margin(c)}; {rec['seconds']:.1f} s{cached})")
+            for why in rec["reasons"]:
+                print(f"  - {why}")
+            sys.stdout.flush()
+    counts = {v: sum(r["verdict"] == v for r in rows) for v in ("holds", "does not hold", "inconclusive")}
+    meta = {**counts, "total": len(rows), "scale": scale, "seeds": list(seeds)}
+    summary = (
+        f"of {len(rows)} claims: {counts['holds']} hold, {counts['does not hold']} do not hold, "
+        f"{counts['inconclusive']} inconclusive ({scale} scale, seeds {seeds[0]}..{seeds[-1]}); results in {args.out}"
+    )
     if args.format == "table":
         print(summary)
     else:
@@ -110,7 +141,11 @@ def _report(args: argparse.Namespace) -> int:
 
     if not args.out.is_dir():
         raise CliError(f"--out {args.out}: no such folder (run `normatlas experiments run ... --out DIR` first)")
-    md, html, records = write_report(args.out)
-    rows = [{"name": r["name"], "holds": r["holds"], "quick": r["quick"], "seconds": r["seconds"]} for r in records]
+    try:
+        md, html, records, problems = write_report(args.out)
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
+    rows = [{"name": r["name"], "verdict": r["verdict"], "scale": r["scale"], "seconds": r["seconds"]} for r in records]
+    rows += [{"name": str(p), "verdict": f"unreadable: {why}", "scale": "", "seconds": ""} for p, why in problems]
     emit([Section("report", rows, f"wrote {md} and {html}")], args.format)
     return 0

@@ -1,16 +1,17 @@
-"""The experiment contract: a claim of the guide, the code that measures it, and what it wrote.
+"""The experiment contract: a claim of the guide, the rule that decides it, the code that measures it.
 
-An :class:`Experiment` is a value: its name, the claim in one line, the guide's own words, the
-anchor paper (its key in ``normatlas/data/papers.json``) with the number that paper reports, the
-expected direction or relation, a runtime estimate, and ``run``: a function of a
-:class:`RunContext` that returns an :class:`Outcome` (the measured numbers, the verdict, the raw
-series and a matplotlib figure). :func:`normatlas.experiments.runner.run_experiment` times it,
-seeds it and writes ``result.json``, ``figure.png`` / ``figure.svg`` and one CSV per series.
+An :class:`Experiment` is a value: its name, the claim in one line, the guide's own words, the anchor paper (its
+key in ``normatlas/data/papers.json``) with the number that paper reports, the :class:`~.verdict.VerdictRule`
+that decides the claim (fixed in the experiment's file, before anything runs), runtime estimates per seed at
+each :class:`Scale`, and ``run``: a function of a :class:`RunContext` (one seed, one scale) that returns an
+:class:`Outcome` (the per-seed statistics the rule reads, the measured numbers, the raw series and a matplotlib
+figure). :func:`normatlas.experiments.runner.run_experiment` runs it at every seed, caches each seed's outcome on
+disk, applies the rule over the seeds and writes ``result.json``, ``figure.png`` / ``figure.svg`` and one CSV
+per series.
 
-A verdict is computed from what was measured, against a relation fixed before the run: an
-experiment never retries or tunes until its claim holds. ``--quick`` shrinks the work (fewer
-steps, smaller models) so the test suite can check every claim's direction in seconds; a claim
-that does not hold at quick scale says so exactly as at full scale.
+An experiment never retries or tunes until its claim holds: the rule is data, and the runner applies it.
+:class:`Scale` sizes the work: ``quick`` (seconds: the test suite), ``default`` (a minute or so per seed on
+2 cores) and ``paper`` (the deep models and long runs the claims are about; an estimate per experiment).
 """
 
 from __future__ import annotations
@@ -18,13 +19,33 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any
 
 import torch
 
-__all__ = ["Experiment", "Outcome", "RunContext", "Series"]
+from .verdict import Diverged, Statistic, VerdictRule
+
+__all__ = ["Experiment", "Outcome", "RunContext", "Scale", "Series"]
 
 Scalar = float | int | str | bool | None
+
+
+class Scale(Enum):
+    """How much work a run does (the string is the CLI's ``--scale`` value)."""
+
+    QUICK = "quick"
+    DEFAULT = "default"
+    PAPER = "paper"
+
+    @classmethod
+    def parse(cls, value: Scale | str) -> Scale:
+        if isinstance(value, Scale):
+            return value
+        try:
+            return cls(value)
+        except ValueError:
+            raise ValueError(f"scale={value!r} is not one of {[s.value for s in cls]}") from None
 
 
 @dataclass(frozen=True)
@@ -52,17 +73,17 @@ class Series:
 
 @dataclass
 class Outcome:
-    """What ``Experiment.run`` returns.
+    """What ``Experiment.run`` returns for one seed.
 
-    ``measured``: the numbers the verdict rests on (JSON scalars or short lists of them).
-    ``holds``: the verdict, computed from ``measured`` against ``Experiment.expected``.
-    ``series``: the raw data of the figure, one CSV each. ``figure``: a matplotlib Figure whose title
-    states the claim, with labelled axes (units) and a legend. ``notes``: anything a reader needs to
-    judge the verdict (the scale, what differs from the paper's setting).
+    ``statistics``: the numbers the experiment's rule reads, one per clause (a float, or a
+    :class:`~.verdict.Diverged` naming what went non-finite and at which step). ``measured``: every number a
+    reader needs beside them (JSON scalars or short lists of them). ``series``: the raw data of the figure, one
+    CSV each. ``figure``: a matplotlib Figure whose title states the claim, with labelled axes (units) and a
+    legend. ``notes``: anything a reader needs to judge the verdict (the scale, what differs from the paper).
     """
 
+    statistics: Mapping[str, Statistic]
     measured: dict[str, Any]
-    holds: bool
     series: Mapping[str, Series]
     figure: Any
     notes: str = ""
@@ -70,25 +91,58 @@ class Outcome:
 
 @dataclass
 class RunContext:
-    """What an experiment is run with. ``size(full, quick)`` picks a count by mode; ``progress(msg)``
-    reports a step on stderr (the CLI's status line)."""
+    """What one seed of an experiment is run with. ``size(default, quick, paper=)`` picks a count by scale;
+    ``progress(msg)`` reports a step on stderr (the CLI's status line)."""
 
-    quick: bool
+    scale: Scale
     seed: int
     progress: Callable[[str], None] = field(default=lambda msg: None)
     threads: int | None = None
 
-    def size(self, full: int, quick: int) -> int:
-        return quick if self.quick else full
+    def __post_init__(self) -> None:
+        self.scale = Scale.parse(self.scale)
+
+    @property
+    def quick(self) -> bool:
+        return self.scale is Scale.QUICK
+
+    def size(self, default: int, quick: int, paper: int | None = None) -> int:
+        """``quick`` at quick scale, ``paper`` at paper scale (``default`` when the paper scale needs no more),
+        ``default`` otherwise."""
+        if self.scale is Scale.QUICK:
+            return quick
+        if self.scale is Scale.PAPER and paper is not None:
+            return paper
+        return default
+
+    def pick(self, default: Any, quick: Any, paper: Any = None) -> Any:
+        """:meth:`size` for any value (a tuple of widths, a list of learning rates)."""
+        if self.scale is Scale.QUICK:
+            return quick
+        return paper if self.scale is Scale.PAPER and paper is not None else default
 
     def generator(self, offset: int = 0) -> torch.Generator:
         """A CPU generator seeded from ``seed`` (``offset`` gives independent streams)."""
         return torch.Generator().manual_seed(self.seed * 1_000_003 + offset)
 
+    @property
+    def flag(self) -> str:
+        """The scale as CLI flags, for figure captions (empty at the default scale)."""
+        return "" if self.scale is Scale.DEFAULT else f" --scale {self.scale.value}"
+
+
+def diverged_or(value: float, log_diverged_at: int | None, what: str) -> Statistic:
+    """``value``, or a :class:`~.verdict.Diverged` for ``what`` at ``log_diverged_at`` when that run diverged."""
+    if log_diverged_at is not None:
+        return Diverged(what, log_diverged_at)
+    return value
+
 
 @dataclass(frozen=True)
 class Experiment:
-    """One claim of the guide and how it is measured (see the module docstring)."""
+    """One claim of the guide and how it is measured and decided (see the module docstring).
+
+    ``estimates_s``: seconds per seed at each scale, measured on an idle 2-core CPU (paper scale: an estimate)."""
 
     name: str
     number: int
@@ -97,18 +151,33 @@ class Experiment:
     guide_words: str
     anchor: str
     anchor_reports: str
-    expected: str
-    estimate_s: float
-    quick_estimate_s: float
+    rule: VerdictRule
+    estimates_s: Mapping[Scale, float]
     run: Callable[[RunContext], Outcome]
 
     def __post_init__(self) -> None:
         if not self.name or not self.name.replace("-", "").isalnum() or self.name != self.name.lower():
             raise ValueError(f"Experiment.name={self.name!r} must be lower-case words joined by '-'")
-        for f in ("title", "claim", "guide_words", "anchor", "expected"):
+        for f in ("title", "claim", "guide_words", "anchor"):
             if not getattr(self, f):
                 raise ValueError(f"Experiment {self.name!r}: {f} is empty")
-        for f in ("estimate_s", "quick_estimate_s"):
-            v = getattr(self, f)
+        if not isinstance(self.rule, VerdictRule):
+            raise TypeError(f"Experiment {self.name!r}: rule={self.rule!r} must be a VerdictRule")
+        if set(self.estimates_s) != set(Scale):
+            raise ValueError(f"Experiment {self.name!r}: estimates_s needs every scale {[s.value for s in Scale]}")
+        for scale, v in self.estimates_s.items():
             if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
-                raise ValueError(f"Experiment {self.name!r}: {f}={v!r} must be a positive number of seconds")
+                raise ValueError(f"Experiment {self.name!r}: estimates_s[{scale.value}]={v!r} must be seconds > 0")
+
+    @property
+    def expected(self) -> str:
+        """The rule in words: what must hold at every seed."""
+        return self.rule.describe()
+
+    def estimate_s(self, scale: Scale) -> float:
+        return float(self.estimates_s[scale])
+
+
+def estimates(default: float, quick: float, paper: float) -> dict[Scale, float]:
+    """``Experiment.estimates_s`` by keyword: seconds per seed at each scale."""
+    return {Scale.DEFAULT: default, Scale.QUICK: quick, Scale.PAPER: paper}

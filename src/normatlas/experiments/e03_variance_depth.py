@@ -11,10 +11,18 @@ from typing import Any
 
 from ..blocks import deepnorm, layernorm_scaling, mix_ln, peri_ln, post_ln, pre_ln
 from ._shared import byte_data, figure, finish, stream_variance, trained
-from .base import Experiment, Outcome, RunContext, Series
+from .base import Experiment, Outcome, RunContext, Series, estimates
 from .lm import TrainConfig
+from .verdict import Clause, Direction, Diverged, Statistic, VerdictRule
 
 PLACEMENTS = ("Pre-LN", "Post-LN", "Peri-LN", "LNS", "DeepNorm", "Mix-LN")
+OTHERS = ("LNS", "Peri-LN", "Post-LN", "DeepNorm")  # the placements whose growth must stay below Pre-LN's
+PAPER_S = 1500.0  # paper scale: 24 layers, 2,000 steps per placement (estimate)
+RULE = VerdictRule(tuple(
+    Clause(f"growth_pre_ln_over_{o.lower().replace('-', '_')}", Direction.ABOVE, 1.0,
+           f"trained Pre-LN's variance growth over depth (last block / first) exceeds {o}'s")
+    for o in OTHERS
+))  # fmt: skip
 
 
 def placement(name: str, n_layers: int) -> Any:
@@ -34,16 +42,18 @@ def growth(var: list[float]) -> float:
 
 
 def run(ctx: RunContext) -> Outcome:
-    n_layers, d_model = ctx.size(8, 6), ctx.size(64, 32)
-    cfg = TrainConfig(steps=ctx.size(200, 15), batch=ctx.size(16, 8), seq=ctx.size(64, 32), lr=3e-3)
+    n_layers, d_model = ctx.size(8, 6, paper=24), ctx.size(64, 32)
+    cfg = TrainConfig(steps=ctx.size(200, 15, paper=2000), batch=ctx.size(16, 8), seq=ctx.size(64, 32), lr=3e-3)
     data = byte_data(ctx)
     x, _ = data.held_out(8, cfg.seq)
     var: dict[str, dict[str, list[float]]] = {}
     finals: dict[str, float] = {}
+    diverged: dict[str, int | None] = {}
     for name in PLACEMENTS:
         init, lm, log = trained(ctx, placement(name, n_layers), cfg, data, name, n_layers=n_layers, d_model=d_model)
         var[name] = {"init": stream_variance(init, x), "trained": stream_variance(lm, x)}
         finals[name] = sum(log.losses[-10:]) / len(log.losses[-10:])
+        diverged[name] = log.diverged_at
     measured: dict[str, Any] = {}
     for name in PLACEMENTS:
         key = name.lower().replace("-", "_")
@@ -53,7 +63,11 @@ def run(ctx: RunContext) -> Outcome:
         measured[f"last_block_variance_trained_{key}"] = var[name]["trained"][-1]
         measured[f"final_train_loss_{key}"] = finals[name]
     g = {n: growth(var[n]["trained"]) for n in PLACEMENTS}
-    holds = g["Pre-LN"] > g["LNS"] and g["Pre-LN"] > g["Peri-LN"] and g["Post-LN"] < g["Pre-LN"] > g["DeepNorm"]
+    statistics: dict[str, Statistic] = {}
+    for other in OTHERS:
+        key = f"growth_pre_ln_over_{other.lower().replace('-', '_')}"
+        bad = next((n for n in ("Pre-LN", other) if diverged[n] is not None), None)
+        statistics[key] = g["Pre-LN"] / g[other] if bad is None else Diverged(f"{bad}'s training", diverged[bad])
     rows = [
         (name, placement(name, n_layers).name, stage, layer, v)
         for name in PLACEMENTS
@@ -67,14 +81,14 @@ def run(ctx: RunContext) -> Outcome:
         "variance leaving the last block / leaving the first. The LNS paper measures 130M-1B Llama-style models "
         "over billions of tokens."
     )
-    return Outcome(measured, holds, series, _figure(ctx, var, n_layers), notes)
+    return Outcome(statistics, measured, series, _figure(ctx, var, n_layers), notes)
 
 
 def _figure(ctx: RunContext, var: dict[str, dict[str, list[float]]], n_layers: int) -> Any:
     fig, (a, b) = figure(
         2,
         "Pre-LN's residual variance grows with depth; LNS and Peri-LN damp it, Post-LN / DeepNorm keep it flat",
-        f"seed {ctx.seed}; normatlas experiments run variance-depth{' --quick' if ctx.quick else ''}",
+        f"seed {ctx.seed}; normatlas experiments run variance-depth{ctx.flag}",
     )
     depth = list(range(1, n_layers + 1))
     for i, name in enumerate(PLACEMENTS):
@@ -100,11 +114,7 @@ EXPERIMENT = Experiment(
         "Figure 1 (qualitatively): in Pre-LN LLMs the output variance grows with depth; with LayerNorm Scaling it "
         "stays much smaller in the deep layers"
     ),
-    expected=(
-        "after training, growth (variance leaving the last block / leaving the first) of Pre-LN > LNS's, > Peri-LN's, "
-        "> Post-LN's and > DeepNorm's (Mix-LN reported only)"
-    ),
-    estimate_s=70.0,
-    quick_estimate_s=1.5,
+    rule=RULE,
+    estimates_s=estimates(default=70.0, quick=1.5, paper=PAPER_S),
     run=run,
 )

@@ -17,11 +17,25 @@ import torch.nn.functional as F
 from ..blocks import MLP, Activation, TransformerLM, post_ln, pre_ln
 from ..presets import LayerNorm
 from ._shared import byte_data, figure, finish
-from .base import Experiment, Outcome, RunContext, Series
+from .base import Experiment, Outcome, RunContext, Series, estimates
 from .data import ByteBatches
 from .lm import tiny_lm
+from .verdict import Clause, Direction, VerdictRule
 
 KINDS = ("Post-LN", "Pre-LN")
+
+
+PAPER_S = 300.0  # paper scale: 48 layers, d_model 128, depths up to 64 (at init: no training)
+RULE = VerdictRule((
+    Clause("first_over_last_post_ln", Direction.BELOW, 1.0,
+           "Post-LN's gradient shrinks toward the input (first layer's ||dL/dW2|| / last layer's)"),
+    Clause("log_ratio_post_ln_minus_pre_ln", Direction.ABOVE, 0.0,
+           "Pre-LN's first / last ratio is closer to 1 than Post-LN's (|log Post-LN's| - |log Pre-LN's|)"),
+    Clause("last_layer_grad_slope_vs_depth_pre_ln", Direction.BELOW, -0.25,
+           "Pre-LN's last-layer gradient falls with depth (log-log slope; theory -0.5)"),
+    Clause("abs_last_layer_grad_slope_vs_depth_post_ln", Direction.BELOW, 0.25,
+           "Post-LN's last-layer gradient is level in depth (|log-log slope|; theory 0)"),
+))  # fmt: skip
 
 
 def model(ctx: RunContext, kind: str, n_layers: int, d_model: int) -> TransformerLM:
@@ -57,8 +71,8 @@ def slope(xs: list[int], ys: list[float]) -> float:
 
 
 def run(ctx: RunContext) -> Outcome:
-    n_layers, d_model, batches = ctx.size(24, 8), ctx.size(64, 32), ctx.size(8, 2)
-    depths = [4, 8, 16, 32] if not ctx.quick else [2, 4, 8]
+    n_layers, d_model, batches = ctx.size(24, 8, paper=48), ctx.size(64, 32, paper=128), ctx.size(8, 2, paper=16)
+    depths = ctx.pick([4, 8, 16, 32], [2, 4, 8], paper=[4, 8, 16, 32, 64])
     seq = ctx.size(64, 32)
     profile: dict[str, list[float]] = {}
     last: dict[str, list[float]] = {k: [] for k in KINDS}
@@ -75,12 +89,13 @@ def run(ctx: RunContext) -> Outcome:
         measured[f"first_over_last_{key}"] = profile[kind][0] / profile[kind][-1]
         measured[f"last_layer_grad_slope_vs_depth_{key}"] = slope(depths, last[kind])
     m = measured
-    holds = (
-        m["first_over_last_post_ln"] < 1
-        and abs(math.log(m["first_over_last_pre_ln"])) < abs(math.log(m["first_over_last_post_ln"]))
-        and m["last_layer_grad_slope_vs_depth_pre_ln"] < -0.25
-        and abs(m["last_layer_grad_slope_vs_depth_post_ln"]) < 0.25
-    )
+    statistics = {
+        "first_over_last_post_ln": m["first_over_last_post_ln"],
+        "log_ratio_post_ln_minus_pre_ln": abs(math.log(m["first_over_last_post_ln"]))
+        - abs(math.log(m["first_over_last_pre_ln"])),
+        "last_layer_grad_slope_vs_depth_pre_ln": m["last_layer_grad_slope_vs_depth_pre_ln"],
+        "abs_last_layer_grad_slope_vs_depth_post_ln": abs(m["last_layer_grad_slope_vs_depth_post_ln"]),
+    }
     series = {
         "per_layer": Series.of(
             layer=list(range(1, n_layers + 1)), post_ln=profile["Post-LN"], pre_ln=profile["Pre-LN"]
@@ -93,14 +108,14 @@ def run(ctx: RunContext) -> Outcome:
         f"16x{seq}; per-layer profile at {n_layers} layers, last layer at depths {depths}. Expected slopes: Pre-LN "
         "about -0.5 (1/sqrt(L)), Post-LN 0."
     )
-    return Outcome(measured, holds, series, _figure(ctx, profile, last, depths), notes)
+    return Outcome(statistics, measured, series, _figure(ctx, profile, last, depths), notes)
 
 
 def _figure(ctx: RunContext, profile: dict[str, list[float]], last: dict[str, list[float]], depths: list[int]) -> Any:
     fig, (a, b) = figure(
         2,
         "At init Post-LN's gradients shrink toward the input; Pre-LN's are level and fall as 1/sqrt(L) overall",
-        f"seed {ctx.seed}; normatlas experiments run gradient-depth{' --quick' if ctx.quick else ''}",
+        f"seed {ctx.seed}; normatlas experiments run gradient-depth{ctx.flag}",
     )
     for i, kind in enumerate(KINDS):
         a.plot(range(1, len(profile[kind]) + 1), profile[kind], "o-", ms=3, color=f"C{i}", label=kind)
@@ -131,11 +146,7 @@ EXPERIMENT = Experiment(
         "and O(d sqrt(ln d / L)) for Pre-LN; Figure 3: Post-LN's gradient norm grows with the layer index, Pre-LN's "
         "stays about level"
     ),
-    expected=(
-        "Post-LN: first layer's ||dL/dW2|| / last layer's < 1, and Pre-LN's ratio closer to 1 (in log); slope of "
-        "log last-layer gradient against log L < -0.25 for Pre-LN, within +-0.25 of 0 for Post-LN"
-    ),
-    estimate_s=10.0,
-    quick_estimate_s=0.5,
+    rule=RULE,
+    estimates_s=estimates(default=10.0, quick=0.5, paper=PAPER_S),
     run=run,
 )

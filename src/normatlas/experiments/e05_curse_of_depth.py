@@ -15,10 +15,20 @@ import torch.nn.functional as F
 
 from ..blocks import layernorm_scaling, peri_ln, pre_ln
 from ._shared import byte_data, figure, finish, trained, without_layer
-from .base import Experiment, Outcome, RunContext, Series
+from .base import Experiment, Outcome, RunContext, Series, estimates
 from .lm import TrainConfig, evaluate_lm
+from .verdict import Clause, Direction, Diverged, Statistic, VerdictRule
 
 KINDS = {"Pre-LN": pre_ln, "LNS": layernorm_scaling, "Peri-LN": peri_ln}
+
+
+PAPER_S = 600.0  # paper scale: 24 layers, 2,000 steps per placement (estimate)
+RULE = VerdictRule((
+    Clause("late_over_early_pre_ln", Direction.BELOW, 1.0,
+           "in Pre-LN, removing a deeper-half layer costs less than removing a shallower-half one"),
+    Clause("late_over_early_lns_minus_pre_ln", Direction.ABOVE, 0.0,
+           "LNS's deeper layers matter more than Pre-LN's (its late / early ratio minus Pre-LN's)"),
+))  # fmt: skip
 
 
 def ablation(lm: Any, x: Any, y: Any) -> list[float]:
@@ -40,13 +50,15 @@ def late_over_early(deltas: list[float]) -> float:
 
 
 def run(ctx: RunContext) -> Outcome:
-    n_layers, d_model = ctx.size(8, 6), ctx.size(64, 32)
-    cfg = TrainConfig(steps=ctx.size(300, 20), batch=ctx.size(16, 8), seq=ctx.size(64, 32), lr=3e-3)
+    n_layers, d_model = ctx.size(8, 6, paper=24), ctx.size(64, 32)
+    cfg = TrainConfig(steps=ctx.size(300, 20, paper=2000), batch=ctx.size(16, 8), seq=ctx.size(64, 32), lr=3e-3)
     data = byte_data(ctx)
     x, y = data.held_out(ctx.size(32, 8), cfg.seq)
     deltas, held = {}, {}
+    diverged: dict[str, int | None] = {}
     for name, preset in KINDS.items():
-        _, lm, _ = trained(ctx, preset(), cfg, data, name, n_layers=n_layers, d_model=d_model)
+        _, lm, log = trained(ctx, preset(), cfg, data, name, n_layers=n_layers, d_model=d_model)
+        diverged[name] = log.diverged_at
         held[name] = evaluate_lm(lm, data, batch=ctx.size(32, 8), seq=cfg.seq)
         deltas[name] = ablation(lm, x, y)
     measured: dict[str, Any] = {}
@@ -56,7 +68,14 @@ def run(ctx: RunContext) -> Outcome:
         measured[f"held_out_loss_{key}"] = held[name]
         measured[f"loss_increase_per_layer_{key}"] = [round(d, 5) for d in deltas[name]]
     m = measured
-    holds = m["late_over_early_pre_ln"] < 1 and m["late_over_early_lns"] > m["late_over_early_pre_ln"]
+    statistics: dict[str, Statistic] = {
+        "late_over_early_pre_ln": m["late_over_early_pre_ln"],
+        "late_over_early_lns_minus_pre_ln": m["late_over_early_lns"] - m["late_over_early_pre_ln"],
+    }
+    reads = {"Pre-LN": list(statistics), "LNS": ["late_over_early_lns_minus_pre_ln"], "Peri-LN": []}
+    for name, at in diverged.items():
+        for k in reads[name] if at is not None else []:  # a diverged model's ablation means nothing
+            statistics[k] = Diverged(f"{name}'s training", at)
     rows = [(name, i + 1, d) for name in KINDS for i, d in enumerate(deltas[name])]
     series = {"ablation": Series(("placement", "removed_layer", "loss_increase"), rows)}
     notes = (
@@ -64,14 +83,14 @@ def run(ctx: RunContext) -> Outcome:
         "stdlib bytes, LayerNorm; loss increase on one held-out batch. The LNS paper prunes 130M-7B LLMs and "
         "reads MMLU; 'late over early' is the deeper half's mean increase over the shallower half's."
     )
-    return Outcome(measured, holds, series, _figure(ctx, deltas, n_layers), notes)
+    return Outcome(statistics, measured, series, _figure(ctx, deltas, n_layers), notes)
 
 
 def _figure(ctx: RunContext, deltas: dict[str, list[float]], n_layers: int) -> Any:
     fig, (a, b) = figure(
         2,
         "Curse of depth: removing a deep Pre-LN layer costs little; LayerNorm Scaling makes deep layers matter",
-        f"seed {ctx.seed}; normatlas experiments run curse-of-depth{' --quick' if ctx.quick else ''}",
+        f"seed {ctx.seed}; normatlas experiments run curse-of-depth{ctx.flag}",
     )
     layers = list(range(1, n_layers + 1))
     for i, name in enumerate(KINDS):
@@ -97,11 +116,7 @@ EXPERIMENT = Experiment(
         "qualitatively: pruning a single deep layer of a Pre-LN LLM barely changes its performance while pruning an "
         "early one hurts; with LayerNorm Scaling the deep layers contribute more"
     ),
-    expected=(
-        "Pre-LN: mean loss increase from removing a deeper-half layer / shallower-half layer < 1; the same ratio for "
-        "LNS larger than Pre-LN's (Peri-LN reported only)"
-    ),
-    estimate_s=50.0,
-    quick_estimate_s=1.0,
+    rule=RULE,
+    estimates_s=estimates(default=50.0, quick=1.0, paper=PAPER_S),
     run=run,
 )

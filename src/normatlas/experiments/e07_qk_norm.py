@@ -18,12 +18,24 @@ from ..blocks import QKNormConfig, QKOperator, pre_ln
 from ..diagnostics import Metric, Monitor
 from ..presets import LayerNorm
 from ._shared import byte_data, figure, finish
-from .base import Experiment, Outcome, RunContext, Series
+from .base import Experiment, Outcome, RunContext, Series, estimates
 from .lm import TrainConfig, tiny_lm, train_lm
+from .verdict import Clause, Direction, VerdictRule
 
 VARIANTS = ("no QK-norm", "QK-norm")
 UNIFORM_LOSS = math.log(256)  # nats per byte of a uniform guess: a diverged run's loss
 SPIKE_NATS = 0.5  # a loss spike: the loss rises this far above its running minimum (or is not finite)
+
+
+PAPER_S = 3000.0  # paper scale: 12 layers, d_model 128, 2,000 steps at each of 7 learning rates (estimate)
+RULE = VerdictRule((
+    Clause("max_logit_top_lr_no_qk_over_qk", Direction.ABOVE, 1.0,
+           "at the highest LR the largest attention logit is higher without QK-norm"),
+    Clause("min_entropy_top_lr_qk_minus_no_qk", Direction.ABOVE, 0.0,
+           "at the highest LR the lowest normalised head entropy is lower without QK-norm"),
+    Clause("lr_sensitivity_no_qk_minus_qk", Direction.ABOVE, 0.0,
+           "the LR sensitivity (Wortsman et al.) is higher without QK-norm"),
+))  # fmt: skip
 
 
 def _layer_values(mon: Monitor, prefix: str) -> tuple[list[int], list[float], list[float]]:
@@ -87,10 +99,11 @@ def sensitivity(finals: list[float]) -> float:
 
 def run(ctx: RunContext) -> Outcome:
     sizes = {
-        "steps": ctx.size(200, 40), "batch": ctx.size(16, 8), "seq": ctx.size(64, 32), "warmup": ctx.size(20, 5),
-        "layers": ctx.size(4, 2), "d_model": ctx.size(64, 32), "every": ctx.size(5, 4),
+        "steps": ctx.size(200, 40, paper=2000), "batch": ctx.size(16, 8), "seq": ctx.size(64, 32),
+        "warmup": ctx.size(20, 5, paper=200), "layers": ctx.size(4, 2, paper=12),
+        "d_model": ctx.size(64, 32, paper=128), "every": ctx.size(5, 4, paper=20),
     }  # fmt: skip
-    lrs = [1e-3, 3e-3, 1e-2, 3e-2, 1e-1] if not ctx.quick else [3e-3, 1e-1]
+    lrs = ctx.pick([1e-3, 3e-3, 1e-2, 3e-2, 1e-1], [3e-3, 1e-1], paper=[3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 1e-1, 3e-1])
     runs: dict[str, list[dict[str, Any]]] = {v: [] for v in VARIANTS}
     for v in VARIANTS:
         for lr in lrs:
@@ -106,14 +119,17 @@ def run(ctx: RunContext) -> Outcome:
         measured[f"min_norm_entropy_top_lr_{key}"] = min(top[v]["min_entropy"], default=math.nan)
         measured[f"first_alarm_step_top_lr_{key}"] = top[v]["first_alarm"]
         measured[f"loss_spike_step_top_lr_{key}"] = top[v]["spike"]
+        measured[f"diverged_at_per_lr_{key}"] = [r["diverged_at"] for r in runs[v]]
         alarm, spike = top[v]["first_alarm"], top[v]["spike"]
         measured[f"alarm_lead_steps_top_lr_{key}"] = spike - alarm if alarm is not None and spike is not None else None
     m = measured
-    holds = (
-        m["max_attention_logit_top_lr_no_qk_norm"] > m["max_attention_logit_top_lr_qk_norm"]
-        and m["min_norm_entropy_top_lr_no_qk_norm"] < m["min_norm_entropy_top_lr_qk_norm"]
-        and m["lr_sensitivity_no_qk_norm"] > m["lr_sensitivity_qk_norm"]
-    )
+    statistics = {
+        "max_logit_top_lr_no_qk_over_qk": m["max_attention_logit_top_lr_no_qk_norm"]
+        / m["max_attention_logit_top_lr_qk_norm"],
+        "min_entropy_top_lr_qk_minus_no_qk": m["min_norm_entropy_top_lr_qk_norm"]
+        - m["min_norm_entropy_top_lr_no_qk_norm"],
+        "lr_sensitivity_no_qk_minus_qk": m["lr_sensitivity_no_qk_norm"] - m["lr_sensitivity_qk_norm"],
+    }
     sweep = [
         (v, lr, r["final"], max(r["max_logit"], default=math.nan), min(r["min_entropy"], default=math.nan))
         for v in VARIANTS
@@ -137,14 +153,14 @@ def run(ctx: RunContext) -> Outcome:
         f"steps. A diverged run counts as the uniform loss ln 256. Spike: loss {SPIKE_NATS} nats above its running "
         "minimum. Wortsman et al. sweep 10M-1.2B-parameter models over 1e-4..1."
     )
-    return Outcome(measured, holds, series, _figure(ctx, runs, lrs, top), notes)
+    return Outcome(statistics, measured, series, _figure(ctx, runs, lrs, top), notes)
 
 
 def _figure(ctx: RunContext, runs: dict[str, list[dict[str, Any]]], lrs: list[float], top: dict[str, Any]) -> Any:
     fig, (a, b, c) = figure(
         3,
         "Without QK-norm, high learning rates grow attention logits and collapse entropy; QK-norm bounds both",
-        f"seed {ctx.seed}; normatlas experiments run qk-norm{' --quick' if ctx.quick else ''}",
+        f"seed {ctx.seed}; normatlas experiments run qk-norm{ctx.flag}",
     )
     for i, v in enumerate(VARIANTS):
         a.plot(lrs, [r["final"] for r in runs[v]], "o-", color=f"C{i}", label=v)
@@ -177,11 +193,7 @@ EXPERIMENT = Experiment(
         "qualitatively: in small models at high learning rates, attention logits grow and the loss diverges "
         "(reproducing the large-scale instability); qk-layernorm removes it and lowers the LR sensitivity"
     ),
-    expected=(
-        "at the highest LR of the sweep: the largest attention logit is higher and the lowest normalised head "
-        "entropy lower without QK-norm than with it; LR sensitivity (Wortsman et al.) higher without QK-norm"
-    ),
-    estimate_s=65.0,
-    quick_estimate_s=1.5,
+    rule=RULE,
+    estimates_s=estimates(default=65.0, quick=1.5, paper=PAPER_S),
     run=run,
 )

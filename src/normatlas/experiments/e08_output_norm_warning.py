@@ -20,10 +20,11 @@ from dataclasses import dataclass
 from ..blocks import pre_ln
 from ..diagnostics import Monitor, TrendAlarm
 from ..presets import RMSNorm
-from .base import Experiment, Outcome, RunContext, Series
+from .base import Experiment, Outcome, RunContext, Series, estimates
 from .data import ByteBatches, stdlib_bytes
 from .lm import TrainConfig, tiny_lm, train_lm
 from .runner import use_agg
+from .verdict import Clause, Direction, Statistic, Untested, VerdictRule
 
 HIGH_LR, CONTROL_LR = 1e-1, 3e-3  # the high rate: the top of experiment 7's sweep, where attention collapses
 WARMUP = 10
@@ -38,6 +39,15 @@ class _Run:
     norms: list[float]
     alarm: int | None
     spike: int | None
+
+
+PAPER_S = 300.0  # paper scale: 3,000 steps (the set-up is the same sudden LR jump; see docs/experiments.md)
+RULE = VerdictRule((
+    Clause("lead_steps", Direction.ABOVE, 0.0,
+           f"after the jump to lr {HIGH_LR:g} at step {BURN_IN}, a TrendAlarm (output norm x{ALARM_GROWTH:g} over "
+           f"{ALARM_WINDOW} records) fires strictly before the first loss spike (> {SPIKE_NATS:g} nat above the best "
+           "5-step mean, or non-finite): lead in steps, no alarm counts as 0"),
+))  # fmt: skip
 
 
 def spike_step(losses: list[float], start: int = BURN_IN, nats: float = SPIKE_NATS, window: int = 5) -> int | None:
@@ -106,7 +116,7 @@ def _figure(runs: dict[str, _Run]) -> object:
 
 
 def run(ctx: RunContext) -> Outcome:
-    steps = ctx.size(300, BURN_IN + 40)
+    steps = ctx.size(300, BURN_IN + 40, paper=3000)
     data = ByteBatches(stdlib_bytes(ctx.size(1_000_000, 200_000)), ctx.seed)
     runs = {}
     for name, lr in (
@@ -132,8 +142,15 @@ def run(ctx: RunContext) -> Outcome:
              f"Steps before {BURN_IN} are not counted for alarms or spikes.")  # fmt: skip
     if high.spike is None:
         notes += " The run did not spike after the jump at this scale."
+    statistic: Statistic
+    if high.spike is None:
+        statistic = Untested(
+            f"the lr {HIGH_LR:g} run did not spike within {steps} steps, so there was nothing to warn of"
+        )
+    else:
+        statistic = float(lead) if lead is not None else 0.0  # no alarm before the spike: no warning, lead 0
     return Outcome(
-        measured=measured, holds=lead is not None and lead > 0,
+        statistics={"lead_steps": statistic}, measured=measured,
         series={"curves": Series(("run", "step", "loss", "output_norm"), rows)},
         figure=_figure(runs), notes=notes,
     )  # fmt: skip
@@ -149,11 +166,7 @@ EXPERIMENT = Experiment(
     anchor="chameleon2024",
     anchor_reports="Chameleon reports that the final layer's output norm grew and predicted divergence 20-30% of "
     "training in advance (as the guide quotes it), in 7B/34B mixed-modal runs.",
-    expected=f"after the jump to lr {HIGH_LR:g} at step {BURN_IN}: a TrendAlarm (output_norm x{ALARM_GROWTH:g} "
-    f"over {ALARM_WINDOW} steps) fires at a "
-    f"step >= {BURN_IN} (it watches only those) strictly before the first loss spike (> {SPIKE_NATS:g} nat "
-    "above the best 5-step mean, or non-finite); lead > 0 steps",
-    estimate_s=10.0,
-    quick_estimate_s=5.0,
+    rule=RULE,
+    estimates_s=estimates(default=10.0, quick=5.0, paper=PAPER_S),
     run=run,
 )

@@ -18,8 +18,9 @@ from torch import Tensor
 
 from ..functional import normalize
 from ..spec import Gain, NormSpec
-from .base import Experiment, Outcome, RunContext, Series
+from .base import Experiment, Outcome, RunContext, Series, estimates
 from .runner import use_agg
+from .verdict import Clause, Direction, VerdictRule
 
 EPS = 1e-12
 SPECS = {
@@ -31,6 +32,19 @@ RADIUS_TOL = 1e-9  # max | ||y|| / sqrt(D) - 1 |, both norms
 PLANE_TOL = 1e-9  # max |1^T y| / (sqrt(D) ||y||) for LayerNorm (cosine between y and 1)
 ANGLE_TOL_DEG = 1e-6  # max |angle - 90 deg| where the projection removes a direction
 RMS_ONES_MIN_SHARE = 0.1  # RMSNorm keeps the ones-direction: mean |cos(grad, 1)| > this share of the upstream's
+PAPER_S = 30.0  # paper scale: widths to 16384 (exact identities: the same verdict at any scale)
+RULE = VerdictRule((
+    Clause("max_radius_rel_error", Direction.BELOW, RADIUS_TOL, "both images lie on the sphere of radius sqrt(D)"),
+    Clause("ln_max_cos_y_ones", Direction.BELOW, PLANE_TOL, "LayerNorm's image lies in the hyperplane 1^T y = 0"),
+    Clause("ln_max_dev_deg_grad_vs_ones", Direction.BELOW, ANGLE_TOL_DEG,
+           "LayerNorm's input gradient is orthogonal to 1 (max |angle - 90 deg|)"),
+    Clause("ln_max_dev_deg_grad_vs_xhat", Direction.BELOW, ANGLE_TOL_DEG,
+           "LayerNorm's input gradient is orthogonal to x-hat"),
+    Clause("rms_max_dev_deg_grad_vs_xhat", Direction.BELOW, ANGLE_TOL_DEG,
+           "RMSNorm's input gradient is orthogonal to x-hat"),
+    Clause("rms_mean_abs_cos_grad_ones_over_upstream", Direction.ABOVE, RMS_ONES_MIN_SHARE,
+           "RMSNorm's gradient keeps the ones direction (its mean |cos(g, 1)| over the upstream's)"),
+))  # fmt: skip
 
 
 def _inputs(n: int, d: int, gen: torch.Generator) -> Tensor:
@@ -109,7 +123,7 @@ def _figure(x3: Tensor, angles: dict[str, dict[str, Tensor]], d: int) -> object:
 
 def run(ctx: RunContext) -> Outcome:
     gen = ctx.generator()
-    widths = (64, 256) if ctx.quick else (64, 256, 1024, 4096)
+    widths = ctx.pick((64, 256, 1024, 4096), (64, 256), paper=(64, 256, 1024, 4096, 16384))
     n = ctx.size(512, 64)
     images = {d: _image_stats(_inputs(n, d, gen)) for d in widths}
     d_grad = widths[-1]
@@ -126,16 +140,16 @@ def run(ctx: RunContext) -> Outcome:
         "rms_max_dev_deg_grad_vs_xhat": dev["RMSNorm_xhat"], "rms_mean_abs_cos_grad_ones_over_upstream": rms_ones_share,
         "widths": list(widths), "tokens": n, "grad_width": d_grad,
     }  # fmt: skip
-    holds = (
-        radius < RADIUS_TOL and plane_ln < PLANE_TOL and dev["LayerNorm_ones"] < ANGLE_TOL_DEG
-        and dev["LayerNorm_xhat"] < ANGLE_TOL_DEG and dev["RMSNorm_xhat"] < ANGLE_TOL_DEG
-        and rms_ones_share > RMS_ONES_MIN_SHARE
-    )  # fmt: skip
+    statistics = {
+        "max_radius_rel_error": radius, "ln_max_cos_y_ones": plane_ln,
+        "ln_max_dev_deg_grad_vs_ones": dev["LayerNorm_ones"], "ln_max_dev_deg_grad_vs_xhat": dev["LayerNorm_xhat"],
+        "rms_max_dev_deg_grad_vs_xhat": dev["RMSNorm_xhat"], "rms_mean_abs_cos_grad_ones_over_upstream": rms_ones_share,
+    }  # fmt: skip
     rows = [(d, k, s[k]["radius_err"], s[k]["plane_cos"]) for d, s in images.items() for k in SPECS]
     grad_rows = [(k, t, float(v)) for k in angles for t in ("ones", "xhat") for v in angles[k][t]]
     x3 = _inputs(ctx.size(600, 200), 3, gen)
     return Outcome(
-        measured=measured, holds=holds,
+        statistics=statistics, measured=measured,
         series={"image": Series(("D", "norm", "max_radius_rel_error", "max_cos_y_ones"), rows),
                 "grad_angles": Series(("source", "direction", "cosine"), grad_rows)},
         figure=_figure(x3, angles, d_grad),
@@ -158,10 +172,7 @@ EXPERIMENT = Experiment(
     anchor_reports="The geometric reading of LayerNorm (layernorm2016 defines the operator): centring projects onto "
     "the hyperplane orthogonal to 1, scaling onto a sphere of radius sqrt(D); a qualitative result, no figure to "
     "match (the record is not yet verified).",
-    expected=f"radius error < {RADIUS_TOL:g} for both; LayerNorm |cos(y, 1)| < {PLANE_TOL:g}; |angle - 90 deg| < "
-    f"{ANGLE_TOL_DEG:g} deg for LN grad vs 1 and x-hat and RMS grad vs x-hat; RMS grad keeps a ones-component: mean "
-    f"|cos(grad, 1)| > {RMS_ONES_MIN_SHARE:g} x the upstream gradient's",
-    estimate_s=5.0,
-    quick_estimate_s=0.5,
+    rule=RULE,
+    estimates_s=estimates(default=5.0, quick=0.5, paper=PAPER_S),
     run=run,
 )

@@ -1,35 +1,49 @@
-"""Run an experiment and write what it measured: ``DIR/NAME/result.json``, ``figure.png`` / ``.svg``
-and ``<series>.csv``.
+"""Run an experiment at every seed and write what it measured: ``DIR/NAME/result.json``, ``figure.png`` / ``.svg``
+and ``<series>.csv``, with each seed's own files cached under ``DIR/NAME/seeds/<scale>-seed<S>/``.
 
-The run is seeded (torch's global generator and the context's generators), single-process, and its
-wall time is measured around ``Experiment.run`` only. ``result.json`` holds the claim and the guide's
-words, the anchor paper and the number it reports, the expected relation, the measured numbers, the
-verdict (``holds``), the seed, the mode, the seconds and the command that reproduces it. Files are
-written to a temporary name first and renamed, so a crashed run never leaves a half-written result.
+Each seed is run seeded (torch's global generator and the context's generators), single-process, and timed around
+``Experiment.run`` only. A seed's folder is complete once its ``outcome.json`` exists (written last, atomically),
+so a killed run continues from its cache: the seeds already done are read back, not rerun, as long as the
+experiment's source file, the scale and the torch version are unchanged (its cache ``key``). The verdict over the
+seeds is the experiment's :class:`~.verdict.VerdictRule` applied by :func:`~.verdict.decide`.
+
+``result.json`` holds the claim and the guide's words, the anchor paper and the number it reports, the rule, the
+verdict with each clause's statistic per seed, its min / median / max, threshold and margin, the sentences that
+explain a verdict other than ``holds``, the measured numbers per seed, the seeds, the scale, the run's metadata
+(threads, CPU model, torch and Python versions, wall time, peak memory) and the command that reproduces it. The
+top-level CSVs and figure are the first seed's; ``figure.png`` carries the verdict over the seeds above it.
+Every file is written to a temporary name first and renamed, so a crashed run never leaves a half-written one.
 """
 
 from __future__ import annotations
 
 import csv
 import functools
+import hashlib
+import inspect
 import json
 import math
 import os
 import platform
+import shutil
+import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from .base import Experiment, Outcome, RunContext
+from .base import Experiment, Outcome, RunContext, Scale
+from .verdict import Diverged, Untested, Verdict, as_statistic, decide
 
-__all__ = ["RESULT_FIELDS", "load_result", "run_experiment", "use_agg"]
+__all__ = ["DEFAULT_SEEDS", "RESULT_FIELDS", "load_result", "machine_info", "run_experiment", "use_agg"]
 
+DEFAULT_SEEDS = (0, 1, 2)
 RESULT_FIELDS = (
-    "name", "number", "title", "claim", "guide_words", "anchor", "anchor_reports", "expected",
-    "measured", "holds", "notes", "seed", "quick", "seconds", "command", "files", "torch", "machine",
+    "name", "number", "title", "claim", "guide_words", "anchor", "anchor_reports", "expected", "verdict",
+    "holds", "reasons", "clauses", "measured", "measured_per_seed", "notes", "seeds", "scale", "quick",
+    "seconds", "seconds_per_seed", "cached_seeds", "command", "files", "torch", "machine", "run",
 )  # fmt: skip
 
 
@@ -46,6 +60,8 @@ def use_agg() -> Any:
 
 
 def _jsonable(value: Any) -> Any:
+    if isinstance(value, (Diverged, Untested)):
+        return value.to_json()
     if isinstance(value, dict):
         return {str(k): _jsonable(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
@@ -59,6 +75,14 @@ def _jsonable(value: Any) -> Any:
     if hasattr(value, "item"):
         return _jsonable(value.item())
     raise TypeError(f"measured value {value!r} of type {type(value).__name__} is not a JSON scalar or list")
+
+
+def _from_json_statistic(value: Any) -> Any:
+    if isinstance(value, dict) and "diverged" in value:
+        return Diverged(value["diverged"], value.get("step"))
+    if isinstance(value, dict) and "untested" in value:
+        return Untested(value["untested"])
+    return value
 
 
 def _atomic_write(path: Path, write: Callable[[Path], object]) -> None:
@@ -81,45 +105,205 @@ def _write_csv(path: Path, columns: tuple[str, ...], rows: Any) -> None:
         w.writerows(rows)
 
 
-def run_experiment(
-    exp: Experiment,
-    out: str | os.PathLike[str],
-    *,
-    quick: bool = False,
-    seed: int = 0,
-    progress: Callable[[str], None] | None = None,
-    command: str | None = None,
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.lower().startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def peak_rss_mib() -> float | None:
+    """This process's peak resident memory so far (``ru_maxrss``), in MiB; None where ``resource`` is missing."""
+    try:
+        import resource
+    except ImportError:
+        return None
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return round(peak / (1 << 20 if sys.platform == "darwin" else 1 << 10), 1)  # bytes on macOS, KiB on Linux
+
+
+def machine_info() -> dict[str, Any]:
+    """What the numbers depend on beyond the seed: threads, CPU model and count, torch and Python versions."""
+    return {
+        "threads": torch.get_num_threads(), "cpu": _cpu_model(), "cpu_count": os.cpu_count(),
+        "machine": platform.machine(), "torch": torch.__version__, "python": platform.python_version(),
+    }  # fmt: skip
+
+
+def _source_hash(exp: Experiment) -> str:
+    module = sys.modules.get(getattr(exp.run, "__module__", ""), None)
+    try:
+        text = inspect.getsource(module) if module is not None else repr(exp.rule)
+    except (OSError, TypeError):
+        text = repr(exp.rule)
+    return hashlib.sha256((text + repr(exp.rule)).encode()).hexdigest()[:16]
+
+
+def _cache_key(exp: Experiment, scale: Scale, seed: int) -> dict[str, Any]:
+    return {
+        "name": exp.name,
+        "scale": scale.value,
+        "seed": seed,
+        "source": _source_hash(exp),
+        "torch": torch.__version__,
+    }
+
+
+def _seed_folder(folder: Path, scale: Scale, seed: int) -> Path:
+    return folder / "seeds" / f"{scale.value}-seed{seed}"
+
+
+def _cached(path: Path, key: dict[str, Any]) -> dict[str, Any] | None:
+    """The seed's cached outcome when complete and made by the same code at the same scale, else None."""
+    try:
+        rec = json.loads((path / "outcome.json").read_text())
+    except (OSError, ValueError):
+        return None
+    ok = isinstance(rec, dict) and rec.get("key") == key and (path / "figure.png").is_file()
+    return rec if ok else None
+
+
+def _run_seed(
+    exp: Experiment, path: Path, scale: Scale, seed: int, progress: Callable[[str], None], key: dict[str, Any]
 ) -> dict[str, Any]:
-    """Run ``exp`` and write its files under ``out/exp.name``; returns the result record."""
-    if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
-        raise ValueError(f"seed={seed!r} must be an integer >= 0")
     plt = use_agg()
-    folder = Path(out) / exp.name
-    folder.mkdir(parents=True, exist_ok=True)
+    path.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
-    ctx = RunContext(quick=quick, seed=seed, progress=progress or (lambda msg: None))
+    ctx = RunContext(scale=scale, seed=seed, progress=progress)
     start = time.perf_counter()
     outcome = exp.run(ctx)
     seconds = time.perf_counter() - start
     if not isinstance(outcome, Outcome):
         raise TypeError(f"{exp.name}: run returned {type(outcome).__name__}, not an Outcome")
+    missing = [s for s in exp.rule.statistics if s not in outcome.statistics]
+    if missing:
+        raise ValueError(f"{exp.name} seed {seed}: the rule reads {missing}, which the outcome's statistics lack")
+    stats = {k: as_statistic(outcome.statistics[k], k) for k in exp.rule.statistics}
     files = []
-    for key, series in outcome.series.items():
-        name = f"{key}.csv"
-        _atomic_write(folder / name, functools.partial(_write_csv, columns=series.columns, rows=series.rows))
-        files.append(name)
+    for name, series in outcome.series.items():
+        _atomic_write(path / f"{name}.csv", functools.partial(_write_csv, columns=series.columns, rows=series.rows))
+        files.append(f"{name}.csv")
     for ext in ("png", "svg"):
-        name = f"figure.{ext}"
-        _atomic_write(folder / name, functools.partial(_save_figure, outcome.figure, ext))
-        files.append(name)
+        _atomic_write(path / f"figure.{ext}", functools.partial(_save_figure, outcome.figure, ext))
     plt.close(outcome.figure)
+    rec = {
+        "key": key, "statistics": _jsonable(stats), "measured": _jsonable(outcome.measured), "notes": outcome.notes,
+        "seconds": round(seconds, 2), "peak_rss_mib": peak_rss_mib(), "threads": torch.get_num_threads(),
+        "csv": files,
+    }  # fmt: skip
+    text = json.dumps(rec, indent=2) + "\n"
+    _atomic_write(path / "outcome.json", lambda p: p.write_text(text))
+    return rec
+
+
+def _banner(verdict: Verdict, clauses: list[dict[str, Any]], seeds: Sequence[int], scale: Scale) -> list[str]:
+    def num(x: Any) -> str:
+        return "n/a" if x is None else f"{x:.3g}"
+
+    lines = [f"verdict over seeds {', '.join(map(str, seeds))} ({scale.value} scale): {verdict.value.upper()}"]
+    for c in clauses:
+        div = f"; diverged at seeds {c['diverged_seeds']}" if c["diverged_seeds"] else ""
+        lines.append(
+            f"[{c['verdict']}] {c['statistic']} {c['direction']} {c['threshold']:g}: median {num(c['median'])} "
+            f"[min {num(c['min'])}, max {num(c['max'])}], margin [{num(c['margin_min'])}, {num(c['margin_max'])}]{div}"
+        )
+    return lines
+
+
+def _stamp_png(src: Path, dst: Path, lines: list[str], verdict: Verdict) -> None:
+    """``src`` with the verdict lines above it (pixels copied 1:1, so nothing is resampled)."""
+    plt = use_agg()
+    img = plt.imread(src)
+    h, w = img.shape[:2]
+    dpi, line_px = 120, 17
+    head = 12 + line_px * len(lines)
+    width = max(w, 800)
+    fig = plt.figure(figsize=(width / dpi, (h + head) / dpi), dpi=dpi)
+    fig.figimage(img, xo=0, yo=0)
+    color = {Verdict.HOLDS: "#0a6b2b", Verdict.DOES_NOT_HOLD: "#a11111", Verdict.INCONCLUSIVE: "#8a5a00"}[verdict]
+    for i, line in enumerate(lines):
+        y = 1 - (8 + line_px * (i + 0.5)) / (h + head)
+        fig.text(6 / width, y, line, va="center", fontsize=10 if i == 0 else 7.5, color=color if i == 0 else "0.2",
+                 weight="bold" if i == 0 else "normal", family="monospace" if i else None)  # fmt: skip
+    _atomic_write(dst, lambda p: fig.savefig(p, format="png", dpi=dpi))
+    plt.close(fig)
+
+
+def _seed_progress(report: Callable[[str], None], prefix: str, msg: str) -> None:
+    report(f"{prefix}: {msg}")
+
+
+def run_experiment(
+    exp: Experiment,
+    out: str | os.PathLike[str],
+    *,
+    scale: Scale | str = Scale.DEFAULT,
+    seeds: Sequence[int] = DEFAULT_SEEDS,
+    progress: Callable[[str], None] | None = None,
+    command: str | None = None,
+    fresh: bool = False,
+) -> dict[str, Any]:
+    """Run ``exp`` at every seed of ``seeds`` (reading back seeds cached by an earlier run unless ``fresh``),
+    decide its verdict and write its files under ``out/exp.name``; returns the result record."""
+    scale = Scale.parse(scale)
+    seeds = tuple(seeds)
+    for s in seeds:
+        if not isinstance(s, int) or isinstance(s, bool) or s < 0:
+            raise ValueError(f"seed={s!r} must be an integer >= 0")
+    if not seeds or len(set(seeds)) != len(seeds):
+        raise ValueError(f"seeds={seeds!r} must be one or more distinct integers")
+    report = progress or (lambda msg: None)
+    folder = Path(out) / exp.name
+    folder.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    per_seed, cached = [], []
+    for i, seed in enumerate(seeds, 1):
+        path, key = _seed_folder(folder, scale, seed), _cache_key(exp, scale, seed)
+        rec = None if fresh else _cached(path, key)
+        if rec is not None:
+            cached.append(seed)
+            report(f"seed {seed} ({i}/{len(seeds)}): read from the cache")
+        else:
+            if path.exists():
+                shutil.rmtree(path)
+            step = functools.partial(_seed_progress, report, f"seed {seed} ({i}/{len(seeds)})")
+            rec = _run_seed(exp, path, scale, seed, step, key)
+        per_seed.append(rec)
+    wall = time.perf_counter() - start
+    stats = [{k: _from_json_statistic(v) for k, v in r["statistics"].items()} for r in per_seed]
+    verdict, clauses, reasons = decide(exp.rule, seeds, stats)
+    first = _seed_folder(folder, scale, seeds[0])
+    files = []
+    for name in per_seed[0]["csv"]:
+        _atomic_write(folder / name, functools.partial(shutil.copyfile, first / name))
+        files.append(name)
+    _stamp_png(first / "figure.png", folder / "figure.png", _banner(verdict, clauses, seeds, scale), verdict)
+    _atomic_write(folder / "figure.svg", functools.partial(shutil.copyfile, first / "figure.svg"))
+    files += ["figure.png", "figure.svg"]
+    flags = "" if scale is Scale.DEFAULT else f" --scale {scale.value}"
+    if seeds != DEFAULT_SEEDS:
+        flags += (
+            f" --seed {seeds[0]} --seeds {len(seeds)}" if seeds == tuple(range(seeds[0], seeds[0] + len(seeds))) else ""
+        )
     record = {
         "name": exp.name, "number": exp.number, "title": exp.title, "claim": exp.claim,
         "guide_words": exp.guide_words, "anchor": exp.anchor, "anchor_reports": exp.anchor_reports,
-        "expected": exp.expected, "measured": _jsonable(outcome.measured), "holds": bool(outcome.holds),
-        "notes": outcome.notes, "seed": seed, "quick": quick, "seconds": round(seconds, 2),
-        "command": command or f"normatlas experiments run {exp.name}{' --quick' if quick else ''} --seed {seed}",
+        "expected": exp.expected, "verdict": verdict.value, "holds": verdict is Verdict.HOLDS, "reasons": reasons,
+        "clauses": clauses, "measured": per_seed[0]["measured"],
+        "measured_per_seed": {str(s): r["measured"] for s, r in zip(seeds, per_seed, strict=True)},
+        "notes": per_seed[0]["notes"], "seeds": list(seeds), "scale": scale.value, "quick": scale is Scale.QUICK,
+        "seconds": round(sum(r["seconds"] for r in per_seed), 2),
+        "seconds_per_seed": {str(s): r["seconds"] for s, r in zip(seeds, per_seed, strict=True)},
+        "cached_seeds": cached, "command": command or f"normatlas experiments run {exp.name}{flags}",
         "files": files, "torch": torch.__version__, "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
+        "run": {
+            **machine_info(), "wall_s": round(wall, 2), "peak_rss_mib": peak_rss_mib(),
+            "threads_per_seed": {str(s): r.get("threads") for s, r in zip(seeds, per_seed, strict=True)},
+            "peak_rss_mib_per_seed": {str(s): r.get("peak_rss_mib") for s, r in zip(seeds, per_seed, strict=True)},
+        },
     }  # fmt: skip
     text = json.dumps(record, indent=2) + "\n"
     _atomic_write(folder / "result.json", lambda p: p.write_text(text))
@@ -127,10 +311,17 @@ def run_experiment(
 
 
 def load_result(folder: str | os.PathLike[str]) -> dict[str, Any]:
-    """A ``result.json`` read back, checked to have every field."""
+    """A ``result.json`` read back, checked to have every field; a ValueError names the file otherwise."""
     path = Path(folder) / "result.json"
-    record = json.loads(path.read_text())
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{path} is not valid JSON (truncated or malformed?): {exc}") from None
+    if not isinstance(record, dict):
+        raise ValueError(f"{path} holds a {type(record).__name__}, not a result object")
     missing = [f for f in RESULT_FIELDS if f not in record]
     if missing:
         raise ValueError(f"{path} lacks the fields {missing}")
+    if record["verdict"] not in {v.value for v in Verdict}:
+        raise ValueError(f"{path}: verdict={record['verdict']!r} is not one of {[v.value for v in Verdict]}")
     return record
