@@ -31,14 +31,17 @@ function card(r) {
   const fig = r.figures.svg || r.figures.png;
   return h("article", {class: "card experiment", id: `exp-${r.name}`},
     h("div", {class: "panel-head"}, h("h2", {}, `${r.number}. ${r.title}`),
-      h("span", {class: `pill ${r.holds ? "ok" : "warn"}`}, r.holds ? "holds" : "does not hold")),
+      h("span", {class: `pill ${r.verdict === "holds" ? "ok" : r.verdict === "inconclusive" ? "" : "warn"}`},
+        r.verdict || (r.holds ? "holds" : "does not hold"))),
     h("p", {class: "claim"}, r.claim),
     h("blockquote", {}, r.guide_words),
     fig ? h("img", {src: fig, alt: `figure of ${r.name}: ${r.claim}`, class: "figure"}) : null,
     h("p", {class: "small"}, h("strong", {}, "expected: "), r.expected),
     h("table", {class: "kv"}, h("tbody", {}, measured)),
+    (r.reasons || []).length ? h("ul", {class: "small"}, r.reasons.map((why) => h("li", {}, why))) : null,
     r.notes ? h("p", {class: "muted small"}, r.notes) : null,
-    h("p", {class: "muted small"}, `anchor ${r.anchor}: ${r.anchor_reports} · seed ${r.seed}${r.quick ? " · quick" : ""} · `,
+    h("p", {class: "muted small"}, `anchor ${r.anchor}: ${r.anchor_reports} · seeds ${(r.seeds || []).join(", ")}`,
+      ` · ${r.scale || (r.quick ? "quick" : "default")} scale · `,
       `${fmt(r.seconds)} s on ${r.machine}`),
     h("p", {}, h("code", {}, r.command)));
 }
