@@ -99,7 +99,12 @@ def run_isolated(
     proc = ctx.Process(target=_child, args=(fn, mt, send), daemon=True)
     proc.start()
     send.close()
-    row = recv.recv() if recv.poll(timeout) else None
+    row = None
+    if recv.poll(timeout):
+        try:
+            row = recv.recv()
+        except EOFError:  # the child died before sending its row (killed, or a crash in native code)
+            row = None
     proc.join(1)
     if proc.is_alive():
         proc.kill()
