@@ -86,7 +86,8 @@ def test_a_changed_output_is_caught() -> None:
 def test_relative_links_resolve(page: Path) -> None:
     """Every relative link of a page names a file that exists (anchors within a page: a heading of that page)."""
     text = page.read_text()
-    anchors = {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in re.findall(r"^#+ (.*)$", text, re.M)}
+    headings = re.findall(r"^#+ (.*)$", text, re.M)
+    anchors = {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in headings}
     for target, anchor in re.findall(r"\]\(([^)#\s]*)(?:#([^)\s]*))?\)", text):
         if target.startswith(("http://", "https://", "mailto:")):
             continue
