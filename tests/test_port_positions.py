@@ -161,6 +161,7 @@ def _reference(rope: Rope, head_dim: int, t: int) -> tuple[torch.Tensor, torch.T
         Rope(style=RopeStyle.INTERLEAVED, fraction=0.5, inv_freq=(0.5, 0.01), clockwise=True),
         Rope(inv_freq=(1.0, 0.3, 0.07, 0.002), long_inv_freq=(0.5, 0.1, 0.02, 0.0005), long_after=5),
         Rope(theta=500.0, attention_factor=0.9),
+        Rope(inv_freq=(1.0, 0.18, 0.0, 0.0)),  # zero frequencies: pairs that never turn (Gemma 4's proportional RoPE)
     ],
 )
 @pytest.mark.parametrize("t", [4, 11])
@@ -199,3 +200,10 @@ def _cfg(**fields: object) -> ModelConfig:
 def test_validation_names_the_parameter(make, error, match):
     with pytest.raises(error, match=match):
         make()
+
+
+def test_a_zero_frequency_pair_is_left_as_it_is():
+    """A pair whose frequency is 0 is the identity at every position: its cos is 1, its sin 0."""
+    cos, sin = rope_tables(Rope(inv_freq=(1.0, 0.0)), 4, torch.arange(7), torch.float64)
+    torch.testing.assert_close(cos[:, [1, 3]], torch.ones(7, 2, dtype=torch.float64), rtol=0, atol=0)
+    torch.testing.assert_close(sin[:, [1, 3]], torch.zeros(7, 2, dtype=torch.float64), rtol=0, atol=0)

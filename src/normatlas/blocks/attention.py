@@ -30,14 +30,15 @@ class RopeStyle(enum.Enum):
 
 
 def _floats(value: object, name: str) -> tuple[float, ...] | None:
-    """A tuple of finite floats > 0, or None."""
+    """A tuple of finite floats >= 0, or None (a zero frequency: a pair that never turns, as in Gemma 4's
+    proportional RoPE, which rotates only its leading pairs)."""
     if value is None:
         return None
     if not isinstance(value, tuple) or not value:
         raise TypeError(f"{name}={value!r} must be a non-empty tuple of floats or None")
     for v in value:
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not (math.isfinite(v) and v > 0):
-            raise ValueError(f"{name} holds {v!r}; every entry must be a finite float > 0")
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not (math.isfinite(v) and v >= 0):
+            raise ValueError(f"{name} holds {v!r}; every entry must be a finite float >= 0")
     return tuple(float(v) for v in value)
 
 

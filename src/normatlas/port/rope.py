@@ -207,8 +207,8 @@ def rope_of(g: Graph, core: Core, layer: int, known: tuple[float, ...], own: int
         return RopeReading(theta or 10000.0, style, d, short, factor_out, lng, after, clockwise)
     if theta is not None:
         return RopeReading(theta, style, d, None, factor_out, clockwise=clockwise)
-    if bool((inv <= 0).any()):
-        raise PortError([f"layer {layer}: RoPE frequencies that are not all > 0"])
+    if bool((inv < 0).any()):
+        raise PortError([f"layer {layer}: RoPE frequencies that are not all >= 0"])
     return RopeReading(10000.0, style, d, tuple(float(v) for v in inv), factor_out, clockwise=clockwise)
 
 
