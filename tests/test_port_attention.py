@@ -29,7 +29,7 @@ from normatlas.blocks.attention import Attention, Rope, RopeStyle, apply_rope, r
 from normatlas.blocks.attn_gate import GateActivation, GateScope, OutputGate, softmax_with_sinks  # noqa: E402
 from normatlas.blocks.mla import MLAConfig, MLAttention  # noqa: E402
 from normatlas.inspect.build import tiny_config  # noqa: E402
-from normatlas.port import port, to_hf_state_dict  # noqa: E402
+from normatlas.port import PortError, port, to_hf_state_dict  # noqa: E402
 
 from .tiny_hf import randomise_  # noqa: E402
 
@@ -53,6 +53,8 @@ CASES = {
     "afmoe": dict(num_dense_layers=2),
     # Laguna: softplus(g_proj(x)) per head
     "laguna": dict(gating="per-head", mlp_layer_types=["dense", "dense"]),
+    # MiniCPM 5 MoE: q and a sigmoid gate per element from one q_gate_proj, per head q's rows then the gate's
+    "minicpm5_moe": dict(mlp_layer_types=["dense", "sparse"]),
 }  # fmt: skip
 """model type (``+variant``) -> config attributes set on :func:`tiny_config`'s shrunk defaults."""
 
@@ -103,6 +105,10 @@ def test_config_reads_the_feature(ported):
         assert cfg.attn_gate == OutputGate(GateActivation.SIGMOID, GateScope.ELEMENT)
     elif name == "laguna":
         assert cfg.attn_gate == OutputGate(GateActivation.SOFTPLUS, GateScope.HEAD)
+    elif name == "minicpm5_moe":  # one fused projection read as two roles: q's rows and the gate's
+        assert cfg.attn_gate == OutputGate(GateActivation.SIGMOID, GateScope.ELEMENT)
+        q, gate = ours.layers[0].attn.q_proj.weight, ours.layers[0].attn.gate_proj.weight
+        assert q.shape == gate.shape == (cfg.n_heads * cfg.head_dim, cfg.d_model)
 
 
 def test_same_logits(ported):
@@ -300,3 +306,12 @@ def test_model_config_validation():
         OutputGate(scope="head")  # type: ignore[arg-type]
     model = TransformerLM(ModelConfig(mla=mla, d_model=32, n_heads=2, vocab_size=50, norm=NormSpec(center=False)))
     assert model(torch.randint(0, 50, (1, 5))).shape == (1, 5, 50)
+
+
+def test_keys_and_values_rounded_before_the_core_are_refused_by_name():
+    """Kolibri 1.1's sparse layers attend to NVFP4-rounded keys and values (a straight-through round): our attention
+    reads its operands as computed, so the port names the rounding instead of reporting logits that differ."""
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(tiny_config("kolibri1_1")).eval().float()
+    with pytest.raises(PortError, match=r"k / v rounded to a grid between the projection and the attention core"):
+        port(hf)

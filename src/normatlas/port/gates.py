@@ -51,6 +51,8 @@ def gate_design(g: Graph, parts: AttnParts, layer: int) -> OutputGate:
     if target.numel() != merged.numel():
         raise PortError([f"layer {layer}: a gated attention output of another size than the core's"])
     target = target.reshape(merged.shape)
+    if gv.numel() % (merged.shape[0] * merged.shape[1]) == 0:  # a piece of a fused projection: heads not merged
+        gv = gv.reshape(merged.shape[0], merged.shape[1], -1)
     for act in GateActivation:
         for scope in GateScope:
             cand = OutputGate(act, scope, bias=gate.bias() is not None)

@@ -133,7 +133,27 @@ def attention_roles(g: Graph, sub: Sublayer, branch: int, cores: list[Core], pro
         raise PortError([f"layer {sub.layer}: the attention's value operand was not found"])
     roles: dict[str, list[Proj]] = {r: [p for p in inside if _feeds(g, p.output, getattr(core, r))] for r in "qkv"}
     outs = [p for p in inside if _feeds(g, core.node, p.input)]
+    _refuse_rounded_operands(g, sub.layer, core, roles, own)
     return Roles(core, inside, roles, outs)
+
+
+ROUNDING = frozenset({"round", "floor", "ceil", "trunc"})
+"""Ops that snap values to a grid: on the way from a projection to a core operand, a fake quantization."""
+
+
+def _refuse_rounded_operands(g: Graph, layer: int, core: Core, roles: dict[str, list[Proj]], own: int) -> None:
+    """Refuse q / k / v rounded between their projection and the core (Kolibri 1.1's NVFP4 keys and values, with
+    a straight-through gradient): our attention reads its operands as computed."""
+    rounded = sorted(
+        r for r, ps in roles.items()
+        for n in g.nodes
+        if n.op in ROUNDING and own >> n.idx & 1 and _feeds(g, n.idx, getattr(core, r))
+        and any(_feeds(g, p.output, n.idx) for p in ps)
+    )  # fmt: skip
+    if rounded:
+        which = " / ".join(dict.fromkeys(rounded))
+        raise PortError([f"layer {layer}: {which} rounded to a grid between the projection and the attention core "
+                         "(fake quantization, e.g. NVFP4 keys and values)"])  # fmt: skip
 
 
 def attention_parts(g: Graph, sub: Sublayer, branch: int, cores: list[Core], projs: list[Proj]) -> AttnParts:
@@ -148,6 +168,7 @@ def attention_parts(g: Graph, sub: Sublayer, branch: int, cores: list[Core], pro
         and not any(_feeds(g, p.output, getattr(core, r)) for r in "qkv")
     ]  # fmt: skip
     gate = gates[0] if len(gates) == 1 else None
+    fused_gate = _fused_gate(g, core, roles["q"], outs) if gate is None else None
     used |= {id(gate)} if gate is not None else set()
     extra = [p.label for p in inside if id(p) not in used]
     problems = [
@@ -163,9 +184,30 @@ def attention_parts(g: Graph, sub: Sublayer, branch: int, cores: list[Core], pro
         raise PortError(problems)
     picked = {}
     for r, (p,) in roles.items():
-        fused = sum(p is ps[0] for ps in roles.values()) > 1
+        fused = sum(p is ps[0] for ps in roles.values()) > 1 or (r == "q" and fused_gate is not None)
         picked[r] = p.with_rows(rows_of(g, p, getattr(core, r)) if fused else None)
+    if fused_gate is not None:  # q and the gate from one projection (MiniCPM 5: per head, q's rows then the gate's)
+        q = roles["q"][0]
+        gate = Proj(q.label, q.module, q.kind, q.input, fused_gate, rows_of(g, q, fused_gate))
     return AttnParts(picked["q"], picked["k"], picked["v"], outs[0], core, gate)
+
+
+def _fused_gate(g: Graph, core: Core, qs: list[Proj], outs: list[Proj]) -> int | None:
+    """The part of the q projection's output that gates the core's output (a fused ``q_gate_proj``): the first
+    piece split off q's output that reaches the output projection without passing the core; None if none."""
+    if len(qs) != 1 or len(outs) != 1:
+        return None
+    q, o = qs[0], outs[0]
+    whole = g.tensors[q.output].numel()
+    for u in g.nodes[q.output + 1 : o.input + 1]:
+        t = g.tensors.get(u.idx)
+        if (u.op not in SPLITS and u.op != "item_of") or t is None or t.numel() >= whole:
+            continue
+        if not g.feeds(q.output, u.idx) or g.feeds(core.node, u.idx) or _feeds(g, u.idx, core.q):
+            continue
+        if _feeds(g, u.idx, o.input):
+            return u.idx
+    return None
 
 
 def _value_through(g: Graph, softmax: int) -> int:
