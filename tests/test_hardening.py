@@ -1,0 +1,149 @@
+"""Bad input tried as a user would (issue 35, "Reliability"): each case a clear 4xx, ValueError/TypeError or one
+line and a non-zero exit, never a traceback, a stall, a crash or a silent fallback."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.test_web_api import call
+from tests.web_helpers import running
+
+# ---------------------------------------------------------------- the web server
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    with running(tmp_path_factory.mktemp("hard-web")) as srv:
+        yield srv
+
+
+def _raw(srv: Any, data: bytes, *, shut: bool = False, timeout: float = 10.0) -> bytes:
+    """What the server answers to ``data`` sent on a fresh socket (``shut``: the client then closes its side)."""
+    with socket.create_connection(("127.0.0.1", srv.server_address[1]), timeout=timeout) as sock:
+        sock.sendall(data)
+        if shut:
+            sock.shutdown(socket.SHUT_WR)
+        reply = b""
+        try:
+            while chunk := sock.recv(65536):
+                reply += chunk
+        except ConnectionResetError:
+            pass
+    return reply
+
+
+def _status(reply: bytes) -> int:
+    return int(reply.split(b" ", 2)[1]) if reply.startswith(b"HTTP/1.") else 0
+
+
+@pytest.mark.parametrize(
+    "host",
+    ["localhost:80@evil.com", "localhost@evil.com", "127.0.0.1:80/evil", "localhost:abc", "localhost:", "::1",
+     "[::1", "localhost.evil.com", "evil.com#localhost", "localhost:80:80", "localhost 80", "127.0.0.1:123456", ""],
+)  # fmt: skip
+def test_a_host_header_that_is_not_exactly_a_loopback_name_and_port_is_refused(server: Any, host: str) -> None:
+    status, _, doc = call(server, "GET", "/api/health", headers={"Host": host})
+    assert status == 403 and "Host" in doc["error"], (host, status, doc)
+
+
+@pytest.mark.parametrize("host", ["localhost", "LOCALHOST:8080", "127.0.0.1", "127.0.0.1:{port}", "[::1]:80", "[::1]"])
+def test_a_loopback_host_with_or_without_a_port_is_served(server: Any, host: str) -> None:
+    status, _, _ = call(server, "GET", "/api/health", headers={"Host": host.format(port=server.server_address[1])})
+    assert status == 200, host
+
+
+NORMALIZE = {"layout": "BTD", "reduce": ["feature"]}
+
+
+@pytest.mark.parametrize("value", [1e308, -1e308, 1e200])
+def test_normalize_refuses_values_whose_squares_overflow(server: Any, value: float) -> None:
+    status, _, doc = call(server, "POST", "/api/normalize", {**NORMALIZE, "input": [[[value, 1.0, 2.0]]]})
+    assert status == 400 and "input" in doc["error"] and "1e+150" in doc["error"], doc
+    body = {**NORMALIZE, "input": [[[0.0, 1.0, 2.0]]], "upstream": [[[value, 1.0, 2.0]]]}
+    status, _, doc = call(server, "POST", "/api/normalize", body)
+    assert status == 400 and "upstream" in doc["error"], doc
+
+
+def test_normalize_answers_large_but_representable_values(server: Any) -> None:
+    status, _, doc = call(server, "POST", "/api/normalize", {**NORMALIZE, "input": [[[1e150, -1e150, 3e149]]]})
+    assert status == 200 and doc["stats"]["after"]["max"] < 2, doc
+
+
+@pytest.mark.parametrize("raw", [b"[" * 5000 + b"]" * 5000, b'{"a":' * 5000 + b"1" + b"}" * 5000])
+def test_json_nested_thousands_deep_is_a_400(server: Any, raw: bytes) -> None:
+    status, _, doc = call(server, "POST", "/api/normalize", raw=raw)
+    assert status == 400 and "nested" in doc["error"], doc
+    assert call(server, "GET", "/api/health")[0] == 200
+
+
+def test_a_body_shorter_than_its_content_length_is_answered_at_once_when_the_client_stops(server: Any) -> None:
+    head = b"POST /api/normalize HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+    t0 = time.perf_counter()
+    reply = _raw(server, head + b"Content-Length: 100\r\n\r\n" + b'{"layout":', shut=True)
+    assert _status(reply) == 400 and b"shorter than its Content-Length" in reply, reply
+    assert time.perf_counter() - t0 < 5
+
+
+def test_a_body_that_stalls_times_out_quickly_with_a_408(server: Any) -> None:
+    head = b"POST /api/normalize HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+    assert server.body_timeout <= 5  # seconds; the default
+    was, server.body_timeout = server.body_timeout, 0.5
+    try:
+        t0 = time.perf_counter()
+        reply = _raw(server, head + b"Content-Length: 100\r\n\r\n" + b'{"layout":')
+        took = time.perf_counter() - t0
+    finally:
+        server.body_timeout = was
+    assert _status(reply) == 408 and b"100" in reply, reply
+    assert took < 3, took
+
+
+def test_clients_that_hang_up_leave_no_traceback(server: Any, capfd: pytest.CaptureFixture[str]) -> None:
+    port = server.server_address[1]
+    requests = [
+        b"POST /api/normalize HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 999999\r\n\r\n",
+        b"POST /api/normalize HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 10\r\n\r\n{",
+        b"GET /api/taxonomy HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n",
+        b"GET /static/app.js HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n",
+        b"\x16\x03\x01 garbage\r\n\r\n",
+    ]
+    for _ in range(3):
+        for data in requests:
+            sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")  # RST
+            sock.sendall(data)
+            sock.close()
+    time.sleep(0.5)
+    assert call(server, "GET", "/api/health")[0] == 200
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "BrokenPipe" not in err and "ConnectionReset" not in err, err[-2000:]
+
+
+def _handler_threads() -> int:
+    return sum(1 for t in threading.enumerate() if "process_request" in t.name)
+
+
+def test_idle_sockets_hold_a_bounded_number_of_threads(server: Any) -> None:
+    port = server.server_address[1]
+    base = _handler_threads()
+    idle = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(server.max_threads + 40)]
+    try:
+        time.sleep(0.5)
+        assert _handler_threads() - base <= server.max_threads
+        reply = _raw(server, b"GET /api/health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n", timeout=5)
+        assert reply == b"" or _status(reply) == 503, reply  # refused at once (or closed), never left hanging
+    finally:
+        for s in idle:
+            s.close()
+    deadline = time.monotonic() + 10
+    while call(server, "GET", "/api/health")[0] != 200 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert call(server, "GET", "/api/health")[0] == 200
