@@ -147,3 +147,35 @@ def test_idle_sockets_hold_a_bounded_number_of_threads(server: Any) -> None:
     while call(server, "GET", "/api/health")[0] != 200 and time.monotonic() < deadline:
         time.sleep(0.1)
     assert call(server, "GET", "/api/health")[0] == 200
+
+
+# ---------------------------------------------------------------- short, clear errors
+
+
+def test_param_groups_refuses_a_module_with_nothing_to_optimize() -> None:
+    from torch import nn
+
+    from normatlas.diagnostics import param_groups
+
+    with pytest.raises(ValueError, match=r"model=ReLU has nothing to optimize: it has no parameters"):
+        param_groups(nn.ReLU())
+    frozen = nn.Linear(2, 2).requires_grad_(False)
+    with pytest.raises(ValueError, match=r"model=Linear .* all 2 of its parameters are frozen"):
+        param_groups(frozen)
+    with pytest.raises(TypeError, match="model must be an nn.Module"):
+        param_groups("not a model")  # type: ignore[arg-type]
+
+
+def test_inspect_vision_of_an_unknown_type_is_one_short_line(capsys: pytest.CaptureFixture[str]) -> None:
+    from normatlas.cli import main
+
+    assert main(["inspect", "--vision", "notavision"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and len(err) < 300, err
+    assert "notavision" in err and "CONFIG_MAPPING" in err and "did you mean" in err
+    assert main(["inspect", "--vision", "qqqqq"]) == 2  # nothing close: a few examples
+    err = capsys.readouterr().err.strip()
+    assert len(err) < 300 and "e.g. clip_vision_model" in err, err
+    assert main(["inspect", "--vision", "clip_vison_model"]) == 2  # a typo gets the closest types
+    err = capsys.readouterr().err.strip()
+    assert len(err) < 300 and "did you mean clip_vision_model" in err, err

@@ -31,6 +31,7 @@ __all__ = [
     "attention_kwargs",
     "build_target",
     "build_vision",
+    "check_model_type",
     "example_inputs",
     "tiny_config",
 ]
@@ -111,15 +112,28 @@ TINY: dict[str, Any] = {
 KV_SHARED_LAYER_COUNTS = ("num_kv_shared_layers",)
 
 
+ALL_TYPES_HINT = "all: python -c 'import transformers; print(sorted(transformers.CONFIG_MAPPING))'"
+
+
+def check_model_type(model_type: str, what: str = "not a transformers model type", examples: str = "") -> None:
+    """A ValueError of one short line unless transformers registers ``model_type``: the closest known types (at
+    most three) and how to list them all, never the whole list (transformers' own message has 450 names)."""
+    import difflib
+
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    if isinstance(model_type, str) and model_type in CONFIG_MAPPING:
+        return
+    close = difflib.get_close_matches(str(model_type), list(CONFIG_MAPPING.keys()), n=3, cutoff=0.6)
+    like = f"; did you mean {', '.join(close)}?" if close else f"; e.g. {examples}" if examples else ""
+    raise ValueError(f"unknown model type {model_type!r}: {what}{like} ({ALL_TYPES_HINT})")
+
+
 def tiny_config(model_type: str, **overrides: Any) -> Any:
     """The config class of ``model_type`` with its defaults, shrunk (offline, no download)."""
     from transformers import AutoConfig
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-    if model_type not in CONFIG_MAPPING:
-        raise ValueError(
-            f"unknown model type {model_type!r}: not a transformers model type, a folder or module:factory"
-        )
+    check_model_type(model_type, "not a transformers model type, a folder or module:factory")
     cfg = AutoConfig.for_model(model_type)
     for c in _parts(cfg):
         _shrink(c, {**TINY, **overrides})
@@ -367,6 +381,7 @@ def build_vision(model_type: str, seed: int = 0, image_size: int = 32, patch_siz
     for name, val in (("image_size", image_size), ("patch_size", patch_size)):
         if type(val) is not int or val < 1:
             raise ValueError(f"{name} must be a positive int, got {val!r}")
+    check_model_type(model_type, "not a transformers model type", "clip_vision_model, siglip_vision_model, vit, dinov2")
     torch.manual_seed(seed)
     cfg = _staged_tower(model_type, image_size) or _tiny_tower(model_type, image_size, patch_size)
     try:
