@@ -162,7 +162,7 @@ def test_param_groups_refuses_a_module_with_nothing_to_optimize() -> None:
     frozen = nn.Linear(2, 2).requires_grad_(False)
     with pytest.raises(ValueError, match=r"model=Linear .* all 2 of its parameters are frozen"):
         param_groups(frozen)
-    with pytest.raises(TypeError, match="model must be an nn.Module"):
+    with pytest.raises(TypeError, match=r"model must be an nn\.Module"):
         param_groups("not a model")  # type: ignore[arg-type]
 
 
@@ -179,3 +179,145 @@ def test_inspect_vision_of_an_unknown_type_is_one_short_line(capsys: pytest.Capt
     assert main(["inspect", "--vision", "clip_vison_model"]) == 2  # a typo gets the closest types
     err = capsys.readouterr().err.strip()
     assert len(err) < 300 and "did you mean clip_vision_model" in err, err
+
+
+# ---------------------------------------------------------------- sizes checked before allocating, disks before writing
+
+
+def _one_line(err: str) -> str:
+    lines = [ln for ln in err.strip().splitlines() if ln.strip()]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Llama checkpoint (Llama: 4096 wide, 32 layers, 11,008 intermediate; here a few dozen wide)."""
+    from tests.test_surgery_hf import tiny
+
+    model = tiny("llama")
+    model.config.architectures = [type(model).__name__]
+    path = tmp_path_factory.mktemp("ckpt") / "llama"
+    model.save_pretrained(path)
+    return path
+
+
+def _grown(src: Path, dst: Path, **sizes: int) -> Path:
+    """A copy of the checkpoint at ``src`` whose config.json claims other sizes than its weights hold."""
+    import shutil
+
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    (dst / "config.json").write_text(json.dumps({**cfg, **sizes}))
+    return dst
+
+
+def _small_memory(monkeypatch: pytest.MonkeyPatch, have: int) -> None:
+    import normatlas.capacity
+
+    monkeypatch.setattr(normatlas.capacity, "available_memory", lambda device="cpu": have)
+
+
+def test_a_config_larger_than_its_weights_is_refused_before_building(
+    llama_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The issue's case: 64 layers x 65,536 intermediate built for 95 s, then an allocation traceback."""
+    import torch
+
+    from normatlas.cli import main
+
+    wide = _grown(llama_dir, tmp_path / "wide", intermediate_size=65536)
+    big = _grown(llama_dir, tmp_path / "big", num_hidden_layers=64, intermediate_size=65536)
+    built = []
+    real_init = torch.nn.Linear.reset_parameters
+
+    def init(self: torch.nn.Linear) -> None:  # a real build (not the meta one) initialises real weights
+        if not self.weight.is_meta:
+            built.append(self)
+        real_init(self)
+
+    monkeypatch.setattr(torch.nn.Linear, "reset_parameters", init)
+    t0 = time.perf_counter()
+    assert main(["fold", str(wide), str(tmp_path / "out")]) == 2
+    line = _one_line(capsys.readouterr().err)
+    assert "mlp" in line and "65536" in line and "config.json" in line, line
+    assert main(["fold", str(big), str(tmp_path / "out")]) == 2
+    line = _one_line(capsys.readouterr().err)
+    assert "is missing tensor(s) ['model.layers.2." in line and "config.json" in line, line
+    assert time.perf_counter() - t0 < 30 and not built and not (tmp_path / "out").exists()
+    _small_memory(monkeypatch, 10**9)  # this machine's memory should not decide the test
+    assert main(["inspect", str(big)]) == 2  # inspect loads what matches; the size is refused
+    line = _one_line(capsys.readouterr().err)
+    assert "big" in line and "parameters" in line and "1.0 GB is available" in line, line
+    assert not built
+
+
+def test_a_checkpoint_larger_than_the_memory_is_refused_in_one_line(
+    llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from normatlas.surgery.io import load_checkpoint
+
+    _small_memory(monkeypatch, 100_000)
+    with pytest.raises(ValueError, match=r"llama: building its [\d,]+ parameters and reading .* of weights needs about "
+                       r"[\d.]+ [kM]B of memory; 100.0 kB is available"):  # fmt: skip
+        load_checkpoint(llama_dir)
+    monkeypatch.undo()
+    assert load_checkpoint(llama_dir) is not None
+
+
+def test_bench_refuses_a_shape_that_does_not_fit(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from normatlas.cli import main
+    from normatlas.kernels.bench import run_bench
+
+    _small_memory(monkeypatch, 8 * 10**9)
+    t0 = time.perf_counter()
+    assert main(["bench", "rms", "--shape", "1x1000000000", "--no-compile"]) == 2
+    line = _one_line(capsys.readouterr().err)
+    assert "shape=1x1000000000 in float32" in line and "8.0 GB is available" in line, line
+    assert time.perf_counter() - t0 < 10
+    import torch
+
+    with pytest.raises(ValueError, match="shape=100000x100000 in bfloat16"):
+        run_bench("rms", [(100000, 100000)], [torch.bfloat16], ["fwd"], providers=["torch"])
+
+
+def test_a_full_disk_is_refused_before_writing_naming_the_folder_and_size(
+    llama_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import shutil
+
+    import safetensors.torch
+
+    from normatlas.cli import main
+
+    real = shutil.disk_usage
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: real(p)._replace(free=4096))
+    wrote = []
+    monkeypatch.setattr(safetensors.torch, "save_file", lambda *a, **k: wrote.append(a))
+    assert main(["fold", str(llama_dir), str(tmp_path / "out")]) == 2
+    line = _one_line(capsys.readouterr().err)
+    assert f"not enough disk space in {tmp_path}" in line and "needs about" in line and "4.1 kB is free" in line
+    assert not wrote and list(tmp_path.iterdir()) == []
+
+
+def test_a_disk_that_fills_during_the_write_is_one_line(
+    llama_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """What safetensors raises on a full disk (a SafetensorError, not an OSError) was a traceback."""
+    import safetensors.torch
+    from safetensors import SafetensorError
+
+    from normatlas.cli import main
+
+    def full(*a: Any, **k: Any) -> None:
+        raise SafetensorError(
+            'Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No space left on device" })'
+        )
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full)
+    assert main(["fold", str(llama_dir), str(tmp_path / "out")]) == 2
+    line = _one_line(capsys.readouterr().err)
+    assert "No space left on device" in line and f"in {tmp_path}" in line and "needs about" in line, line
+    assert list(tmp_path.iterdir()) == []

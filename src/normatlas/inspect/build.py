@@ -273,6 +273,21 @@ def _model_for_checkpoint(cfg: Any) -> nn.Module:
     return AutoModel.from_config(cfg, **attention_kwargs()).eval()
 
 
+def _matching(model: nn.Module, state: dict[str, torch.Tensor], none: str) -> dict[str, torch.Tensor]:
+    """The tensors of ``state`` that fit ``model`` (by name, with or without its base-model prefix, and shape), under
+    the model's own names; a ValueError ``none`` when not one does. Works with meta tensors and models."""
+    own = model.state_dict()
+    prefix = getattr(model, "base_model_prefix", "")
+    remapped = {}
+    for k, v in state.items():
+        key = k if k in own else f"{prefix}.{k}" if f"{prefix}.{k}" in own else k.split(".", 1)[-1]
+        if key in own and own[key].shape == v.shape:
+            remapped[key] = v
+    if not remapped:
+        raise ValueError(none)
+    return remapped
+
+
 def example_inputs(model: nn.Module, seq: int = 8, seed: int = 0) -> dict[str, Any]:
     """A token batch ``{"input_ids": (1, seq)}`` valid for the model's vocabulary."""
     cfg = getattr(model, "config", None)
@@ -297,26 +312,25 @@ def build_target(target: str, seed: int = 0, attn_implementation: str | None = N
     if path.is_dir():
         from transformers import AutoConfig
 
-        from ..checkpoint import locate, read_tensors
+        from ..checkpoint import check_build_memory, header_tensors, locate, on_meta, read_tensors
 
         ckpt = locate(path, weights=False)  # the one load policy: config.json as JSON, safetensors only
         cfg = AutoConfig.from_pretrained(str(path))
         _choose_attention(cfg)
-        model = _model_for_checkpoint(cfg)
         files = ckpt.files
+        meta = on_meta(lambda: _model_for_checkpoint(cfg))  # sizes first: no memory, no initialisation
+        if meta is not None:
+            if files:
+                _matching(meta, header_tensors(ckpt), f"{target}: no tensor in the safetensors files matches the "
+                          f"{cfg.model_type} model")  # fmt: skip
+            check_build_memory(meta, target, weights=sum(f.stat().st_size for f in files))
+        model = _model_for_checkpoint(cfg)
         if files:
             state, _ = read_tensors(ckpt)
-            own = model.state_dict()
-            prefix = getattr(model, "base_model_prefix", "")
-            remapped = {}
-            for k, v in state.items():
-                key = k if k in own else f"{prefix}.{k}" if f"{prefix}.{k}" in own else k.split(".", 1)[-1]
-                if key in own and own[key].shape == v.shape:
-                    remapped[key] = v
-            if not remapped:
-                raise ValueError(f"{target}: no tensor in the safetensors files matches the {cfg.model_type} model")
+            remapped = _matching(model, state, f"{target}: no tensor in the safetensors files matches the "
+                                 f"{cfg.model_type} model")  # fmt: skip
             model.load_state_dict(remapped, strict=False)
-            loaded = f"{len(remapped)}/{len(own)} tensors from {len(files)} safetensors file(s)"
+            loaded = f"{len(remapped)}/{len(model.state_dict())} tensors from {len(files)} safetensors file(s)"
         else:
             loaded = "no safetensors: random weights"
         return model.eval(), example_inputs(model, seed=seed), f"{cfg.model_type} ({path.name}; {loaded})"
