@@ -321,3 +321,122 @@ def test_a_disk_that_fills_during_the_write_is_one_line(
     line = _one_line(capsys.readouterr().err)
     assert "No space left on device" in line and f"in {tmp_path}" in line and "needs about" in line, line
     assert list(tmp_path.iterdir()) == []
+
+
+# ---------------------------------------------------------------- the kernel cache: checked before it is loaded
+
+
+def _extension_file() -> Path:
+    """A real Python extension module (torch's small ``_C`` stub): truncated, loading it dies of SIGBUS."""
+    import torch
+
+    return next(Path(torch.__file__).parent.glob("_C.*.so"))
+
+
+def _cache_entry(root: Path, data: bytes, record: bytes | None) -> Path:
+    """A cache entry under ``root`` (as NORMATLAS_CACHE) holding ``data`` as the shared object; ``record``: the file
+    whose size and sha256 build.json records (None: a build.json from before the record)."""
+    import hashlib
+    import os
+
+    from normatlas.kernels import cpu
+
+    was = os.environ.get("NORMATLAS_CACHE")
+    os.environ["NORMATLAS_CACHE"] = str(root)
+    try:
+        name, folder = cpu._entry()
+    finally:
+        if was is None:
+            del os.environ["NORMATLAS_CACHE"]
+        else:
+            os.environ["NORMATLAS_CACHE"] = was
+    folder.mkdir(parents=True)
+    meta: dict[str, Any] = {"key": cpu._key(), "seconds": 31.0}
+    if record is not None:
+        meta |= {"size": len(record), "sha256": hashlib.sha256(record).hexdigest()}
+    (folder / "build.json").write_text(json.dumps(meta))
+    so = folder / f"{name}.so"
+    so.write_bytes(data)
+    return so
+
+
+_INFO = "import json, normatlas.kernels.cpu as c; print(json.dumps(c.build_info()))"
+
+
+def _kernels_info(cache: Path) -> tuple[int, dict[str, Any], str]:
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "NORMATLAS_KERNELS"}
+    env |= {"NORMATLAS_CACHE": str(cache), "PYTHONPATH": str(root / "src")}
+    out = subprocess.run([sys.executable, "-c", _INFO], env=env, cwd=root, capture_output=True, text=True, timeout=300)
+    doc = json.loads(out.stdout.strip().splitlines()[-1]) if out.returncode == 0 else {}
+    return out.returncode, doc, out.stderr
+
+
+@pytest.mark.parametrize("case", ["truncated", "truncated-legacy", "empty", "changed"])
+def test_a_damaged_cached_kernel_is_removed_with_one_warning_not_loaded(tmp_path: Path, case: str) -> None:
+    """Truncated: loading it killed every later process with SIGBUS (rc -7), ``kernels info`` included. Empty: every
+    process silently ran the eager fallback for good (``kernels build`` could not replace it)."""
+    whole = _extension_file().read_bytes()
+    data = {"truncated": whole[: len(whole) // 2], "truncated-legacy": whole[: len(whole) // 2], "empty": b"",
+            "changed": whole[:-1] + bytes([whole[-1] ^ 1])}[case]  # fmt: skip
+    so = _cache_entry(tmp_path, data, None if case == "truncated-legacy" else whole)
+    rc, info, err = _kernels_info(tmp_path)
+    assert rc == 0, (rc, err[-2000:])
+    assert info["backend"] == "eager" and "removed the damaged cached C++ kernels" in info["reason"], info
+    assert "normatlas kernels build" in info["reason"]
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1 and str(so) in lines[0] and "Traceback" not in err, err
+    assert not so.exists() and not (so.parent / "build.json").exists()
+    if case == "empty":  # the next process: nothing cached, and it says how to build (no longer eager for good)
+        rc, info, err = _kernels_info(tmp_path)
+        assert rc == 0 and "not built" in info["reason"] and "removed the damaged" not in err, (info, err)
+
+
+def test_a_whole_cached_kernel_passes_the_check(tmp_path: Path) -> None:
+    from normatlas.kernels.cpu import damage
+
+    whole = _extension_file().read_bytes()
+    so = _cache_entry(tmp_path, whole, whole)
+    assert damage(so, json.loads((so.parent / "build.json").read_text())) is None
+    assert damage(so, {}) is None  # an entry from before the record: its ELF headers fit in the file
+    so.write_bytes(whole[: len(whole) - 100])
+    assert "cut short" in (damage(so, {}) or "")
+    assert "where the build wrote" in (damage(so, {"size": len(whole), "sha256": "0" * 64}) or "")
+
+
+def test_a_damaged_cached_kernel_is_rebuilt_by_an_explicit_build(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``backend="fused"`` / ``kernels build``: the damaged entry is removed, rebuilt at once and recorded."""
+    import hashlib
+    import types
+
+    from normatlas.kernels import cpu
+
+    whole = _extension_file().read_bytes()
+    so = _cache_entry(tmp_path, b"", whole)
+    module = types.SimpleNamespace(vector_kernels=lambda: "none")
+    builds = []
+
+    def fake_build(name: str, build_dir: Path, extra_cflags: tuple[str, ...] = ()) -> Any:  # no 30-90 s compile
+        builds.append(name)
+        build_dir.mkdir(parents=True, exist_ok=True)
+        (build_dir / f"{name}.so").write_bytes(whole)
+        return module
+
+    monkeypatch.setenv("NORMATLAS_CACHE", str(tmp_path))
+    monkeypatch.delenv("NORMATLAS_KERNELS", raising=False)
+    monkeypatch.setattr(cpu, "_state", {"module": None, "info": {}, "final": False, "warned": False})
+    monkeypatch.setattr(cpu, "build", fake_build)
+    with caplog.at_level("WARNING", logger=cpu.__name__):
+        assert cpu.extension(build=True) is module
+    damaged = [r.getMessage() for r in caplog.records if "removed the damaged" in r.getMessage()]
+    assert len(damaged) == 1 and "the file is empty" in damaged[0] and "rebuilding" in damaged[0], damaged
+    assert len(builds) == 1 and so.read_bytes() == whole
+    meta = json.loads((so.parent / "build.json").read_text())
+    assert meta["size"] == len(whole) and meta["sha256"] == hashlib.sha256(whole).hexdigest()
+    assert cpu.damage(so, meta) is None
