@@ -440,3 +440,39 @@ def test_a_damaged_cached_kernel_is_rebuilt_by_an_explicit_build(
     meta = json.loads((so.parent / "build.json").read_text())
     assert meta["size"] == len(whole) and meta["sha256"] == hashlib.sha256(whole).hexdigest()
     assert cpu.damage(so, meta) is None
+
+
+# ---------------------------------------------------------------- experiments report: one bad result.json sinks nothing
+
+
+def test_report_names_each_unreadable_result_and_shows_the_rest(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A truncated result.json was already named (tests/test_experiments_verdict.py); one with the right fields of
+    the wrong type (a hand edit, another version) still sank the whole report with an AttributeError."""
+    from normatlas.cli import main
+    from tests.web_helpers import write_experiments
+
+    good = write_experiments(tmp_path)
+    text = json.dumps(good)
+    bad = {
+        "truncated": text[: len(text) // 2],
+        "title-null": json.dumps({**good, "title": None}),
+        "measured-list": json.dumps({**good, "measured": [1, 2]}),
+        "clause-says": json.dumps({**good, "clauses": [{**good["clauses"][0], "says": None}]}),
+        "clause-threshold": json.dumps({**good, "clauses": [{**good["clauses"][0], "threshold": "x"}]}),
+    }
+    for name, body in bad.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "result.json").write_text(body)
+    assert main(["experiments", "report", "--out", str(tmp_path), "--format", "json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["report"]
+    verdicts = {Path(r["name"]).parent.name if "/" in r["name"] else r["name"]: r["verdict"] for r in rows}
+    assert verdicts["variance-depth"] == "holds", rows
+    assert "not valid JSON" in verdicts["truncated"]
+    assert "title=null must be a string" in verdicts["title-null"]
+    assert "measured=[1, 2] must be an object" in verdicts["measured-list"]
+    assert "clauses[0].says=null must be a string" in verdicts["clause-says"]
+    assert 'clauses[0].threshold="x" must be a number' in verdicts["clause-threshold"]
+    md = (tmp_path / "report.md").read_text()
+    assert "variance-depth" in md and all(f"{name}/result.json" in md for name in bad)
