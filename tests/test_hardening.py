@@ -413,6 +413,7 @@ def test_a_damaged_cached_kernel_is_rebuilt_by_an_explicit_build(
 ) -> None:
     """``backend="fused"`` / ``kernels build``: the damaged entry is removed, rebuilt at once and recorded."""
     import hashlib
+    import sys
     import types
 
     from normatlas.kernels import cpu
@@ -430,6 +431,7 @@ def test_a_damaged_cached_kernel_is_rebuilt_by_an_explicit_build(
 
     monkeypatch.setenv("NORMATLAS_CACHE", str(tmp_path))
     monkeypatch.delenv("NORMATLAS_KERNELS", raising=False)
+    monkeypatch.delitem(sys.modules, cpu._entry()[0], raising=False)  # a build an earlier test loaded stays loaded
     monkeypatch.setattr(cpu, "_state", {"module": None, "info": {}, "final": False, "warned": False})
     monkeypatch.setattr(cpu, "build", fake_build)
     with caplog.at_level("WARNING", logger=cpu.__name__):

@@ -100,6 +100,9 @@ class AtlasServer(ThreadingHTTPServer):
     allow_reuse_address = True
     #: connections served at once; one more is answered 503 and closed (a thread per idle socket is not free)
     max_threads = 32
+    #: connections the kernel queues until they are accepted (the standard library's 5 drops a burst's handshakes,
+    #: which the clients then retry after a second or more)
+    request_queue_size = 64
     #: seconds a request body may take to arrive once its headers are in (else 408)
     body_timeout = 5.0
 
