@@ -8,18 +8,26 @@ and its weights as safetensors: one ``*.safetensors`` file, or shards listed by
 :data:`PICKLE_MESSAGE`. A tensor name found in two shards is refused by name (loading would silently
 keep one of them). :func:`locate` checks all of that without reading a tensor, so commands run it before
 any heavy work; :func:`read_tensors` then reads every tensor with its stored dtype and the shard it came from.
+
+Sizes are checked before anything is allocated: :func:`on_meta` builds the model config.json describes with no
+memory (the meta device), its tensors are compared with the safetensors headers (:func:`header_tensors`, names,
+shapes and dtypes with no tensor read), and :func:`check_build_memory` refuses in one line a model and weights
+that do not fit in the memory available.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
+
+from .capacity import check_memory, human_bytes
 
 __all__ = [
     "INDEX",
@@ -28,8 +36,12 @@ __all__ = [
     "TOKENIZER_FILES",
     "WEIGHT_SUFFIXES",
     "Checkpoint",
+    "check_build_memory",
+    "header_tensors",
     "is_weight_file",
     "locate",
+    "model_bytes",
+    "on_meta",
     "read_config",
     "read_tensors",
     "storage_dtype",
@@ -209,3 +221,54 @@ def storage_dtype(tensors: Iterable[torch.Tensor]) -> torch.dtype | None:
 def tokenizer_files(root: Path) -> list[str]:
     """The tokenizer files present in ``root`` (see :data:`TOKENIZER_FILES`)."""
     return [n for n in TOKENIZER_FILES if (root / n).is_file()]
+
+
+# safetensors' dtype names (its header's "dtype") -> torch
+_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool, "C64": torch.complex64,
+    "F8_E4M3": getattr(torch, "float8_e4m3fn", torch.uint8), "F8_E5M2": getattr(torch, "float8_e5m2", torch.uint8),
+}  # fmt: skip
+
+
+def header_tensors(ckpt: Checkpoint) -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint as an empty meta tensor of its stored shape and dtype, from the safetensors
+    headers alone (nothing is read or allocated); a dtype torch lacks reads as uint8."""
+    from safetensors import safe_open
+
+    out: dict[str, torch.Tensor] = {}
+    for f in ckpt.files:
+        with safe_open(str(f), framework="pt") as h:
+            names = list(h.keys())
+            for name in names:
+                part = h.get_slice(name)
+                dtype = _DTYPES.get(part.get_dtype(), torch.uint8)
+                out[name] = torch.empty(tuple(part.get_shape()), dtype=dtype, device="meta")
+    return out
+
+
+def on_meta(construct: Callable[[], nn.Module]) -> nn.Module | None:
+    """The model ``construct()`` builds, on the meta device (shapes and dtypes, no memory, no initialisation), or
+    None for a model whose construction computes on its tensors (a meta tensor has no values to compute with)."""
+    try:
+        with torch.device("meta"):
+            return construct()
+    except Exception:  # the real build that follows reports any error of the config itself
+        return None
+
+
+def model_bytes(model: nn.Module) -> int:
+    """Bytes of ``model``'s parameters and buffers (shared ones once); works on a meta model."""
+    seen: dict[int, int] = {}
+    for t in (*model.parameters(), *model.buffers()):
+        seen.setdefault(id(t), t.numel() * t.element_size())
+    return sum(seen.values())
+
+
+def check_build_memory(meta: nn.Module, what: str, weights: int = 0) -> None:
+    """A ValueError of one line when building ``meta``'s model for real (plus reading ``weights`` bytes of
+    safetensors) needs more memory than is available: the parameter count, the bytes, the memory free."""
+    params = sum(p.numel() for p in meta.parameters())
+    read = f" and reading {human_bytes(weights)} of weights" if weights else ""
+    check_memory(model_bytes(meta) + weights, f"{what}: building its {params:,} parameters{read}")

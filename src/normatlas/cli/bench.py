@@ -58,7 +58,7 @@ def bench(args: argparse.Namespace) -> int:
     import torch
 
     from ..kernels import build_info
-    from ..kernels.bench import cache_resident, provider_names, run_bench
+    from ..kernels.bench import cache_resident, check_bench_memory, provider_names, run_bench
 
     if args.device == "cuda" and not torch.cuda.is_available():
         raise CliError("--device=cuda but CUDA is not available here")
@@ -74,6 +74,8 @@ def bench(args: argparse.Namespace) -> int:
         providers = [p for p in providers if not p.startswith("compile")]
     if not providers:
         raise CliError("--no-compile leaves no provider to time (the given ones are all torch.compile)")
+    modes = args.mode or ["fwd", "bwd", "fwdbwd"]
+    check_bench_memory(shapes, dtypes, modes, len(providers), args.device)  # every shape, before timing any
     with progress.phase("building the C++ kernels (first use only)"):
         info = build_info() if args.device == "cpu" else {}
     rows = []
@@ -81,7 +83,7 @@ def bench(args: argparse.Namespace) -> int:
         for shape in shapes:  # as benchmarks/bench_norms.py: warm rounds where the data can stay in cache
             warm = args.cache == "warm" and cache_resident(shape)
             rows += run_bench(
-                args.op, [shape], dtypes, args.mode or ["fwd", "bwd", "fwdbwd"], providers=providers,
+                args.op, [shape], dtypes, modes, providers=providers,
                 repeats=args.repeats, min_time=args.min_time, device=args.device, warm=warm, progress=ph.update,
             )  # fmt: skip
     rows = [{k: (None if v == "" else v) for k, v in r.items()} for r in rows]  # no "ours" to compare: null

@@ -136,6 +136,13 @@ def param_groups(
     ):
         raise ValueError(f"weight_decay={weight_decay!r} must be a finite number >= 0")
     infos = param_roles(model, decay_embeddings=decay_embeddings, decay_one_plus_w=decay_one_plus_w)
+    if not infos:
+        frozen = sum(1 for p in model.parameters() if not p.requires_grad)
+        why = f"all {frozen} of its parameters are frozen (requires_grad=False)" if frozen else "it has no parameters"
+        raise ValueError(
+            f"model={type(model).__name__} has nothing to optimize: {why}; param_groups needs a module with at "
+            "least one trainable parameter"
+        )
     params = dict(model.named_parameters())
     decay = [i for i in infos if i.decay]
     no_decay = [i for i in infos if not i.decay]

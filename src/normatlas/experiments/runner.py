@@ -310,6 +310,55 @@ def run_experiment(
     return record
 
 
+_TEXT = ((str,), None, "a string")
+# each field of a result.json: (the types it may have, the type of each item of a list, what to say it must be)
+_FIELD_TYPES: dict[str, tuple[tuple[type, ...], type | tuple[type, ...] | None, str]] = {
+    **{f: _TEXT for f in ("name", "title", "claim", "guide_words", "anchor", "anchor_reports", "expected", "verdict",
+                          "scale", "command", "torch", "machine")},
+    "notes": ((str, type(None)), None, "a string or null"),
+    "number": ((int,), None, "an integer"),
+    "holds": ((bool,), None, "true or false"), "quick": ((bool,), None, "true or false"),
+    "seconds": ((int, float), None, "a number"),
+    "reasons": ((list,), str, "a list of strings"), "files": ((list,), str, "a list of strings"),
+    "clauses": ((list,), dict, "a list of objects"),
+    "seeds": ((list,), int, "a list of integers"), "cached_seeds": ((list,), int, "a list of integers"),
+    **{f: ((dict,), None, "an object") for f in ("measured", "measured_per_seed", "seconds_per_seed", "run")},
+}  # fmt: skip
+
+
+_NUMBER = ((int, float, type(None)), None, "a number or null")
+# each field of a clause (verdict.decide's records) the report reads
+_CLAUSE_TYPES: dict[str, tuple[tuple[type, ...], type | tuple[type, ...] | None, str]] = {
+    **{f: _TEXT for f in ("statistic", "says", "direction", "verdict")},
+    "threshold": ((int, float), None, "a number"),
+    **{f: _NUMBER for f in ("min", "median", "max", "margin_min", "margin_max")},
+    "per_seed": ((dict,), None, "an object"),
+}
+
+
+def _check_types(path: Path, where: str, record: Any, table: dict[str, Any]) -> None:
+    """A ValueError naming the file, the field and its value when ``record`` lacks a field of ``table`` or holds
+    a value of another type there."""
+    if not isinstance(record, dict):
+        raise ValueError(f"{path}: {where.rstrip('.')}={_short(record)} must be an object")
+    for field, (kinds, items, what) in table.items():
+        if field not in record:
+            raise ValueError(f"{path}: {where}{field} is missing")
+        value = record[field]
+        wrong = not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds)
+        if not wrong and items is not None:
+            wrong = not all(isinstance(v, items) and not (isinstance(v, bool) and items is int) for v in value)
+        if wrong:
+            raise ValueError(f"{path}: {where}{field}={_short(value)} must be {what}")
+    if "verdict" in table and record["verdict"] not in {v.value for v in Verdict}:
+        raise ValueError(f"{path}: {where}verdict={record['verdict']!r} is not one of {[v.value for v in Verdict]}")
+
+
+def _short(value: Any) -> str:
+    text = json.dumps(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
 def load_result(folder: str | os.PathLike[str]) -> dict[str, Any]:
     """A ``result.json`` read back, checked to have every field; a ValueError names the file otherwise."""
     path = Path(folder) / "result.json"
@@ -322,6 +371,7 @@ def load_result(folder: str | os.PathLike[str]) -> dict[str, Any]:
     missing = [f for f in RESULT_FIELDS if f not in record]
     if missing:
         raise ValueError(f"{path} lacks the fields {missing}")
-    if record["verdict"] not in {v.value for v in Verdict}:
-        raise ValueError(f"{path}: verdict={record['verdict']!r} is not one of {[v.value for v in Verdict]}")
+    _check_types(path, "", record, _FIELD_TYPES)
+    for i, clause in enumerate(record["clauses"]):
+        _check_types(path, f"clauses[{i}].", clause, _CLAUSE_TYPES)
     return record

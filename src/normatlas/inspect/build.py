@@ -31,6 +31,7 @@ __all__ = [
     "attention_kwargs",
     "build_target",
     "build_vision",
+    "check_model_type",
     "example_inputs",
     "tiny_config",
 ]
@@ -111,15 +112,28 @@ TINY: dict[str, Any] = {
 KV_SHARED_LAYER_COUNTS = ("num_kv_shared_layers",)
 
 
+ALL_TYPES_HINT = "all: python -c 'import transformers; print(sorted(transformers.CONFIG_MAPPING))'"
+
+
+def check_model_type(model_type: str, what: str = "not a transformers model type", examples: str = "") -> None:
+    """A ValueError of one short line unless transformers registers ``model_type``: the closest known types (at
+    most three) and how to list them all, never the whole list (transformers' own message has 450 names)."""
+    import difflib
+
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    if isinstance(model_type, str) and model_type in CONFIG_MAPPING:
+        return
+    close = difflib.get_close_matches(str(model_type), list(CONFIG_MAPPING.keys()), n=3, cutoff=0.6)
+    like = f"; did you mean {', '.join(close)}?" if close else f"; e.g. {examples}" if examples else ""
+    raise ValueError(f"unknown model type {model_type!r}: {what}{like} ({ALL_TYPES_HINT})")
+
+
 def tiny_config(model_type: str, **overrides: Any) -> Any:
     """The config class of ``model_type`` with its defaults, shrunk (offline, no download)."""
     from transformers import AutoConfig
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-    if model_type not in CONFIG_MAPPING:
-        raise ValueError(
-            f"unknown model type {model_type!r}: not a transformers model type, a folder or module:factory"
-        )
+    check_model_type(model_type, "not a transformers model type, a folder or module:factory")
     cfg = AutoConfig.for_model(model_type)
     for c in _parts(cfg):
         _shrink(c, {**TINY, **overrides})
@@ -259,6 +273,21 @@ def _model_for_checkpoint(cfg: Any) -> nn.Module:
     return AutoModel.from_config(cfg, **attention_kwargs()).eval()
 
 
+def _matching(model: nn.Module, state: dict[str, torch.Tensor], none: str) -> dict[str, torch.Tensor]:
+    """The tensors of ``state`` that fit ``model`` (by name, with or without its base-model prefix, and shape), under
+    the model's own names; a ValueError ``none`` when not one does. Works with meta tensors and models."""
+    own = model.state_dict()
+    prefix = getattr(model, "base_model_prefix", "")
+    remapped = {}
+    for k, v in state.items():
+        key = k if k in own else f"{prefix}.{k}" if f"{prefix}.{k}" in own else k.split(".", 1)[-1]
+        if key in own and own[key].shape == v.shape:
+            remapped[key] = v
+    if not remapped:
+        raise ValueError(none)
+    return remapped
+
+
 def example_inputs(model: nn.Module, seq: int = 8, seed: int = 0) -> dict[str, Any]:
     """A token batch ``{"input_ids": (1, seq)}`` valid for the model's vocabulary."""
     cfg = getattr(model, "config", None)
@@ -283,26 +312,25 @@ def build_target(target: str, seed: int = 0, attn_implementation: str | None = N
     if path.is_dir():
         from transformers import AutoConfig
 
-        from ..checkpoint import locate, read_tensors
+        from ..checkpoint import check_build_memory, header_tensors, locate, on_meta, read_tensors
 
         ckpt = locate(path, weights=False)  # the one load policy: config.json as JSON, safetensors only
         cfg = AutoConfig.from_pretrained(str(path))
         _choose_attention(cfg)
-        model = _model_for_checkpoint(cfg)
         files = ckpt.files
+        meta = on_meta(lambda: _model_for_checkpoint(cfg))  # sizes first: no memory, no initialisation
+        if meta is not None:
+            if files:
+                _matching(meta, header_tensors(ckpt), f"{target}: no tensor in the safetensors files matches the "
+                          f"{cfg.model_type} model")  # fmt: skip
+            check_build_memory(meta, target, weights=sum(f.stat().st_size for f in files))
+        model = _model_for_checkpoint(cfg)
         if files:
             state, _ = read_tensors(ckpt)
-            own = model.state_dict()
-            prefix = getattr(model, "base_model_prefix", "")
-            remapped = {}
-            for k, v in state.items():
-                key = k if k in own else f"{prefix}.{k}" if f"{prefix}.{k}" in own else k.split(".", 1)[-1]
-                if key in own and own[key].shape == v.shape:
-                    remapped[key] = v
-            if not remapped:
-                raise ValueError(f"{target}: no tensor in the safetensors files matches the {cfg.model_type} model")
+            remapped = _matching(model, state, f"{target}: no tensor in the safetensors files matches the "
+                                 f"{cfg.model_type} model")  # fmt: skip
             model.load_state_dict(remapped, strict=False)
-            loaded = f"{len(remapped)}/{len(own)} tensors from {len(files)} safetensors file(s)"
+            loaded = f"{len(remapped)}/{len(model.state_dict())} tensors from {len(files)} safetensors file(s)"
         else:
             loaded = "no safetensors: random weights"
         return model.eval(), example_inputs(model, seed=seed), f"{cfg.model_type} ({path.name}; {loaded})"
@@ -367,6 +395,7 @@ def build_vision(model_type: str, seed: int = 0, image_size: int = 32, patch_siz
     for name, val in (("image_size", image_size), ("patch_size", patch_size)):
         if type(val) is not int or val < 1:
             raise ValueError(f"{name} must be a positive int, got {val!r}")
+    check_model_type(model_type, "not a transformers model type", "clip_vision_model, siglip_vision_model, vit, dinov2")
     torch.manual_seed(seed)
     cfg = _staged_tower(model_type, image_size) or _tiny_tower(model_type, image_size, patch_size)
     try:

@@ -38,7 +38,18 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["MODES", "OPS", "cache_resident", "provider_names", "reuse_freed_memory", "run_bench"]
+from ..capacity import check_memory
+
+__all__ = [
+    "MODES",
+    "OPS",
+    "bench_bytes",
+    "cache_resident",
+    "check_bench_memory",
+    "provider_names",
+    "reuse_freed_memory",
+    "run_bench",
+]
 
 OPS = ("rms", "layer", "add_rms", "add_layer", "qk")
 MODES = ("fwd", "bwd", "fwdbwd")
@@ -203,6 +214,24 @@ def _bytes(op: str, mode: str, numel: int, itemsize: int) -> int:
     return {"fwd": fwd, "bwd": bwd, "fwdbwd": fwd + bwd}[mode]
 
 
+def bench_bytes(shape: tuple[int, int], dtype: torch.dtype, modes: list[str], providers: int) -> int:
+    """About the peak memory of timing one (shape, dtype): the float32 draw, x, r and the copy baseline; the
+    outputs, saved tensors and upstream gradients each backward provider keeps between rounds; one call's own."""
+    n, size = shape[0] * shape[1], torch.empty((), dtype=dtype).element_size()
+    kept = 5 * n * size * providers if any(m != "fwd" for m in modes) else 0
+    return 4 * n + 3 * n * size + kept + 4 * n * size
+
+
+def check_bench_memory(
+    shapes: list[tuple[int, int]], dtypes: list[torch.dtype], modes: list[str], providers: int, device: str = "cpu"
+) -> None:
+    """A ValueError of one line naming the first shape whose benchmark needs more memory than is available."""
+    for shape in shapes:
+        for dtype in dtypes:
+            what = f"shape={shape[0]}x{shape[1]} in {str(dtype).removeprefix('torch.')} with {providers} provider(s)"
+            check_memory(bench_bytes(shape, dtype, modes, providers), what, device)
+
+
 def reuse_freed_memory() -> str:
     """Keep freed blocks of any size in the heap (glibc ``mallopt``): no page faults on reused outputs.
 
@@ -247,6 +276,7 @@ def run_bench(
     rows: list[dict[str, Any]] = []
     all_fns = _providers(op, device)
     names = [p for p in (providers or list(all_fns)) if p in all_fns]
+    check_bench_memory(shapes, dtypes, modes, len(names), device)
     for shape in shapes:
         for dtype in dtypes:
             gen = torch.Generator().manual_seed(0)

@@ -10,8 +10,12 @@ Method: ``torch.utils.cpp_extension.load`` compiles three translation units with
   the compiler's identity and the CPU's instruction-set flags (``-march=native``). Two checkouts or venvs
   of the same sources share one cache entry.
 - **The cache entry** ``<cache_dir>/norm_cpu_<key>/`` holds the shared object and ``build.json`` (how long
-  the build took, when, with what). A later process loads the shared object directly (no ninja, no build
-  file to compare; well under a second).
+  the build took, when, with what, and the shared object's ``size`` and ``sha256``). A later process checks the
+  file against that record and then loads it directly (no ninja, no build file to compare; well under a second).
+  A file that does not match (truncated: loading it would kill the process with SIGBUS; empty; changed), or that
+  does not load, is removed with one warning line: an explicit build rebuilds it at once, the drop-in modules run
+  the reference path until ``normatlas kernels build``. An entry written before the record existed is checked
+  by its ELF headers instead (every segment and section table inside the file).
 - **Building** happens under a file lock in a private temporary folder; the shared object is moved into
   place atomically, so two processes building at once never see a partial file and the second one loads
   what the first built. Temporary folders left by a killed build are removed by the next build.
@@ -34,6 +38,7 @@ import logging
 import os
 import platform
 import shutil
+import struct
 import subprocess
 import sys
 import sysconfig
@@ -47,7 +52,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["SOURCES", "build", "build_info", "cache_dir", "ensure_built", "extension", "loaded"]
+__all__ = ["SOURCES", "build", "build_info", "cache_dir", "damage", "ensure_built", "extension", "loaded"]
 
 log = logging.getLogger(__name__)
 
@@ -149,14 +154,88 @@ def _read_meta(folder: Path) -> dict[str, Any]:
         return {}
 
 
-def _load_cached() -> ModuleType | None:
-    """The cached build, imported (None when there is none); records how long the load took."""
+def _digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _elf_damage(so: Path, size: int) -> str | None:
+    """Why a 64-bit little-endian ELF file is cut short (a loaded segment or a header table past its end), or None;
+    other formats and platforms are not checked here."""
+    if not sys.platform.startswith("linux"):
+        return None
+    with open(so, "rb") as f:
+        head = f.read(64)
+        if head[:4] != b"\x7fELF":
+            return "it is not an ELF shared object"
+        if len(head) < 64 or head[4] != 2 or head[5] != 1:
+            return None if len(head) == 64 else "its ELF header is cut short"
+        phoff, shoff = struct.unpack_from("<QQ", head, 0x20)
+        phentsize, phnum, shentsize, shnum = struct.unpack_from("<HHHH", head, 0x36)
+        if max(phoff + phentsize * phnum, shoff + shentsize * shnum) > size:
+            return f"it is cut short ({size} bytes; its ELF header tables end further on)"
+        f.seek(phoff)
+        table = f.read(phentsize * phnum)
+    for i in range(phnum):
+        kind, _, offset, _, _, filesz = struct.unpack_from("<IIQQQQ", table, i * phentsize)
+        if kind == 1 and offset + filesz > size:  # PT_LOAD
+            return f"it is cut short ({size} bytes; a loaded segment ends at byte {offset + filesz})"
+    return None
+
+
+def damage(so: Path, meta: dict[str, Any]) -> str | None:
+    """Why the cached shared object ``so`` must not be loaded, or None when it is the file the build wrote: its size
+    and sha256 against ``build.json``'s record, else (an entry from before the record) its ELF headers."""
+    size = so.stat().st_size
+    if size == 0:
+        return "the file is empty"
+    want_size, want_sha = meta.get("size"), meta.get("sha256")
+    if isinstance(want_size, int) and isinstance(want_sha, str):
+        if size != want_size:
+            return f"it has {size} bytes where the build wrote {want_size}"
+        if _digest(so) != want_sha:
+            return "its sha256 is not the one the build recorded"
+        return None
+    return _elf_damage(so, size)
+
+
+def _discard(folder: Path, so: Path, why: str, locked: bool) -> None:
+    """Remove a damaged cache entry (under the build lock, so a build finishing now is not removed) and note why."""
+    lock = contextlib.nullcontext() if locked else _file_lock(cache_dir() / f"norm_cpu_{_key()}.lock")
+    with lock:
+        if so.is_file() and damage(so, _read_meta(folder)) is None and not why.startswith("it does not load"):
+            return  # replaced by a whole build while we waited
+        for f in (so, folder / "build.json"):
+            with contextlib.suppress(FileNotFoundError):
+                f.unlink()
+    _state["damaged"] = f"{so}: {why}"
+
+
+def _load_cached(locked: bool = False) -> ModuleType | None:
+    """The cached build, imported (None when there is none, or when it was damaged and is now removed: see
+    :func:`damage`); records how long the load took. ``locked``: the caller holds the build lock."""
     name, folder = _entry()
     so = folder / f"{name}.so"
     if not so.is_file():
         return None
     start = time.perf_counter()
-    module = sys.modules.get(name) or _import(name, so)
+    module = sys.modules.get(name)
+    if module is None:
+        try:
+            why = damage(so, _read_meta(folder))
+        except OSError as exc:
+            why = f"it cannot be read ({exc.strerror or exc})"
+        if why is not None:
+            _discard(folder, so, why, locked)
+            return None
+        try:
+            module = _import(name, so)
+        except Exception as exc:  # another torch build, a damaged file the checks missed
+            _discard(folder, so, f"it does not load ({type(exc).__name__}: {str(exc)[:160]})", locked)
+            return None
     meta = _read_meta(folder)
     _state["info"] = {
         "backend": "cpp", "source": "cache", "cached": True, "seconds": round(time.perf_counter() - start, 3),
@@ -197,7 +276,7 @@ def _remove_stale_builds(root: Path) -> None:
 def _build_into_cache() -> ModuleType:
     name, folder = _entry()
     with _file_lock(cache_dir() / f"norm_cpu_{_key()}.lock"):
-        cached = _load_cached()  # another process may have built it while we waited
+        cached = _load_cached(locked=True)  # another process may have built it while we waited
         if cached is not None:
             return cached
         _remove_stale_builds(cache_dir())
@@ -212,7 +291,8 @@ def _build_into_cache() -> ModuleType:
             staged = folder / f".{name}.so.tmp-{os.getpid()}"
             shutil.copyfile(tmp / f"{name}.so", staged)
             meta = {"key": _key(), "seconds": round(seconds, 1), "built_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                    "torch": torch.__version__, "compiler": _compiler(), "cflags": list(_CFLAGS)}  # fmt: skip
+                    "torch": torch.__version__, "compiler": _compiler(), "cflags": list(_CFLAGS),
+                    "size": staged.stat().st_size, "sha256": _digest(staged)}  # fmt: skip
             (folder / "build.json").write_text(json.dumps(meta, indent=2))
             os.replace(staged, folder / f"{name}.so")
         finally:
@@ -245,11 +325,16 @@ def extension(build: bool = True) -> ModuleType | None:
             _state["info"] = {"backend": "eager", "reason": "NORMATLAS_KERNELS=eager"}
             _state["final"] = True
             return None
-        try:
-            module = _load_cached()
-        except Exception as exc:  # a cache entry that does not load (another torch build, a damaged file)
-            log.warning("normatlas: the cached C++ kernels do not load (%s); rebuilding", exc)
-            module = None
+        module = _load_cached()
+        damaged = _state.pop("damaged", None)
+        if damaged is not None and build:
+            log.warning("normatlas: removed the damaged cached C++ kernels (%s); rebuilding", damaged)
+        elif damaged is not None:
+            _state["info"] = {"backend": "eager", "reason": f"removed the damaged cached C++ kernels ({damaged}); "
+                              f"the drop-in modules run the reference path; {BUILD_HINT}"}  # fmt: skip
+            _state["warned"] = True  # this line says how to build: loaded() need not say it again
+            log.warning("normatlas: %s", _state["info"]["reason"])
+            return None
         if module is None and build:
             try:
                 module = _build_into_cache()

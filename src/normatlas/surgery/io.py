@@ -21,19 +21,34 @@ weights, then the swaps.
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import errno
 import json
 import os
 import shutil
 import tempfile
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from ..checkpoint import INDEX, PICKLE_SUFFIXES, Checkpoint, is_weight_file, locate, read_tensors, storage_dtype
+from ..capacity import check_disk, human_bytes
+from ..checkpoint import (
+    INDEX,
+    PICKLE_SUFFIXES,
+    Checkpoint,
+    check_build_memory,
+    header_tensors,
+    is_weight_file,
+    locate,
+    on_meta,
+    read_tensors,
+    storage_dtype,
+)
 from .output import MANIFEST, WRITING, check_output, dir_mode, file_mode, interruptible
 from .report import NothingToChange, Surgery, Swap, apply_swaps
 
@@ -41,6 +56,18 @@ __all__ = ["MANIFEST", "PICKLE_SUFFIXES", "check_output", "load_checkpoint", "lo
 
 
 def _build(ckpt: Checkpoint) -> nn.Module:
+    """The model config.json names, built: its tensors first compared with the safetensors headers and its size
+    with the memory available, on the meta device, so a mismatch or a model too large is one line up front."""
+    construct = _constructor(ckpt)
+    meta = on_meta(construct)
+    if meta is not None:
+        _check_tensors(meta, header_tensors(ckpt), ckpt.root)
+        check_build_memory(meta, f"{ckpt.root}", weights=sum(f.stat().st_size for f in ckpt.files))
+    return construct().eval()
+
+
+def _constructor(ckpt: Checkpoint) -> Callable[[], nn.Module]:
+    """A function building the transformers model class config.json's ``architectures`` names from it."""
     import transformers
 
     try:
@@ -55,14 +82,27 @@ def _build(ckpt: Checkpoint) -> nn.Module:
             f"config.json architectures={getattr(config, 'architectures', None)!r} does not name a "
             "transformers model class"
         )
-    model = cls(config)
-    return model.eval()
+    return lambda: cls(config)
 
 
 @torch.no_grad()
 def _load_into(model: nn.Module, tensors: dict[str, torch.Tensor], where: Path) -> None:
     """Check ``tensors`` against ``model`` by name, shape and kind, then install them with their own dtype
     (the Parameter objects stay, so tied weights stay tied)."""
+    expected = _check_tensors(model, tensors, where)
+    for k, v in tensors.items():
+        if k in expected:
+            prefix, _, attr = k.rpartition(".")
+            owner = model.get_submodule(prefix)
+            slot = owner._parameters.get(attr) if attr in owner._parameters else owner._buffers.get(attr)
+            if slot is None:
+                raise ValueError(f"{where}: tensor {k!r} has no parameter or buffer to load into")
+            slot.data = v
+
+
+def _check_tensors(model: nn.Module, tensors: dict[str, torch.Tensor], where: Path) -> dict[str, torch.Tensor]:
+    """``tensors`` (real, or meta ones from the headers) against ``model`` (real or on the meta device) by name,
+    shape and kind: a ValueError naming the first tensor that differs; returns the model's state dict."""
     expected = model.state_dict()
     buffers = {n for n, _ in model.named_buffers()}
     missing = [k for k in expected if k not in tensors]
@@ -90,14 +130,7 @@ def _load_into(model: nn.Module, tensors: dict[str, torch.Tensor], where: Path) 
                 f"{where}: tensor {k!r} is {str(v.dtype).replace('torch.', '')} but config.json's "
                 f"{type(model).__name__} computes with a {str(want.dtype).replace('torch.', '')} tensor there"
             )
-    for k, v in tensors.items():
-        if k in expected:
-            prefix, _, attr = k.rpartition(".")
-            owner = model.get_submodule(prefix)
-            slot = owner._parameters.get(attr) if attr in owner._parameters else owner._buffers.get(attr)
-            if slot is None:
-                raise ValueError(f"{where}: tensor {k!r} has no parameter or buffer to load into")
-            slot.data = v
+    return expected
 
 
 def _is_tied(model: nn.Module, key: str, tensors: dict[str, torch.Tensor]) -> bool:
@@ -108,10 +141,11 @@ def _is_tied(model: nn.Module, key: str, tensors: dict[str, torch.Tensor]) -> bo
 
 def load_checkpoint(path: str | os.PathLike[str]) -> nn.Module:
     """Build the transformers model ``config.json`` names and load its safetensors weights, checked, each
-    tensor in its stored dtype."""
+    tensor in its stored dtype. Before anything is read or allocated, the model's tensors are compared with the
+    safetensors headers and its size with the memory available (one-line ValueErrors)."""
     ckpt = locate(path)
-    tensors, _ = read_tensors(ckpt)
     model = _build(ckpt)
+    tensors, _ = read_tensors(ckpt)
     _load_into(model, tensors, ckpt.root)
     return model
 
@@ -222,10 +256,16 @@ def _copy_others(source: Checkpoint, dest: Path) -> tuple[list[str], list[str]]:
 
 
 def _write_state(tmp: Path, shards: dict[str, dict[str, torch.Tensor]], indexed: bool) -> list[str]:
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
 
     for fname, part in shards.items():
-        save_file(part, str(tmp / fname), metadata={"format": "pt"})
+        try:
+            save_file(part, str(tmp / fname), metadata={"format": "pt"})
+        except SafetensorError as exc:  # an I/O error inside the writer: an OSError, so it is reported as one
+            text = str(exc)
+            full = "StorageFull" in text or "No space left" in text or "code: 28" in text
+            raise OSError(errno.ENOSPC if full else errno.EIO, os.strerror(errno.ENOSPC) if full else text) from exc
     names = list(shards)
     if indexed:
         total = sum(t.numel() * t.element_size() for part in shards.values() for t in part.values())
@@ -234,6 +274,21 @@ def _write_state(tmp: Path, shards: dict[str, dict[str, torch.Tensor]], indexed:
         (tmp / INDEX).write_text(json.dumps(index, indent=2) + "\n")
         names.append(INDEX)
     return names
+
+
+def _bytes_needed(shards: dict[str, dict[str, torch.Tensor]], source: Checkpoint | None) -> int:
+    """What the output folder will hold: the tensors, the input's other files copied beside them, and 1 MB for
+    config.json, the index and the manifest (safetensors' headers are small against any tensor)."""
+    tensors = sum(t.numel() * t.element_size() for part in shards.values() for t in part.values())
+    others = 0
+    if source is not None:
+        for folder, _, files in os.walk(source.root):
+            for name in files:
+                path = Path(folder) / name
+                if not is_weight_file(path):
+                    with contextlib.suppress(OSError):
+                        others += path.stat().st_size
+    return tensors + others + 1_000_000
 
 
 def _refuse_unwritable(surgery: Surgery) -> None:
@@ -347,10 +402,12 @@ def save_surgery(
     inputs = _comparison_inputs(surgery.stock, inputs)
     ref = surgery.stock.state_dict()
     shards = _shards(_dedup(ref), src)
+    need = _bytes_needed(shards, src)
+    check_disk(target.parent, need, f"writing {target.name}")
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise OSError(f"could not create {target.parent}: {exc.strerror or exc}") from exc
+        raise OSError(exc.errno, f"could not create {target.parent}: {exc.strerror or exc}") from exc
     with interruptible():
         tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
         try:
@@ -360,7 +417,11 @@ def save_surgery(
             _verify_folder(tmp, surgery, shard_files, ref, inputs)
             _publish(tmp, target)
         except OSError as exc:
-            raise OSError(f"could not write {target}: {exc.strerror or exc}; nothing was written") from exc
+            full = exc.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC))
+            size = f" in {target.parent} (the output needs about {human_bytes(need)})" if full else ""
+            raise OSError(
+                exc.errno, f"could not write {target}: {exc.strerror or exc}{size}; nothing was written"
+            ) from exc
         finally:
             if tmp.exists():
                 shutil.rmtree(tmp, ignore_errors=True)

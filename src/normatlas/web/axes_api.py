@@ -20,12 +20,14 @@ from ..functional import moments, normalize, resolve
 from ..spec import Axis, Gain, Layout, NormSpec, parse_enum
 from ..taxonomy import AXIS_LETTERS, classify, taxonomy_table
 
-__all__ = ["DEFAULT_SHAPES", "LAYOUTS", "MAX_ELEMENTS", "normalize_view", "taxonomy_view"]
+__all__ = ["DEFAULT_SHAPES", "LAYOUTS", "MAX_ELEMENTS", "MAX_MAGNITUDE", "normalize_view", "taxonomy_view"]
 
 #: the two conventions the page draws side by side, and the sample tensor each gets by default
 LAYOUTS = (Layout.NCHW, Layout.BTD)
 DEFAULT_SHAPES = {Layout.NCHW: (8, 6, 4, 4), Layout.BTD: (8, 16, 6)}
 MAX_ELEMENTS = 1 << 16  # a sample tensor the page may ask for (64 Ki values)
+#: the largest |value| of an explicit input or upstream: its square, summed over MAX_ELEMENTS, stays finite in float64
+MAX_MAGNITUDE = 1e150
 BINS = 24
 _CONVENTION = {Layout.NCHW: "vision", Layout.BTD: "sequence"}
 _KEYS = frozenset({"layout", "reduce", "groups", "center", "seed", "shape", "input", "upstream"})
@@ -96,6 +98,11 @@ def _tensor(value: Any, name: str, layout: Layout) -> torch.Tensor:
             f"{name} must be a finite {len(layout.value)}-d array for layout={layout.value!r} "
             f"with at most {MAX_ELEMENTS} values; got shape {list(t.shape)}"
         )
+    if t.numel() and float(t.abs().max()) > MAX_MAGNITUDE:
+        raise ValueError(
+            f"{name} has a value of magnitude {float(t.abs().max()):.3g}; every |value| must be at most "
+            f"{MAX_MAGNITUDE:.0e} (its square must stay finite in float64)"
+        )
     return t
 
 
@@ -117,7 +124,7 @@ def _hist(t: torch.Tensor) -> dict[str, Any]:
     lo, hi = float(t.min()), float(t.max())
     if hi - lo < 1e-12:
         lo, hi = lo - 0.5, hi + 0.5
-    counts = torch.histc(t.float(), bins=BINS, min=lo, max=hi)
+    counts = torch.histc(t.double(), bins=BINS, min=lo, max=hi)
     return {"lo": lo, "hi": hi, "counts": [int(c) for c in counts.tolist()]}
 
 
@@ -164,6 +171,8 @@ def normalize_view(body: Mapping[str, Any]) -> dict[str, Any]:
     xv = x.view(plan.view) if plan.view else x
     mean, _, ms, count = moments(xv, spec, plan.reduce_dims, None)
     y = normalize(x, spec, backend="reference")
+    if not bool(torch.isfinite(y).all()):  # a guard: the bounds above keep every statistic finite
+        raise ValueError(f"the normalised {'input' if explicit else 'sample'} is not finite; use smaller values")
     effect, effect_note = _batch_effect(x, y, spec)
     out: dict[str, Any] = {
         "layout": layout.value,

@@ -4,8 +4,13 @@ Routes are an explicit table (:data:`GET_ROUTES`, :data:`POST_ROUTES`); static f
 name from the package's ``static`` folder (no path is ever joined from a request), figures only as
 ``/experiments/NAME/figure.svg|png`` of a result folder. Every error is JSON with a 4xx/5xx status;
 bodies over :data:`MAX_BODY` get 413; every response carries a Content-Security-Policy that allows
-only the page's own origin, and ``X-Content-Type-Options: nosniff``. Requests whose ``Host`` is not
-the address the server was started on are refused (a DNS-rebinding guard).
+only the page's own origin, and ``X-Content-Type-Options: nosniff``. A ``Host`` header is parsed strictly (a
+name or a ``[v6]`` literal, then an optional ``:digits`` port; anything else is 403), and on a loopback server a
+``Host`` that is not a loopback name is refused (a DNS-rebinding guard).
+
+Slow and vanishing clients cost little: a body has :attr:`AtlasServer.body_timeout` seconds to arrive (else 408;
+a body cut short is 400), at most :attr:`AtlasServer.max_threads` connections are served at once (the next one
+gets a 503 and is closed), and a client that hangs up mid-answer is dropped quietly, with no traceback.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import math
 import re
 import socket
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -46,6 +52,12 @@ _TYPES = {
 }
 _FIGURE = re.compile(r"/experiments/([^/]+)/(figure\.(?:svg|png))")
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
+# a Host header: a registered name or IPv4 address, or an IPv6 literal in brackets; then an optional :port
+_HOST = re.compile(
+    r"(?:\[(?P<v6>[0-9A-Fa-f:.]+)\]|(?P<name>[A-Za-z0-9](?:[A-Za-z0-9.-]*[A-Za-z0-9])?))(?::(?P<port>\d{1,5}))?"
+)
+# what a client that vanished mid-request raises; such a request is dropped without a traceback
+_GONE = (ConnectionError, TimeoutError)
 
 
 @dataclass(frozen=True)
@@ -86,6 +98,13 @@ class AtlasServer(ThreadingHTTPServer):
 
     daemon_threads = True
     allow_reuse_address = True
+    #: connections served at once; one more is answered 503 and closed (a thread per idle socket is not free)
+    max_threads = 32
+    #: connections the kernel queues until they are accepted (the standard library's 5 drops a burst's handshakes,
+    #: which the clients then retry after a second or more)
+    request_queue_size = 64
+    #: seconds a request body may take to arrive once its headers are in (else 408)
+    body_timeout = 5.0
 
     def __init__(self, address: tuple[str, int], config: Config, quiet: bool = True) -> None:
         if ":" in address[0]:  # an IPv6 address such as ::1
@@ -96,6 +115,31 @@ class AtlasServer(ThreadingHTTPServer):
         self.files = static_files()
         self.inspector = Inspector(config.root)
         self._views: dict[str, Any] = {}
+        self._slots = threading.BoundedSemaphore(self.max_threads)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        """A thread for the connection while fewer than :attr:`max_threads` are busy; else a 503, closed at once."""
+        if not self._slots.acquire(blocking=False):
+            _refuse_busy(request, self.max_threads)
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A client that hung up (broken pipe, reset, timeout) is nobody's error: no traceback for it."""
+        if isinstance(sys.exc_info()[1], _GONE):
+            return
+        super().handle_error(request, client_address)
 
     def view(self, key: str, build: Callable[[], Any]) -> Any:
         """A read-only view, built once (the data files do not change while serving)."""
@@ -108,6 +152,21 @@ class AtlasServer(ThreadingHTTPServer):
         host, port = self.server_address[:2]
         host = str(host)
         return f"http://{'[' + host + ']' if ':' in host else host}:{port}/"
+
+
+def _refuse_busy(sock: socket.socket, limit: int) -> None:
+    """The 503 a connection over the limit gets, written without reading its request (never blocking long)."""
+    body = json.dumps({"error": f"the server is serving {limit} connections already; retry", "status": 503}).encode()
+    head = (
+        "HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json; charset=utf-8\r\n"
+        f"Content-Length: {len(body)}\r\nRetry-After: 1\r\nConnection: close\r\n"
+        f"Content-Security-Policy: {CSP}\r\nX-Content-Type-Options: nosniff\r\n\r\n"
+    )
+    try:
+        sock.settimeout(0.5)
+        sock.sendall(head.encode() + body)
+    except OSError:
+        pass
 
 
 def make_server(host: str = "127.0.0.1", port: int = 0, config: Config | None = None) -> AtlasServer:
@@ -146,7 +205,7 @@ class Handler(BaseHTTPRequestHandler):
     sys_version = ""
     protocol_version = "HTTP/1.1"
     default_request_version = "HTTP/1.0"  # so an error to a garbled request line still has a status line
-    timeout = 30  # seconds a client may stall mid-request before its thread lets go
+    timeout = 10  # seconds an idle or stalled connection keeps its thread (a body: AtlasServer.body_timeout)
 
     def log_message(self, format: str, *args: Any) -> None:
         if not self.server.quiet:
@@ -175,7 +234,10 @@ class Handler(BaseHTTPRequestHandler):
         extra = dict(extra or {})
         if self.command == "POST":  # a body left unread would be parsed as the next request
             extra["Connection"] = "close"
-        self._json(status, {"error": message, "status": int(status)}, extra)
+        try:
+            self._json(status, {"error": message, "status": int(status)}, extra)
+        except _GONE:  # the client is gone: nobody is left to tell
+            self.close_connection = True
 
     def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
         """The standard library's own errors (a malformed request line, an unknown method) as JSON too."""
@@ -194,9 +256,16 @@ class Handler(BaseHTTPRequestHandler):
         return path
 
     def _check_host(self) -> None:
-        host = (self.headers.get("Host") or "").rsplit(":", 1)[0].strip("[]")
-        bound = str(self.server.server_address[0])
-        if bound in LOOPBACK and host not in LOOPBACK:
+        raw = self.headers.get("Host")
+        loopback = str(self.server.server_address[0]) in LOOPBACK
+        if raw is None and not loopback:
+            return  # an HTTP/1.0 client on a server bound beyond loopback (--allow-remote)
+        m = _HOST.fullmatch(raw or "")
+        if m is None or int(m.group("port") or 0) > 65535:
+            shown = (raw or "")[:80]
+            raise HTTPError(HTTPStatus.FORBIDDEN, f"Host {shown!r} is not a host name or [IPv6] with an optional :port")
+        host = m.group("v6") or m.group("name").lower()
+        if loopback and host not in LOOPBACK:
             raise HTTPError(HTTPStatus.FORBIDDEN, f"Host {host!r} is not this loopback server")
 
     def _dispatch(self, method: str) -> None:
@@ -219,8 +288,10 @@ class Handler(BaseHTTPRequestHandler):
             self._error(HTTPStatus.NOT_FOUND, str(exc))
         except (ValueError, TypeError, KeyError) as exc:
             self._error(HTTPStatus.BAD_REQUEST, str(exc).strip("'\"") or type(exc).__name__)
-        except (BrokenPipeError, ConnectionResetError):
+        except ConnectionError:  # the client hung up mid-answer
             self.close_connection = True
+        except RecursionError:  # a structure nested past the interpreter's limit, met after parsing
+            self._error(HTTPStatus.BAD_REQUEST, "the request is nested too deeply")
         except Exception as exc:  # a bug of normatlas or of a model build: a 500 that names it
             self.log_error("%s %s failed: %r", method, self.path, exc)
             self._error(HTTPStatus.INTERNAL_SERVER_ERROR, f"{type(exc).__name__}: {str(exc)[:300]}")
@@ -261,11 +332,34 @@ class Handler(BaseHTTPRequestHandler):
         if int(length) > MAX_BODY:
             self.close_connection = True  # the unread body would be taken for the next request
             raise HTTPError(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, f"body of {length} bytes; at most {MAX_BODY}")
-        raw = self.rfile.read(int(length))
+        raw = self._read(int(length))
         try:
             return json.loads(raw.decode("utf-8"))
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise HTTPError(HTTPStatus.BAD_REQUEST, f"the body is not valid JSON ({exc})") from None
+        except RecursionError:
+            raise HTTPError(HTTPStatus.BAD_REQUEST, "the body's JSON is nested too deeply") from None
+
+    def _read(self, length: int) -> bytes:
+        """``length`` bytes of body within :attr:`AtlasServer.body_timeout` seconds: 408 when they stall, 400 when
+        the client stops sending before all of them."""
+        wait = self.server.body_timeout
+        self.connection.settimeout(wait)
+        try:
+            raw = self.rfile.read(length)
+        except TimeoutError:
+            self.close_connection = True
+            raise HTTPError(
+                HTTPStatus.REQUEST_TIMEOUT, f"the body did not arrive within {wait:g} s (Content-Length: {length})"
+            ) from None
+        finally:
+            self.connection.settimeout(self.timeout)
+        if len(raw) < length:
+            self.close_connection = True
+            raise HTTPError(
+                HTTPStatus.BAD_REQUEST, f"the body is {len(raw)} bytes, shorter than its Content-Length ({length})"
+            )
+        return raw
 
     def do_GET(self) -> None:
         self._dispatch("GET")
