@@ -315,3 +315,19 @@ def test_keys_and_values_rounded_before_the_core_are_refused_by_name():
     hf = transformers.AutoModelForCausalLM.from_config(tiny_config("kolibri1_1")).eval().float()
     with pytest.raises(PortError, match=r"k / v rounded to a grid between the projection and the attention core"):
         port(hf)
+
+
+@pytest.mark.parametrize(
+    ("model_type", "reason"),
+    [
+        # DeepSeek-V3.2 (DSA): the indexer's top-k over its own key scores masks the keys
+        ("deepseek_v32", r"a sparse-attention indexer \(top-k over its own key scores picks the keys\)"),
+        # JetMoE (8B: 2048 / 24L, 8 attention experts, top-2): the router's top-k picks the q / output experts
+        ("jetmoe", r"a routed mixture of attention experts \(top-k over router scores picks the projections"),
+    ],
+)
+def test_a_top_k_inside_attention_is_named_for_what_it_picks(model_type: str, reason: str) -> None:
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(tiny_config(model_type)).eval().float()
+    with pytest.raises(PortError, match=reason):
+        port(hf)

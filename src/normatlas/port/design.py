@@ -138,7 +138,12 @@ def _attention(
 
     roles = attention_roles(g, sub, branch, cores, projs)
     own = own_bits(g, branch, sub.source)
-    if any(n.op == "topk" and own >> n.idx & 1 and g.feeds(n.idx, roles.core.node) for n in g.nodes):
+    picks = [n.idx for n in g.nodes if n.op == "topk" and own >> n.idx & 1 and g.feeds(n.idx, roles.core.node)]
+    if picks:
+        core = roles.core
+        if any(g.feeds(t, op) for t in picks for op in (core.q, core.k, core.v) if op >= 0):  # JetMoE's MoA
+            raise PortError([f"layer {r.index}: a routed mixture of attention experts (top-k over router scores picks "
+                             "the projections that compute q / k / v)"])  # fmt: skip
         raise PortError([f"layer {r.index}: a sparse-attention indexer (top-k over its own key scores picks the keys)"])
     mla = mla_parts(g, roles.qkv, roles.outs, roles.core)
     if mla is not None:
