@@ -48,7 +48,8 @@ def test_cited_essay_lines_name_the_family(rec: dict) -> None:
     lines = ESSAY.read_text().splitlines()
     for n in _cited_lines(rec["source"] + (rec["essay_differs"] or "")):
         # case-blind: the data spells a family once (Llama); the essay may spell it its own way (LLaMA)
-        assert rec["family"].lower() in lines[n - 1].lower(), f"{rec['name']}: essay line {n} does not name {rec['family']}"
+        named = rec["family"].lower() in lines[n - 1].lower()
+        assert named, f"{rec['name']}: essay line {n} does not name {rec['family']}"
 
 
 def test_essay_differences_are_the_code_checked_corrections() -> None:

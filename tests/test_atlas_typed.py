@@ -87,7 +87,8 @@ def test_years_come_from_the_papers() -> None:
     have no paper of their own in the bibliography."""
     missing = {r["name"] for r in MODELS if r["year"] is None}
     assert missing == {"Qwen3-Next", "InternLM3", "MiniCPM-V 4.6", "Molmo2", "Qwen2.5-7B", "Kimi K2.5"}
-    for name, key in (("BERT", "bert2018"), ("DeepSeek", "deepseekv3_2024"), ("Pixtral", "pixtral2024"), ("BiT", "bit2019")):
+    pairs = (("BERT", "bert2018"), ("DeepSeek", "deepseekv3_2024"), ("Pixtral", "pixtral2024"), ("BiT", "bit2019"))
+    for name, key in pairs:
         assert BY_NAME[name]["year"] == paper(key)["year"]
 
 
@@ -177,7 +178,8 @@ def test_flagged_essay_lines_say_what_the_flags_quote() -> None:
 
 def test_navit_record() -> None:
     rec = BY_NAME["NaViT"]
-    assert (rec["kind"], rec["operator"], rec["placement"], rec["papers"]) == ("vision", "layernorm", "pre", ["navit2023"])
+    got = (rec["kind"], rec["operator"], rec["placement"], rec["papers"])
+    assert got == ("vision", "layernorm", "pre", ["navit2023"])
 
 
 def test_embedding_scale_kinds() -> None:

@@ -104,7 +104,7 @@ def validate_model(rec: Mapping[str, Any]) -> None:
         raise ValueError(f"model {name!r}: fields are {tuple(rec)}, expected {MODEL_FIELDS}")
     design = typed_design(rec)
     if (design["connector"] is None) != (design["connector_norm"] is None):
-        raise ValueError(f"model {name!r}: connector and connector_norm are both set (an image-text model) or both null")
+        raise ValueError(f"model {name!r}: connector and connector_norm are both set (an image-text model) or null")
     if design["connector"] is not None and design["vision_tower_norm"] is None:
         raise ValueError(f"model {name!r}: an image-text model's vision_tower_norm is set (or 'unclear')")
     year = rec["year"]

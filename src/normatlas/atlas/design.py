@@ -31,11 +31,11 @@ from ..vocabulary import (
 __all__ = [
     "DESIGN_FIELDS",
     "NONE",
-    "RecordOperator",
     "SOFTCAP_FIELDS",
     "UNCLEAR",
-    "Unclear",
     "VLM_TYPED",
+    "RecordOperator",
+    "Unclear",
     "allowed",
     "parse_field",
     "typed_design",
