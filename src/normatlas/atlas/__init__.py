@@ -27,6 +27,7 @@ from .papers import PAPER_FIELDS, filter_papers, papers
 __all__ = [
     "CONNECTORS",
     "DESIGN_FIELDS",
+    "MISSING",
     "MODEL_FIELDS",
     "OPERATORS",
     "PAPER_FIELDS",
@@ -40,6 +41,7 @@ __all__ = [
     "essay_differences",
     "filter_models",
     "filter_papers",
+    "inspected_value",
     "models",
     "papers",
     "typed_design",
