@@ -18,10 +18,12 @@ from normatlas.atlas.papers import paper
 RECORDS = {r["name"]: r for r in atlas.models()}
 # The 17 records the issue found unclear; after this file's sources, the ones still unclear say why in notes.
 ONCE_UNCLEAR = (
-    "InternLM", "CogView", "GLM-130B", "Pangu (38B)", "Kimi-VL", "Flamingo", "OpenFlamingo", "MiniCPM-V", "Qwen-VL",
-    "Molmo", "CoCa", "Mini-Gemini", "EVA", "MoonViT", "BiT", "nGPT", "Chinchilla",
+    "InternLM", "CogView", "GLM-130B", "Pangu Ultra (135B)", "Kimi-VL", "Flamingo", "OpenFlamingo", "MiniCPM-V",
+    "Qwen-VL", "Molmo", "CoCa", "Mini-Gemini", "EVA", "MoonViT", "BiT", "nGPT", "Chinchilla",
 )  # fmt: skip
-STILL_UNCLEAR = {"Pangu (38B)", "Flamingo", "Molmo", "CoCa", "Chinchilla"}
+STILL_UNCLEAR = {"Pangu Ultra (135B)", "Flamingo", "Molmo", "CoCa", "Chinchilla"}
+# unclear since issue 34: Pangu Light (split from the Pangu record), ViT-22B (its QK-norm's kind, once "yes"), NaViT
+NEWLY_UNCLEAR = {"Pangu Light", "ViT-22B", "NaViT"}
 
 # record -> (operator, placement, QK-norm, a file its source names)
 RESOLVED = {
@@ -46,8 +48,8 @@ RESOLVED = {
 
 def test_the_issues_unclear_records_are_resolved_or_say_why() -> None:
     assert {n for n in ONCE_UNCLEAR if RECORDS[n]["status"] == "unclear"} == STILL_UNCLEAR
-    assert sum(r["status"] == "unclear" for r in RECORDS.values()) == len(STILL_UNCLEAR)
-    for name in STILL_UNCLEAR:  # each says what was read and searched
+    assert {n for n, r in RECORDS.items() if r["status"] == "unclear"} == STILL_UNCLEAR | NEWLY_UNCLEAR
+    for name in STILL_UNCLEAR | NEWLY_UNCLEAR:  # each says what was read and searched
         assert len(RECORDS[name]["notes"]) > 150, name
 
 
@@ -96,7 +98,7 @@ def test_language_model_of_an_unlinked_record_inspects_as_recorded(name: str, mo
             rec["placement"],
             rec["qk_norm"],
         ), mt
-        if rec["gain_convention"] is not None:
+        if rec["gain_convention"] != "unclear":  # a relative's gain is not the record's own evidence
             assert row["gain_convention"] == rec["gain_convention"], mt
 
 

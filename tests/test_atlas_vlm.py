@@ -66,7 +66,7 @@ def test_check_compares_the_vlm_parts() -> None:
 @pytest.mark.parametrize(
     ("change", "match"),
     [
-        ({"connector": "MLP projector"}, "connector='MLP projector' is not None or one of"),
+        ({"connector": "MLP projector"}, "connector='MLP projector' is not one of"),
         ({"vision_tower_norm": "batchnorm-family"}, "vision_tower_norm='batchnorm-family'"),
         ({"source": "paper: nosuchpaper2020 says so", "status": "paper"}, "paper:nosuchpaper2020"),
         ({"source": "a blog said so"}, "must start with one of essay, code:, paper:"),
@@ -100,7 +100,7 @@ def test_unclear_records_resolved_by_code_or_paper() -> None:
     want = {
         "DiT": ("adaLN-Zero", "pre", "paper"),
         "CaiT": ("layernorm", "pre", "paper"),
-        "ViT-22B": ("layernorm", "parallel", "paper"),
+        "ViT-22B": ("layernorm", "parallel", "unclear"),  # its QK-norm's kind is not stated (issue 34: no "yes")
         "DeepNet": ("layernorm", "post", "paper"),
         "NFNet": ("none", "none", "paper"),
         "InternViT": ("layernorm", "pre", "code"),

@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 import torch
 
+from normatlas.atlas import DESIGN_FIELDS as TYPED_FIELDS
 from normatlas.atlas import models
 from normatlas.blocks import PRESETS
 from normatlas.experiments.runner import RESULT_FIELDS
@@ -145,6 +146,8 @@ def test_models_carry_provenance_per_field(server: Any) -> None:
             assert (badge is None) == (m[field] is None)
             if m[field] == "unclear":
                 assert badge == "unclear"
+            elif m[field] is not None and m["hf_model_types"] and field in TYPED_FIELDS:  # matrix --check compares it
+                assert badge == "code", (m["name"], field)
             elif badge is not None:
                 assert (
                     badge == {"code": "code", "essay": "guide", "paper": "paper", "unclear": badge}[m["status"]]

@@ -18,8 +18,11 @@ from .spec import CastOrder, EpsPlacement, GainConvention
 
 __all__ = [
     "CastOrder",
+    "ConnectorKind",
+    "EmbeddingScale",
     "EpsPlacement",
     "GainConvention",
+    "Injection",
     "Operator",
     "PlacementKind",
     "QKNormKind",
@@ -116,3 +119,42 @@ class SublayerKind(enum.Enum):
     PARALLEL = "attention+mlp"  # attention and MLP branches added at one add
     MIXER = "mixer"  # a token mixer without an attention core: an SSM (Mamba), a convolution, linear attention
     ATTENTION_MIXER = "attention+mixer"  # attention beside a mixer at one add (Falcon-H1, Hymba)
+
+
+class EmbeddingScale(enum.Enum):
+    """A constant multiplying the token embeddings before the first sublayer."""
+
+    NONE = "none"
+    SQRT_D_MODEL = "sqrt-d-model"  # sqrt(hidden_size) (the original Transformer, Gemma)
+    CONSTANT = "constant"  # a constant of its own (MiniCPM's scale_emb)
+
+    @classmethod
+    def of(cls, scale: float | None, hidden_size: int | None) -> EmbeddingScale:
+        """The kind of an inspected scale: none for no scale (or 1), sqrt-d-model where it is sqrt(hidden_size)."""
+        if scale is None or abs(scale - 1.0) < 1e-6:
+            return cls.NONE
+        if hidden_size and abs(scale - hidden_size**0.5) < 1e-3 * hidden_size**0.5:
+            return cls.SQRT_D_MODEL
+        return cls.CONSTANT
+
+
+class ConnectorKind(enum.Enum):
+    """What maps a vision tower's features into the language model (read off the connector's ops)."""
+
+    LINEAR = "linear"
+    MLP = "mlp"
+    PATCH_MERGER = "patch-merger"  # k rows regrouped into one wider row, then projected (pixel shuffle too)
+    POOLING = "pooling"
+    RESAMPLER = "resampler"  # an attention inside the connector (learned queries: Perceiver resampler, Q-Former)
+    SOFT_TOKENS = "soft-tokens"  # a softmax over a projection, times a parameter table (Ovis' visual vocabulary)
+    VQ_TOKENS = "vq-tokens"  # the image becomes discrete token ids
+    NONE = "none"
+
+
+class Injection(enum.Enum):
+    """Where the image enters the language model."""
+
+    EMBEDDING_STREAM = "embedding-stream"  # image rows placed among the token embeddings
+    CROSS_ATTENTION = "cross-attention"
+    GATED_CROSS_ATTENTION = "gated-cross-attention"  # a tanh(parameter) gate on the cross-attention branch
+    TOKENS = "tokens"  # discrete ids, embedded by the language model's own table

@@ -13,17 +13,21 @@ is not known). Where the essay says otherwise, ``essay_differs`` quotes the essa
 
 from __future__ import annotations
 
+import enum
 import json
 from collections.abc import Callable, Iterable, Mapping
 from functools import cache
 from importlib import resources
 from typing import Any
 
-from ..vocabulary import Operator, PlacementKind, QKNormKind
+from ..vocabulary import EmbeddingScale, Operator
+from .design import DESIGN_FIELDS, SOFTCAP_FIELDS, UNCLEAR, VLM_TYPED, Unclear, allowed, parse_field, typed_design
 from .papers import PAPER_FIELDS, filter_papers, papers
 
 __all__ = [
     "CONNECTORS",
+    "DESIGN_FIELDS",
+    "MISSING",
     "MODEL_FIELDS",
     "OPERATORS",
     "PAPER_FIELDS",
@@ -31,13 +35,16 @@ __all__ = [
     "QK_NORMS",
     "SOURCES",
     "STATUSES",
+    "UNCLEAR",
     "VLM_FIELDS",
     "check",
     "essay_differences",
     "filter_models",
     "filter_papers",
+    "inspected_value",
     "models",
     "papers",
+    "typed_design",
     "validate_model",
 ]
 
@@ -49,39 +56,40 @@ MODEL_FIELDS = (
     "operator",
     "placement",
     "qk_norm",
+    "qk_norm_rope",
     "gain_convention",
+    "final_norm",
+    "attn_softcap",
+    "final_logit_softcap",
+    "embedding_scale",
     "residual",
     "vision_tower",
     "vision_tower_norm",
     "connector",
     "connector_norm",
     "hf_model_types",
+    "papers",
     "status",
     "source",
     "essay_differs",
     "notes",
 )
-UNCLEAR = "unclear"  # neither code nor paper within reach says
 # The design fields speak the design vocabulary (normatlas.vocabulary), spelled by each enum's value, plus
-# ``unclear``; a model-level operator the vocabulary has no site operator for (BatchNorm, whose statistics span
-# the batch; DiT's adaLN-Zero) and ``yes`` (a QK-norm whose kind the source does not give) are the only additions.
+# ``unclear`` (normatlas.atlas.design parses them); a model-level operator the vocabulary has no site operator for
+# (BatchNorm, whose statistics span the batch; DiT's adaLN-Zero) is the only addition (design.RecordOperator).
 # The operator is the norm on the activations: weights normalised in place (Weight Standardization in BiT and
 # NFNets) are recorded under ``residual``, beside the activation norm (BiT: GroupNorm; NFNets: none).
-_RECORD_OPERATORS = (Operator.LAYERNORM, Operator.RMSNORM, Operator.NONE, Operator.L2, Operator.GROUPNORM)
-OPERATORS = (*(o.value for o in _RECORD_OPERATORS), "batchnorm", "adaLN-Zero", UNCLEAR)
-PLACEMENTS = (*(p.value for p in PlacementKind if p not in (PlacementKind.UNKNOWN, PlacementKind.PRE_POST)), UNCLEAR)
-QK_NORMS = (*(q.value for q in QKNormKind if q is not QKNormKind.MIXED), "yes", UNCLEAR)
+OPERATORS = allowed("operator")
+PLACEMENTS = allowed("placement")
+QK_NORMS = allowed("qk_norm")
 STATUSES = ("essay", "code", "paper", UNCLEAR)
-_DESIGN = {"operator": OPERATORS, "placement": PLACEMENTS, "qk_norm": QK_NORMS}
-# A VLM row's connector: the kinds the inspector reads off the dataflow (normatlas.inspect.vlm.ConnectorKind's
-# values; tests/test_atlas_vlm.py keeps the two equal), plus the gated cross-attention of Flamingo-style models.
-CONNECTORS = (
-    "linear", "mlp", "patch-merger", "pooling", "resampler", "soft-tokens", "vq-tokens", "none",
-    "gated-cross-attention",
-)  # fmt: skip
-# The part fields, their allowed values (None: not a VLM / not applicable) and the inspected summary key
-# ``matrix --check`` compares them with (the tower's operator, the connector's kind and its first norm).
-VLM_FIELDS = {"vision_tower_norm": OPERATORS, "connector": CONNECTORS, "connector_norm": OPERATORS}
+_CORE = ("operator", "placement", "qk_norm")  # the fields ``status`` summarises
+# A VLM row's connector: the kinds the inspector reads off the dataflow (normatlas.vocabulary.ConnectorKind's
+# values), plus the gated cross-attention of Flamingo-style models (Injection.GATED_CROSS_ATTENTION).
+CONNECTORS = tuple(a for a in allowed("connector") if a != UNCLEAR)
+# The part fields and their allowed values (None: not a VLM); ``matrix --check`` compares them with the tower's
+# operator, the connector's kind and its first norm.
+VLM_FIELDS = {f: allowed(f) for f in VLM_TYPED}
 SOURCES = ("essay", "code:", "paper:")
 
 
@@ -91,21 +99,27 @@ def _load(name: str) -> list[dict[str, Any]]:
 
 
 def validate_model(rec: Mapping[str, Any]) -> None:
-    """Raise ``ValueError`` naming the record and field where a model record breaks the schema."""
+    """Raise ``ValueError`` naming the record and field where a model record breaks the schema: every design field
+    parses into its enum (the message names the field, the value and the allowed values)."""
     name = rec.get("name")
     if tuple(rec) != MODEL_FIELDS:
         raise ValueError(f"model {name!r}: fields are {tuple(rec)}, expected {MODEL_FIELDS}")
-    for field, allowed in _DESIGN.items():
-        if rec[field] not in allowed:
-            raise ValueError(f"model {name!r}: {field}={rec[field]!r} is not one of {', '.join(allowed)}")
-    for field, allowed in VLM_FIELDS.items():
-        if rec[field] is not None and rec[field] not in allowed:
-            raise ValueError(f"model {name!r}: {field}={rec[field]!r} is not None or one of {', '.join(allowed)}")
+    design = typed_design(rec)
+    if (design["connector"] is None) != (design["connector_norm"] is None):
+        raise ValueError(f"model {name!r}: connector and connector_norm are both set (an image-text model) or null")
+    if design["connector"] is not None and design["vision_tower_norm"] is None:
+        raise ValueError(f"model {name!r}: an image-text model's vision_tower_norm is set (or 'unclear')")
+    year = rec["year"]
+    if year is not None and not (isinstance(year, int) and 1990 <= year <= 2026):
+        raise ValueError(f"model {name!r}: year={year!r} must be an int between 1990 and 2026, or null")
+    keys = rec["papers"]
+    if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
+        raise ValueError(f"model {name!r}: papers={keys!r} must be a list of papers.json keys")
     source, differs = rec["source"], rec["essay_differs"]
     if not isinstance(source, str) or not source.startswith(SOURCES):
         raise ValueError(f"model {name!r}: source={source!r} must start with one of {', '.join(SOURCES)}")
-    _check_paper_keys(name, source)
-    unclear = UNCLEAR in (rec["operator"], rec["placement"], rec["qk_norm"])
+    _check_paper_keys(name, source, keys)
+    unclear = any(design[f] is Unclear.UNCLEAR for f in _CORE)
     want = (
         "unclear"
         if unclear
@@ -119,14 +133,17 @@ def validate_model(rec: Mapping[str, Any]) -> None:
         raise ValueError(f"model {name!r}: essay_differs is set, so source must name the code or the paper")
 
 
-def _check_paper_keys(name: object, source: str) -> None:
-    """Every ``paper:KEY`` in a source names a record of the bibliography."""
+def _check_paper_keys(name: object, source: str, keys: list[str]) -> None:
+    """Every ``paper:KEY`` in a source and every key of ``papers`` names a record of the bibliography."""
     import re
 
     known = {p["key"] for p in papers()}
     for key in re.findall(r"paper:\s*([a-z][a-z0-9_]*)", source):
         if key not in known:
             raise ValueError(f"model {name!r}: source cites paper:{key}, which is not a key of papers.json")
+    for key in keys:
+        if key not in known:
+            raise ValueError(f"model {name!r}: papers lists {key!r}, which is not a key of papers.json")
 
 
 @cache
@@ -171,7 +188,7 @@ def filter_models(
     for r in models():
         if family and family.lower() not in (r["family"] or "").lower():
             continue
-        if operator and (r["operator"] or "").lower() != operator:
+        if operator and r["operator"].lower() != operator:
             continue
         if placement and r["placement"] != placement:
             continue
@@ -184,33 +201,61 @@ def filter_models(
 
 def essay_differences() -> list[dict[str, Any]]:
     """Records whose design differs from what the essay says: name, the design, and the essay's claim."""
-    keys = ("name", "hf_model_types", "operator", "placement", "qk_norm", "essay_differs", "source")
+    keys = ("name", "hf_model_types", "operator", "placement", "qk_norm", "papers", "essay_differs", "source")
     return [{k: r[k] for k in keys} for r in models() if r["essay_differs"] is not None]
 
 
-def _same(field: str, curated: str, inspected: str) -> bool:
-    """Whether a record's value and an inspected summary's agree, compared as vocabulary members: a record's
-    ``layernorm`` covers the non-parametric LayerNorm, its ``yes`` any QK-norm kind."""
-    if field == "operator" and inspected == Operator.LAYERNORM_NONPARAM.value:
-        inspected = Operator.LAYERNORM.value
-    if field == "qk_norm" and curated == "yes":
-        return inspected not in (QKNormKind.NONE.value, UNCLEAR)
-    return curated == inspected
+def inspected_value(field: str, row: Mapping[str, Any]) -> Any:
+    """An inspected summary row's value for a record field, as the record's type: an enum member, a soft-cap as a
+    float or None, the embedding scale as :class:`EmbeddingScale` of the scale and the row's hidden size; the
+    ``MISSING`` sentinel where the row does not report the field."""
+    if field not in row:
+        return MISSING
+    value = row[field]
+    if field in SOFTCAP_FIELDS:
+        return None if value is None else float(value)
+    if field == "embedding_scale":
+        return EmbeddingScale.of(value, row.get("hidden_size"))
+    if value is None:
+        return MISSING
+    return parse_field(row.get("model"), field, value)
+
+
+MISSING = object()
+
+
+def _same(field: str, curated: Any, inspected: Any) -> bool:
+    """Whether a record's typed value and an inspected one agree: a record's ``layernorm`` operator covers the
+    non-parametric LayerNorm (OLMo's), a soft-cap agrees within 1e-6."""
+    if field == "operator" and inspected is Operator.LAYERNORM_NONPARAM:
+        inspected = Operator.LAYERNORM
+    if isinstance(curated, float) and isinstance(inspected, float):
+        return abs(curated - inspected) <= 1e-6 * max(1.0, abs(curated))
+    return bool(curated == inspected)
+
+
+def _word(value: Any) -> Any:
+    """A typed value as the data file spells it."""
+    if value is None:
+        return "none"
+    return value.value if isinstance(value, enum.Enum) else value
 
 
 def check(
     inspected: Callable[[str], Mapping[str, Any]] | Mapping[str, Mapping[str, Any]], include_agreements: bool = False
 ) -> list[dict[str, Any]]:
-    """Reconcile curated records with inspected dataflow summaries.
+    """Reconcile curated records with inspected dataflow summaries, field by typed field (:data:`DESIGN_FIELDS`).
 
     ``inspected`` maps a transformers model type to a summary row (as from
     :meth:`InspectionReport.summary_row` or the sweep), or is a function computing it.
     One row per (record, model type, field) that disagrees, or resolves an ``unclear``
     entry (plus agreements when asked); a model type that failed gives an ``error`` row.
+    A field the row does not report (a text model's connector) is not compared.
     """
     get = inspected if callable(inspected) else lambda mt: inspected.get(mt, {"error": "not inspected"})
     rows = []
     for rec in models():
+        design = typed_design(rec)
         for mt in rec["hf_model_types"]:
             try:
                 summ = dict(get(mt))
@@ -229,13 +274,16 @@ def check(
                     }
                 )
                 continue
-            for field in ("operator", "placement", "qk_norm", "gain_convention", *VLM_FIELDS):
-                cur, got = rec.get(field), summ.get(field)
-                if cur is None or got is None:
+            for field in DESIGN_FIELDS:
+                cur = design[field]
+                if field in VLM_TYPED and cur is None:
                     continue
-                if cur == "unclear":
+                got = inspected_value(field, summ)
+                if got is MISSING:
+                    continue
+                if cur is Unclear.UNCLEAR:
                     verdict = "resolves unclear"
-                elif _same(field, str(cur), str(got)):
+                elif _same(field, cur, got):
                     if not include_agreements:
                         continue
                     verdict = "agrees"
@@ -246,8 +294,8 @@ def check(
                         "model": rec["name"],
                         "hf_model_type": mt,
                         "field": field,
-                        "curated": cur,
-                        "inspected": got,
+                        "curated": _word(cur),
+                        "inspected": _word(got),
                         "verdict": verdict,
                         "source": rec["source"],
                     }

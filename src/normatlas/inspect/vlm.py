@@ -231,6 +231,7 @@ def inspect_vlm(
     second = vg.second_images(g, inputs, pixel, text_bits)
     learned = vg.learned(g, vg.side_inputs(g, inputs))
     conn_bits = vg.closure(g, vg.bits_of(entries)) & (image | learned) & ~before_tap & ~second
+    conn_bits &= ~vg.neck(g, gi, region, conn_bits)
     connector = vg.connector_info(g, gi, conn_bits, tap, entries, tokens)
     connector.taps = vg.taps(g, feeding, tap, conn_bits)
     report = VLMReport(

@@ -12,7 +12,9 @@ extent only, never their names):
   as the tower;
 * the **tap** (the tower's last stream value that reaches an entry) and the **taps** (every tower stream value the
   connector reads directly: VipLLaVA concatenates several layers);
-* the **connector**: what lies between the tap and the entries, its kind read off its ops;
+* the **connector**: what lies between the tap and the entries, its kind read off its ops, less the tower's
+  **neck**: where the tower region hands the rest only norm outputs (a convolution neck ending in a norm inside
+  the tower's own call, GOT-OCR 2.0's), what the region computes after the tap is the tower's, not the connector's;
 * **discrete tokens**: the entries reach ``pixel_values`` only through integer values (a VQ tokenizer's code ids,
   looked up in an embedding table): the image enters as tokens.
 """
@@ -20,7 +22,6 @@ extent only, never their names):
 from __future__ import annotations
 
 import contextlib
-import enum
 import math
 from dataclasses import dataclass, field
 
@@ -29,7 +30,7 @@ import torch
 from ..analysis.attention_calls import ATTENTION_CALLS
 from ..analysis.graph import Graph, Node
 from ..analysis.ops import PROJECTIONS, SHAPE_ONLY, SHAPES, SPLITS
-from ..vocabulary import Operator
+from ..vocabulary import ConnectorKind, Injection, Operator
 from .norms import Site, find_sites
 from .vision import _BATCH_STAT, VisionReport
 
@@ -40,28 +41,6 @@ _POOLS = frozenset(
     {"avg_pool1d", "avg_pool2d", "adaptive_avg_pool1d", "adaptive_avg_pool2d", "max_pool2d", "interpolate"}
 )
 _SCORE_STEPS = frozenset({"mul", "div", "truediv", "add", "sub"})  # a scale or a mask between q k^T and softmax
-
-
-class ConnectorKind(enum.Enum):
-    """What maps the tower's features into the language model (read off the connector's ops)."""
-
-    LINEAR = "linear"
-    MLP = "mlp"
-    PATCH_MERGER = "patch-merger"  # k rows regrouped into one wider row, then projected (pixel shuffle too)
-    POOLING = "pooling"
-    RESAMPLER = "resampler"  # an attention inside the connector (learned queries: Perceiver resampler, Q-Former)
-    SOFT_TOKENS = "soft-tokens"  # a softmax over a projection, times a parameter table (Ovis' visual vocabulary)
-    VQ_TOKENS = "vq-tokens"  # the image becomes discrete token ids
-    NONE = "none"
-
-
-class Injection(enum.Enum):
-    """Where the image enters the language model."""
-
-    EMBEDDING_STREAM = "embedding-stream"  # image rows placed among the token embeddings
-    CROSS_ATTENTION = "cross-attention"
-    GATED_CROSS_ATTENTION = "gated-cross-attention"  # a tanh(parameter) gate on the cross-attention branch
-    TOKENS = "tokens"  # discrete ids, embedded by the language model's own table
 
 
 @dataclass
@@ -318,6 +297,25 @@ def taps(g: Graph, feeding: list[int], last: int | None, bits: int) -> int:
 def batch_stat_norms(gv: Graph, image: int) -> int:
     """BatchNorm / InstanceNorm calls among the image part's nodes of ``gv``."""
     return sum(1 for n in gv.nodes if image >> n.idx & 1 and n.op in _BATCH_STAT)
+
+
+def neck(g: Graph, gi: Graph, region: int | None, bits: int) -> int:
+    """The nodes of ``bits`` (the connector) that belong to the tower: where every value the tower region hands to the
+    rest of ``bits`` is a norm's output (shape ops aside), the region's part of ``bits``; else 0. A tower whose call
+    ends in a norm has normalised its own output (GOT-OCR 2.0's conv neck); a region that ends in a projection
+    (Qwen2-VL's merger inside the visual call) hands on a connector's value and keeps it."""
+    from ..analysis.walk import strip
+
+    inner = bits & (region or 0)
+    if not inner:
+        return 0
+    outputs = {s.output for s in find_sites(gi)}
+    exits = [
+        n.idx
+        for n in g.nodes
+        if inner >> n.idx & 1 and any(bits >> u.idx & 1 and not inner >> u.idx & 1 for u in g.users(n.idx))
+    ]
+    return inner if exits and all(strip(g, e, SHAPE_ONLY) in outputs for e in exits) else 0
 
 
 # ----------------------------------------------------------------------------- the connector

@@ -18,6 +18,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
+from ..atlas import DESIGN_FIELDS as TYPED_FIELDS
 from ..atlas import MODEL_FIELDS, UNCLEAR, models
 from ..atlas.papers import PAPER_GROUPS, paper, paper_link, paper_row, papers
 from ..blocks import PRESETS, Placement, Sublayer
@@ -25,6 +26,7 @@ from ..experiments.runner import RESULT_FIELDS, load_result
 
 __all__ = [
     "DESIGN_FIELDS",
+    "FACET_FIELDS",
     "PROFILE_EXPERIMENTS",
     "experiments_view",
     "models_view",
@@ -35,16 +37,11 @@ __all__ = [
 
 #: the experiments whose per-depth series the Placements page draws beside each scheme
 PROFILE_EXPERIMENTS = ("variance-depth", "gradient-depth")
-#: the record fields that state a design choice, each given a provenance badge
-DESIGN_FIELDS = (
-    "operator",
-    "placement",
-    "qk_norm",
-    "gain_convention",
-    "residual",
-    "vision_tower_norm",
-    "connector_norm",
-)
+#: the record fields that state a design choice, each given a provenance badge: the typed fields
+#: (:data:`normatlas.atlas.DESIGN_FIELDS`) and the free-text residual
+DESIGN_FIELDS = (*TYPED_FIELDS, "residual")
+#: the fields a facet filters on: each value spelled once (the typed ones are enum values)
+FACET_FIELDS = ("family", "kind", *TYPED_FIELDS)
 _STATUS_BADGE = {"code": "code", "paper": "paper", "essay": "guide", UNCLEAR: "unclear"}
 _PAPER_SOURCE = re.compile(r"\bpaper:\s*([a-z0-9_]+)")
 _TRANSFORMERS_FILE = re.compile(r"transformers (models/[\w/]+\.py)")
@@ -86,14 +83,17 @@ def placements_view(experiments: Path | None) -> dict[str, Any]:
 
 
 def _provenance(rec: dict[str, Any]) -> dict[str, str | None]:
-    """Per design field: where its value comes from (``code`` / ``paper`` / ``guide`` / ``unclear``), None if unset."""
+    """Per design field: where its value comes from (``code`` / ``paper`` / ``guide`` / ``unclear``), None if unset.
+    A typed field of a record linked to transformers model types is ``code``: ``matrix --check`` compares every one
+    of them with the inspected code (tests/test_atlas_data.py keeps that at zero disagreements)."""
     badge = _STATUS_BADGE[rec["status"]]
     if badge == "guide" and "arxiv" in rec["source"].lower():
         badge = "paper"
     out: dict[str, str | None] = {}
     for f in DESIGN_FIELDS:
         value = rec[f]
-        out[f] = None if value is None else "unclear" if value == UNCLEAR else badge
+        checked = bool(rec["hf_model_types"]) and f in TYPED_FIELDS
+        out[f] = None if value is None else "unclear" if value == UNCLEAR else "code" if checked else badge
     return out
 
 
@@ -116,10 +116,7 @@ def models_view() -> dict[str, Any]:
         r | {"provenance": _provenance(r), "source_link": _source_link(r["source"])}
         for r in models()  # models() validates every record
     ]
-    facets = {
-        f: sorted({str(r[f]) for r in recs if r[f] is not None}) for f in ("family", "kind", "operator", "placement")
-    }
-    facets["qk_norm"] = sorted({str(r["qk_norm"]) for r in recs})
+    facets = {f: sorted({str(r[f]) for r in recs if r[f] is not None}) for f in FACET_FIELDS}
     return {"fields": list(MODEL_FIELDS), "design_fields": list(DESIGN_FIELDS), "facets": facets, "models": recs}
 
 
