@@ -203,8 +203,10 @@ def _fused_gate(g: Graph, core: Core, qs: list[Proj], outs: list[Proj]) -> int |
         t = g.tensors.get(u.idx)
         if (u.op not in SPLITS and u.op != "item_of") or t is None or t.numel() >= whole:
             continue
-        if not g.feeds(q.output, u.idx) or g.feeds(core.node, u.idx) or _feeds(g, u.idx, core.q):
+        if not g.feeds(q.output, u.idx) or g.feeds(core.node, u.idx):
             continue
+        if any(_feeds(g, u.idx, x) for x in (core.q, core.k, core.v, core.node) if x >= 0):
+            continue  # a piece the core reads (fused q / k / v), not a gate around it
         if _feeds(g, u.idx, o.input):
             return u.idx
     return None
