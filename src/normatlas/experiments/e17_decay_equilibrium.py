@@ -22,6 +22,7 @@ and no decay. Four runs: A (eta 0.1, lambda 1e-2) and B (eta 1, lambda 1e-3) sha
 
 from __future__ import annotations
 
+import itertools
 import math
 import statistics as st
 from typing import Any
@@ -67,7 +68,7 @@ class ByteMLP(nn.Module):
         super().__init__()
         self.emb = nn.Embedding(256, emb)
         dims = [context * emb] + [width] * depth
-        self.lins = nn.ModuleList(nn.Linear(a, b, bias=False) for a, b in zip(dims[:-1], dims[1:], strict=True))
+        self.lins = nn.ModuleList(nn.Linear(a, b, bias=False) for a, b in itertools.pairwise(dims))
         self.norms = nn.ModuleList(LayerNorm(width, elementwise_affine=False) for _ in range(depth))
         self.head = nn.Linear(width, 256)
 
