@@ -78,6 +78,10 @@ class ByteMLP(nn.Module):
             h = torch.relu(norm(lin(h)))
         return self.head(h)
 
+    def weights(self) -> list[Tensor]:
+        """The normalised Linears' weights (the scale-invariant ones)."""
+        return [lin.weight for lin in self.lins if isinstance(lin, nn.Linear)]
+
 
 def train(ctx: RunContext, eta: float, lam: float, sizes: dict[str, int]) -> dict[str, Any]:
     """SGD for ``sizes['steps']`` steps; per step and normalised layer: ||W|| and the angle W turned (radians);
@@ -94,7 +98,7 @@ def train(ctx: RunContext, eta: float, lam: float, sizes: dict[str, int]) -> dic
     losses: list[float] = []
     for step in range(sizes["steps"]):
         x, y = data.train(sizes["batch"], sizes["context"])
-        before = [lin.weight.detach().clone() for lin in net.lins]
+        before = [w.detach().clone() for w in net.weights()]
         loss = F.cross_entropy(net(x), y[:, -1])
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -103,8 +107,8 @@ def train(ctx: RunContext, eta: float, lam: float, sizes: dict[str, int]) -> dic
         losses.append(value)
         if not math.isfinite(value):
             break
-        for i, (w0, lin) in enumerate(zip(before, net.lins, strict=True)):
-            w1 = lin.weight.detach()
+        for i, (w0, w) in enumerate(zip(before, net.weights(), strict=True)):
+            w1 = w.detach()
             cos = float((w0 * w1).sum() / (w0.norm() * w1.norm()))
             angles[i].append(math.acos(max(-1.0, min(1.0, cos))))
             norms[i].append(float(w1.norm()))
