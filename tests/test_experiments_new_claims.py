@@ -21,6 +21,7 @@ from normatlas.experiments.e15_olmo2_ablation import CELLS, cell, spikes
 from normatlas.experiments.e16_massive_activations import BOS, BosBatches, intervene
 from normatlas.experiments.e17_decay_equilibrium import RUNS, ByteMLP, theory_angle
 from normatlas.experiments.lm import evaluate_lm, tiny_lm
+from normatlas.experiments.verdict import Untested
 from normatlas.presets import LayerNorm, RMSNorm
 
 from .experiment_runs import quick_run
@@ -87,9 +88,14 @@ def test_e16_quick_run_measures_the_interventions() -> None:
     m, stats = run.record["measured"], run.outcome.statistics
     assert 0 <= m["peak_block"] < len(m["max_over_median_per_block"])
     assert stats["max_over_median"] == pytest.approx(max(m["max_over_median_per_block"]))
-    assert stats["sink_grad_growth"] == pytest.approx(m["grad_norm_bos_top_set_to_mean"] / m["grad_norm_bos"])
     zero, rand, base = m["loss_top_zeroed"], m["loss_random_zeroed_mean"], m["held_out_loss"]
-    assert stats["loss_zero_top_minus_random"] == pytest.approx((zero - base) - (rand - base))
+    if m["bos_max_over_median_per_block"][m["peak_block"]] > 100:
+        assert stats["sink_grad_growth"] == pytest.approx(m["grad_norm_bos_top_set_to_mean"] / m["grad_norm_bos"])
+        assert stats["loss_zero_top_minus_random"] == pytest.approx((zero - base) - (rand - base))
+    else:  # nothing massive on the BOS token: the removal clauses are untested, their numbers still measured
+        for key in ("sink_grad_growth", "loss_zero_top_minus_random"):
+            assert isinstance(stats[key], Untested) and "no massive activation" in stats[key].why
+    assert m["grad_norm_bos_top_set_to_mean"] > 0 and math.isfinite(zero - rand)
     assert len(m["loss_random_zeroed"]) == 8 and len(m["bos_top_channels"]) == 2
     assert all(0.0 <= s <= 1.0 for s in m["sink_share_per_layer"])
 
