@@ -30,7 +30,7 @@ EXIT_NOTHING_TO_CHANGE = 3
 
 
 def _command() -> str:
-    return "normatlas " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    return "normatlas " + " ".join(shlex.quote(a) for a in sys.argv[1:]).replace("\n", "\\n")
 
 
 def _write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
@@ -91,8 +91,8 @@ def lens(args: argparse.Namespace) -> int:
             reading = read_model(model, prompts[0])
         except NoHead as exc:
             raise CliError(
-                f"{args.checkpoint}: {type(model).__name__} has no LM or MLM head ({exc}); the lens decodes each "
-                "layer through the model's own final norm and head: use a checkpoint with a head "
+                f"{args.checkpoint}: {type(model).__name__} has no LM or MLM head: its first output is its residual "
+                "stream itself, so there is no head to decode a layer's stream through; use a checkpoint with a head "
                 "(*ForCausalLM, *ForMaskedLM)"
             ) from exc
     sections, notes = [], []

@@ -11,6 +11,7 @@ vocabulary). The summary adds the anisotropy of the table, ``||mean row|| / mean
 from __future__ import annotations
 
 import os
+import textwrap
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,9 +56,11 @@ def scan_embeddings(
     *,
     z: float = 4.0,
     extremes: int = 5,
+    max_listed: int = 20,
 ) -> EmbeddingScan:
     """Scan the token table of ``model``. ``sample_ids``: token ids of a text sample (their counts are shown);
-    ``z``: the |robust z| above which a row is an outlier; ``extremes``: the largest and smallest rows listed."""
+    ``z``: the |robust z| above which a row is an outlier; ``extremes``: the largest and smallest rows listed; the outliers are listed too when there are at most
+    ``max_listed`` of them on a side (the summary counts them all)."""
     if z <= 0:
         raise ValueError(f"z={z} must be > 0")
     probe = torch.arange(min(8, int(getattr(getattr(model, "config", None), "vocab_size", 8) or 8)))[None]
@@ -72,7 +75,9 @@ def scan_embeddings(
     high = [int(i) for i in torch.nonzero(zs > z).flatten()]
     low = [int(i) for i in torch.nonzero(zs < -z).flatten()]
     order = torch.argsort(norms, descending=True)
-    listed = list(dict.fromkeys([*order[:extremes].tolist(), *order[-extremes:].tolist(), *specials, *high, *low]))
+    ends = [*order[:extremes].tolist(), *order[len(order) - extremes :].tolist()] if extremes else []
+    flagged = [*(high if len(high) <= max_listed else []), *(low if len(low) <= max_listed else [])]
+    listed = list(dict.fromkeys([*ends, *specials, *flagged]))
     rows = []
     for i in sorted(listed, key=lambda i: -float(norms[i])):
         rows.append(
@@ -131,9 +136,9 @@ def embedding_figure(scan: EmbeddingScan, path: str | os.PathLike[str], title: s
     ax.set_xlabel("token rank by embedding norm")
     ax.set_ylabel("||embedding row|| (L2)")
     ax.legend(fontsize=8)
-    fig.suptitle(title, fontsize=9)
+    fig.suptitle("\n".join(textwrap.wrap(title, 90)), fontsize=9)
     if caption:
-        fig.text(0.01, 0.005, caption, fontsize=6.5, va="bottom")
+        fig.text(0.01, 0.005, "\n".join(textwrap.wrap(caption, 160)), fontsize=6.5, va="bottom")
     fig.tight_layout(rect=(0, 0.05 if caption else 0, 1, 0.95))
     fig.savefig(os.fspath(path), dpi=110)
     plt.close(fig)

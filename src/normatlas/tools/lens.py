@@ -14,6 +14,7 @@ for layer ``l`` (the norm's gain becomes ``g_l * w``), fitted to minimise the sa
 from __future__ import annotations
 
 import os
+import textwrap
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,11 +29,13 @@ __all__ = ["LensResult", "TunedFit", "fit_tuned_gains", "lens_figure", "logit_le
 
 
 def token_text(tokenizer: Any, i: int) -> str:
-    """One token as readable text (control characters escaped)."""
+    """One token as readable text (control characters escaped, a space as an open box)."""
     if tokenizer is None:
         return str(i)
     s = tokenizer.decode([i])
-    return repr(s)[1:-1] if s else f"<{i}>"
+    if s == "\ufffd":  # one byte of a multi-byte character
+        return f"<{i}>"
+    return repr(s)[1:-1].replace(" ", "\u2423") if s else f"<{i}>"  # a space shows as an open box
 
 
 @dataclass
@@ -204,17 +207,24 @@ def lens_figure(result: LensResult, path: str | os.PathLike[str], caption: str =
     ax.set_ylabel("layer (0 = embeddings)")
     fig.colorbar(im, ax=ax, label="log10 KL(final || layer), nats")
     ax2 = fig.add_subplot(grid[1])
-    layers = [r["layer"] for r in result.rows]
-    ax2.plot(layers, [max(r["kl_mean"], 1e-6) for r in result.rows], "o-", label="KL, lens (mean over positions)")
+    layers = [r["layer"] for r in result.rows][:-1]  # the final layer's KL to itself is 0
+    ax2.plot(layers, [r["kl_mean"] for r in result.rows][:-1], "o-", color="tab:blue", label="KL, lens")
     if result.tuned:
-        ax2.plot(layers, [max(r["kl_mean_tuned"], 1e-6) for r in result.rows], "s--", label="KL, tuned gain")
-    ax2.plot(layers, [r["answer_rank"] + 1 for r in result.rows], "^:", label=f"rank+1 of {result.answer!r}, lens")
-    if result.tuned:
-        ax2.plot(layers, [r["answer_rank_tuned"] + 1 for r in result.rows], "v:", label="rank+1, tuned gain")
+        ax2.plot(layers, [r["kl_mean_tuned"] for r in result.rows][:-1], "s--", color="tab:orange", label="KL, tuned")
     ax2.set_yscale("log")
     ax2.set_xlabel("layer (0 = embeddings)")
-    ax2.set_ylabel("KL (nats) / rank + 1")
-    ax2.legend(fontsize=7)
+    ax2.set_ylabel("KL(final || layer), nats, mean over positions")
+    ax3 = ax2.twinx()
+    every = [r["layer"] for r in result.rows]
+    ax3.plot(every, [r["answer_rank"] + 1 for r in result.rows], "^:", color="tab:green", label="answer rank+1, lens")
+    if result.tuned:
+        ax3.plot(every, [r["answer_rank_tuned"] + 1 for r in result.rows], "v:", color="tab:red",
+                 label="answer rank+1, tuned")  # fmt: skip
+    ax3.set_yscale("log")
+    ax3.set_ylabel(f"rank of {result.answer!r} at the last position, + 1")
+    h2, l2 = ax2.get_legend_handles_labels()
+    h3, l3 = ax3.get_legend_handles_labels()
+    ax2.legend(h2 + h3, l2 + l3, fontsize=7)
     first = _first_settled(result)
     fig.suptitle(
         f"{result.model}: decoded through its own final norm, the stream names the answer {result.answer!r} "
@@ -222,7 +232,7 @@ def lens_figure(result: LensResult, path: str | os.PathLike[str], caption: str =
         fontsize=9,
     )
     if caption:
-        fig.text(0.01, 0.005, caption, fontsize=6.5, va="bottom")
+        fig.text(0.01, 0.005, "\n".join(textwrap.wrap(caption, 160)), fontsize=6.5, va="bottom")
     fig.tight_layout(rect=(0, 0.04 if caption else 0, 1, 0.95))
     fig.savefig(os.fspath(path), dpi=110)
     plt.close(fig)

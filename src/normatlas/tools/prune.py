@@ -19,6 +19,7 @@ from __future__ import annotations
 import copy
 import math
 import os
+import textwrap
 from collections.abc import Sequence
 from typing import Any
 
@@ -205,16 +206,16 @@ def prune_figure(
     ax.set_ylabel("angular distance arccos(cos)/pi")
     ax2 = ax.twinx()
     ax2.plot(layers, [r["ratio"] for r in scores], "ko-", label="||x_out - x_in|| / ||x_in||")
-    ax2.set_ylabel("update-to-stream ratio")
-    ax2.set_ylim(bottom=0)
+    ax2.set_ylabel("update-to-stream ratio (log)")
+    ax2.set_yscale("log")
     lines = ax.get_legend_handles_labels()
     more = ax2.get_legend_handles_labels()
     ax.legend(lines[0] + more[0], lines[1] + more[1], fontsize=8, loc="upper center")
     ax.set_xticks(layers)
-    fig.suptitle(title, fontsize=9)
+    fig.suptitle("\n".join(textwrap.wrap(title, 90)), fontsize=9)
     if caption:
-        fig.text(0.01, 0.005, caption, fontsize=6.5, va="bottom")
-    fig.tight_layout(rect=(0, 0.05 if caption else 0, 1, 0.95))
+        fig.text(0.01, 0.005, "\n".join(textwrap.wrap(caption, 140)), fontsize=6.5, va="bottom")
+    fig.tight_layout(rect=(0, 0.06 if caption else 0, 1, 0.92))
     fig.savefig(os.fspath(path), dpi=110)
     plt.close(fig)
     return path
