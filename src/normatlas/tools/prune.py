@@ -136,12 +136,14 @@ def prune_surgery(
     model's dtype (``inputs``: the probe inputs)."""
     pruned, changed = prune(model, reading, drop)
     by_layer = {r["layer"]: r for r in scores}
-    surgery = Surgery("prune", pruned, config_updates={"num_hidden_layers": len(reading.layers) - len(drop)})
+    surgery = Surgery("prune", pruned)
+    if drop:  # pruning nothing changes nothing: a surgery with no change is never written
+        surgery.config_updates["num_hidden_layers"] = len(reading.layers) - len(drop)
+        surgery.notes += [f"config {c}" for c in changed]
     for i in drop:
         r = by_layer.get(i, {})
         detail = ", ".join(f"{k} {r[k]:.4g}" for k in SCORES if k in r)
         surgery.changes.append(Change(f"layer {i} ({reading.layers[i].module})", "dropped", detail))
-    surgery.notes += [f"config {c}" for c in changed]
     surgery.notes.append(
         "pruning changes the model's function: the proof compares it with the original whose dropped layers pass "
         "their stream through unchanged (verify against the original measures what the pruning costs)"
