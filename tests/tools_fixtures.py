@@ -26,11 +26,11 @@ def tool_model(model_type: str, layers: int = 4, dtype: torch.dtype = torch.floa
     cfg = tiny_config(model_type, **depth, **overrides)
     torch.manual_seed(0)
     if model_type == "bert":
-        model = transformers.BertForMaskedLM(cfg) if head else transformers.BertModel(cfg)
+        model: torch.nn.Module = transformers.BertForMaskedLM(cfg) if head else transformers.BertModel(cfg)
     else:
         model = transformers.AutoModelForCausalLM.from_config(cfg)
     randomise_(model, 0.3, vectors_only=True, generator=torch.Generator().manual_seed(1))
-    return model.to(dtype).eval()
+    return torch.nn.Module.to(model, dtype).eval()
 
 
 @pytest.fixture(scope="session")

@@ -112,9 +112,8 @@ def lens(args: argparse.Namespace) -> int:
         with progress.phase(f"fitting one gain per layer on {fit_ids.numel()} held-out tokens"):
             fit = fit_tuned_gains(model, reading, fit_ids, eval_ids, steps=args.tuned_steps, seed=args.seed)
         gains = fit.gains
-        rows = [
-            {"layer": i, "kl_lens": b, "kl_tuned": a} for i, (b, a) in enumerate(zip(fit.kl_before, fit.kl_after))
-        ]
+        pairs = enumerate(zip(fit.kl_before, fit.kl_after, strict=True))
+        rows = [{"layer": i, "kl_lens": b, "kl_tuned": a} for i, (b, a) in pairs]
         title = (
             f"tuned gain: mean KL(final || layer) on {fit.eval_tokens} other held-out tokens "
             f"(fit on {fit.fit_tokens}, {fit.steps} steps)"
@@ -128,7 +127,7 @@ def lens(args: argparse.Namespace) -> int:
         if args.figures:
             folder = Path(args.figures)
             caption = f"{_command()}  (seed {args.seed})"
-            png = _figure(folder / f"lens_{i}.png", lambda path, res=res: lens_figure(res, path, caption))
+            png = _figure(folder / f"lens_{i}.png", lambda path, res=res, cap=caption: lens_figure(res, path, cap))
             _write_csv(folder / f"lens_{i}.csv", res.rows)
             notes.append(f"wrote {png} and {png.with_suffix('.csv')}")
     emit(sections, args.format, meta=meta, notes=notes)
@@ -184,10 +183,11 @@ def prune(args: argparse.Namespace) -> int:
         pruned_reading = read_model(surgery.stock, eval_ids[:1], head=False) if drop else reading
         after = quality(surgery.stock, pruned_reading, eval_ids, reference=before.get("pooled"))
     meta.update(measure=before["measure"], before=before["value"], after=after["value"])
-    sections.append(
-        Section("quality", [{"model": "original", "value": before["value"]}, {"model": f"-{len(drop)} layers",
-                "value": after["value"]}], f"{before['measure']} on {eval_ids.numel()} held-out tokens")  # fmt: skip
-    )
+    compared = [
+        {"model": "original", "value": before["value"]},
+        {"model": f"-{len(drop)} layers", "value": after["value"]},
+    ]
+    sections.append(Section("quality", compared, f"{before['measure']} on {eval_ids.numel()} held-out tokens"))
     if args.figure:
         png = Path(args.figure)
         title = (

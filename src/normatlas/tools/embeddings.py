@@ -59,8 +59,8 @@ def scan_embeddings(
     max_listed: int = 20,
 ) -> EmbeddingScan:
     """Scan the token table of ``model``. ``sample_ids``: token ids of a text sample (their counts are shown);
-    ``z``: the |robust z| above which a row is an outlier; ``extremes``: the largest and smallest rows listed; the outliers are listed too when there are at most
-    ``max_listed`` of them on a side (the summary counts them all)."""
+    ``z``: the |robust z| above which a row is an outlier; ``extremes``: the largest and smallest rows listed; the
+    outliers are listed too when there are at most ``max_listed`` of them on a side (the summary counts them all)."""
     if z <= 0:
         raise ValueError(f"z={z} must be > 0")
     probe = torch.arange(min(8, int(getattr(getattr(model, "config", None), "vocab_size", 8) or 8)))[None]

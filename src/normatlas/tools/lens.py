@@ -228,7 +228,9 @@ def lens_figure(result: LensResult, path: str | os.PathLike[str], caption: str =
     first = _first_settled(result)
     fig.suptitle(
         f"{result.model}: decoded through its own final norm, the stream names the answer {result.answer!r} "
-        f"from layer {first} on" if first is not None else f"{result.model}: the logit lens through the final norm",
+        f"from layer {first} on"
+        if first is not None
+        else f"{result.model}: the logit lens through the final norm",
         fontsize=9,
     )
     if caption:
@@ -243,10 +245,7 @@ def _first_settled(result: LensResult) -> int | None:
     """The first layer from which the answer stays the top-1 at the last position."""
     first = None
     for r in result.rows:
-        if r["answer_rank"] == 0:
-            first = r["layer"] if first is None else first
-        else:
-            first = None
+        first = (r["layer"] if first is None else first) if r["answer_rank"] == 0 else None
     return first
 
 
@@ -256,4 +255,3 @@ def windows(ids: Sequence[int], seq: int, count: int, offset: int = 0) -> Tensor
     if n < 1:
         raise ValueError(f"{len(ids) - offset} tokens cannot make one window of {seq}")
     return torch.tensor(list(ids[offset : offset + n * seq]), dtype=torch.long).view(n, seq)
-

@@ -188,7 +188,11 @@ def quality(model: nn.Module, reading: Reading, ids: Tensor, reference: Tensor |
         model(**model_inputs(model, ids))
         pooled = streams[-1].double().mean(1)
     value = 1.0 if reference is None else float(F.cosine_similarity(pooled, reference, dim=-1).mean())
-    return {"measure": "cosine of the mean-pooled last stream to the unpruned model's", "value": value, "pooled": pooled}
+    return {
+        "measure": "cosine of the mean-pooled last stream to the unpruned model's",
+        "value": value,
+        "pooled": pooled,
+    }
 
 
 def prune_figure(
@@ -221,4 +225,3 @@ def prune_figure(
     fig.savefig(os.fspath(path), dpi=110)
     plt.close(fig)
     return path
-

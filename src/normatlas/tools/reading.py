@@ -142,7 +142,7 @@ def _layers(g: Graph, subs: Sequence[Any]) -> list[Layer]:
         output = end.post[-1].output if end.post else end.adds[-1]
         path = _layer_module(g, [a for sub in group for a in sub.adds])
         span = spans.get(path) if path is not None else None
-        if span is None:
+        if path is None or span is None:
             raise ToolError(f"layer {i} does not run inside one element of a layer list (nn.ModuleList)")
         arg = next((k for k, n in enumerate(span.inputs) if _same(g, n, source)), None)
         out = next((k for k, n in enumerate(span.outputs) if _same(g, n, output)), None)

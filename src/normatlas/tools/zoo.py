@@ -25,8 +25,8 @@ from torch import Tensor
 __all__ = [
     "CORPUS_BYTES",
     "ByteLlama",
-    "byte_tokenizer",
     "byte_llama_config",
+    "byte_tokenizer",
     "heldout_bytes",
     "train_byte_llama",
     "train_bytes",
