@@ -171,7 +171,7 @@ def test_the_embedding_scan_finds_the_table_from_the_dataflow() -> None:
     ref = model.get_input_embeddings().weight.detach().norm(dim=-1)
     torch.testing.assert_close(scan.norms.double(), ref, rtol=1e-6, atol=0)
     assert scan.summary["high_outliers"] == 1 and scan.rows[0]["id"] == 7 and scan.rows[0]["flag"] == "high outlier"
-    assert scan.rows[0]["count"] == 1 and scan.summary["unseen_in_sample"] == model.config.vocab_size - 3
+    assert scan.rows[0]["in_sample"] == 1 and scan.summary["unseen_in_sample"] == model.config.vocab_size - 3
 
 
 def test_cli_embeddings_on_minilm_flags_its_special_tokens(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

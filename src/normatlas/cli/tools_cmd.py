@@ -144,13 +144,26 @@ def configure_prune(p: argparse.ArgumentParser) -> None:
     p.add_argument("--force", action="store_true", help="replace OUTPUT when it holds an earlier normatlas output")
     p.add_argument("--figure", metavar="PNG", help="write the scores-by-depth figure (and a CSV beside it)")
     p.add_argument("--windows", type=positive_int, default=32, help="held-out windows the loss is measured on")
+    p.add_argument(
+        "--sweep", action="store_true", help="also measure the loss with each layer alone skipped (checks the score)"
+    )
     add_format_option(p)
     p.epilog = __doc__.split("\n\n")[-1] if __doc__ else None
 
 
 def prune(args: argparse.Namespace) -> int:
     from ..surgery import NothingToChange, probe_inputs, save_surgery
-    from ..tools import choose, heldout_ids, layer_scores, prune_figure, prune_surgery, quality, read_model, windows
+    from ..tools import (
+        choose,
+        heldout_ids,
+        layer_scores,
+        prune_figure,
+        prune_surgery,
+        quality,
+        read_model,
+        skipping,
+        windows,
+    )
     from .surgery import _prepare
 
     removed = _prepare(args)
@@ -183,6 +196,13 @@ def prune(args: argparse.Namespace) -> int:
         pruned_reading = read_model(surgery.stock, eval_ids[:1], head=False) if drop else reading
         after = quality(surgery.stock, pruned_reading, eval_ids, reference=before.get("pooled"))
     meta.update(measure=before["measure"], before=before["value"], after=after["value"])
+    if args.sweep:
+        for row in progress.steps(rows, "measuring each layer alone skipped", label=lambda r: f"layer {r['layer']}"):
+            remove = skipping(model, reading, [row["layer"]])
+            try:
+                row["without_it"] = quality(model, reading, eval_ids, reference=before.get("pooled"))["value"]
+            finally:
+                remove()
     compared = [
         {"model": "original", "value": before["value"]},
         {"model": f"-{len(drop)} layers", "value": after["value"]},
@@ -195,7 +215,8 @@ def prune(args: argparse.Namespace) -> int:
             f"({', '.join(map(str, drop)) or 'none'}) moves the {before['measure'].split(' (')[0]} "
             f"from {before['value']:.4g} to {after['value']:.4g}"
         )
-        _figure(png, lambda path: prune_figure(scores, drop, path, title, _command()))
+        measured = (before["measure"], before["value"], [r["without_it"] for r in rows]) if args.sweep else None
+        _figure(png, lambda path: prune_figure(scores, drop, path, title, _command(), measured))
         _write_csv(png.with_suffix(".csv"), rows)
         notes.append(f"wrote {png} and {png.with_suffix('.csv')}")
     sections.append(Section("changes", surgery.rows(), "prune: what changed"))
@@ -242,8 +263,8 @@ def embeddings(args: argparse.Namespace) -> int:
     if args.figure:
         png = Path(args.figure)
         title = (
-            f"{type(model).__name__}: {s['high_outliers']} rows above and {s['low_outliers']} below the table's norm "
-            f"(median {s['norm_median']:.3g}, |robust z| > {s['z_threshold']:g}) of {s['vocab']}"
+            f"{type(model).__name__}: {s['high_outliers']} rows above and {s['low_outliers']} below the table's "
+            f"typical norm (median {s['norm_median']:.3g}, |robust z| > {s['z_threshold']:g}) of {s['vocab']}"
         )
         _figure(png, lambda path: embedding_figure(scan, path, title, _command()))
         _write_csv(png.with_suffix(".csv"), [{"id": i, "norm": float(n)} for i, n in enumerate(scan.norms)])

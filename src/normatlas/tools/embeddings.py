@@ -88,7 +88,7 @@ def scan_embeddings(
                 "z": float(zs[i]),
                 "flag": "high outlier" if i in high else "low outlier" if i in low else "",
                 "special": i in specials,
-                "count": int(counts[i]) if counts is not None and i < len(counts) else None,
+                "in_sample": int(counts[i]) if counts is not None and i < len(counts) else None,
             }
         )
     unseen = int((counts[: len(norms)] == 0).sum()) if counts is not None else None

@@ -196,16 +196,24 @@ def quality(model: nn.Module, reading: Reading, ids: Tensor, reference: Tensor |
 
 
 def prune_figure(
-    scores: Sequence[dict[str, Any]], drop: Sequence[int], path: str | os.PathLike[str], title: str, caption: str = ""
+    scores: Sequence[dict[str, Any]],
+    drop: Sequence[int],
+    path: str | os.PathLike[str],
+    title: str,
+    caption: str = "",
+    measured: tuple[str, float, Sequence[float]] | None = None,
 ) -> Any:
-    """Angular distance (bars; the dropped layers in red) and update-to-stream ratio (line) by depth."""
+    """Angular distance (bars; the dropped layers in red) and update-to-stream ratio (line) by depth; with
+    ``measured`` = (what, the unpruned value, the value with each layer alone skipped), a second panel of those."""
     import matplotlib
 
     matplotlib.use("Agg", force=False)
     import matplotlib.pyplot as plt
 
     layers = [r["layer"] for r in scores]
-    fig, ax = plt.subplots(figsize=(max(6.0, 0.5 * len(layers) + 3), 4.0))
+    rows = 2 if measured is not None else 1
+    fig, axes = plt.subplots(rows, 1, figsize=(max(6.0, 0.5 * len(layers) + 3), 3.6 * rows), squeeze=False)
+    ax = axes[0, 0]
     colors = ["tab:red" if i in set(drop) else "tab:blue" for i in layers]
     ax.bar(layers, [r["angle"] for r in scores], color=colors, label="angular distance in -> out (red: dropped)")
     ax.set_xlabel("layer")
@@ -218,10 +226,20 @@ def prune_figure(
     more = ax2.get_legend_handles_labels()
     ax.legend(lines[0] + more[0], lines[1] + more[1], fontsize=8, loc="upper center")
     ax.set_xticks(layers)
+    if measured is not None:
+        what, base, values = measured
+        mx = axes[1, 0]
+        mx.bar(layers, list(values), color=colors, label="this layer alone skipped")
+        mx.axhline(base, color="gray", ls=":", label=f"unpruned ({base:.4g})")
+        mx.set_ylim(min(min(values), base) * 0.95, max(max(values), base) * 1.02)
+        mx.set_xlabel("layer")
+        mx.set_ylabel("\n".join(textwrap.wrap(what, 34)))
+        mx.set_xticks(layers)
+        mx.legend(fontsize=8)
     fig.suptitle("\n".join(textwrap.wrap(title, 90)), fontsize=9)
     if caption:
         fig.text(0.01, 0.005, "\n".join(textwrap.wrap(caption, 140)), fontsize=6.5, va="bottom")
-    fig.tight_layout(rect=(0, 0.06 if caption else 0, 1, 0.92))
+    fig.tight_layout(rect=(0, 0.04 if caption else 0, 1, 0.94))
     fig.savefig(os.fspath(path), dpi=110)
     plt.close(fig)
     return path
