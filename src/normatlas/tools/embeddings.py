@@ -126,10 +126,11 @@ def embedding_figure(scan: EmbeddingScan, path: str | os.PathLike[str], title: s
     rank[order] = torch.arange(len(order))
     fig, ax = plt.subplots(figsize=(7.5, 3.8))
     ax.plot(range(len(order)), scan.norms[order].numpy(), lw=1, label="row norm, sorted")
+    out = torch.nonzero(scan.z.abs() > scan.summary["z_threshold"]).flatten()
+    ax.plot(rank[out].numpy(), scan.norms[out].numpy(), "o", color="tab:red", ms=3)
     for r in scan.rows:
-        if r["flag"] or r["special"]:
-            color = "tab:red" if r["flag"] else "tab:green"
-            ax.plot(int(rank[r["id"]]), r["norm"], "o", color=color, ms=4)
+        if r["special"]:
+            ax.plot(int(rank[r["id"]]), r["norm"], "o", color="tab:green", ms=4)
     ax.plot([], [], "o", color="tab:red", label=f"outlier (|robust z| > {scan.summary['z_threshold']:g})")
     ax.plot([], [], "o", color="tab:green", label="special token")
     ax.axhline(scan.summary["norm_median"], color="gray", ls=":", label="median")
