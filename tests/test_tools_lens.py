@@ -1,5 +1,6 @@
 """The logit lens through the final norm: exact at the last layer, equal to an independent float64 decoding at every
-layer, the tuned gain fitted on held-out text, encoders without a head refused by name, the CLI as a user types it."""
+layer, the tuned gain fitted on held-out text, encoders without a head refused by name, the reading unmoved by lying
+module names, the CLI as a user types it."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from normatlas.tools import (
     capture_stream,
     fit_tuned_gains,
     heldout_ids,
+    layer_scores,
     load,
     logit_lens,
     model_inputs,
@@ -171,3 +173,24 @@ def test_cli_lens_refuses_minilm_by_name(capsys: pytest.CaptureFixture[str]) -> 
     assert main(["lens", str(minilm_dir()), "--text", "The capital of France is"]) == 2
     err = capsys.readouterr().err
     assert "BertModel has no LM or MLM head" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gemma2"])
+def test_the_reading_survives_lying_module_names(model_type: str) -> None:
+    """Every module and parameter renamed, half of them to names that lie (``lm_head``, ``norm``, ``q_proj`` ...):
+    the lens finds the same final norm, tail and layers, and prints the same rows."""
+    import random
+
+    from .renamer import renamed
+    from .test_rename_invariance import lying_scheme
+
+    model = tool_model(model_type)
+    twin = renamed(model, lying_scheme(random.Random(f"tools-{model_type}"), root=model))
+    a, b = read_model(model, IDS), read_model(twin, IDS)
+    assert b.tail != a.tail and len(b.tail) == len(a.tail) == 2 and b.norm_at == a.norm_at == 0
+    assert len(b.layers) == len(a.layers) and b.softcap == a.softcap
+    with torch.no_grad(), capture_stream(twin, b) as streams:
+        twin(**model_inputs(twin, IDS))
+        assert torch.equal(b.decode(twin, streams[-1]), _logits(model, IDS))
+    assert logit_lens(twin, IDS, reading=b).rows == logit_lens(model, IDS, reading=a).rows
+    assert layer_scores(twin, b, IDS) == layer_scores(model, a, IDS)  # the pruning scores too
