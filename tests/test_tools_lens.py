@@ -59,6 +59,7 @@ def test_gemma2s_final_softcap_is_read_and_applied() -> None:
     model = tool_model("gemma2")
     reading = read_model(model, IDS)
     assert reading.softcap == model.config.final_logit_softcapping
+    assert reading.norm_at is not None
     assert reading.tail[reading.norm_at] == "model.norm"  # the path is a label; it was found from the dataflow
 
 

@@ -8,6 +8,7 @@ import hashlib
 import json
 import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -88,7 +89,8 @@ def test_the_pruned_model_is_the_original_with_those_layers_skipped_in_float64(m
     torch.testing.assert_close(_out(pruned, x), ref, rtol=1e-13, atol=1e-13)
     assert not torch.allclose(_out(model, x), ref)  # the skipped layers did something
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())  # the input model is untouched
-    assert pruned.config.num_hidden_layers == 2 and model.config.num_hidden_layers == 4
+    cfg: Any = pruned.config
+    assert cfg.num_hidden_layers == 2 and model.config.num_hidden_layers == 4
     surgery = prune_surgery(model, reading, drop, x)
     assert surgery.passed and [c.dtype for c in surgery.checks] == ["float64", "float64"]
     assert [c.target.split(" (")[0] for c in surgery.changes] == ["layer 1", "layer 2"]
@@ -99,7 +101,8 @@ def test_per_layer_config_lists_follow_the_kept_layers() -> None:
                                               "full_attention"])  # fmt: skip
     reading = read_model(model, IDS)
     pruned, changed = prune(model, reading, [0, 3])
-    assert pruned.config.layer_types == ["full_attention", "sliding_attention"]
+    cfg: Any = pruned.config
+    assert cfg.layer_types == ["full_attention", "sliding_attention"]
     assert any(c.startswith("layer_types") for c in changed)
 
 
