@@ -188,3 +188,18 @@ def test_cli_embeddings_on_minilm_flags_its_special_tokens(tmp_path: Path, capsy
     assert summary["vocab"] == 30522 and summary["width"] == 384 and summary["specials"] == 5
     assert {r["token"] for r in doc["tokens"] if r["special"]} == {"[CLS]", "[SEP]", "[PAD]", "[UNK]", "[MASK]"}
     assert fig.stat().st_size > 10_000
+
+
+def test_a_tokenizer_that_does_not_belong_to_the_model_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from normatlas.tools import byte_tokenizer
+
+    ckpt = tmp_path / "vocab64"
+    tool_model("llama").save_pretrained(ckpt)  # vocabulary 64
+    byte_tokenizer().save_pretrained(ckpt)  # ids up to 255
+    assert main(["prune", str(ckpt), str(tmp_path / "out"), "--drop", "1"]) == 2
+    assert main(["lens", str(ckpt), "--text", "hello"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("does not belong to its model") == 2 and "Traceback" not in err
+    assert not (tmp_path / "out").exists()

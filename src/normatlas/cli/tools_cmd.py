@@ -79,13 +79,15 @@ def configure_lens(p: argparse.ArgumentParser) -> None:
 
 
 def lens(args: argparse.Namespace) -> int:
-    from ..tools import NoHead, fit_tuned_gains, heldout_ids, lens_figure, logit_lens, read_model, windows
+    from ..tools import NoHead, check_ids, fit_tuned_gains, heldout_ids, lens_figure, logit_lens, read_model, windows
 
     for t in args.text:
         if not t.strip():
             raise CliError(f"--text must hold text, got {t!r}")
     model, tok = _load(args.checkpoint)
     prompts = [tok(t, return_tensors="pt")["input_ids"] for t in args.text]
+    for t, ids in zip(args.text, prompts, strict=True):
+        check_ids(model, ids, f"--text {t!r}")
     with progress.phase("reading the final norm and the head from the dataflow"):
         try:
             reading = read_model(model, prompts[0])
@@ -107,6 +109,7 @@ def lens(args: argparse.Namespace) -> int:
     gains = None
     if args.tuned:
         ids = heldout_ids(tok)
+        check_ids(model, ids, "the held-out text")
         seq = _window_len(model)
         fit_ids, eval_ids = windows(ids, seq, 16), windows(ids, seq, 16, offset=16 * seq)
         with progress.phase(f"fitting one gain per layer on {fit_ids.numel()} held-out tokens"):
@@ -154,6 +157,7 @@ def configure_prune(p: argparse.ArgumentParser) -> None:
 def prune(args: argparse.Namespace) -> int:
     from ..surgery import NothingToChange, probe_inputs, save_surgery
     from ..tools import (
+        check_ids,
         choose,
         heldout_ids,
         layer_scores,
@@ -169,6 +173,7 @@ def prune(args: argparse.Namespace) -> int:
     removed = _prepare(args)
     model, tok = _load(args.checkpoint)
     ids = heldout_ids(tok)
+    check_ids(model, ids, "the held-out text")
     seq = _window_len(model)
     score_ids = windows(ids, seq, 8)
     eval_ids = windows(ids, seq, args.windows, offset=8 * seq)

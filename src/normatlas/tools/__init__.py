@@ -29,6 +29,7 @@ __all__ = [
     "TunedFit",
     "byte_tokenizer",
     "capture_stream",
+    "check_ids",
     "choose",
     "embedding_figure",
     "fit_tuned_gains",
@@ -75,6 +76,17 @@ def load(path: str | Path) -> tuple[Any, Any]:
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
         raise ValueError(f"cannot load the tokenizer in {root} ({type(exc).__name__}: {first})") from exc
     return model, tokenizer
+
+
+def check_ids(model: Any, ids: Any, what: str) -> None:
+    """Refuse token ids the model's vocabulary does not have (a tokenizer that does not belong to the model)."""
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    top = max((int(i) for i in (ids.flatten().tolist() if hasattr(ids, "flatten") else ids)), default=-1)
+    if isinstance(vocab, int) and top >= vocab:
+        raise ValueError(
+            f"{what} has token id {top}, but the model's vocabulary has {vocab} entries: the folder's tokenizer "
+            "does not belong to its model"
+        )
 
 
 def heldout_ids(tokenizer: Any) -> list[int]:
