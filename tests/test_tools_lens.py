@@ -195,3 +195,18 @@ def test_the_reading_survives_lying_module_names(model_type: str) -> None:
         assert torch.equal(b.decode(twin, streams[-1]), _logits(model, IDS))
     assert logit_lens(twin, IDS, reading=b).rows == logit_lens(model, IDS, reading=a).rows
     assert layer_scores(twin, b, IDS) == layer_scores(model, a, IDS)  # the pruning scores too
+
+
+def test_cli_zoo_trains_and_saves_a_loadable_byte_llama(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = tmp_path / "zoo"
+    argv = ["zoo", "byte-llama", str(out), "--steps", "3", "--layers", "1", "--width", "16", "--format", "json"]
+    assert main(argv) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["spec"]["layers"] == 1 and math.isfinite(doc["trained"][0]["heldout_loss"])
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert type(model).__name__ == "LlamaForCausalLM" and model.config.vocab_size == 256
+    assert AutoTokenizer.from_pretrained(out)("é")["input_ids"] == [195, 169]
+    assert main(argv) == 2  # the folder is no longer empty: never overwritten
+    assert "not an empty folder" in capsys.readouterr().err
