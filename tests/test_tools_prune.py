@@ -16,8 +16,10 @@ import torch
 from normatlas.cli import main
 from normatlas.surgery import probe_inputs
 from normatlas.tools import (
+    block_scores,
     capture_stream,
     choose,
+    choose_block,
     layer_scores,
     model_inputs,
     prune,
@@ -58,6 +60,13 @@ def test_scores_match_a_float64_reference() -> None:
         assert row["angle"] == pytest.approx(float((torch.arccos(cos) / math.pi).mean()), rel=1e-9)
         assert row["ratio"] == pytest.approx(float(((y - x).norm(dim=-1) / x.norm(dim=-1)).mean()), rel=1e-9)
         assert 0 <= row["angle"] <= 1
+    blocks = block_scores(model, reading, IDS, 2)
+    for b in blocks:  # the angle across two consecutive layers
+        x, y = stream[b["start"]], stream[b["start"] + 2]
+        cos = (x * y).sum(-1) / (x.norm(dim=-1) * y.norm(dim=-1))
+        assert b["angle"] == pytest.approx(float((torch.arccos(cos) / math.pi).mean()), rel=1e-9)
+    assert [b["layers"] for b in blocks] == [[0, 1], [1, 2], [2, 3]]
+    assert choose_block(blocks) == min(blocks, key=lambda b: b["angle"])["layers"]
     drop = choose(scores, 2)
     assert drop == sorted(sorted(range(4), key=lambda i: scores[i]["angle"])[:2])
     with pytest.raises(ValueError, match="leave at least one"):

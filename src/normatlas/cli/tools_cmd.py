@@ -142,7 +142,12 @@ def configure_prune(p: argparse.ArgumentParser) -> None:
     p.add_argument("checkpoint", help="folder with config.json, *.safetensors and tokenizer files")
     p.add_argument("output", nargs="?", help="new folder to write (omit with --dry-run)")
     p.add_argument("--drop", type=nonnegative_int, required=True, help="how many layers to drop (0: score only)")
-    p.add_argument("--by", type=one_of(("angle", "ratio")), default="angle", help="the score ranking (default angle)")
+    p.add_argument(
+        "--by",
+        type=one_of(("angle", "ratio", "block")),
+        default="angle",
+        help="angle / ratio: drop the K lowest layers; block: the K consecutive layers the stream turns least across",
+    )
     p.add_argument("--dry-run", action="store_true", help="score, prune and prove in memory; write nothing")
     p.add_argument("--force", action="store_true", help="replace OUTPUT when it holds an earlier normatlas output")
     p.add_argument("--figure", metavar="PNG", help="write the scores-by-depth figure (and a CSV beside it)")
@@ -157,8 +162,10 @@ def configure_prune(p: argparse.ArgumentParser) -> None:
 def prune(args: argparse.Namespace) -> int:
     from ..surgery import NothingToChange, probe_inputs, save_surgery
     from ..tools import (
+        block_scores,
         check_ids,
         choose,
+        choose_block,
         heldout_ids,
         layer_scores,
         prune_figure,
@@ -182,7 +189,8 @@ def prune(args: argparse.Namespace) -> int:
         scores = layer_scores(model, reading, score_ids)
     if args.drop >= len(scores):
         raise CliError(f"--drop {args.drop} would leave no layer of the {len(scores)}")
-    drop = choose(scores, args.drop, args.by)
+    blocks = block_scores(model, reading, score_ids, args.drop) if args.by == "block" and args.drop else []
+    drop = choose_block(blocks) if blocks else choose(scores, args.drop, "angle" if args.by == "block" else args.by)
     rows = [dict(r, dropped=r["layer"] in drop) for r in scores]
     meta: dict[str, Any] = {
         "model": type(model).__name__,
@@ -192,7 +200,11 @@ def prune(args: argparse.Namespace) -> int:
         "drop": drop,
         "score_tokens": score_ids.numel(),
     }
-    sections = [Section("scores", rows, f"layer scores on {score_ids.numel()} held-out tokens ({args.by} ranks)")]
+    rule = "the block table below decides" if blocks else f"{args.by} ranks"
+    sections = [Section("scores", rows, f"layer scores on {score_ids.numel()} held-out tokens ({rule})")]
+    if blocks:
+        brows = [{"layers": " ".join(map(str, b["layers"])), "angle": b["angle"]} for b in blocks]
+        sections.append(Section("blocks", brows, f"angle across each block of {args.drop} consecutive layers"))
     notes = list(removed)
     with progress.phase("pruning and proving (against the original with the dropped layers skipped)"):
         surgery = prune_surgery(model, reading, drop, probe_inputs(model), scores=scores)
@@ -216,7 +228,8 @@ def prune(args: argparse.Namespace) -> int:
     if args.figure:
         png = Path(args.figure)
         title = (
-            f"{type(model).__name__}: dropping the {len(drop)} layers that turn the stream least "
+            f"{type(model).__name__}: dropping the {len(drop)} {'consecutive ' if blocks else ''}layers that turn "
+            "the stream least "
             f"({', '.join(map(str, drop)) or 'none'}) moves the {before['measure'].split(' (')[0]} "
             f"from {before['value']:.4g} to {after['value']:.4g}"
         )

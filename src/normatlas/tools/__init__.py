@@ -14,7 +14,17 @@ from typing import Any
 
 from .embeddings import EmbeddingScan, embedding_figure, scan_embeddings, token_table
 from .lens import LensResult, TunedFit, fit_tuned_gains, lens_figure, logit_lens, windows
-from .prune import choose, is_causal, layer_scores, prune, prune_figure, prune_surgery, quality
+from .prune import (
+    block_scores,
+    choose,
+    choose_block,
+    is_causal,
+    layer_scores,
+    prune,
+    prune_figure,
+    prune_surgery,
+    quality,
+)
 from .reading import Layer, NoHead, Reading, ToolError, capture_stream, model_inputs, read_model, skipping
 from .zoo import ByteLlama, byte_tokenizer, heldout_bytes, train_byte_llama
 
@@ -27,10 +37,12 @@ __all__ = [
     "Reading",
     "ToolError",
     "TunedFit",
+    "block_scores",
     "byte_tokenizer",
     "capture_stream",
     "check_ids",
     "choose",
+    "choose_block",
     "embedding_figure",
     "fit_tuned_gains",
     "heldout_bytes",

@@ -5,7 +5,9 @@ vector: its block is close to the identity. :func:`layer_scores` measures that p
 
 * **angle**: the angular distance between the stream entering the layer and leaving it,
   ``arccos(cos(x_in, x_out)) / pi`` (0: the layer does not turn the stream; Gromov et al., 2024), mean over tokens;
-* **ratio**: the update-to-stream ratio ``||x_out - x_in|| / ||x_in||`` (the branch's size against the stream's).
+* **ratio**: the update-to-stream ratio ``||x_out - x_in|| / ||x_in||`` (the branch's size against the stream's);
+* **block** (:func:`block_scores`): the angle across ``k`` consecutive layers, to drop the one block that turns the
+  stream least (Gromov et al.'s rule; layers that stand in for each other are not scored one at a time).
 
 :func:`prune` drops the ``k`` layers with the lowest score: the model is rebuilt from its own config with the
 depth (and every per-layer list of the config) shortened and the surviving layers' weights renumbered. Its proof
@@ -32,7 +34,18 @@ from ..surgery.report import Change, Surgery
 from ..surgery.verify import Tolerance, compare, model_dtype
 from .reading import Reading, ToolError, capture_stream, model_inputs, skipping
 
-__all__ = ["SCORES", "choose", "is_causal", "layer_scores", "prune", "prune_figure", "prune_surgery", "quality"]
+__all__ = [
+    "SCORES",
+    "block_scores",
+    "choose",
+    "choose_block",
+    "is_causal",
+    "layer_scores",
+    "prune",
+    "prune_figure",
+    "prune_surgery",
+    "quality",
+]
 
 SCORES = ("angle", "ratio")
 
@@ -57,6 +70,29 @@ def layer_scores(model: nn.Module, reading: Reading, ids: Tensor) -> list[dict[s
             }
         )
     return rows
+
+
+@torch.no_grad()
+def block_scores(model: nn.Module, reading: Reading, ids: Tensor, k: int) -> list[dict[str, Any]]:
+    """Per block of ``k`` consecutive layers: the angular distance between the stream entering its first layer and
+    leaving its last (Gromov et al., 2024, who drop the block with the smallest), mean over tokens."""
+    n = len(reading.layers)
+    if not 1 <= k < n:
+        raise ValueError(f"k={k} must be >= 1 and leave at least one of the {n} layers")
+    with capture_stream(model, reading) as streams:
+        model(**model_inputs(model, ids))
+        hs = [h.double() for h in streams]
+    rows = []
+    for start in range(n - k + 1):
+        cos = F.cosine_similarity(hs[start], hs[start + k], dim=-1).clamp(-1, 1)
+        rows.append({"start": start, "layers": list(range(start, start + k)),
+                     "angle": float((torch.arccos(cos) / math.pi).mean())})  # fmt: skip
+    return rows
+
+
+def choose_block(blocks: Sequence[dict[str, Any]]) -> list[int]:
+    """The layers of the block with the smallest angular distance (the first such block on a tie)."""
+    return list(min(blocks, key=lambda b: (b["angle"], b["start"]))["layers"])
 
 
 def choose(scores: Sequence[dict[str, Any]], k: int, by: str = "angle") -> list[int]:
