@@ -210,3 +210,13 @@ def test_cli_zoo_trains_and_saves_a_loadable_byte_llama(tmp_path: Path, capsys: 
     assert AutoTokenizer.from_pretrained(out)("é")["input_ids"] == [195, 169]
     assert main(argv) == 2  # the folder is no longer empty: never overwritten
     assert "not an empty folder" in capsys.readouterr().err
+
+
+def test_layers_that_share_one_module_are_refused() -> None:
+    """ALBERT runs one layer module at every depth: no layer can be read or hooked alone."""
+    import transformers
+
+    cfg = transformers.AlbertConfig(vocab_size=64, embedding_size=16, hidden_size=32, num_hidden_layers=3,
+                                    num_attention_heads=4, intermediate_size=64)  # fmt: skip
+    with pytest.raises(ToolError):
+        read_model(transformers.AlbertForMaskedLM(cfg).eval(), IDS)

@@ -149,6 +149,8 @@ def _layers(g: Graph, subs: Sequence[Any]) -> list[Layer]:
         if arg is None or out is None:
             raise ToolError(f"layer {i} ({path}) does not take the stream as an input and return it as an output")
         layers.append(Layer(i, path, source, output, arg, out))
+    if len({layer.module for layer in layers}) != len(layers):
+        raise ToolError("several layers run one module (weights shared across depth): a layer cannot be hooked alone")
     return layers
 
 
