@@ -16,7 +16,7 @@ LAYER = {
     "longtail": 2, "blocks": 2,
     "analysis": 3,
     "inspect": 4, "surgery": 4, "diagnostics": 4, "checkpoint": 4,
-    "distributed": 5, "experiments": 5, "port": 5,
+    "distributed": 5, "experiments": 5, "port": 5, "tools": 5,
     "atlas": 6, "data": 6,
     "cli": 7, "web": 7, "__init__": 7, "__main__": 7,
 }  # fmt: skip

@@ -1,0 +1,318 @@
+"""``normatlas lens``, ``normatlas prune``, ``normatlas embeddings`` and ``normatlas zoo``: the practitioner tools
+(:mod:`normatlas.tools`) on a checkpoint folder (config.json, safetensors, tokenizer files).
+
+Real text is the Python standard library's own sources: the held-out tail of the zoo corpus
+(:func:`normatlas.tools.heldout_bytes`), which no zoo model was trained on. Figures are written with matplotlib's
+Agg backend, each beside a CSV of its series.
+
+Exit codes (prune, as the surgery commands): 0 written (or, with --dry-run, verified); 1 the proof failed, nothing
+written; 2 refused (an argument, the input or the output location), nothing written; 3 nothing to change (--drop 0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import os
+import shlex
+import sys
+from pathlib import Path
+from typing import Any
+
+from . import CliError, nonnegative_int, one_of, positive_float, positive_int
+from . import _progress as progress
+from ._format import Section, add_format_option, emit, write_text_atomic
+
+SEQ = 128  # tokens per window of held-out text
+EXIT_VERIFY_FAILED = 1
+EXIT_NOTHING_TO_CHANGE = 3
+
+
+def _command() -> str:
+    return "normatlas " + " ".join(shlex.quote(a) for a in sys.argv[1:]).replace("\n", "\\n")
+
+
+def _write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
+    buf = io.StringIO()
+    cols = list(dict.fromkeys(k for r in rows for k in r))
+    w = csv.DictWriter(buf, cols)
+    w.writeheader()
+    w.writerows(rows)
+    write_text_atomic(path, buf.getvalue())
+
+
+def _figure(path: Path, draw: Any) -> Path:
+    """Draw to a temporary file beside ``path``, renamed into place."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp.png")
+    try:
+        draw(tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
+
+
+def _load(path: str) -> tuple[Any, Any]:
+    from ..tools import load
+
+    with progress.phase(f"loading {path}"):
+        return load(path)
+
+
+def _window_len(model: Any) -> int:
+    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    return min(SEQ, int(limit)) if isinstance(limit, int) and limit > 1 else SEQ
+
+
+# ----------------------------------------------------------------------------- lens
+def configure_lens(p: argparse.ArgumentParser) -> None:
+    p.add_argument("checkpoint", help="folder with config.json, *.safetensors and tokenizer files")
+    p.add_argument("--text", action="append", required=True, help="a prompt to run (repeatable)")
+    p.add_argument("--k", type=positive_int, default=5, help="top-k tokens per layer (default 5)")
+    p.add_argument("--tuned", action="store_true", help="also refit the final norm's gain per layer on held-out text")
+    p.add_argument("--tuned-steps", type=positive_int, default=200, help="Adam steps of the tuned fit (default 200)")
+    p.add_argument("--figures", metavar="DIR", help="write lens_<i>.png and lens_<i>.csv per prompt into DIR")
+    p.add_argument("--seed", type=int, default=0, help="seed of the tuned fit")
+    add_format_option(p)
+
+
+def lens(args: argparse.Namespace) -> int:
+    from ..tools import NoHead, check_ids, fit_tuned_gains, heldout_ids, lens_figure, logit_lens, read_model, windows
+
+    for t in args.text:
+        if not t.strip():
+            raise CliError(f"--text must hold text, got {t!r}")
+    model, tok = _load(args.checkpoint)
+    prompts = [tok(t, return_tensors="pt")["input_ids"] for t in args.text]
+    for t, ids in zip(args.text, prompts, strict=True):
+        check_ids(model, ids, f"--text {t!r}")
+    with progress.phase("reading the final norm and the head from the dataflow"):
+        try:
+            reading = read_model(model, prompts[0])
+        except NoHead as exc:
+            raise CliError(
+                f"{args.checkpoint}: {type(model).__name__} has no LM or MLM head: its first output is its residual "
+                "stream itself, so there is no head to decode a layer's stream through; use a checkpoint with a head "
+                "(*ForCausalLM, *ForMaskedLM)"
+            ) from exc
+    sections, notes = [], []
+    meta: dict[str, Any] = {
+        "model": type(model).__name__,
+        "checkpoint": args.checkpoint,
+        "layers": len(reading.layers),
+        "final_norm": reading.tail[reading.norm_at] if reading.norm_at is not None else None,
+        "tail": " -> ".join(reading.tail),
+        "logit_softcap": reading.softcap,
+    }
+    gains = None
+    if args.tuned:
+        ids = heldout_ids(tok)
+        check_ids(model, ids, "the held-out text")
+        seq = _window_len(model)
+        fit_ids, eval_ids = windows(ids, seq, 16), windows(ids, seq, 16, offset=16 * seq)
+        with progress.phase(f"fitting one gain per layer on {fit_ids.numel()} held-out tokens"):
+            fit = fit_tuned_gains(model, reading, fit_ids, eval_ids, steps=args.tuned_steps, seed=args.seed)
+        gains = fit.gains
+        pairs = enumerate(zip(fit.kl_before, fit.kl_after, strict=True))
+        rows = [{"layer": i, "kl_lens": b, "kl_tuned": a} for i, (b, a) in pairs]
+        title = (
+            f"tuned gain: mean KL(final || layer) on {fit.eval_tokens} other held-out tokens "
+            f"(fit on {fit.fit_tokens}, {fit.steps} steps)"
+        )
+        sections.append(Section("tuned_fit", rows, title))
+    for i, (text, ids) in enumerate(zip(args.text, prompts, strict=True)):
+        with progress.phase(f"prompt {i + 1}/{len(prompts)}"):
+            res = logit_lens(model, ids, tok, k=args.k, reading=reading, gains=gains, name=type(model).__name__)
+        title = f"prompt {i}: {text!r} -> final answer {res.answer!r} (KL in nats; rank 0 = top)"
+        sections.append(Section(f"prompt_{i}", res.rows, title))
+        if args.figures:
+            folder = Path(args.figures)
+            caption = f"{_command()}  (seed {args.seed})"
+            png = _figure(folder / f"lens_{i}.png", lambda path, res=res, cap=caption: lens_figure(res, path, cap))
+            _write_csv(folder / f"lens_{i}.csv", res.rows)
+            notes.append(f"wrote {png} and {png.with_suffix('.csv')}")
+    emit(sections, args.format, meta=meta, notes=notes)
+    return 0
+
+
+# ----------------------------------------------------------------------------- prune
+def configure_prune(p: argparse.ArgumentParser) -> None:
+    p.add_argument("checkpoint", help="folder with config.json, *.safetensors and tokenizer files")
+    p.add_argument("output", nargs="?", help="new folder to write (omit with --dry-run)")
+    p.add_argument("--drop", type=nonnegative_int, required=True, help="how many layers to drop (0: score only)")
+    p.add_argument(
+        "--by",
+        type=one_of(("angle", "ratio", "block")),
+        default="angle",
+        help="angle / ratio: drop the K lowest layers; block: the K consecutive layers the stream turns least across",
+    )
+    p.add_argument("--dry-run", action="store_true", help="score, prune and prove in memory; write nothing")
+    p.add_argument("--force", action="store_true", help="replace OUTPUT when it holds an earlier normatlas output")
+    p.add_argument("--figure", metavar="PNG", help="write the scores-by-depth figure (and a CSV beside it)")
+    p.add_argument("--windows", type=positive_int, default=32, help="held-out windows the loss is measured on")
+    p.add_argument(
+        "--sweep", action="store_true", help="also measure the loss with each layer alone skipped (checks the score)"
+    )
+    add_format_option(p)
+    p.epilog = __doc__.split("\n\n")[-1] if __doc__ else None
+
+
+def prune(args: argparse.Namespace) -> int:
+    from ..surgery import NothingToChange, probe_inputs, save_surgery
+    from ..tools import (
+        block_scores,
+        check_ids,
+        choose,
+        choose_block,
+        heldout_ids,
+        layer_scores,
+        prune_figure,
+        prune_surgery,
+        quality,
+        read_model,
+        skipping,
+        windows,
+    )
+    from .surgery import _prepare
+
+    removed = _prepare(args)
+    model, tok = _load(args.checkpoint)
+    ids = heldout_ids(tok)
+    check_ids(model, ids, "the held-out text")
+    seq = _window_len(model)
+    score_ids = windows(ids, seq, 8)
+    eval_ids = windows(ids, seq, args.windows, offset=8 * seq)
+    with progress.phase("reading the layers from the dataflow and scoring them"):
+        reading = read_model(model, score_ids[:1], head=False)
+        scores = layer_scores(model, reading, score_ids)
+    if args.drop >= len(scores):
+        raise CliError(f"--drop {args.drop} would leave no layer of the {len(scores)}")
+    blocks = block_scores(model, reading, score_ids, args.drop) if args.by == "block" and args.drop else []
+    drop = choose_block(blocks) if blocks else choose(scores, args.drop, "angle" if args.by == "block" else args.by)
+    rows = [dict(r, dropped=r["layer"] in drop) for r in scores]
+    meta: dict[str, Any] = {
+        "model": type(model).__name__,
+        "checkpoint": args.checkpoint,
+        "layers": len(scores),
+        "by": args.by,
+        "drop": drop,
+        "score_tokens": score_ids.numel(),
+    }
+    rule = "the block table below decides" if blocks else f"{args.by} ranks"
+    sections = [Section("scores", rows, f"layer scores on {score_ids.numel()} held-out tokens ({rule})")]
+    if blocks:
+        brows = [{"layers": " ".join(map(str, b["layers"])), "angle": b["angle"]} for b in blocks]
+        sections.append(Section("blocks", brows, f"angle across each block of {args.drop} consecutive layers"))
+    notes = list(removed)
+    with progress.phase("pruning and proving (against the original with the dropped layers skipped)"):
+        surgery = prune_surgery(model, reading, drop, probe_inputs(model), scores=scores)
+    with progress.phase(f"measuring on {eval_ids.numel()} other held-out tokens"):
+        before = quality(model, reading, eval_ids)
+        pruned_reading = read_model(surgery.stock, eval_ids[:1], head=False) if drop else reading
+        after = quality(surgery.stock, pruned_reading, eval_ids, reference=before.get("pooled"))
+    meta.update(measure=before["measure"], before=before["value"], after=after["value"])
+    if args.sweep:
+        for row in progress.steps(rows, "measuring each layer alone skipped", label=lambda r: f"layer {r['layer']}"):
+            remove = skipping(model, reading, [row["layer"]])
+            try:
+                row["without_it"] = quality(model, reading, eval_ids, reference=before.get("pooled"))["value"]
+            finally:
+                remove()
+    compared = [
+        {"model": "original", "value": before["value"]},
+        {"model": f"-{len(drop)} layers", "value": after["value"]},
+    ]
+    sections.append(Section("quality", compared, f"{before['measure']} on {eval_ids.numel()} held-out tokens"))
+    if args.figure:
+        png = Path(args.figure)
+        title = (
+            f"{type(model).__name__}: dropping the {len(drop)} {'consecutive ' if blocks else ''}layers that turn "
+            "the stream least "
+            f"({', '.join(map(str, drop)) or 'none'}) moves the {before['measure'].split(' (')[0]} "
+            f"from {before['value']:.4g} to {after['value']:.4g}"
+        )
+        measured = (before["measure"], before["value"], [r["without_it"] for r in rows]) if args.sweep else None
+        _figure(png, lambda path: prune_figure(scores, drop, path, title, _command(), measured))
+        _write_csv(png.with_suffix(".csv"), rows)
+        notes.append(f"wrote {png} and {png.with_suffix('.csv')}")
+    sections.append(Section("changes", surgery.rows(), "prune: what changed"))
+    if not surgery.changed:
+        notes.append("nothing to change: --drop 0 scores the layers only; nothing written (exit 3)")
+        emit(sections, args.format, meta=dict(meta, result="nothing to change", written=False), notes=notes)
+        return EXIT_NOTHING_TO_CHANGE
+    sections.append(Section("checks", surgery.check_rows(), "proof: pruned vs the original with those layers skipped"))
+    notes = [*surgery.notes, *notes]
+    if args.dry_run or not surgery.passed:
+        if not surgery.passed:
+            notes.append("not written: the proof failed")
+        emit(sections, args.format, meta=dict(meta, result="verified" if surgery.passed else "failed"), notes=notes)
+        return 0 if surgery.passed else EXIT_VERIFY_FAILED
+    try:
+        with progress.phase(f"writing {args.output} (and reading it back)"):
+            path = save_surgery(surgery, args.output, force=args.force, source=args.checkpoint, force_hint="--force")
+    except NothingToChange as exc:  # pragma: no cover - changed was checked above
+        raise CliError(str(exc)) from exc
+    except OSError as exc:
+        raise CliError(str(exc)) from exc
+    notes.append(f"wrote {path}: safetensors, config.json, the input's other files; read back and compared")
+    emit(sections, args.format, meta=dict(meta, result="written", written=True, output=str(path)), notes=notes)
+    return 0
+
+
+# ----------------------------------------------------------------------------- embeddings
+def configure_embeddings(p: argparse.ArgumentParser) -> None:
+    p.add_argument("checkpoint", help="folder with config.json, *.safetensors and tokenizer files")
+    p.add_argument("--z", type=positive_float, default=4.0, help="|robust z| above which a row is flagged (4)")
+    p.add_argument("--extremes", type=nonnegative_int, default=5, help="largest and smallest rows listed (5)")
+    p.add_argument("--figure", metavar="PNG", help="write the sorted-norms figure (and a CSV beside it)")
+    add_format_option(p)
+
+
+def embeddings(args: argparse.Namespace) -> int:
+    from ..tools import embedding_figure, heldout_ids, scan_embeddings
+
+    model, tok = _load(args.checkpoint)
+    with progress.phase("finding the token table from the dataflow and scanning it"):
+        scan = scan_embeddings(model, tok, heldout_ids(tok), z=args.z, extremes=args.extremes)
+    s = scan.summary
+    notes = []
+    if args.figure:
+        png = Path(args.figure)
+        title = (
+            f"{type(model).__name__}: {s['high_outliers']} rows above and {s['low_outliers']} below the table's "
+            f"typical norm (median {s['norm_median']:.3g}, |robust z| > {s['z_threshold']:g}) of {s['vocab']}"
+        )
+        _figure(png, lambda path: embedding_figure(scan, path, title, _command()))
+        _write_csv(png.with_suffix(".csv"), [{"id": i, "norm": float(n)} for i, n in enumerate(scan.norms)])
+        notes.append(f"wrote {png} and {png.with_suffix('.csv')}")
+    sections = [
+        Section("summary", [s], f"token table {scan.name}: {s['vocab']} x {s['width']}"),
+        Section("tokens", scan.rows, "the largest and smallest rows, the outliers and the special tokens"),
+    ]
+    emit(sections, args.format, meta={"model": type(model).__name__, "checkpoint": args.checkpoint}, notes=notes)
+    return 0
+
+
+# ----------------------------------------------------------------------------- zoo
+def configure_zoo(p: argparse.ArgumentParser) -> None:
+    p.add_argument("what", type=one_of(("byte-llama",)), help="byte-llama: a LlamaForCausalLM over bytes")
+    p.add_argument("output", help="new folder to save the checkpoint in")
+    p.add_argument("--steps", type=positive_int, default=400, help="training steps (default 400)")
+    p.add_argument("--layers", type=positive_int, default=6, help="layers (default 6)")
+    p.add_argument("--width", type=positive_int, default=128, help="hidden size (default 128)")
+    p.add_argument("--seed", type=int, default=0, help="seed (default 0)")
+    add_format_option(p)
+
+
+def zoo(args: argparse.Namespace) -> int:
+    from ..tools.zoo import ByteLlama, train_byte_llama
+
+    spec = ByteLlama(hidden_size=args.width, layers=args.layers, intermediate_size=3 * args.width, steps=args.steps,
+                     seed=args.seed)  # fmt: skip
+    with progress.phase(f"training a byte Llama ({args.layers} x {args.width}) on standard-library sources") as ph:
+        record = train_byte_llama(args.output, spec, progress=ph.update)
+    row = {k: v for k, v in record.items() if k != "spec"}
+    emit([Section("trained", [row], f"saved {args.output}")], args.format, meta={"spec": record["spec"]})
+    return 0

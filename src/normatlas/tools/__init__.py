@@ -1,0 +1,114 @@
+"""Practitioner tools on real checkpoints: the logit lens through the final norm, depth pruning by norm
+geometry, the embedding-table scan, and a trained byte Llama to run them on (:mod:`.zoo`).
+
+Each tool reads the model's structure from one recorded forward pass (:mod:`.reading`, built on the inspector's
+phases), never from module names. Checkpoints are read under the one load policy
+(:func:`normatlas.surgery.load_checkpoint`: config.json and safetensors, never a pickle); real text is the Python
+standard library's own sources (:func:`.zoo.heldout_bytes`: text no zoo model was trained on).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from .embeddings import EmbeddingScan, embedding_figure, scan_embeddings, token_table
+from .lens import LensResult, TunedFit, fit_tuned_gains, lens_figure, logit_lens, windows
+from .prune import (
+    block_scores,
+    choose,
+    choose_block,
+    is_causal,
+    layer_scores,
+    prune,
+    prune_figure,
+    prune_surgery,
+    quality,
+)
+from .reading import Layer, NoHead, Reading, ToolError, capture_stream, model_inputs, read_model, skipping
+from .zoo import ByteLlama, byte_tokenizer, heldout_bytes, train_byte_llama
+
+__all__ = [
+    "ByteLlama",
+    "EmbeddingScan",
+    "Layer",
+    "LensResult",
+    "NoHead",
+    "Reading",
+    "ToolError",
+    "TunedFit",
+    "block_scores",
+    "byte_tokenizer",
+    "capture_stream",
+    "check_ids",
+    "choose",
+    "choose_block",
+    "embedding_figure",
+    "fit_tuned_gains",
+    "heldout_bytes",
+    "heldout_ids",
+    "is_causal",
+    "layer_scores",
+    "lens_figure",
+    "load",
+    "logit_lens",
+    "model_inputs",
+    "prune",
+    "prune_figure",
+    "prune_surgery",
+    "quality",
+    "read_model",
+    "scan_embeddings",
+    "skipping",
+    "token_table",
+    "train_byte_llama",
+    "windows",
+]
+
+
+def load(path: str | Path) -> tuple[Any, Any]:
+    """(model, tokenizer) of a checkpoint folder: the model under the one load policy, the tokenizer offline from
+    the folder's own files (a folder without them is refused)."""
+    from ..checkpoint import TOKENIZER_FILES, locate, tokenizer_files
+    from ..surgery import load_checkpoint
+
+    root = Path(path)
+    locate(root)
+    if not tokenizer_files(root):
+        raise FileNotFoundError(
+            f"{root} has no tokenizer (no {', '.join(TOKENIZER_FILES[:3])} or other tokenizer file); the tools run "
+            "real text, so the folder needs the tokenizer the model was trained with"
+        )
+    from transformers import AutoTokenizer
+
+    model = load_checkpoint(root).eval()
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(root, local_files_only=True)
+    except Exception as exc:  # transformers raises many kinds here; one true line
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+        raise ValueError(f"cannot load the tokenizer in {root} ({type(exc).__name__}: {first})") from exc
+    return model, tokenizer
+
+
+def check_ids(model: Any, ids: Any, what: str) -> None:
+    """Refuse token ids the model's vocabulary does not have (a tokenizer that does not belong to the model)."""
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    top = max((int(i) for i in (ids.flatten().tolist() if hasattr(ids, "flatten") else ids)), default=-1)
+    if isinstance(vocab, int) and top >= vocab:
+        raise ValueError(
+            f"{what} has token id {top}, but the model's vocabulary has {vocab} entries: the folder's tokenizer "
+            "does not belong to its model"
+        )
+
+
+def heldout_ids(tokenizer: Any) -> list[int]:
+    """The held-out standard-library text (:func:`.zoo.heldout_bytes`) as the tokenizer's ids, no special tokens."""
+    from transformers.utils import logging
+
+    text = heldout_bytes().decode("utf-8", errors="replace")
+    level = logging.get_verbosity()
+    logging.set_verbosity_error()  # "sequence longer than the model's maximum": it is cut into windows after
+    try:
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    finally:
+        logging.set_verbosity(level)
