@@ -48,8 +48,8 @@ function clauseTable(r) {
     h("thead", {}, h("tr", {}, ["clause", "wanted", "measured", "verdict"].map((c) => h("th", {scope: "col"}, c)))),
     h("tbody", {}, clauses.map((c) => h("tr", {class: c.verdict === "holds" ? null : "failed"},
       h("th", {scope: "row"}, c.says),
-      h("td", {class: "mono"}, `${c.statistic} ${c.direction} ${fmt(c.threshold)}`),
-      h("td", {class: "mono"}, seeds(c) > 1 ? `median ${fmt(c.median)} (${fmt(c.min)} to ${fmt(c.max)}, ${seeds(c)} seeds)` : fmt(c.median)),
+      h("td", {class: "mono", "data-label": "wanted"}, `${c.statistic} ${c.direction} ${fmt(c.threshold)}`),
+      h("td", {class: "mono", "data-label": "measured"}, seeds(c) > 1 ? `median ${fmt(c.median)} (${fmt(c.min)} to ${fmt(c.max)}, ${seeds(c)} seeds)` : fmt(c.median)),
       h("td", {}, verdictPill(c.verdict)))))));
 }
 

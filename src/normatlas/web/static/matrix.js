@@ -15,6 +15,8 @@ const LABELS = {
   final_norm: "final norm", attn_softcap: "attn soft-cap", final_logit_softcap: "logit soft-cap",
   embedding_scale: "embed scale", vision_tower_norm: "tower norm", connector_norm: "connector norm",
 };
+// columns a phone hides (each is a facet, and the detail row states them): the design columns come first there
+const META = ["family", "kind", "year"];
 const BADGE_TEXT = {code: "code", paper: "paper", guide: "guide", unclear: "unclear"};
 
 export const label = (k) => LABELS[k] || k.replaceAll("_", " ");
@@ -78,7 +80,7 @@ export async function render(root, params) {
   const body = h("tbody");
   const heads = columns.map((c) => {
     const btn = h("button", {type: "button", class: "sort", "data-col": c, onclick: () => setSort(c)}, label(c));
-    return h("th", {scope: "col", "data-col": c, class: c === "name" ? "sticky-col" : null}, btn);
+    return h("th", {scope: "col", "data-col": c, class: c === "name" ? "sticky-col" : META.includes(c) ? "meta" : null}, btn);
   });
   const more = selects.filter((s) => !MAIN_FACETS.includes(s.key));
   const moreOpen = more.some((s) => s.sel.value);
@@ -179,7 +181,7 @@ function row(m, design, prov, toggle) {
   const name = h("button", {type: "button", class: "model", "aria-expanded": "false", onclick: () => toggle(m.name)}, m.name);
   return h("tr", {class: m.essay_differs ? "has-differs" : null, "data-name": m.name},
     h("th", {scope: "row", class: "sticky-col"}, name, m.essay_differs ? h("span", {class: "differs-mark", title: "differs from the guide"}, " ≠") : null),
-    h("td", {}, m.family), h("td", {}, m.kind), h("td", {class: "num"}, m.year ?? "–"), cells,
+    h("td", {class: "meta"}, m.family), h("td", {class: "meta"}, m.kind), h("td", {class: "num meta"}, m.year ?? "–"), cells,
     h("td", {}, prov ? badge(prov) : h("span", {class: "muted"}, "–")));
 }
 
@@ -192,6 +194,7 @@ function details(m) {
     ? h("a", {href: `#/placements?kind=${encodeURIComponent(m.placement)}`, class: "chip"}, m.placement) : null;
   return h("div", {class: "record"},
     h("dl", {class: "facts"},
+      h("dt", {}, "model"), h("dd", {}, [m.family, m.kind, m.year].filter((v) => v !== null).join(" · ")),
       h("dt", {}, "source"), h("dd", {}, m.source, file ? [" · ", extLink(m.source_link, file)] : null),
       links.length ? [h("dt", {}, "papers"), h("dd", {class: "chips"}, links)] : null,
       inspect.length ? [h("dt", {}, "inspect"), h("dd", {class: "chips"}, inspect)] : null,
