@@ -131,12 +131,17 @@ export async function render(root, params) {
   const legend = h("p", {class: "legend"},
     h("span", {class: "key norm"}, "N norm"), h("span", {class: "key fn"}, "A / F attention, FFN"),
     h("span", {class: "key scale"}, "× scaling"), h("span", {class: "key add"}, "+ residual add"));
+  // ?kind=pre (a model record's placement, linked from the matrix): the presets of that kind
+  const kind = params.get("kind") || "";
+  const shown = kind ? data.placements.filter((p) => p.kind === kind || p.kinds.includes(kind)) : data.placements;
   mount(root,
     h("header", {class: "view-head"}, h("h1", {}, "Where does the norm sit?"),
       h("p", {class: "lede"}, `${data.placements.length} schemes, each drawn from its Placement value: the same data the `,
         "Block reads, the docstring draws and the inspector reads back."), legend),
-    h("div", {class: "cards"}, data.placements.map(card)));
+    kind ? h("p", {class: "status info", id: "placements-kind"}, `${shown.length} of ${data.placements.length} schemes of kind “${kind}” · `,
+      h("a", {href: "#/placements"}, "show all")) : null,
+    h("div", {class: "cards"}, shown.map(card)));
   const focus = params.get("focus");
   if (focus) document.getElementById(`placement-${focus}`)?.scrollIntoView();
-  writeHash("placements", {focus: focus || ""});
+  writeHash("placements", {kind, focus: focus || ""});
 }
