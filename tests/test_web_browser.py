@@ -437,3 +437,19 @@ def test_experiments_say_why_a_claim_fails_and_open_figures_full_size(site: dict
     print(f"figure shown {shown:.0f} px wide, full size {natural} px")
     assert natural > shown
     page.screenshot(path=str(ARTIFACTS / "experiments-reasons.png"), full_page=True)
+
+
+def test_placements_compare_depth_profiles_on_one_y_scale(site: dict[str, Any]) -> None:
+    page = _open(site, "placements")
+    fig = page.locator("#depth-compare figure[data-exp='variance-depth']")
+    assert fig.locator("polyline[data-placement]").count() == 2  # the fixture measured pre_ln and post_ln
+    assert set(fig.locator(".legend .key").all_inner_texts()) == {"pre_ln", "post_ln"}
+    # every card's chart of one experiment shares the y scale: the same top and bottom tick labels
+    ticks = [
+        page.locator(f"#placement-{p} svg.chart text.tick.end").all_inner_texts()[:2] for p in ("pre_ln", "post_ln")
+    ]
+    assert ticks[0] == ticks[1], ticks
+    page = _open(site, "placements", "kind=peri")
+    assert page.locator("#depth-compare").count() == 0
+    kinds = page.locator("article.placement .panel-head .pill").all_inner_texts()
+    assert kinds and all("peri" in k for k in kinds)
