@@ -210,7 +210,6 @@ def test_inspect_draws_a_models_placement(site: dict[str, Any]) -> None:
     assert site["log"]["errors"] == [] and site["log"]["failed"] == []
 
 
-
 # --- issue 34: the page people would rather look at --------------------------------------------------------------
 
 VISIBLE_ROWS = "#matrix tbody tr:not(.detail):not([hidden])"
@@ -218,6 +217,14 @@ VISIBLE_ROWS = "#matrix tbody tr:not(.detail):not([hidden])"
 
 def _rows(page: Any) -> int:
     return int(page.locator(VISIBLE_ROWS).count())
+
+
+def _column(page: Any, col: str) -> list[str]:
+    """The texts of one matrix column (by its field name) in the visible rows, top to bottom."""
+    index = page.evaluate(
+        "c => [...document.querySelectorAll('#matrix thead th')].findIndex(th => th.dataset.col === c)", col
+    )
+    return [t.strip() for t in page.locator(f"{VISIBLE_ROWS} > :nth-child({index + 1})").all_inner_texts()]
 
 
 def test_search_matches_values_never_field_names(site: dict[str, Any]) -> None:
@@ -249,9 +256,8 @@ def test_facets_are_typed_with_one_spelling_per_value(site: dict[str, Any]) -> N
     qk = page.locator("#filter-qk_norm option").evaluate_all("os => os.map(o => o.value)")
     assert "yes" not in qk and "per-head" in qk
     page.select_option("#filter-qk_norm", "per-head")
-    col = page.evaluate("[...document.querySelectorAll('#matrix thead th')].findIndex(th => th.dataset.col === 'qk_norm') + 1")
-    cells = page.locator(f"{VISIBLE_ROWS} > :nth-child({col})").all_inner_texts()
-    assert cells and all(c.strip() == "per-head" for c in cells), cells
+    cells = _column(page, "qk_norm")
+    assert cells and all(c == "per-head" for c in cells), cells
     assert "qk_norm=per-head" in page.url
     page.select_option("#filter-qk_norm", "")
     page.click(".more-filters summary")  # the other facets sit under "more filters"
@@ -265,9 +271,7 @@ def test_columns_sort_both_ways_with_the_state_in_the_hash(site: dict[str, Any])
     year = "#matrix thead th[data-col='year'] button"
 
     def years() -> list[int]:
-        col = page.evaluate("[...document.querySelectorAll('#matrix thead th')].findIndex(th => th.dataset.col === 'year') + 1")
-        texts = page.locator(f"{VISIBLE_ROWS} > :nth-child({col})").all_inner_texts()
-        return [int(t) for t in texts if t.strip().isdigit()]
+        return [int(t) for t in _column(page, "year") if t.isdigit()]
 
     page.click(year)
     assert page.get_attribute("#matrix thead th[data-col='year']", "aria-sort") == "ascending"
@@ -277,9 +281,7 @@ def test_columns_sort_both_ways_with_the_state_in_the_hash(site: dict[str, Any])
     assert page.get_attribute("#matrix thead th[data-col='year']", "aria-sort") == "descending"
     assert years() == sorted(up, reverse=True) and "sort=-year" in page.url
     page.click("#matrix thead th[data-col='operator'] button")
-    col = page.evaluate("[...document.querySelectorAll('#matrix thead th')].findIndex(th => th.dataset.col === 'operator') + 1")
-    ops = [t.strip() for t in page.locator(f"{VISIBLE_ROWS} > :nth-child({col})").all_inner_texts()]
-    known = [o for o in ops if o not in ("unclear",)]
+    known = [o for o in _column(page, "operator") if o != "unclear"]
     assert known == sorted(known)
     page = _open(site, "matrix", "sort=-year")  # a linked sort is restored
     assert page.get_attribute("#matrix thead th[data-col='year']", "aria-sort") == "descending"
@@ -342,8 +344,9 @@ def test_no_view_is_wider_than_a_phone(site: dict[str, Any], view: str) -> None:
         if name == "matrix":
             assert page.is_visible("#matrix-hint") and "scroll" in page.inner_text("#matrix-hint")
             shown = page.evaluate(
-                "[...document.querySelectorAll('#matrix thead th')].filter(th => { const r = th.getBoundingClientRect();"
-                " return r.width > 0 && r.right <= innerWidth; }).map(th => th.dataset.col)"
+                "[...document.querySelectorAll('#matrix thead th')].filter(th => {"
+                " const r = th.getBoundingClientRect(); return r.width > 0 && r.right <= innerWidth;"
+                " }).map(th => th.dataset.col)"
             )
             assert {"name", "operator", "placement"} <= set(shown), shown
     finally:
@@ -372,7 +375,8 @@ CONTRAST_JS = r"""
     if (!own) continue;
     const r = el.getBoundingClientRect();
     const cs = getComputedStyle(el);
-    if (!r.width || !r.height || cs.visibility !== "visible" || el.closest("[hidden], details:not([open]) > :not(summary)")) continue;
+    if (!r.width || !r.height || cs.visibility !== "visible") continue;
+    if (el.closest("[hidden], details:not([open]) > :not(summary)")) continue;
     if (r.right < 0 || r.bottom < 0) continue;  // the skip link parked off screen until focused
     const svg = el instanceof SVGElement;
     let fg = parse(svg ? cs.fill : cs.color);
@@ -394,8 +398,10 @@ CONTRAST_JS = r"""
     const size = parseFloat(cs.fontSize), bold = Number(cs.fontWeight) >= 700;
     const large = size >= 24 || (size >= 18.66 && bold);
     const need = large ? 3 : 4.5;
-    if (ratio < need) out.push({text: el.textContent.trim().slice(0, 40), tag: el.tagName, cls: String(el.className.baseVal ?? el.className),
-      ratio: Math.round(ratio * 100) / 100, need, fg: cs.color, bg: `rgb(${bg.slice(0, 3).map(Math.round)})`});
+    if (ratio < need) out.push({
+      text: el.textContent.trim().slice(0, 40), tag: el.tagName, cls: String(el.className.baseVal ?? el.className),
+      ratio: Math.round(ratio * 100) / 100, need, fg: cs.color, bg: `rgb(${bg.slice(0, 3).map(Math.round)})`,
+    });
   }
   return out;
 }
