@@ -49,6 +49,8 @@ function badge(kind) {
   return h("span", {class: `badge ${kind}`, title: `provenance: ${kind}`}, BADGE_TEXT[kind] || kind);
 }
 
+let onResize = () => {};
+
 export async function render(root, params) {
   mount(root, status("loading the matrix…"));
   const data = await once("/api/models");
@@ -87,7 +89,9 @@ export async function render(root, params) {
   const wrap = h("div", {class: "table-wrap matrix-wrap", id: "matrix-wrap", tabindex: "0", "aria-label": "the model matrix (scrolls)"},
     h("table", {class: "grid matrix", id: "matrix"}, h("thead", {}, h("tr", {}, heads)), body));
   wrap.addEventListener("scroll", updateHint, {passive: true});
-  addEventListener("resize", updateHint);
+  removeEventListener("resize", onResize);  // one listener, the latest render's
+  onResize = updateHint;
+  addEventListener("resize", onResize);
   mount(root,
     h("header", {class: "view-head"}, h("h1", {}, "What did each model ship?"),
       h("p", {class: "lede"}, "The model matrix as data. A row's badge says where its values come from: ",
