@@ -81,3 +81,28 @@ DEPTH_EXPERIMENT = Experiment(
 def write_experiments(out: Path) -> dict[str, Any]:
     """``out/variance-depth/`` written by the real runner from the tiny experiment above."""
     return run_experiment(DEPTH_EXPERIMENT, out, scale="quick", seeds=(0,))
+
+
+# the same run judged against a clause it fails: a "does not hold" result whose reasons the page must show
+FAILING_EXPERIMENT = Experiment(
+    name="variance-flat",
+    number=2,
+    title="stream variance stays flat",
+    claim="Pre-LN's residual stream stays at one with depth",
+    guide_words="(test fixture: a claim the run refutes)",
+    anchor="xiong2020",
+    anchor_reports="(test fixture)",
+    rule=VerdictRule(
+        (
+            Clause("pre_last_over_first", Direction.BELOW, 1.0, "Pre-LN's stream stays flat"),
+            Clause("post_last_error", Direction.BELOW, 0.1, "Post-LN's stays at one"),
+        )
+    ),
+    estimates_s=estimates(default=1.0, quick=1.0, paper=1.0),
+    run=_depth_run,
+)
+
+
+def write_failing_experiment(out: Path) -> dict[str, Any]:
+    """``out/variance-flat/``: a result that does not hold, with its reasons and per-clause data."""
+    return run_experiment(FAILING_EXPERIMENT, out, scale="quick", seeds=(0,))

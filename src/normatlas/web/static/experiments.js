@@ -18,30 +18,69 @@ export async function render(root) {
     h("div", {class: "cards wide"}, [...data.results].sort((a, b) => a.number - b.number).map(card)));
 }
 
-// a measured value: a number, a list, or a table of named values (nested one level more at most)
-function value(v) {
-  if (Array.isArray(v)) return v.map(value).join(", ");
-  if (v !== null && typeof v === "object") return Object.entries(v).map(([k, x]) => `${k}: ${value(x)}`).join("; ");
-  return fmt(v);
+// a field name as words: "pre_last_over_first" -> "pre last over first"
+const words = (k) => String(k).replaceAll("_", " ");
+
+// a measured value as table rows [label, text]: a number, a list of numbers, or named values nested (the label
+// then reads "outer › inner")
+function rows(label, v, depth = 0) {
+  if (v !== null && typeof v === "object" && !Array.isArray(v) && depth < 2) {
+    return Object.entries(v).flatMap(([k, x]) => rows(label ? `${label} › ${words(k)}` : words(k), x, depth + 1));
+  }
+  if (Array.isArray(v)) return [[label, v.map((x) => (x !== null && typeof x === "object" ? JSON.stringify(x) : fmt(x))).join(", ")]];
+  if (v !== null && typeof v === "object") return [[label, JSON.stringify(v)]];
+  return [[label, fmt(v)]];
+}
+
+const PILL = {holds: "ok", inconclusive: "info", "does not hold": "warn"};
+
+function verdictPill(v) {
+  return h("span", {class: `pill ${PILL[v] || "warn"}`}, v);
+}
+
+// each clause of the verdict rule: what it says, the relation wanted, what the seeds measured, its verdict
+function clauseTable(r) {
+  const clauses = r.clauses || [];
+  if (!clauses.length) return null;
+  const seeds = (c) => Object.keys(c.per_seed || {}).length;
+  return h("div", {class: "table-wrap"}, h("table", {class: "grid clauses"},
+    h("caption", {}, "the verdict, clause by clause"),
+    h("thead", {}, h("tr", {}, ["clause", "wanted", "measured", "verdict"].map((c) => h("th", {scope: "col"}, c)))),
+    h("tbody", {}, clauses.map((c) => h("tr", {class: c.verdict === "holds" ? null : "failed"},
+      h("th", {scope: "row"}, c.says),
+      h("td", {class: "mono", "data-label": "wanted"}, `${c.statistic} ${c.direction} ${fmt(c.threshold)}`),
+      h("td", {class: "mono", "data-label": "measured"}, seeds(c) > 1 ? `median ${fmt(c.median)} (${fmt(c.min)} to ${fmt(c.max)}, ${seeds(c)} seeds)` : fmt(c.median)),
+      h("td", {}, verdictPill(c.verdict)))))));
 }
 
 function card(r) {
-  const measured = Object.entries(r.measured || {}).map(([k, v]) => h("tr", {}, h("th", {scope: "row"}, k),
-    h("td", {}, value(v))));
-  const fig = r.figures.svg || r.figures.png;
+  const verdict = r.verdict || (r.holds ? "holds" : "does not hold");
+  const measured = rows("", r.measured || {}).map(([k, v]) => h("tr", {}, h("th", {scope: "row"}, k), h("td", {}, v)));
+  const shown = r.figures.svg || r.figures.png;
+  const full = r.figures.png || r.figures.svg;
+  const reasons = r.reasons || [];
   return h("article", {class: "card experiment", id: `exp-${r.name}`},
-    h("div", {class: "panel-head"}, h("h2", {}, `${r.number}. ${r.title}`),
-      h("span", {class: `pill ${r.verdict === "holds" ? "ok" : r.verdict === "inconclusive" ? "" : "warn"}`},
-        r.verdict || (r.holds ? "holds" : "does not hold"))),
+    h("div", {class: "panel-head"}, h("h2", {}, `${r.number}. ${r.title}`), verdictPill(verdict)),
     h("p", {class: "claim"}, r.claim),
     h("blockquote", {}, r.guide_words),
-    fig ? h("img", {src: fig, alt: `figure of ${r.name}: ${r.claim}`, class: "figure"}) : null,
+    verdict !== "holds"
+      ? h("div", {class: `why ${PILL[verdict] || "warn"}`, role: "note"}, h("strong", {}, `Why it ${verdict === "inconclusive" ? "is inconclusive" : "does not hold"}:`),
+        reasons.length ? h("ul", {}, reasons.map((why) => h("li", {}, why))) : h("p", {}, "no clause gave a reason"))
+      : null,
+    shown ? h("figure", {class: "exp-figure"},
+      h("a", {href: full, target: "_blank", class: "figure-link", title: "open the figure full size"},
+        h("img", {src: shown, alt: `figure of ${r.name}: ${r.claim}`, class: "figure"})),
+      h("figcaption", {class: "small"}, "open full size: ",
+        [r.figures.png ? h("a", {href: r.figures.png, target: "_blank", class: "full-png"}, "PNG") : null,
+          r.figures.svg ? h("a", {href: r.figures.svg, target: "_blank", class: "full-svg"}, "SVG (zoomable)") : null]
+          .filter(Boolean).flatMap((a, i) => (i ? [" · ", a] : [a]))))
+      : null,
     h("p", {class: "small"}, h("strong", {}, "expected: "), r.expected),
-    h("table", {class: "kv"}, h("tbody", {}, measured)),
-    (r.reasons || []).length ? h("ul", {class: "small"}, r.reasons.map((why) => h("li", {}, why))) : null,
+    clauseTable(r),
+    measured.length ? h("table", {class: "kv measured"}, h("caption", {}, "measured"), h("tbody", {}, measured)) : null,
     r.notes ? h("p", {class: "muted small"}, r.notes) : null,
     h("p", {class: "muted small"}, `anchor ${r.anchor}: ${r.anchor_reports} · seeds ${(r.seeds || []).join(", ")}`,
       ` · ${r.scale || (r.quick ? "quick" : "default")} scale · `,
       `${fmt(r.seconds)} s on ${r.machine}`),
-    h("p", {}, h("code", {}, r.command)));
+    h("p", {class: "command"}, h("code", {}, r.command)));
 }

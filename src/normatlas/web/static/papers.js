@@ -2,6 +2,17 @@
 // each confirmed title links to the paper, with an arXiv title search as the fallback.
 import {extLink, h, mount, once, status, writeHash} from "./util.js";
 
+// the fields a reader sees on a paper (its derived URLs `link` / `search` and the bookkeeping of its
+// verification are not searched: "arxiv" or "link" would match every paper)
+const SEARCHED = ["key", "title", "first_author", "year", "venue", "arxiv", "doi", "group", "question", "named_as",
+  "essay_differs", "implemented_by"];
+
+/** A paper's values a reader sees, lowercased: never a field name, never an unset field. */
+function searchText(p) {
+  return SEARCHED.map((k) => p[k]).filter((v) => v !== null && v !== undefined)
+    .map((v) => (Array.isArray(v) ? v.join(" ") : String(v))).join(" \u0000 ").toLowerCase();
+}
+
 export async function render(root, params) {
   mount(root, status("loading the papers…"));
   const data = await once("/api/papers");
@@ -12,7 +23,7 @@ export async function render(root, params) {
   const sections = data.groups.map((g) => {
     const list = h("ol", {class: "papers"}, g.papers.map((p) => {
       const li = paper(p);
-      items.push({li, text: JSON.stringify(p).toLowerCase()});
+      items.push({li, text: searchText(p)});
       return li;
     }));
     return h("section", {class: "card group"}, h("h2", {}, g.question), list);

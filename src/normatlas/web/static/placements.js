@@ -87,13 +87,21 @@ function sublayer(items, x0, names, p) {
 }
 
 // values spanning more than 100x (all positive) are drawn on a log scale, said on the axis
-function lineChart(points, columns, title) {
+function yDomain(ys) {
+  const log = ys.every((v) => v > 0) && Math.max(...ys) / Math.min(...ys) > 100;
+  const f = log ? Math.log10 : (v) => v;
+  return {log, lo: Math.min(...ys.map(f)), hi: Math.max(...ys.map(f))};
+}
+
+// one chart per card; `domain` (the y range of every placement measured by the experiment) puts all cards on
+// one y scale, so their profiles compare
+function lineChart(points, columns, title, domain = null) {
   const W = 260, H = 130 + 12 * columns.length, pad = {l: 40, r: 8, t: 18 + 12 * columns.length, b: 24};
   const xs = points.map((q) => q[0]);
   const ys = points.flatMap((q) => q.slice(1));
-  const log = ys.every((v) => v > 0) && Math.max(...ys) / Math.min(...ys) > 100;
+  const {log, lo: y0, hi: y1} = domain || yDomain(ys);
   const f = log ? Math.log10 : (v) => v;
-  const [x0, x1] = [Math.min(...xs), Math.max(...xs)], [y0, y1] = [Math.min(...ys.map(f)), Math.max(...ys.map(f))];
+  const [x0, x1] = [Math.min(...xs), Math.max(...xs)];
   const X = (v) => pad.l + ((v - x0) / (x1 - x0 || 1)) * (W - pad.l - pad.r);
   const Y = (v) => pad.t + (1 - (f(v) - y0) / (y1 - y0 || 1)) * (H - pad.t - pad.b);
   const lines = columns.map((c, i) => s("polyline", {class: `series s${i % 4}`,
@@ -110,7 +118,65 @@ function lineChart(points, columns, title) {
     s("text", {x: W - pad.r, y: H - 6, class: "tick end"}, `${fmt(x1)} (layer)`));
 }
 
-function card(p) {
+// per profile experiment: the placements it measured, each by the column they all have, on one y scale
+function comparisons(data, params) {
+  const out = [];
+  for (const exp of data.profile_experiments) {
+    const measured = data.placements.filter((p) => p.profiles && p.profiles[exp]);
+    if (measured.length < 2) continue;
+    const cols = measured[0].profiles[exp].columns.filter((c) => measured.every((p) => p.profiles[exp].columns.includes(c)));
+    if (!cols.length) continue;
+    const col = cols.includes(params.get(exp)) ? params.get(exp) : cols[0];
+    const series = measured.map((p) => {
+      const prof = p.profiles[exp], i = prof.columns.indexOf(col) + 1;
+      return {name: p.preset, points: prof.points.map((q) => [q[0], q[i]])};
+    });
+    out.push({exp, col, cols, series, holds: measured[0].profiles[exp].holds});
+  }
+  return out;
+}
+
+function compareChart({exp, col, series}) {
+  const W = innerWidth < 600 ? 340 : 560, H = innerWidth < 600 ? 240 : 300, pad = {l: 52, r: 12, t: 24, b: 34};
+  const xs = series.flatMap((q) => q.points.map((p) => p[0]));
+  const {log, lo: y0, hi: y1} = yDomain(series.flatMap((q) => q.points.map((p) => p[1])));
+  const f = log ? Math.log10 : (v) => v;
+  const [x0, x1] = [Math.min(...xs), Math.max(...xs)];
+  const X = (v) => pad.l + ((v - x0) / (x1 - x0 || 1)) * (W - pad.l - pad.r);
+  const Y = (v) => pad.t + (1 - (f(v) - y0) / (y1 - y0 || 1)) * (H - pad.t - pad.b);
+  const ticks = [0, 0.5, 1].map((t) => y0 + t * (y1 - y0));
+  return s("svg", {viewBox: `0 0 ${W} ${H}`, class: "chart compare", role: "img",
+    "aria-label": `${exp}, ${col}, by layer, one line per placement: ${series.map((q) => q.name).join(", ")}`},
+    s("text", {x: pad.l, y: 14, class: "hist-title"}, `${col} by layer${log ? " (log scale)" : ""}`),
+    ticks.map((t) => [
+      s("line", {x1: pad.l, x2: W - pad.r, y1: Y(log ? 10 ** t : t), y2: Y(log ? 10 ** t : t), class: "gridline"}),
+      s("text", {x: pad.l - 5, y: Y(log ? 10 ** t : t) + 3, class: "tick end"}, fmt(log ? 10 ** t : t))]),
+    series.map((q, i) => s("polyline", {class: `series c${i % 8}`, "data-placement": q.name,
+      points: q.points.map((p) => `${X(p[0])},${Y(p[1])}`).join(" ")})),
+    s("line", {x1: pad.l, x2: W - pad.r, y1: H - pad.b, y2: H - pad.b, class: "axis"}),
+    s("text", {x: pad.l, y: H - 12, class: "tick"}, fmt(x0)),
+    s("text", {x: W - pad.r, y: H - 12, class: "tick end"}, `${fmt(x1)} (layer)`));
+}
+
+function compareSection(found, params) {
+  if (!found.length) return null;
+  return h("section", {class: "card", id: "depth-compare"},
+    h("h2", {}, "Depth profiles compared, on one y scale"),
+    h("p", {class: "muted small"}, "Each line is one placement as the depth experiments measured it; every card below ",
+      "draws its own profile on the same y scale as this chart."),
+    h("div", {class: "compare-grid"}, found.map((c) => {
+      const pick = c.cols.length > 1 ? h("select", {"aria-label": `${c.exp}: the measured column`, onchange: (e) => {
+        params.set(c.exp, e.target.value);
+        location.hash = `#/placements?${params.toString()}`;
+      }}, c.cols.map((k) => h("option", {value: k, selected: k === c.col}, k))) : null;
+      return h("figure", {class: "compare-fig", "data-exp": c.exp},
+        compareChart(c),
+        h("figcaption", {}, h("span", {class: "legend"}, c.series.map((q, i) => h("span", {class: `key c${i % 8}`}, q.name))),
+          h("span", {class: "small muted"}, `${c.exp}; claim ${c.holds ? "holds" : "does not hold"} `), pick));
+    })));
+}
+
+function card(p, domains = {}) {
   const profiles = Object.entries(p.profiles || {});
   return h("article", {class: "card placement", id: `placement-${p.preset}`},
     h("div", {class: "panel-head"}, h("h2", {}, p.preset), h("span", {class: "pill"}, p.kinds.join(" / "))),
@@ -119,7 +185,7 @@ function card(p) {
     p.parallel ? h("p", {class: "muted"}, p.shared_pre_norm ? "one shared pre-norm feeds both branches" : "each branch has its own pre-norm") : null,
     profiles.length
       ? h("div", {class: "profiles"}, profiles.map(([exp, prof]) => h("figure", {},
-        lineChart(prof.points, prof.columns, exp),
+        lineChart(prof.points, prof.columns, exp, domains[exp] || null),
         h("figcaption", {}, `${exp} (${prof.series}.csv); claim ${prof.holds ? "holds" : "does not hold"}`))))
       : h("p", {class: "muted small"}, "no depth profile measured (run the variance-depth / gradient-depth experiments)"),
     h("details", {}, h("summary", {}, "docstring"), h("pre", {class: "doc"}, p.doc)));
@@ -131,12 +197,25 @@ export async function render(root, params) {
   const legend = h("p", {class: "legend"},
     h("span", {class: "key norm"}, "N norm"), h("span", {class: "key fn"}, "A / F attention, FFN"),
     h("span", {class: "key scale"}, "× scaling"), h("span", {class: "key add"}, "+ residual add"));
+  // ?kind=pre (a model record's placement, linked from the matrix): the presets of that kind
+  const kind = params.get("kind") || "";
+  const found = comparisons(data, params);
+  // one y scale per experiment across every card: each experiment's values over all placements and columns
+  const domains = {};
+  for (const exp of data.profile_experiments) {
+    const ys = data.placements.flatMap((p) => (p.profiles && p.profiles[exp] ? p.profiles[exp].points.flatMap((q) => q.slice(1)) : []));
+    if (ys.length) domains[exp] = yDomain(ys);
+  }
+  const shown = kind ? data.placements.filter((p) => p.kind === kind || p.kinds.includes(kind)) : data.placements;
   mount(root,
     h("header", {class: "view-head"}, h("h1", {}, "Where does the norm sit?"),
       h("p", {class: "lede"}, `${data.placements.length} schemes, each drawn from its Placement value: the same data the `,
         "Block reads, the docstring draws and the inspector reads back."), legend),
-    h("div", {class: "cards"}, data.placements.map(card)));
+    kind ? h("p", {class: "status info", id: "placements-kind"}, `${shown.length} of ${data.placements.length} schemes of kind “${kind}” · `,
+      h("a", {href: "#/placements"}, "show all")) : null,
+    kind ? null : compareSection(found, params),
+    h("div", {class: "cards"}, shown.map((p) => card(p, domains))));
   const focus = params.get("focus");
   if (focus) document.getElementById(`placement-${focus}`)?.scrollIntoView();
-  writeHash("placements", {focus: focus || ""});
+  writeHash("placements", {kind, focus: focus || "", ...Object.fromEntries(found.filter((c) => c.col !== c.cols[0]).map((c) => [c.exp, c.col]))});
 }
