@@ -30,8 +30,10 @@ __all__ = [
     "attention_implementation",
     "attention_kwargs",
     "build_target",
+    "TINY_ENCODER_DECODER",
     "build_vision",
     "example_inputs",
+    "is_encoder_decoder",
     "tiny_config",
 ]
 
@@ -102,6 +104,24 @@ TINY: dict[str, Any] = {
     "hidden_size_per_layer_input": 16,
 }
 
+# The encoder-decoder sizes (each stack's depth, heads and MLP width under the names encoder-decoder configs give
+# them: BART's ``encoder_layers`` / ``decoder_layers``, T5's ``num_layers`` / ``num_decoder_layers`` / ``d_ff``),
+# set only on a config that says ``is_encoder_decoder`` (a decoder-only config's ``num_layers`` may be a section).
+TINY_ENCODER_DECODER: dict[str, Any] = {
+    "encoder_layers": 2,
+    "decoder_layers": 2,
+    "num_layers": 2,
+    "num_encoder_layers": 2,
+    "num_decoder_layers": 2,
+    "encoder_ffn_dim": 128,
+    "decoder_ffn_dim": 128,
+    "d_ff": 128,
+    "encoder_attention_heads": 4,
+    "decoder_attention_heads": 4,
+    "num_heads": 4,
+    "d_kv": 16,
+}
+
 
 # The one model-specific rule of the shrink, as data: config fields counting the trailing layers that reuse the
 # key/value cache of the last earlier layer of their kind (Gemma 3n's ``num_kv_shared_layers``, 15 of its 35 layers).
@@ -122,7 +142,7 @@ def tiny_config(model_type: str, **overrides: Any) -> Any:
         )
     cfg = AutoConfig.for_model(model_type)
     for c in _parts(cfg):
-        _shrink(c, {**TINY, **overrides})
+        _shrink(c, {**TINY, **(TINY_ENCODER_DECODER if is_encoder_decoder(c) else {}), **overrides})
         if "qk_rope_head_dim" in c.to_dict() and "head_dim" in c.to_dict():  # MLA: rotary part sets head_dim
             with contextlib.suppress(Exception):
                 c.head_dim = c.qk_rope_head_dim
@@ -131,7 +151,7 @@ def tiny_config(model_type: str, **overrides: Any) -> Any:
         if "vocabulary_map" in c.to_dict() and not c.vocabulary_map:  # Chameleon needs its image-token map
             c.vocabulary_map = {"<image>": 3}
         vocab = getattr(c, "vocab_size", None)
-        for tok in ("pad_token_id", "bos_token_id", "eos_token_id"):
+        for tok in ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id"):
             tid = getattr(c, tok, None)
             if isinstance(vocab, int) and isinstance(tid, int) and tid >= vocab:
                 with contextlib.suppress(Exception):
@@ -237,9 +257,18 @@ def _fit_mrope(c: Any) -> None:
             rope["mrope_section"] = [half // parts + (i < half % parts) for i in range(parts)]
 
 
-def _model_from_config(cfg: Any) -> nn.Module:
-    from transformers import AutoModel, AutoModelForCausalLM
+def is_encoder_decoder(cfg: Any) -> bool:
+    """Whether a config says its model is an encoder and a decoder (``is_encoder_decoder``)."""
+    return getattr(cfg, "is_encoder_decoder", False) is True
 
+
+def _model_from_config(cfg: Any) -> nn.Module:
+    from transformers import AutoModel, AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoModelForSpeechSeq2Seq
+
+    if is_encoder_decoder(cfg):  # both stacks: a causal-LM class of an encoder-decoder type is its decoder alone
+        for auto in (AutoModelForSeq2SeqLM, AutoModelForSpeechSeq2Seq, AutoModel):
+            with contextlib.suppress(ValueError, KeyError):
+                return auto.from_config(cfg, **attention_kwargs()).eval()
     try:
         model = AutoModelForCausalLM.from_config(cfg, **attention_kwargs())
     except (ValueError, KeyError):
@@ -260,14 +289,19 @@ def _model_for_checkpoint(cfg: Any) -> nn.Module:
 
 
 def example_inputs(model: nn.Module, seq: int = 8, seed: int = 0) -> dict[str, Any]:
-    """A token batch ``{"input_ids": (1, seq)}`` valid for the model's vocabulary."""
+    """A token batch ``{"input_ids": (1, seq)}`` valid for the model's vocabulary; a model whose ``forward`` takes
+    ``decoder_input_ids`` (an encoder-decoder) gets a decoder batch beside it, of the same length (both stacks'
+    streams then have one shape; a reader of two shapes is :func:`.residual.find_stream`'s)."""
     cfg = getattr(model, "config", None)
     vocab = getattr(cfg, "vocab_size", None) or getattr(getattr(cfg, "text_config", None), "vocab_size", 128)
     gen = torch.Generator().manual_seed(seed)
     high = max(4, min(int(vocab or 128), 1000))
     inputs: dict[str, Any] = {"input_ids": torch.randint(3, high, (1, seq), generator=gen)}
     with contextlib.suppress(TypeError, ValueError):
-        if "use_cache" in pyinspect.signature(model.forward).parameters:
+        params = pyinspect.signature(model.forward).parameters
+        if "decoder_input_ids" in params:
+            inputs["decoder_input_ids"] = torch.randint(3, high, (1, seq), generator=gen)
+        if "use_cache" in params:
             inputs["use_cache"] = False  # hybrid / linear-attention caches need not be built to read the design
     return inputs
 

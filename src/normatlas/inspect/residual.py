@@ -11,6 +11,12 @@ Method (all structural, no names):
 * **Norms around a sublayer**: a norm whose input is ``s`` and whose output feeds the branch is
   *pre*; a norm that ends the branch is *out*; a norm whose input is the add and whose output is
   the next sublayer's stream is *post* (:meth:`PlacementKind.of_slots`).
+* **Stacks**: where a sublayer's stream value is not computed from the previous sublayer's add and its branches
+  read the earlier run's last value (an encoder-decoder: the decoder's stream starts at its own embedding and its
+  cross-attention reads the encoder's output), the sublayers are two stacks (:func:`split_stacks`), each read on
+  its own. A stack on a stream of another length (a decoder batch shorter than the encoder's) joins the stream
+  the same way (:func:`find_stream`). An attention whose keys are not computed from its stack's first stream
+  value reads another stream: ``cross-attention``.
 * The **final norm** is the norm on the last stream value (after the last sublayer's post-norm,
   when two norms follow each other there or the sublayer repeats a post-norm scheme), looking
   through constant scalings of the stream; the **embedding** norm or scaling is read walking back
@@ -41,6 +47,7 @@ __all__ = [
     "place_norms",
     "residual_adds",
     "scale_after",
+    "split_stacks",
     "stream_root",
 ]
 
@@ -207,11 +214,41 @@ def find_stream(g: Graph, sites: list[Site]) -> Stream:
         adds, shape = max(found, key=lambda f: len(f[0])) if found else ([], shapes[0])
     if not adds:
         shape = shapes[0]
+    for other, more in found:  # another stack's stream of another length (a decoder batch of its own length)
+        same_width = bool(other) and bool(shape) and other[-1] == shape[-1] and math.prod(other) != math.prod(shape)
+        if adds and more and same_width and _apart(g, adds, more):
+            adds = sorted(adds + more)
     subs = group_sublayers(g, adds)
     by_input: dict[int, list[Site]] = {}
     for s in sites:
         by_input.setdefault(stream_root(g, s.input), []).append(s)
     return Stream(shape, subs, by_input, {s.output: s for s in sites})
+
+
+def _apart(g: Graph, a: list[tuple[int, int, int, int]], b: list[tuple[int, int, int, int]]) -> bool:
+    """Two runs of residual adds are two stacks: one runs wholly before the other, the later one's stream does not
+    start from the earlier one's last add, and a branch of the later one reads it."""
+    first, later = (a, b) if a[-1][0] < b[0][0] else (b, a) if b[-1][0] < a[0][0] else (None, None)
+    if first is None or later is None:
+        return False
+    end = first[-1][0]
+    return not g.feeds(end, later[0][3]) and any(g.feeds(end, br) for _, _, br, _ in later)
+
+
+def split_stacks(g: Graph, stream: Stream) -> list[Stream]:
+    """The stream cut into stacks where a sublayer's stream value is not computed from the previous sublayer's
+    add and a branch after the cut reads the value before it (an encoder's output, read by the decoder's
+    cross-attention); one stack otherwise. Each stack keeps the stream's norm indices."""
+    subs = stream.sublayers
+    cuts = [0]
+    for i in range(1, len(subs)):
+        end = subs[i - 1].adds[-1]
+        if g.feeds(end, subs[i].source) or stream_root(g, subs[i].source) == stream_root(g, end):
+            continue
+        if any(g.feeds(end, b) for s in subs[i:] for b in s.branches):
+            cuts.append(i)
+    bounds = [*cuts, len(subs)]
+    return [Stream(stream.shape, subs[a:b], stream.by_input, stream.by_output) for a, b in zip(bounds, bounds[1:])]
 
 
 def _sublayer(g: Graph, add: int, skip: int, branch: int, src: int) -> Sublayer:
@@ -253,13 +290,22 @@ def group_sublayers(g: Graph, adds: list[tuple[int, int, int, int]]) -> list[Sub
     return subs
 
 
-def place_norms(g: Graph, stream: Stream, attn_bits: int, keys: dict[str, int]) -> None:
+def place_norms(
+    g: Graph, stream: Stream, attn_bits: int, keys: dict[str, int], key_operands: dict[int, int] | None = None
+) -> None:
     """Phase 3: each sublayer's kind (attention / MLP / both), its pre, out and post norms, and its layer
-    (``keys``: layer container path -> index, filled in order of first use)."""
+    (``keys``: layer container path -> index, filled in order of first use; ``key_operands``: attention core ->
+    its key operand, to tell a cross-attention, whose keys are not computed from the stack's stream)."""
     subs = stream.sublayers
     for i, sub in enumerate(subs):
         _branch_norms(g, sub, stream.by_output)
         _classify(g, sub, attn_bits)
+        if sub.kind is SublayerKind.ATTENTION and key_operands:
+            own = g.anc(sub.adds[-1]) & ~g.anc(sub.source)
+            ks = [k for core, k in key_operands.items() if own >> core & 1]
+            start = subs[0].source
+            if ks and not any(k == start or g.feeds(start, k) for k in ks):
+                sub.kind = SublayerKind.CROSS_ATTENTION
         outs = {s.node for s in sub.out}
         sub.pre = [
             s
