@@ -120,6 +120,7 @@ TINY_ENCODER_DECODER: dict[str, Any] = {
     "decoder_attention_heads": 4,
     "num_heads": 4,
     "d_kv": 16,
+    "attention_window": 8,  # LED pads its encoder batch to a multiple of it
 }
 
 
@@ -166,6 +167,9 @@ def _parts(cfg: Any) -> list[Any]:
     and writing the stream) and no layer stack of its own. A tower (a vision or audio encoder) keeps its sizes."""
     text = getattr(cfg, "text_config", None)
     parts = [cfg] + ([text] if text is not None and text is not cfg else [])
+    if is_encoder_decoder(cfg):  # an encoder-decoder's stacks as sub-configs of their own (T5Gemma's encoder, decoder)
+        subs = [getattr(cfg, k, None) for k in getattr(cfg, "sub_configs", None) or {}]
+        parts += [s for s in subs if s is not None and getattr(s, "num_hidden_layers", None) is not None]
     for base in list(parts):
         width = getattr(base, "hidden_size", None)
         for key in getattr(base, "sub_configs", None) or {}:

@@ -29,7 +29,7 @@ import math
 from collections import Counter
 from dataclasses import dataclass, field
 
-from ..analysis.graph import Graph
+from ..analysis.graph import Graph, Ref
 from ..analysis.ops import CASTS, PROJECTIONS, SHAPE_ONLY, TOKEN_MIXING
 from ..analysis.walk import components, learned_mul, scalar_mul, strip
 from ..vocabulary import SublayerKind
@@ -135,8 +135,9 @@ def _walk_branch(g: Graph, b: int, ends: dict[int, Site]) -> tuple[int, list[str
         n = g.nodes[b]
         if b in ends:
             return b, scales
-        if n.op in CASTS | {"dropout", "identity"} and n.inputs:
-            b = strip(g, b, CASTS | {"dropout", "identity"})
+        if n.op in CASTS | {"dropout", "identity"} and n.inputs:  # one step: a norm may end in a cast (type_as)
+            first = n.args[0] if n.args else None
+            b = first.idx if isinstance(first, Ref) else n.inputs[0]
             continue
         sm = scalar_mul(g, n)
         if sm is not None:
