@@ -121,7 +121,12 @@ TINY_ENCODER_DECODER: dict[str, Any] = {
     "num_heads": 4,
     "d_kv": 16,
     "attention_window": 8,  # LED pads its encoder batch to a multiple of it
+    "max_source_positions": 32,  # Whisper's encoder reads exactly twice as many feature frames
 }
+
+# Config fields that state a feature input's channels (an audio encoder's mel bins or filterbank features), tried
+# as the channel axis of a float main input; the layout that runs is kept.
+_FEATURE_CHANNELS = ("num_mel_bins", "input_feat_per_channel", "feature_size", "num_channels", "input_dim")
 
 
 # The one model-specific rule of the shrink, as data: config fields counting the trailing layers that reuse the
@@ -227,8 +232,8 @@ def _fit_sections(c: Any, depth: Any, n: Any) -> Any:
     recurrent / output layers, 8 + 20 + 8 of 36) are cut with it, one layer each at least (the depth grows to the
     number of sections where it must); the new depth is returned. Read off the attributes, not ``to_dict`` (which
     may serialise another layout)."""
-    if not (isinstance(depth, int) and isinstance(n, int) and n < depth):
-        return n
+    if not (isinstance(depth, int) and isinstance(n, int) and n < depth) or is_encoder_decoder(c):
+        return n  # an encoder-decoder's ``*_layers`` are its stacks' depths, not sections of one stack
     counts = {
         k: v
         for k, v in vars(c).items()
@@ -306,8 +311,38 @@ def example_inputs(model: nn.Module, seq: int = 8, seed: int = 0) -> dict[str, A
         if "decoder_input_ids" in params:
             inputs["decoder_input_ids"] = torch.randint(3, high, (1, seq), generator=gen)
         if "use_cache" in params:
-            inputs["use_cache"] = False  # hybrid / linear-attention caches need not be built to read the design
+            inputs["use_cache"] = False
+        main = getattr(model, "main_input_name", "input_ids")
+        if main != "input_ids" and main in params and "decoder_input_ids" in params:  # a speech encoder's features
+            features = _feature_input(model, main, {k: v for k, v in inputs.items() if k != "input_ids"}, gen)
+            if features is not None:
+                inputs = {main: features, **{k: v for k, v in inputs.items() if k != "input_ids"}}  # hybrid / linear-attention caches need not be built to read the design
     return inputs
+
+
+def _feature_input(model: nn.Module, name: str, rest: dict[str, Any], gen: torch.Generator) -> torch.Tensor | None:
+    """A float main input (``input_features``) in the first layout that runs: ``(1, C, L)`` or ``(1, L, C)``, C a
+    channel count its config states (:data:`_FEATURE_CHANNELS`, times ``input_channels`` where it has one), L twice
+    or once the encoder's ``max_source_positions`` (Whisper reads exactly that many frames), else 64 frames."""
+    cfg = getattr(model, "config", None)
+    sub = getattr(cfg, "encoder_config", None) or getattr(cfg, "encoder", None)
+    confs = [c for c in (cfg, sub) if c is not None and hasattr(c, "to_dict")]
+    chans = [v for c in confs for k in _FEATURE_CHANNELS if type(v := getattr(c, k, None)) is int and v > 0]
+    chans += [v * k for c in confs if type(v := getattr(c, "input_feat_per_channel", None)) is int
+              if type(k := getattr(c, "input_channels", None)) is int and k > 1]  # fmt: skip
+    src = [v for c in confs if type(v := getattr(c, "max_source_positions", None)) is int and 0 < v <= 512]
+    lengths = [m * src[0] for m in (2, 1)] if src else []
+    for c in dict.fromkeys(chans):
+        for n in dict.fromkeys([*lengths, 64]):
+            for shape in ((1, c, n), (1, n, c)):
+                x = torch.randn(shape, generator=gen)
+                try:
+                    with torch.no_grad():
+                        model(**{name: x}, **rest)
+                except Exception:
+                    continue
+                return x
+    return None
 
 
 def build_target(target: str, seed: int = 0, attn_implementation: str | None = None) -> tuple[nn.Module, Any, str]:

@@ -215,9 +215,9 @@ def find_stream(g: Graph, sites: list[Site]) -> Stream:
         adds, shape = max(found, key=lambda f: len(f[0])) if found else ([], shapes[0])
     if not adds:
         shape = shapes[0]
-    for other, more in found:  # another stack's stream of another length (a decoder batch of its own length)
+    for more, other in found:  # another stack's stream of another length (a decoder batch of its own length)
         same_width = bool(other) and bool(shape) and other[-1] == shape[-1] and math.prod(other) != math.prod(shape)
-        if adds and more and same_width and _apart(g, adds, more):
+        if adds and more and same_width and not {a[0] for a in more} & {a[0] for a in adds} and _apart(g, adds, more):
             adds = sorted(adds + more)
     subs = group_sublayers(g, adds)
     by_input: dict[int, list[Site]] = {}
