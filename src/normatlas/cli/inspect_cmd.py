@@ -39,6 +39,11 @@ def configure_inspect(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="sweep every decoder-only architecture in the installed transformers",
     )
+    p.add_argument(
+        "--encoder-decoder",
+        action="store_true",
+        help="with --all-transformers: sweep every encoder-decoder type instead (both stacks, cross-attention)",
+    )
     p.add_argument("--only", default=None, help="with --all-transformers: comma-separated model types")
     p.add_argument(
         "--timeout",
@@ -51,6 +56,7 @@ def configure_inspect(p: argparse.ArgumentParser) -> None:
 
 def _refuse_nonsense(args: argparse.Namespace) -> None:
     sweep_args = (("--only", args.only), ("--timeout", args.timeout), ("--out", args.out))
+    sweep_args += (("--encoder-decoder", True if getattr(args, "encoder_decoder", False) else None),)
     sweep_only = [flag for flag, value in sweep_args if value is not None]
     if args.all_transformers:
         if args.target:
@@ -177,9 +183,20 @@ def _children_ignore_sigint() -> None:
 
 
 def _sweep(args: argparse.Namespace) -> int:
-    from ..inspect.sweep import decoder_model_types, sweep, write_sweep
+    from ..inspect.sweep import (
+        COLUMNS,
+        ENCODER_DECODER_COLUMNS,
+        decoder_model_types,
+        encoder_decoder_counts,
+        encoder_decoder_model_types,
+        sweep,
+        write_sweep,
+    )
 
-    types = _model_types(args.only) if args.only is not None else decoder_model_types()
+    encdec = bool(getattr(args, "encoder_decoder", False))
+    every = encoder_decoder_model_types if encdec else decoder_model_types
+    columns = ENCODER_DECODER_COLUMNS if encdec else COLUMNS
+    types = _model_types(args.only) if args.only is not None else every()
     timeout = DEFAULT_TIMEOUT if args.timeout is None else args.timeout
     out = Path(DEFAULT_OUT if args.out is None else args.out)
     if out.exists() and not out.is_dir():
@@ -188,12 +205,12 @@ def _sweep(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     rows: list[dict[str, Any]] = []
     for mt in progress.steps(types, "inspecting architectures"):
-        rows += sweep([mt], progress=False, timeout=timeout)
+        rows += sweep([mt], progress=False, timeout=timeout, columns=columns)
     seconds = time.perf_counter() - t0
     out.mkdir(parents=True, exist_ok=True)
     tmp = out / f".partial-{os.getpid()}"
     try:  # both files appear together or not at all
-        written = write_sweep(rows, tmp)
+        written = write_sweep(rows, tmp, columns)
         jp, cp = (out / p.name for p in written)
         for src, dst in zip(written, (jp, cp), strict=True):
             os.replace(src, dst)
@@ -201,13 +218,18 @@ def _sweep(args: argparse.Namespace) -> int:
         shutil.rmtree(tmp, ignore_errors=True)
     ok = sum(1 for r in rows if not r["error"])
     failed = [{"model": r["model"], "error": r["error"]} for r in rows if r["error"]]
+    counts = encoder_decoder_counts(rows) if encdec else None
     if args.format == "table":
         print(f"classified {ok}/{len(rows)} architectures in {seconds:.1f} s; wrote {jp} and {cp}")
+        if counts is not None:
+            print("encoder-decoders: " + ", ".join(f"{k} {v}" for k, v in counts.items()))
         if failed:
             print()
             emit([Section("failed", failed, "not classified")], "table")
         return 0
     meta = {"classified": ok, "architectures": len(rows), "seconds": round(seconds, 1), "json": str(jp), "csv": str(cp)}
+    if counts is not None:
+        meta["encoder_decoder"] = counts
     emit([Section("architectures", rows)], args.format, meta=meta)
     return 0
 

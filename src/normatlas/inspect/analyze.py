@@ -104,7 +104,9 @@ def _read_stack(
     emb_scale, emb_norm = embedding(g, stream)
     if emb_scale is None and subs:  # a scale the walk back cannot reach: read forwards from the lookups (the first
         lookups = (n.idx for n in g.nodes if n.op == "embedding" and g.feeds(n.idx, subs[0].source))  # scaled one:
-        emb_scale = next((x for i in lookups if (x := scale_after(g, i)) is not None), None)  # FSMT looks up positions first
+        emb_scale = next(
+            (x for i in lookups if (x := scale_after(g, i)) is not None), None
+        )  # FSMT looks up positions first
     roles = _roles(subs, final, emb_norm)
     cross = {c.node for c in cores if subs and not (c.k == subs[0].source or g.feeds(subs[0].source, c.k))}
     attention = _attention_infos(g, cores, roles, trig, layers, cross)

@@ -316,7 +316,10 @@ def example_inputs(model: nn.Module, seq: int = 8, seed: int = 0) -> dict[str, A
         if main != "input_ids" and main in params and "decoder_input_ids" in params:  # a speech encoder's features
             features = _feature_input(model, main, {k: v for k, v in inputs.items() if k != "input_ids"}, gen)
             if features is not None:
-                inputs = {main: features, **{k: v for k, v in inputs.items() if k != "input_ids"}}  # hybrid / linear-attention caches need not be built to read the design
+                inputs = {
+                    main: features,
+                    **{k: v for k, v in inputs.items() if k != "input_ids"},
+                }  # hybrid / linear-attention caches need not be built to read the design
     return inputs
 
 

@@ -25,6 +25,7 @@ Method (all structural, no names):
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import Counter
 from dataclasses import dataclass, field
@@ -249,7 +250,7 @@ def split_stacks(g: Graph, stream: Stream) -> list[Stream]:
         if any(g.feeds(end, b) for s in subs[i:] for b in s.branches):
             cuts.append(i)
     bounds = [*cuts, len(subs)]
-    return [Stream(stream.shape, subs[a:b], stream.by_input, stream.by_output) for a, b in zip(bounds, bounds[1:])]
+    return [Stream(stream.shape, subs[a:b], stream.by_input, stream.by_output) for a, b in itertools.pairwise(bounds)]
 
 
 def _sublayer(g: Graph, add: int, skip: int, branch: int, src: int) -> Sublayer:
