@@ -106,9 +106,20 @@ def inspect_cmd(args: argparse.Namespace) -> int:
         print(json.dumps(_jsonable(doc), indent=2, allow_nan=False))
         return 0
     summary = rep.summary_row()
-    design = [{"field": k, "value": v} for k, v in summary.items() if k not in ("model", "notes")]
+    skip = ("model", "notes", "stack")
+    if rep.encoder is None:
+        design = [{"field": k, "value": v} for k, v in summary.items() if k not in skip]
+    else:  # an encoder-decoder: one column per stack
+        enc = rep.encoder.summary_row()
+        design = [
+            {"field": k, "decoder": v, "encoder": enc.get(k) if k not in ("placement_cross_attention", "seconds") else "n/a"}
+            for k, v in summary.items()
+            if k not in skip and not k.startswith("encoder_")
+        ]
+    stacks = [rep] if rep.encoder is None else [rep.encoder, rep]
     subs = [
         {
+            **({"stack": r.stack} if r.stack else {}),
             "layer": s.layer,
             "sublayer": s.kind,
             "placement": s.placement.value,
@@ -118,12 +129,13 @@ def inspect_cmd(args: argparse.Namespace) -> int:
             "residual x": s.skip_scale,
             "branch x": s.branch_scale,
         }
-        for s in rep.sublayers
+        for r in stacks
+        for s in r.sublayers
     ]
-    sections = [
-        Section("design", design, f"{rep.model}: normalization design (from the traced dataflow)"),
-        *([Section("sublayers", subs, "per sublayer")] if subs else []),
-    ]
+    title = f"{rep.model}: normalization design (from the traced dataflow)"
+    if rep.encoder is not None:
+        title = f"{rep.model}: normalization design of the encoder and decoder stacks (from the traced dataflow)"
+    sections = [Section("design", design, title), *([Section("sublayers", subs, "per sublayer")] if subs else [])]
     if args.norms:
         from ..inspect.report import gain_word
 
@@ -268,6 +280,15 @@ _COMPARE_VISION = (
 )
 
 
+_COMPARE_ENCODER = ("placement", "operator", "final_norm", "embedding_norm")
+
+
+def _encoder_fields(summ: dict[str, Any]) -> dict[str, Any]:
+    """An encoder-decoder's stack, cross-attention and encoder fields of a summary row ({} for one stack)."""
+    keys = ("stack", "placement_cross_attention", *(f"encoder_{k}" for k in _COMPARE_ENCODER))
+    return {k: summ.get(k) for k in keys} if summ.get("stack") else {}
+
+
 def _compare(args: argparse.Namespace) -> int:
     """Several targets: one summary row each (errors as rows, exit 1 if any failed)."""
     from ..inspect import inspect_target, inspect_vision_target
@@ -278,11 +299,14 @@ def _compare(args: argparse.Namespace) -> int:
         try:
             summ = inspect_one(target).summary_row()
             summ["model"] = target
-            rows.append({k: summ.get(k) for k in columns} | {"error": None})
+            rows.append({k: summ.get(k) for k in columns} | {"error": None} | _encoder_fields(summ))
         except Exception as exc:  # one failing target must not hide the others
             failed += 1
             error = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}"
             rows.append({k: None for k in columns} | {"model": target, "error": error})
+    if any(r.get("stack") for r in rows):  # an encoder-decoder among them: its cross-attention and encoder stack
+        columns = (*columns, "stack", "placement_cross_attention", *(f"encoder_{k}" for k in _COMPARE_ENCODER))
+        rows = [{k: r.get(k) for k in columns} | {"error": r["error"]} for r in rows]
     cols = [*columns, "error"] if failed or args.format != "table" else list(columns)
     emit([Section("models", rows, "normalization designs (from the traced dataflow)", cols)], args.format)
     return 1 if failed else 0

@@ -20,7 +20,8 @@ Method (all structural, no names):
 * The **final norm** is the norm on the last stream value (after the last sublayer's post-norm,
   when two norms follow each other there or the sublayer repeats a post-norm scheme), looking
   through constant scalings of the stream; the **embedding** norm or scaling is read walking back
-  from the first stream value.
+  from the first stream value (the norm on the patch or token embeddings, whether a position embedding or a
+  CLS token joins them before it or after it).
 """
 
 from __future__ import annotations
@@ -30,9 +31,9 @@ import math
 from collections import Counter
 from dataclasses import dataclass, field
 
-from ..analysis.graph import Graph, Ref
+from ..analysis.graph import Graph, Node, Ref
 from ..analysis.ops import CASTS, PROJECTIONS, SHAPE_ONLY, TOKEN_MIXING
-from ..analysis.walk import components, learned_mul, scalar_mul, strip
+from ..analysis.walk import components, learned_mul, scalar_mul, strip, upstream
 from ..vocabulary import SublayerKind
 from .norms import Site
 
@@ -415,7 +416,28 @@ def embedding(g: Graph, stream: Stream) -> tuple[float | None, Site | None]:
             cur = strip(g, cur, SHAPE_ONLY)
         else:
             break
+    if norm is None:
+        norm = _norm_before_adds(g, stream, cur)
     return (scale if scale != 1.0 else None), norm
+
+
+_TOKEN_JOINS = frozenset({"add", "cat", "concat", "dropout", "identity"})
+
+
+def _norm_before_adds(g: Graph, stream: Stream, start: int) -> Site | None:
+    """The one norm of the stream's width (at ``start``) upstream of ``start`` through what joins the embedding's terms: adds (a
+    position embedding added after the norm), concatenations (a CLS token prepended), views, casts, dropout and
+    constant scalings (PVT's patch LayerNorm, then its CLS token and position table); None unless exactly one."""
+
+    def expand(node: Node) -> bool:
+        if node.idx in stream.by_output:
+            return False
+        return node.op in _TOKEN_JOINS or node.op in SHAPE_ONLY or node.op in CASTS or scalar_mul(g, node) is not None
+
+    found = [stream.by_output[n.idx] for n in upstream(g, start, expand) if n.idx in stream.by_output]
+    width = (g.nodes[start].shape or stream.shape)[-1]  # the first stage's width, in a staged tower
+    found = [s for s in found if s.size == width]
+    return found[0] if len(found) == 1 else None
 
 
 def scale_after(g: Graph, idx: int) -> float | None:
