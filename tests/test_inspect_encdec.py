@@ -221,7 +221,7 @@ def test_sweep_lists_and_counts() -> None:
     types = encoder_decoder_model_types()
     assert {"t5", "bart", "whisper", "marian"} <= set(types) and "llama" not in types
     assert {"stack", "placement_cross_attention", "encoder_placement"} <= set(ENCODER_DECODER_COLUMNS)
-    rows = [
+    rows: list[dict[str, object]] = [
         {"stack": "decoder", "placement": "pre", "encoder_placement": "pre", "error": ""},
         {"stack": None, "placement": "post", "encoder_placement": None, "error": ""},
         {"stack": None, "placement": None, "encoder_placement": None, "error": "ValueError: x"},

@@ -55,8 +55,13 @@ def configure_inspect(p: argparse.ArgumentParser) -> None:
 
 
 def _refuse_nonsense(args: argparse.Namespace) -> None:
-    sweep_args = (("--only", args.only), ("--timeout", args.timeout), ("--out", args.out))
-    sweep_args += (("--encoder-decoder", True if getattr(args, "encoder_decoder", False) else None),)
+    encdec = True if getattr(args, "encoder_decoder", False) else None
+    sweep_args = (
+        ("--only", args.only),
+        ("--timeout", args.timeout),
+        ("--out", args.out),
+        ("--encoder-decoder", encdec),
+    )
     sweep_only = [flag for flag, value in sweep_args if value is not None]
     if args.all_transformers:
         if args.target:
@@ -112,7 +117,11 @@ def inspect_cmd(args: argparse.Namespace) -> int:
     else:  # an encoder-decoder: one column per stack
         enc = rep.encoder.summary_row()
         design = [
-            {"field": k, "decoder": v, "encoder": enc.get(k) if k not in ("placement_cross_attention", "seconds") else "n/a"}
+            {
+                "field": k,
+                "decoder": v,
+                "encoder": enc.get(k) if k not in ("placement_cross_attention", "seconds") else "n/a",
+            }
             for k, v in summary.items()
             if k not in skip and not k.startswith("encoder_")
         ]

@@ -425,9 +425,9 @@ _TOKEN_JOINS = frozenset({"add", "cat", "concat", "dropout", "identity"})
 
 
 def _norm_before_adds(g: Graph, stream: Stream, start: int) -> Site | None:
-    """The one norm of the stream's width (at ``start``) upstream of ``start`` through what joins the embedding's terms: adds (a
-    position embedding added after the norm), concatenations (a CLS token prepended), views, casts, dropout and
-    constant scalings (PVT's patch LayerNorm, then its CLS token and position table); None unless exactly one."""
+    """The one norm of the stream's width (at ``start``) upstream of ``start`` through what joins the embedding's
+    terms: adds (a position embedding added after the norm), concatenations (a CLS token prepended), views, casts,
+    dropout and constant scalings (PVT's patch LayerNorm, then its position table); None unless exactly one."""
 
     def expand(node: Node) -> bool:
         if node.idx in stream.by_output:
