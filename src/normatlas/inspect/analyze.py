@@ -101,7 +101,7 @@ def _read_stack(
     layers: dict[str, int] = {}  # layer container path -> layer index, shared by sublayers and attention
     place_norms(g, stream, attn_bits, layers, {c.node: c.k for c in cores})
     final = final_norm(g, stream)
-    emb_scale, emb_norm = embedding(g, stream)
+    emb_scale, emb_norm = embedding(g, stream, through_joins=True)
     if emb_scale is None and subs:  # a scale the walk back cannot reach: read forwards from the lookups (the first
         lookups = (n.idx for n in g.nodes if n.op == "embedding" and g.feeds(n.idx, subs[0].source))  # scaled one:
         emb_scale = next(

@@ -397,8 +397,9 @@ def _in_layer(g: Graph, idx: int) -> bool:
     return any(path in g.list_children for path in g.nodes[idx].scope)
 
 
-def embedding(g: Graph, stream: Stream) -> tuple[float | None, Site | None]:
-    """Phase 5: the constant scaling and the norm between the embedding and the first stream value."""
+def embedding(g: Graph, stream: Stream, *, through_joins: bool = False) -> tuple[float | None, Site | None]:
+    """Phase 5: the constant scaling and the norm between the embedding and the first stream value (with
+    ``through_joins``, a norm before a position add or a CLS concatenation too: :func:`_norm_before_adds`)."""
     if not stream.sublayers:
         return None, None
     scale, norm = None, None
@@ -416,7 +417,7 @@ def embedding(g: Graph, stream: Stream) -> tuple[float | None, Site | None]:
             cur = strip(g, cur, SHAPE_ONLY)
         else:
             break
-    if norm is None:
+    if norm is None and through_joins:
         norm = _norm_before_adds(g, stream, cur)
     return (scale if scale != 1.0 else None), norm
 
