@@ -293,9 +293,11 @@ _COMPARE_ENCODER = ("placement", "operator", "final_norm", "embedding_norm")
 
 
 def _encoder_fields(summ: dict[str, Any]) -> dict[str, Any]:
-    """An encoder-decoder's stack, cross-attention and encoder fields of a summary row ({} for one stack)."""
+    """The embedding norm, and an encoder-decoder's stack, cross-attention and encoder fields of a summary row."""
     keys = ("stack", "placement_cross_attention", *(f"encoder_{k}" for k in _COMPARE_ENCODER))
-    return {k: summ.get(k) for k in keys} if summ.get("stack") else {}
+    return {"embedding_norm": summ.get("embedding_norm")} | (
+        {k: summ.get(k) for k in keys} if summ.get("stack") else {}
+    )
 
 
 def _compare(args: argparse.Namespace) -> int:
@@ -314,7 +316,8 @@ def _compare(args: argparse.Namespace) -> int:
             error = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}"
             rows.append({k: None for k in columns} | {"model": target, "error": error})
     if any(r.get("stack") for r in rows):  # an encoder-decoder among them: its cross-attention and encoder stack
-        columns = (*columns, "stack", "placement_cross_attention", *(f"encoder_{k}" for k in _COMPARE_ENCODER))
+        columns = (*columns, "embedding_norm", "stack", "placement_cross_attention")
+        columns = (*columns, *(f"encoder_{k}" for k in _COMPARE_ENCODER))
         rows = [{k: r.get(k) for k in columns} | {"error": r["error"]} for r in rows]
     cols = [*columns, "error"] if failed or args.format != "table" else list(columns)
     emit([Section("models", rows, "normalization designs (from the traced dataflow)", cols)], args.format)

@@ -267,8 +267,9 @@ def _sublayer(g: Graph, add: int, skip: int, branch: int, src: int) -> Sublayer:
         elif (lm := learned_mul(g, n)) is not None:
             sub.skip_learned = lm[1]
             cur = lm[0]
-        elif n.op in SHAPE_ONLY and n.inputs:
-            cur = strip(g, cur, SHAPE_ONLY)
+        elif n.op in SHAPE_ONLY and n.inputs:  # one step: a chain of casts and views may pass the source itself
+            first = n.args[0] if n.args else None
+            cur = first.idx if isinstance(first, Ref) else n.inputs[0]
         else:
             break
     bnode = g.nodes[strip(g, branch, SHAPE_ONLY)]
