@@ -279,3 +279,23 @@ def test_pvt_patch_norm_before_its_position_add() -> None:
     assert rep.embedding_norm is Operator.LAYERNORM and rep.placement is PlacementKind.PRE
     first = next(n for n in rep.norms if n.role is SiteRole.EMBEDDING)
     assert first.size == 64  # the first stage's width, not the last stage's
+
+
+# ----------------------------------------------------------------------------- the CLI
+def test_cli_encoder_decoder_sweep_and_refusal(tmp_path: object, capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+    from pathlib import Path
+
+    from normatlas.cli import main
+
+    assert main(["inspect", "t5", "--encoder-decoder"]) != 0
+    assert "--encoder-decoder: only with --all-transformers" in capsys.readouterr().err
+    out = Path(str(tmp_path))
+    code = main(["inspect", "--all-transformers", "--encoder-decoder", "--only", "t5", "--out", str(out)])
+    printed = capsys.readouterr().out
+    assert code == 0 and "encoder-decoders: read 1, not read 0, could not build 0" in printed
+    (row,) = json.loads((out / "transformers_matrix.json").read_text())
+    assert (row["stack"], row["placement"], row["encoder_placement"]) == ("decoder", "pre", "pre")
+    assert (row["placement_cross_attention"], row["encoder_final_norm"]) == ("pre", "rmsnorm")
+    header = (out / "transformers_matrix.csv").read_text().splitlines()[0].split(",")
+    assert header == ENCODER_DECODER_COLUMNS
