@@ -126,11 +126,11 @@ class InspectionReport:
         d = self.to_dict(detail=False)
         d["placement_by_layer"] = " ".join(self.placement_by_layer)
         d["notes"] = "; ".join(self.notes)
-        enc = d.pop("encoder")
+        d.pop("encoder")
         if self.encoder is not None:  # the encoder's fields beside the decoder's, each under encoder_
             row = self.encoder.summary_row()
             d |= {f"encoder_{k}": row[k] for k in ENCODER_COLUMNS}
-        elif enc is None:
+        else:  # one stack (or the encoder's own row): no stack column
             d.pop("stack")
         return d
 
