@@ -289,15 +289,13 @@ _COMPARE_VISION = (
 )
 
 
-_COMPARE_ENCODER = ("placement", "operator", "final_norm", "embedding_norm")
-
-
-def _encoder_fields(summ: dict[str, Any]) -> dict[str, Any]:
-    """The embedding norm, and an encoder-decoder's stack, cross-attention and encoder fields of a summary row."""
-    keys = ("stack", "placement_cross_attention", *(f"encoder_{k}" for k in _COMPARE_ENCODER))
-    return {"embedding_norm": summ.get("embedding_norm")} | (
-        {k: summ.get(k) for k in keys} if summ.get("stack") else {}
-    )
+_COMPARE_ENCODER_DECODER = (
+    "embedding_norm",
+    "stack",
+    "placement_cross_attention",
+    *(f"encoder_{k}" for k in ("placement", "operator", "final_norm", "embedding_norm")),
+)
+"""The columns a comparison adds when an encoder-decoder is among its targets."""
 
 
 def _compare(args: argparse.Namespace) -> int:
@@ -305,20 +303,19 @@ def _compare(args: argparse.Namespace) -> int:
     from ..inspect import inspect_target, inspect_vision_target
 
     inspect_one, columns = (inspect_vision_target, _COMPARE_VISION) if args.vision else (inspect_target, _COMPARE)
-    rows, failed = [], 0
+    summaries: list[dict[str, Any]] = []
+    failed = 0
     for target in progress.steps(args.target, "building and tracing"):
         try:
             summ = inspect_one(target).summary_row()
-            summ["model"] = target
-            rows.append({k: summ.get(k) for k in columns} | {"error": None} | _encoder_fields(summ))
+            summaries.append(summ | {"model": target, "error": None})
         except Exception as exc:  # one failing target must not hide the others
             failed += 1
             error = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}"
-            rows.append({k: None for k in columns} | {"model": target, "error": error})
-    if any(r.get("stack") for r in rows):  # an encoder-decoder among them: its cross-attention and encoder stack
-        columns = (*columns, "embedding_norm", "stack", "placement_cross_attention")
-        columns = (*columns, *(f"encoder_{k}" for k in _COMPARE_ENCODER))
-        rows = [{k: r.get(k) for k in columns} | {"error": r["error"]} for r in rows]
+            summaries.append({"model": target, "error": error})
+    if any(r.get("stack") for r in summaries):  # an encoder-decoder among them: its cross-attention and encoder stack
+        columns = (*columns, *_COMPARE_ENCODER_DECODER)
+    rows = [{k: r.get(k) for k in columns} | {"error": r["error"]} for r in summaries]
     cols = [*columns, "error"] if failed or args.format != "table" else list(columns)
     emit([Section("models", rows, "normalization designs (from the traced dataflow)", cols)], args.format)
     return 1 if failed else 0
