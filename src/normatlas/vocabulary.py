@@ -115,6 +115,7 @@ class SublayerKind(enum.Enum):
     """What a residual branch computes."""
 
     ATTENTION = "attention"
+    CROSS_ATTENTION = "cross-attention"  # attention whose keys and values come from another stream (an encoder's)
     MLP = "mlp"
     PARALLEL = "attention+mlp"  # attention and MLP branches added at one add
     MIXER = "mixer"  # a token mixer without an attention core: an SSM (Mamba), a convolution, linear attention

@@ -39,6 +39,11 @@ def configure_inspect(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="sweep every decoder-only architecture in the installed transformers",
     )
+    p.add_argument(
+        "--encoder-decoder",
+        action="store_true",
+        help="with --all-transformers: sweep every encoder-decoder type instead (both stacks, cross-attention)",
+    )
     p.add_argument("--only", default=None, help="with --all-transformers: comma-separated model types")
     p.add_argument(
         "--timeout",
@@ -50,7 +55,13 @@ def configure_inspect(p: argparse.ArgumentParser) -> None:
 
 
 def _refuse_nonsense(args: argparse.Namespace) -> None:
-    sweep_args = (("--only", args.only), ("--timeout", args.timeout), ("--out", args.out))
+    encdec = True if getattr(args, "encoder_decoder", False) else None
+    sweep_args = (
+        ("--only", args.only),
+        ("--timeout", args.timeout),
+        ("--out", args.out),
+        ("--encoder-decoder", encdec),
+    )
     sweep_only = [flag for flag, value in sweep_args if value is not None]
     if args.all_transformers:
         if args.target:
@@ -100,9 +111,24 @@ def inspect_cmd(args: argparse.Namespace) -> int:
         print(json.dumps(_jsonable(doc), indent=2, allow_nan=False))
         return 0
     summary = rep.summary_row()
-    design = [{"field": k, "value": v} for k, v in summary.items() if k not in ("model", "notes")]
+    skip = ("model", "notes", "stack")
+    if rep.encoder is None:
+        design = [{"field": k, "value": v} for k, v in summary.items() if k not in skip]
+    else:  # an encoder-decoder: one column per stack
+        enc = rep.encoder.summary_row()
+        design = [
+            {
+                "field": k,
+                "decoder": v,
+                "encoder": enc.get(k) if k not in ("placement_cross_attention", "seconds") else "n/a",
+            }
+            for k, v in summary.items()
+            if k not in skip and not k.startswith("encoder_")
+        ]
+    stacks = [rep] if rep.encoder is None else [rep.encoder, rep]
     subs = [
         {
+            **({"stack": r.stack} if r.stack else {}),
             "layer": s.layer,
             "sublayer": s.kind,
             "placement": s.placement.value,
@@ -112,12 +138,13 @@ def inspect_cmd(args: argparse.Namespace) -> int:
             "residual x": s.skip_scale,
             "branch x": s.branch_scale,
         }
-        for s in rep.sublayers
+        for r in stacks
+        for s in r.sublayers
     ]
-    sections = [
-        Section("design", design, f"{rep.model}: normalization design (from the traced dataflow)"),
-        *([Section("sublayers", subs, "per sublayer")] if subs else []),
-    ]
+    title = f"{rep.model}: normalization design (from the traced dataflow)"
+    if rep.encoder is not None:
+        title = f"{rep.model}: normalization design of the encoder and decoder stacks (from the traced dataflow)"
+    sections = [Section("design", design, title), *([Section("sublayers", subs, "per sublayer")] if subs else [])]
     if args.norms:
         from ..inspect.report import gain_word
 
@@ -177,9 +204,20 @@ def _children_ignore_sigint() -> None:
 
 
 def _sweep(args: argparse.Namespace) -> int:
-    from ..inspect.sweep import decoder_model_types, sweep, write_sweep
+    from ..inspect.sweep import (
+        COLUMNS,
+        ENCODER_DECODER_COLUMNS,
+        decoder_model_types,
+        encoder_decoder_counts,
+        encoder_decoder_model_types,
+        sweep,
+        write_sweep,
+    )
 
-    types = _model_types(args.only) if args.only is not None else decoder_model_types()
+    encdec = bool(getattr(args, "encoder_decoder", False))
+    every = encoder_decoder_model_types if encdec else decoder_model_types
+    columns = ENCODER_DECODER_COLUMNS if encdec else COLUMNS
+    types = _model_types(args.only) if args.only is not None else every()
     timeout = DEFAULT_TIMEOUT if args.timeout is None else args.timeout
     out = Path(DEFAULT_OUT if args.out is None else args.out)
     if out.exists() and not out.is_dir():
@@ -188,12 +226,12 @@ def _sweep(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     rows: list[dict[str, Any]] = []
     for mt in progress.steps(types, "inspecting architectures"):
-        rows += sweep([mt], progress=False, timeout=timeout)
+        rows += sweep([mt], progress=False, timeout=timeout, columns=columns)
     seconds = time.perf_counter() - t0
     out.mkdir(parents=True, exist_ok=True)
     tmp = out / f".partial-{os.getpid()}"
     try:  # both files appear together or not at all
-        written = write_sweep(rows, tmp)
+        written = write_sweep(rows, tmp, columns)
         jp, cp = (out / p.name for p in written)
         for src, dst in zip(written, (jp, cp), strict=True):
             os.replace(src, dst)
@@ -201,13 +239,18 @@ def _sweep(args: argparse.Namespace) -> int:
         shutil.rmtree(tmp, ignore_errors=True)
     ok = sum(1 for r in rows if not r["error"])
     failed = [{"model": r["model"], "error": r["error"]} for r in rows if r["error"]]
+    counts = encoder_decoder_counts(rows) if encdec else None
     if args.format == "table":
         print(f"classified {ok}/{len(rows)} architectures in {seconds:.1f} s; wrote {jp} and {cp}")
+        if counts is not None:
+            print("encoder-decoders: " + ", ".join(f"{k} {v}" for k, v in counts.items()))
         if failed:
             print()
             emit([Section("failed", failed, "not classified")], "table")
         return 0
     meta = {"classified": ok, "architectures": len(rows), "seconds": round(seconds, 1), "json": str(jp), "csv": str(cp)}
+    if counts is not None:
+        meta["encoder_decoder"] = counts
     emit([Section("architectures", rows)], args.format, meta=meta)
     return 0
 
@@ -246,21 +289,33 @@ _COMPARE_VISION = (
 )
 
 
+_COMPARE_ENCODER_DECODER = (
+    "embedding_norm",
+    "stack",
+    "placement_cross_attention",
+    *(f"encoder_{k}" for k in ("placement", "operator", "final_norm", "embedding_norm")),
+)
+"""The columns a comparison adds when an encoder-decoder is among its targets."""
+
+
 def _compare(args: argparse.Namespace) -> int:
     """Several targets: one summary row each (errors as rows, exit 1 if any failed)."""
     from ..inspect import inspect_target, inspect_vision_target
 
     inspect_one, columns = (inspect_vision_target, _COMPARE_VISION) if args.vision else (inspect_target, _COMPARE)
-    rows, failed = [], 0
+    summaries: list[dict[str, Any]] = []
+    failed = 0
     for target in progress.steps(args.target, "building and tracing"):
         try:
             summ = inspect_one(target).summary_row()
-            summ["model"] = target
-            rows.append({k: summ.get(k) for k in columns} | {"error": None})
+            summaries.append(summ | {"model": target, "error": None})
         except Exception as exc:  # one failing target must not hide the others
             failed += 1
             error = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}"
-            rows.append({k: None for k in columns} | {"model": target, "error": error})
+            summaries.append({"model": target, "error": error})
+    if any(r.get("stack") for r in summaries):  # an encoder-decoder among them: its cross-attention and encoder stack
+        columns = (*columns, *_COMPARE_ENCODER_DECODER)
+    rows = [{k: r.get(k) for k in columns} | {"error": r["error"]} for r in summaries]
     cols = [*columns, "error"] if failed or args.format != "table" else list(columns)
     emit([Section("models", rows, "normalization designs (from the traced dataflow)", cols)], args.format)
     return 1 if failed else 0

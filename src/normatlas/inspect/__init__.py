@@ -79,6 +79,8 @@ def inspect_model(
     report = analyze(graph, label)
     if probe:
         check_sites(model, graph, report)
+        if report.encoder is not None:  # an encoder-decoder: the encoder stack's norms too
+            check_sites(model, graph, report.encoder)
     report.seconds = time.perf_counter() - t0
     return report
 

@@ -36,6 +36,7 @@ from .residual import (
     layer_of,
     place_norms,
     scale_after,
+    split_stacks,
     stream_root,
 )
 
@@ -48,24 +49,67 @@ def analyze(
     g: Graph, name: str = "model", tracer: str = "torch_function", *, stream: Stream | None = None
 ) -> InspectionReport:
     """Derive the :class:`InspectionReport` of a recorded graph (``stream``: the residual stream when the caller
-    has found it, e.g. a staged vision tower's stages merged; default :func:`.residual.find_stream`)."""
+    has found it, e.g. a staged vision tower's stages merged; default :func:`.residual.find_stream`). A stream of
+    two stacks (:func:`.residual.split_stacks`: an encoder and the decoder that cross-attends to it) is read stack
+    by stack: the report is the last stack's (the decoder's) and its ``encoder`` the stack it reads."""
     sites = find_sites(g)
     stream = find_stream(g, sites) if stream is None else stream
-    subs = stream.sublayers
+    stacks = split_stacks(g, stream)
     trig = trig_bits(g)
-    start_bit = 1 << subs[0].source if subs else 0
+    starts = [st.sublayers[0].source for st in stacks if st.sublayers]
+    subs = stream.sublayers
     stream_inputs = {strip(g, s.source, SHAPE_ONLY) for s in subs} | {strip(g, s.adds[-1], SHAPE_ONLY) for s in subs}
-    cores = find_cores(g, sites, start_bit, stream_inputs, trig) if subs else []
+    cores = find_cores(g, sites, sum(1 << s for s in set(starts)), stream_inputs, trig) if subs else []
+    owner = _core_stacks(g, cores, stacks)
+    reads = [
+        _read_stack(g, sites, st, [c for c, k in zip(cores, owner, strict=True) if k == i], trig, f"{name}", tracer)
+        for i, st in enumerate(stacks)
+    ]
+    report, roles = reads[-1]
+    if len(reads) > 1:
+        enc, enc_roles = reads[-2]
+        enc.model = f"{name} / encoder"
+        enc.norms = [n for n in enc.norms if n.index in enc_roles]
+        report.norms = [_norm_info(s, {**enc_roles, **roles}) for s in sites if s.node not in enc_roles]
+        report.encoder = enc
+        report.stack = "decoder"
+        enc.stack = "encoder"
+        if len(reads) > 2:
+            report.notes.append(f"{len(reads)} stacks: the last two are reported (decoder and encoder)")
+    return report
+
+
+def _core_stacks(g: Graph, cores: list[Core], stacks: list[Stream]) -> list[int]:
+    """The stack each attention core belongs to: the first whose sublayer branches it feeds (-1: none)."""
+    owner = []
+    for core in cores:
+        here = -1
+        for i, st in enumerate(stacks):
+            if any(g.feeds(core.node, b) or core.node == b for sub in st.sublayers for b in sub.branches):
+                here = i
+                break
+        owner.append(here)
+    return owner
+
+
+def _read_stack(
+    g: Graph, sites: list[Site], stream: Stream, cores: list[Core], trig: int, name: str, tracer: str
+) -> tuple[InspectionReport, _Roles]:
+    """One stack's report and the roles it gives its norm sites."""
+    subs = stream.sublayers
     attn_bits = sum(1 << c.node for c in cores)
     layers: dict[str, int] = {}  # layer container path -> layer index, shared by sublayers and attention
-    place_norms(g, stream, attn_bits, layers)
+    place_norms(g, stream, attn_bits, layers, {c.node: c.k for c in cores})
     final = final_norm(g, stream)
-    emb_scale, emb_norm = embedding(g, stream)
-    if emb_scale is None and subs:  # a scale the walk back cannot reach: read forwards from the lookup
-        lookup = next((n.idx for n in g.nodes if n.op == "embedding" and g.feeds(n.idx, subs[0].source)), None)
-        emb_scale = scale_after(g, lookup) if lookup is not None else None
+    emb_scale, emb_norm = embedding(g, stream, through_joins=True)
+    if emb_scale is None and subs:  # a scale the walk back cannot reach: read forwards from the lookups (the first
+        lookups = (n.idx for n in g.nodes if n.op == "embedding" and g.feeds(n.idx, subs[0].source))  # scaled one:
+        emb_scale = next(
+            (x for i in lookups if (x := scale_after(g, i)) is not None), None
+        )  # FSMT looks up positions first
     roles = _roles(subs, final, emb_norm)
-    attention = _attention_infos(g, cores, roles, trig, layers)
+    cross = {c.node for c in cores if subs and not (c.k == subs[0].source or g.feeds(subs[0].source, c.k))}
+    attention = _attention_infos(g, cores, roles, trig, layers, cross)
     sub_infos = [_sublayer_info(s) for s in subs]
     notes: list[str] = []
     as_pre = _embedding_norm_as_pre(g, subs, sub_infos, emb_norm)
@@ -92,7 +136,7 @@ def analyze(
         attention=attention,
         notes=notes,
     )
-    return report
+    return report, roles
 
 
 # ----------------------------------------------------------------------------- per-site records
@@ -113,7 +157,7 @@ def _roles(subs: list[Sublayer], final: Site | None, emb_norm: Site | None) -> _
 
 
 def _attention_infos(
-    g: Graph, cores: list[Core], roles: _Roles, trig: int, keys: dict[str, int]
+    g: Graph, cores: list[Core], roles: _Roles, trig: int, keys: dict[str, int], cross: set[int]
 ) -> list[AttentionInfo]:
     out: list[AttentionInfo] = []
     for core in cores:
@@ -130,6 +174,7 @@ def _attention_infos(
                 rope_order(g, qk, trig),
                 bool(core.norms["v"]),
                 core.softcap,
+                core.node in cross,
             )
         )
     return out
@@ -231,6 +276,7 @@ def _placement_summary(stream: Stream, subs: list[SublayerInfo]) -> dict[str, An
         "placement": _summary_of(kinds, PlacementKind.UNKNOWN, PlacementKind.MIX),
         "placement_attention": _mix(per_kind[SublayerKind.ATTENTION]) if SublayerKind.ATTENTION in per_kind else "n/a",
         "placement_mlp": _mix(per_kind[SublayerKind.MLP]) if SublayerKind.MLP in per_kind else "n/a",
+        "placement_cross_attention": _mix(cross) if (cross := per_kind.get(SublayerKind.CROSS_ATTENTION)) else "n/a",
         "placement_mixer": _mix(mixers) if (mixers := per_kind.get(SublayerKind.MIXER)) else "n/a",
         "placement_by_layer": ["/".join(v) for _, v in sorted(by_layer.items())],
         "residual_scale": ", ".join(sorted({f"{s.skip_scale:.6g}" for s in subs if s.skip_scale} | learned)) or None,

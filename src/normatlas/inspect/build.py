@@ -27,12 +27,14 @@ __all__ = [
     "ATTENTION_IMPLEMENTATIONS",
     "KV_SHARED_LAYER_COUNTS",
     "TINY",
+    "TINY_ENCODER_DECODER",
     "attention_implementation",
     "attention_kwargs",
     "build_target",
     "build_vision",
     "check_model_type",
     "example_inputs",
+    "is_encoder_decoder",
     "tiny_config",
 ]
 
@@ -103,6 +105,30 @@ TINY: dict[str, Any] = {
     "hidden_size_per_layer_input": 16,
 }
 
+# The encoder-decoder sizes (each stack's depth, heads and MLP width under the names encoder-decoder configs give
+# them: BART's ``encoder_layers`` / ``decoder_layers``, T5's ``num_layers`` / ``num_decoder_layers`` / ``d_ff``),
+# set only on a config that says ``is_encoder_decoder`` (a decoder-only config's ``num_layers`` may be a section).
+TINY_ENCODER_DECODER: dict[str, Any] = {
+    "encoder_layers": 2,
+    "decoder_layers": 2,
+    "num_layers": 2,
+    "num_encoder_layers": 2,
+    "num_decoder_layers": 2,
+    "encoder_ffn_dim": 128,
+    "decoder_ffn_dim": 128,
+    "d_ff": 128,
+    "encoder_attention_heads": 4,
+    "decoder_attention_heads": 4,
+    "num_heads": 4,
+    "d_kv": 16,
+    "attention_window": 8,  # LED pads its encoder batch to a multiple of it
+    "max_source_positions": 32,  # Whisper's encoder reads exactly twice as many feature frames
+}
+
+# Config fields that state a feature input's channels (an audio encoder's mel bins or filterbank features), tried
+# as the channel axis of a float main input; the layout that runs is kept.
+_FEATURE_CHANNELS = ("num_mel_bins", "input_feat_per_channel", "feature_size", "num_channels", "input_dim")
+
 
 # The one model-specific rule of the shrink, as data: config fields counting the trailing layers that reuse the
 # key/value cache of the last earlier layer of their kind (Gemma 3n's ``num_kv_shared_layers``, 15 of its 35 layers).
@@ -136,7 +162,7 @@ def tiny_config(model_type: str, **overrides: Any) -> Any:
     check_model_type(model_type, "not a transformers model type, a folder or module:factory")
     cfg = AutoConfig.for_model(model_type)
     for c in _parts(cfg):
-        _shrink(c, {**TINY, **overrides})
+        _shrink(c, {**TINY, **(TINY_ENCODER_DECODER if is_encoder_decoder(c) else {}), **overrides})
         if "qk_rope_head_dim" in c.to_dict() and "head_dim" in c.to_dict():  # MLA: rotary part sets head_dim
             with contextlib.suppress(Exception):
                 c.head_dim = c.qk_rope_head_dim
@@ -145,7 +171,7 @@ def tiny_config(model_type: str, **overrides: Any) -> Any:
         if "vocabulary_map" in c.to_dict() and not c.vocabulary_map:  # Chameleon needs its image-token map
             c.vocabulary_map = {"<image>": 3}
         vocab = getattr(c, "vocab_size", None)
-        for tok in ("pad_token_id", "bos_token_id", "eos_token_id"):
+        for tok in ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id"):
             tid = getattr(c, tok, None)
             if isinstance(vocab, int) and isinstance(tid, int) and tid >= vocab:
                 with contextlib.suppress(Exception):
@@ -160,6 +186,9 @@ def _parts(cfg: Any) -> list[Any]:
     and writing the stream) and no layer stack of its own. A tower (a vision or audio encoder) keeps its sizes."""
     text = getattr(cfg, "text_config", None)
     parts = [cfg] + ([text] if text is not None and text is not cfg else [])
+    if is_encoder_decoder(cfg):  # an encoder-decoder's stacks as sub-configs of their own (T5Gemma's encoder, decoder)
+        subs = [getattr(cfg, k, None) for k in getattr(cfg, "sub_configs", None) or {}]
+        parts += [s for s in subs if s is not None and getattr(s, "num_hidden_layers", None) is not None]
     for base in list(parts):
         width = getattr(base, "hidden_size", None)
         for key in getattr(base, "sub_configs", None) or {}:
@@ -217,8 +246,8 @@ def _fit_sections(c: Any, depth: Any, n: Any) -> Any:
     recurrent / output layers, 8 + 20 + 8 of 36) are cut with it, one layer each at least (the depth grows to the
     number of sections where it must); the new depth is returned. Read off the attributes, not ``to_dict`` (which
     may serialise another layout)."""
-    if not (isinstance(depth, int) and isinstance(n, int) and n < depth):
-        return n
+    if not (isinstance(depth, int) and isinstance(n, int) and n < depth) or is_encoder_decoder(c):
+        return n  # an encoder-decoder's ``*_layers`` are its stacks' depths, not sections of one stack
     counts = {
         k: v
         for k, v in vars(c).items()
@@ -251,9 +280,18 @@ def _fit_mrope(c: Any) -> None:
             rope["mrope_section"] = [half // parts + (i < half % parts) for i in range(parts)]
 
 
-def _model_from_config(cfg: Any) -> nn.Module:
-    from transformers import AutoModel, AutoModelForCausalLM
+def is_encoder_decoder(cfg: Any) -> bool:
+    """Whether a config says its model is an encoder and a decoder (``is_encoder_decoder``)."""
+    return getattr(cfg, "is_encoder_decoder", False) is True
 
+
+def _model_from_config(cfg: Any) -> nn.Module:
+    from transformers import AutoModel, AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoModelForSpeechSeq2Seq
+
+    if is_encoder_decoder(cfg):  # both stacks: a causal-LM class of an encoder-decoder type is its decoder alone
+        for auto in (AutoModelForSeq2SeqLM, AutoModelForSpeechSeq2Seq, AutoModel):
+            with contextlib.suppress(ValueError, KeyError):
+                return auto.from_config(cfg, **attention_kwargs()).eval()
     try:
         model = AutoModelForCausalLM.from_config(cfg, **attention_kwargs())
     except (ValueError, KeyError):
@@ -289,16 +327,54 @@ def _matching(model: nn.Module, state: dict[str, torch.Tensor], none: str) -> di
 
 
 def example_inputs(model: nn.Module, seq: int = 8, seed: int = 0) -> dict[str, Any]:
-    """A token batch ``{"input_ids": (1, seq)}`` valid for the model's vocabulary."""
+    """A token batch ``{"input_ids": (1, seq)}`` valid for the model's vocabulary; a model whose ``forward`` takes
+    ``decoder_input_ids`` (an encoder-decoder) gets a decoder batch beside it, of the same length (both stacks'
+    streams then have one shape; a reader of two shapes is :func:`.residual.find_stream`'s)."""
     cfg = getattr(model, "config", None)
     vocab = getattr(cfg, "vocab_size", None) or getattr(getattr(cfg, "text_config", None), "vocab_size", 128)
     gen = torch.Generator().manual_seed(seed)
     high = max(4, min(int(vocab or 128), 1000))
     inputs: dict[str, Any] = {"input_ids": torch.randint(3, high, (1, seq), generator=gen)}
     with contextlib.suppress(TypeError, ValueError):
-        if "use_cache" in pyinspect.signature(model.forward).parameters:
-            inputs["use_cache"] = False  # hybrid / linear-attention caches need not be built to read the design
+        params = pyinspect.signature(model.forward).parameters
+        if "decoder_input_ids" in params:
+            inputs["decoder_input_ids"] = torch.randint(3, high, (1, seq), generator=gen)
+        if "use_cache" in params:
+            inputs["use_cache"] = False
+        main = getattr(model, "main_input_name", "input_ids")
+        if main != "input_ids" and main in params and "decoder_input_ids" in params:  # a speech encoder's features
+            features = _feature_input(model, main, {k: v for k, v in inputs.items() if k != "input_ids"}, gen)
+            if features is not None:
+                inputs = {
+                    main: features,
+                    **{k: v for k, v in inputs.items() if k != "input_ids"},
+                }  # hybrid / linear-attention caches need not be built to read the design
     return inputs
+
+
+def _feature_input(model: nn.Module, name: str, rest: dict[str, Any], gen: torch.Generator) -> torch.Tensor | None:
+    """A float main input (``input_features``) in the first layout that runs: ``(1, C, L)`` or ``(1, L, C)``, C a
+    channel count its config states (:data:`_FEATURE_CHANNELS`, times ``input_channels`` where it has one), L twice
+    or once the encoder's ``max_source_positions`` (Whisper reads exactly that many frames), else 64 frames."""
+    cfg = getattr(model, "config", None)
+    sub = getattr(cfg, "encoder_config", None) or getattr(cfg, "encoder", None)
+    confs = [c for c in (cfg, sub) if c is not None and hasattr(c, "to_dict")]
+    chans = [v for c in confs for k in _FEATURE_CHANNELS if type(v := getattr(c, k, None)) is int and v > 0]
+    chans += [v * k for c in confs if type(v := getattr(c, "input_feat_per_channel", None)) is int
+              if type(k := getattr(c, "input_channels", None)) is int and k > 1]  # fmt: skip
+    src = [v for c in confs if type(v := getattr(c, "max_source_positions", None)) is int and 0 < v <= 512]
+    lengths = [m * src[0] for m in (2, 1)] if src else []
+    for c in dict.fromkeys(chans):
+        for n in dict.fromkeys([*lengths, 64]):
+            for shape in ((1, c, n), (1, n, c)):
+                x = torch.randn(shape, generator=gen)
+                try:
+                    with torch.no_grad():
+                        model(**{name: x}, **rest)
+                except Exception:
+                    continue
+                return x
+    return None
 
 
 def build_target(target: str, seed: int = 0, attn_implementation: str | None = None) -> tuple[nn.Module, Any, str]:

@@ -15,7 +15,7 @@ from typing import Any
 from ..spec import CastOrder, EpsPlacement, GainConvention
 from ..vocabulary import Operator, PlacementKind, QKNormKind, RopeOrder, SiteRole, SublayerKind
 
-__all__ = ["NO_GAIN", "AttentionInfo", "InspectionReport", "NormInfo", "SublayerInfo", "gain_word"]
+__all__ = ["ENCODER_COLUMNS", "NO_GAIN", "AttentionInfo", "InspectionReport", "NormInfo", "SublayerInfo", "gain_word"]
 
 NO_GAIN = "none"  # the gain convention of a norm without a gain (GainConvention names the conventions of a gain)
 
@@ -66,6 +66,7 @@ class AttentionInfo:
     qk_norm_rope: RopeOrder
     v_norm: bool
     softcap: float | None
+    cross: bool = False  # its keys and values come from another stack's stream (an encoder's output)
 
 
 @dataclass
@@ -99,6 +100,9 @@ class InspectionReport:
     embedding_norm: Operator
     placement_mixer: str = "n/a"  # the placement of the mixer sublayers (an SSM, a convolution, linear attention)
     embedding_norm_as_pre: bool = False  # layer 0 has no pre-norm of its own: the embedding norm is it (a note)
+    placement_cross_attention: str = "n/a"  # the placement of the cross-attention sublayers (a decoder's)
+    stack: str | None = None  # "decoder" / "encoder" for a stack of an encoder-decoder; None: one stack
+    encoder: InspectionReport | None = None  # the encoder stack's own report (the decoder is the headline)
     norms: list[NormInfo] = field(default_factory=list)
     sublayers: list[SublayerInfo] = field(default_factory=list)
     attention: list[AttentionInfo] = field(default_factory=list)
@@ -108,6 +112,7 @@ class InspectionReport:
     def to_dict(self, detail: bool = True) -> dict[str, Any]:
         """JSON-ready dict; enums become their string values."""
         d = asdict(self)
+        d["encoder"] = self.encoder.to_dict(detail) if self.encoder is not None else None
         d["gain_convention"] = gain_word(self.gain_convention)
         for n, info in zip(d["norms"], self.norms, strict=True):
             n["gain_convention"] = gain_word(info.gain_convention)
@@ -121,7 +126,31 @@ class InspectionReport:
         d = self.to_dict(detail=False)
         d["placement_by_layer"] = " ".join(self.placement_by_layer)
         d["notes"] = "; ".join(self.notes)
+        d.pop("encoder")
+        if self.encoder is not None:  # the encoder's fields beside the decoder's, each under encoder_
+            row = self.encoder.summary_row()
+            d |= {f"encoder_{k}": row[k] for k in ENCODER_COLUMNS}
+        else:  # one stack (or the encoder's own row): no stack column
+            d.pop("stack")
         return d
+
+
+ENCODER_COLUMNS = (
+    "layers",
+    "operator",
+    "eps",
+    "gain_convention",
+    "bias",
+    "placement",
+    "placement_attention",
+    "placement_mlp",
+    "placement_by_layer",
+    "qk_norm",
+    "final_norm",
+    "embedding_scale",
+    "embedding_norm",
+)
+"""The encoder stack's fields an encoder-decoder's summary row repeats as ``encoder_<field>``."""
 
 
 def _plain(obj: Any) -> Any:

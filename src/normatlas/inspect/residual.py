@@ -11,21 +11,29 @@ Method (all structural, no names):
 * **Norms around a sublayer**: a norm whose input is ``s`` and whose output feeds the branch is
   *pre*; a norm that ends the branch is *out*; a norm whose input is the add and whose output is
   the next sublayer's stream is *post* (:meth:`PlacementKind.of_slots`).
+* **Stacks**: where a sublayer's stream value is not computed from the previous sublayer's add and its branches
+  read the earlier run's last value (an encoder-decoder: the decoder's stream starts at its own embedding and its
+  cross-attention reads the encoder's output), the sublayers are two stacks (:func:`split_stacks`), each read on
+  its own. A stack on a stream of another length (a decoder batch shorter than the encoder's) joins the stream
+  the same way (:func:`find_stream`). An attention whose keys are not computed from its stack's first stream
+  value reads another stream: ``cross-attention``.
 * The **final norm** is the norm on the last stream value (after the last sublayer's post-norm,
   when two norms follow each other there or the sublayer repeats a post-norm scheme), looking
   through constant scalings of the stream; the **embedding** norm or scaling is read walking back
-  from the first stream value.
+  from the first stream value (the norm on the patch or token embeddings, whether a position embedding or a
+  CLS token joins them before it or after it).
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import Counter
 from dataclasses import dataclass, field
 
-from ..analysis.graph import Graph
+from ..analysis.graph import Graph, Node, Ref
 from ..analysis.ops import CASTS, PROJECTIONS, SHAPE_ONLY, TOKEN_MIXING
-from ..analysis.walk import components, learned_mul, scalar_mul, strip
+from ..analysis.walk import components, learned_mul, scalar_mul, strip, upstream
 from ..vocabulary import SublayerKind
 from .norms import Site
 
@@ -41,6 +49,7 @@ __all__ = [
     "place_norms",
     "residual_adds",
     "scale_after",
+    "split_stacks",
     "stream_root",
 ]
 
@@ -128,8 +137,9 @@ def _walk_branch(g: Graph, b: int, ends: dict[int, Site]) -> tuple[int, list[str
         n = g.nodes[b]
         if b in ends:
             return b, scales
-        if n.op in CASTS | {"dropout", "identity"} and n.inputs:
-            b = strip(g, b, CASTS | {"dropout", "identity"})
+        if n.op in CASTS | {"dropout", "identity"} and n.inputs:  # one step: a norm may end in a cast (type_as)
+            first = n.args[0] if n.args else None
+            b = first.idx if isinstance(first, Ref) else n.inputs[0]
             continue
         sm = scalar_mul(g, n)
         if sm is not None:
@@ -207,11 +217,41 @@ def find_stream(g: Graph, sites: list[Site]) -> Stream:
         adds, shape = max(found, key=lambda f: len(f[0])) if found else ([], shapes[0])
     if not adds:
         shape = shapes[0]
+    for more, other in found:  # another stack's stream of another length (a decoder batch of its own length)
+        same_width = bool(other) and bool(shape) and other[-1] == shape[-1] and math.prod(other) != math.prod(shape)
+        if adds and more and same_width and not {a[0] for a in more} & {a[0] for a in adds} and _apart(g, adds, more):
+            adds = sorted(adds + more)
     subs = group_sublayers(g, adds)
     by_input: dict[int, list[Site]] = {}
     for s in sites:
         by_input.setdefault(stream_root(g, s.input), []).append(s)
     return Stream(shape, subs, by_input, {s.output: s for s in sites})
+
+
+def _apart(g: Graph, a: list[tuple[int, int, int, int]], b: list[tuple[int, int, int, int]]) -> bool:
+    """Two runs of residual adds are two stacks: one runs wholly before the other, the later one's stream does not
+    start from the earlier one's last add, and a branch of the later one reads it."""
+    first, later = (a, b) if a[-1][0] < b[0][0] else (b, a) if b[-1][0] < a[0][0] else (None, None)
+    if first is None or later is None:
+        return False
+    end = first[-1][0]
+    return not g.feeds(end, later[0][3]) and any(g.feeds(end, br) for _, _, br, _ in later)
+
+
+def split_stacks(g: Graph, stream: Stream) -> list[Stream]:
+    """The stream cut into stacks where a sublayer's stream value is not computed from the previous sublayer's
+    add and a branch after the cut reads the value before it (an encoder's output, read by the decoder's
+    cross-attention); one stack otherwise. Each stack keeps the stream's norm indices."""
+    subs = stream.sublayers
+    cuts = [0]
+    for i in range(1, len(subs)):
+        end = subs[i - 1].adds[-1]
+        if g.feeds(end, subs[i].source) or stream_root(g, subs[i].source) == stream_root(g, end):
+            continue
+        if any(g.feeds(end, b) for s in subs[i:] for b in s.branches):
+            cuts.append(i)
+    bounds = [*cuts, len(subs)]
+    return [Stream(stream.shape, subs[a:b], stream.by_input, stream.by_output) for a, b in itertools.pairwise(bounds)]
 
 
 def _sublayer(g: Graph, add: int, skip: int, branch: int, src: int) -> Sublayer:
@@ -227,8 +267,9 @@ def _sublayer(g: Graph, add: int, skip: int, branch: int, src: int) -> Sublayer:
         elif (lm := learned_mul(g, n)) is not None:
             sub.skip_learned = lm[1]
             cur = lm[0]
-        elif n.op in SHAPE_ONLY and n.inputs:
-            cur = strip(g, cur, SHAPE_ONLY)
+        elif n.op in SHAPE_ONLY and n.inputs:  # one step: a chain of casts and views may pass the source itself
+            first = n.args[0] if n.args else None
+            cur = first.idx if isinstance(first, Ref) else n.inputs[0]
         else:
             break
     bnode = g.nodes[strip(g, branch, SHAPE_ONLY)]
@@ -253,13 +294,22 @@ def group_sublayers(g: Graph, adds: list[tuple[int, int, int, int]]) -> list[Sub
     return subs
 
 
-def place_norms(g: Graph, stream: Stream, attn_bits: int, keys: dict[str, int]) -> None:
+def place_norms(
+    g: Graph, stream: Stream, attn_bits: int, keys: dict[str, int], key_operands: dict[int, int] | None = None
+) -> None:
     """Phase 3: each sublayer's kind (attention / MLP / both), its pre, out and post norms, and its layer
-    (``keys``: layer container path -> index, filled in order of first use)."""
+    (``keys``: layer container path -> index, filled in order of first use; ``key_operands``: attention core ->
+    its key operand, to tell a cross-attention, whose keys are not computed from the stack's stream)."""
     subs = stream.sublayers
     for i, sub in enumerate(subs):
         _branch_norms(g, sub, stream.by_output)
         _classify(g, sub, attn_bits)
+        if sub.kind is SublayerKind.ATTENTION and key_operands:
+            own = g.anc(sub.adds[-1]) & ~g.anc(sub.source)
+            ks = [k for core, k in key_operands.items() if own >> core & 1]
+            start = subs[0].source
+            if ks and not any(k == start or g.feeds(start, k) for k in ks):
+                sub.kind = SublayerKind.CROSS_ATTENTION
         outs = {s.node for s in sub.out}
         sub.pre = [
             s
@@ -348,8 +398,9 @@ def _in_layer(g: Graph, idx: int) -> bool:
     return any(path in g.list_children for path in g.nodes[idx].scope)
 
 
-def embedding(g: Graph, stream: Stream) -> tuple[float | None, Site | None]:
-    """Phase 5: the constant scaling and the norm between the embedding and the first stream value."""
+def embedding(g: Graph, stream: Stream, *, through_joins: bool = False) -> tuple[float | None, Site | None]:
+    """Phase 5: the constant scaling and the norm between the embedding and the first stream value (with
+    ``through_joins``, a norm before a position add or a CLS concatenation too: :func:`_norm_before_adds`)."""
     if not stream.sublayers:
         return None, None
     scale, norm = None, None
@@ -367,7 +418,28 @@ def embedding(g: Graph, stream: Stream) -> tuple[float | None, Site | None]:
             cur = strip(g, cur, SHAPE_ONLY)
         else:
             break
+    if norm is None and through_joins:
+        norm = _norm_before_adds(g, stream, cur)
     return (scale if scale != 1.0 else None), norm
+
+
+_TOKEN_JOINS = frozenset({"add", "cat", "concat", "dropout", "identity"})
+
+
+def _norm_before_adds(g: Graph, stream: Stream, start: int) -> Site | None:
+    """The one norm of the stream's width (at ``start``) upstream of ``start`` through what joins the embedding's
+    terms: adds (a position embedding added after the norm), concatenations (a CLS token prepended), views, casts,
+    dropout and constant scalings (PVT's patch LayerNorm, then its position table); None unless exactly one."""
+
+    def expand(node: Node) -> bool:
+        if node.idx in stream.by_output:
+            return False
+        return node.op in _TOKEN_JOINS or node.op in SHAPE_ONLY or node.op in CASTS or scalar_mul(g, node) is not None
+
+    found = [stream.by_output[n.idx] for n in upstream(g, start, expand) if n.idx in stream.by_output]
+    width = (g.nodes[start].shape or stream.shape)[-1]  # the first stage's width, in a staged tower
+    found = [s for s in found if s.size == width]
+    return found[0] if len(found) == 1 else None
 
 
 def scale_after(g: Graph, idx: int) -> float | None:

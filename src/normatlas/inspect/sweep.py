@@ -1,20 +1,29 @@
-"""Sweep every decoder-only architecture in the installed transformers.
+"""Sweep every decoder-only architecture in the installed transformers, or every encoder-decoder.
 
-Each model type with a causal-LM class (encoder-decoders excluded) is built tiny
-from its config class (random weights, offline) and inspected; failures are kept
-as rows with an ``error`` column, never raised.
+Each model type with a causal-LM class (encoder-decoders excluded: :func:`decoder_model_types`), or each type whose
+config says ``is_encoder_decoder`` (:func:`encoder_decoder_model_types`, with the encoder stack's columns:
+:data:`ENCODER_DECODER_COLUMNS`), is built tiny from its config class (random weights, offline) and inspected;
+failures are kept as rows with an ``error`` column, never raised.
 """
 
 from __future__ import annotations
 
 import csv
+import functools
 import json
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["decoder_model_types", "sweep", "write_sweep"]
+__all__ = [
+    "ENCODER_DECODER_COLUMNS",
+    "decoder_model_types",
+    "encoder_decoder_counts",
+    "encoder_decoder_model_types",
+    "sweep",
+    "write_sweep",
+]
 
 COLUMNS = [
     "model",
@@ -45,6 +54,43 @@ COLUMNS = [
 ]
 
 
+ENCODER_DECODER_COLUMNS = [
+    *COLUMNS[:-3],
+    "placement_cross_attention",
+    "stack",
+    *(f"encoder_{k}" for k in ("layers", "operator", "placement", "placement_attention", "placement_mlp")),
+    *(f"encoder_{k}" for k in ("final_norm", "embedding_norm", "embedding_scale")),
+    *COLUMNS[-3:],
+]
+"""An encoder-decoder sweep's columns: the decoder's (the headline), its cross-attention, the encoder's."""
+
+
+def encoder_decoder_model_types() -> list[str]:
+    """Model types of the installed transformers whose config says ``is_encoder_decoder`` (every one, a detection
+    transformer's or a speech model's included)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    out = []
+    for mt in sorted(CONFIG_MAPPING.keys()):
+        try:
+            if getattr(CONFIG_MAPPING[mt], "is_encoder_decoder", False) is True:
+                out.append(mt)
+        except (KeyError, ImportError):
+            continue
+    return out
+
+
+def encoder_decoder_counts(rows: list[dict[str, Any]]) -> dict[str, int]:
+    """An encoder-decoder sweep's counts: ``read`` (both stacks found, a placement each), ``not read`` (built and
+    run, but not read as two placed stacks) and ``could not build`` (an error row)."""
+    counts = {"read": 0, "not read": 0, "could not build": 0}
+    for r in rows:
+        placed = r.get("placement") not in (None, "unknown") and r.get("encoder_placement") not in (None, "unknown")
+        key = "could not build" if r.get("error") else "read" if r.get("stack") and placed else "not read"
+        counts[key] += 1
+    return counts
+
+
 def decoder_model_types() -> list[str]:
     """Model types of the installed transformers that have a causal-LM head and are not encoder-decoders."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
@@ -61,7 +107,7 @@ def decoder_model_types() -> list[str]:
     return out
 
 
-def _one(mt: str) -> dict[str, Any]:
+def _one(mt: str, columns: list[str] = COLUMNS) -> dict[str, Any]:
     import warnings
 
     from . import inspect_target
@@ -70,11 +116,11 @@ def _one(mt: str) -> dict[str, Any]:
         warnings.simplefilter("ignore")
         try:
             rep = inspect_target(mt, probe=False)
-            row = {c: rep.summary_row().get(c) for c in COLUMNS}
+            row = {c: rep.summary_row().get(c) for c in columns}
             row["error"] = ""
         except Exception as exc:  # a per-architecture error column, by design
             msg = str(exc).splitlines()[0][:160] if str(exc) else ""
-            row = {c: None for c in COLUMNS} | {"model": mt, "error": f"{type(exc).__name__}: {msg}"}
+            row = {c: None for c in columns} | {"model": mt, "error": f"{type(exc).__name__}: {msg}"}
     return row
 
 
@@ -113,10 +159,10 @@ def run_isolated(
     return row, reason
 
 
-def _isolated(mt: str, timeout: float) -> dict[str, Any]:
+def _isolated(mt: str, timeout: float, columns: list[str] = COLUMNS) -> dict[str, Any]:
     """Run one architecture in a forked process, killed after ``timeout`` seconds."""
-    row, reason = run_isolated(_one, mt, timeout)
-    return row if row is not None else {c: None for c in COLUMNS} | {"model": mt, "error": f"Timeout: {reason}"}
+    row, reason = run_isolated(functools.partial(_one, columns=columns), mt, timeout)
+    return row if row is not None else {c: None for c in columns} | {"model": mt, "error": f"Timeout: {reason}"}
 
 
 def sweep(
@@ -124,11 +170,13 @@ def sweep(
     progress: bool = True,
     on_row: Callable[[dict[str, Any]], None] | None = None,
     timeout: float | None = 60.0,
+    columns: list[str] = COLUMNS,
 ) -> list[dict[str, Any]]:
     """Inspect each model type; one row per type (``error`` set where it could not be built or traced).
 
     With ``timeout`` each architecture runs in a forked child killed after that many
-    seconds (some default configs stay large after shrinking); ``None`` runs in-process.
+    seconds (some default configs stay large after shrinking); ``None`` runs in-process. ``columns``: the row's
+    fields (:data:`ENCODER_DECODER_COLUMNS` for encoder-decoders).
     """
     import transformers  # noqa: F401  (imported once, before forking)
 
@@ -142,7 +190,7 @@ def sweep(
     rows = []
     for mt in it:
         t0 = time.perf_counter()
-        row = _one(mt) if timeout is None else _isolated(mt, timeout)
+        row = _one(mt, columns) if timeout is None else _isolated(mt, timeout, columns)
         row["seconds"] = round(time.perf_counter() - t0, 3)
         rows.append(row)
         if on_row:
@@ -150,14 +198,14 @@ def sweep(
     return rows
 
 
-def write_sweep(rows: list[dict[str, Any]], out_dir: str | Path) -> tuple[Path, Path]:
+def write_sweep(rows: list[dict[str, Any]], out_dir: str | Path, columns: list[str] = COLUMNS) -> tuple[Path, Path]:
     """Write ``transformers_matrix.json`` and ``.csv`` into ``out_dir``."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     jp, cp = out / "transformers_matrix.json", out / "transformers_matrix.csv"
     jp.write_text(json.dumps(rows, indent=1, default=str))
     with cp.open("w", newline="") as fh:
-        w = csv.DictWriter(fh, fieldnames=COLUMNS, lineterminator="\n")
+        w = csv.DictWriter(fh, fieldnames=columns, lineterminator="\n")
         w.writeheader()
         w.writerows(rows)
     return jp, cp
