@@ -70,8 +70,7 @@ def _docstrings() -> list[str]:
     for name in TEXT_MODULES:
         mod = importlib.import_module(name)
         docs.append(mod.__doc__ or "")
-        for attr in sorted(vars(mod)):
-            obj = getattr(mod, attr)
+        for attr, obj in sorted(vars(mod).items()):
             if not attr.startswith("_") and getattr(obj, "__module__", None) == name and callable(obj):
                 docs.append(obj.__doc__ or "")
     return docs
