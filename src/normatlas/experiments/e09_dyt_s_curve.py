@@ -24,6 +24,7 @@ import importlib
 import math
 import os
 import re
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,12 +68,14 @@ RULE = VerdictRule((
 def _docstrings() -> list[str]:
     """Each module's docstring, then those of its public functions and classes (by name), in a fixed order."""
     docs = []
-    for name in TEXT_MODULES:
-        mod = importlib.import_module(name)
-        docs.append(mod.__doc__ or "")
-        for attr, obj in sorted(vars(mod).items()):
-            if not attr.startswith("_") and getattr(obj, "__module__", None) == name and callable(obj):
-                docs.append(obj.__doc__ or "")
+    with warnings.catch_warnings():  # typing's deprecated aliases warn when their docstring is read
+        warnings.simplefilter("ignore", DeprecationWarning)
+        for name in TEXT_MODULES:
+            mod = importlib.import_module(name)
+            docs.append(mod.__doc__ or "")
+            for attr, obj in sorted(vars(mod).items()):
+                if not attr.startswith("_") and getattr(obj, "__module__", None) == name and callable(obj):
+                    docs.append(obj.__doc__ or "")
     return docs
 
 
