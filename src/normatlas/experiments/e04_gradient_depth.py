@@ -32,7 +32,7 @@ KINDS = ("Post-LN", "Pre-LN")
 
 WIDTH, HEADS = 512, 8  # Xiong et al.'s width (Transformer base); the FFN is 4 x d_model
 SLOPE_TOLERANCE = 0.25  # the guide's O(1/sqrt(l)): a backward slope within 0.25 of -0.5
-PAPER_S = 900.0  # paper scale: 48 layers at width 512, depths up to 48 (at init: no training)
+PAPER_S = 400.0  # paper scale: 48 layers at width 512, depths up to 48 (at init: no training)
 RULE = VerdictRule((
     Clause("post_ln_backward_slope", Direction.BELOW, 0.0,
            "Post-LN's gradient shrinks going backwards (log-log slope of ||dL/dW2|| against l, the layers counted "
@@ -203,6 +203,6 @@ EXPERIMENT = Experiment(
         "stays about level"
     ),
     rule=RULE,
-    estimates_s=estimates(default=90.0, quick=1.5, paper=PAPER_S),
+    estimates_s=estimates(default=40.0, quick=1.5, paper=PAPER_S),
     run=run,
 )

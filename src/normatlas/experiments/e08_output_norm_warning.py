@@ -39,7 +39,7 @@ SPIKE_NATS = 1.0  # a spike: the loss exceeds the best 5-step running mean so fa
 ALARM_SHARE, ALARM_GROWTH = 0.1, 2.0  # TrendAlarm: output_norm's log-linear fit grew x2 over the last tenth of the run
 MIN_LEAD = 0.02  # the alarm must lead the spike by more than 2% of the run (not fire in the same few steps)
 CHAMELEON_DIVERGENCE_SHARE = (0.2, 0.3)  # the paper: divergence can appear after 20-30% of training
-PAPER_S = 400.0  # paper scale: 3,000 steps, 4 layers, d_model 128
+PAPER_S = 600.0  # paper scale: 3,000 steps, 4 layers, d_model 128
 
 
 @dataclass(frozen=True)
@@ -232,6 +232,6 @@ EXPERIMENT = Experiment(
     "output predicted training divergence, and that divergence can appear after 20-30% of training (7B/34B "
     "mixed-modal runs); the guide reads the 20-30% as how far ahead the norm warned, which the paper does not say.",
     rule=RULE,
-    estimates_s=estimates(default=25.0, quick=6.0, paper=PAPER_S),
+    estimates_s=estimates(default=40.0, quick=10.0, paper=PAPER_S),
     run=run,
 )
