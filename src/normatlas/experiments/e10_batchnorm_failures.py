@@ -288,6 +288,6 @@ EXPERIMENT = Experiment(
     "34.7% at 2, while GN stays near 24% across batch sizes; Ghost BN (ghostbn2017) keeps small-batch noise "
     "inside large batches.",
     rule=RULE,
-    estimates_s=estimates(default=150.0, quick=6.0, paper=PAPER_S),
+    estimates_s=estimates(default=100.0, quick=8.0, paper=PAPER_S),
     run=run,
 )
