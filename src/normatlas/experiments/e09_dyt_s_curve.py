@@ -51,7 +51,7 @@ MARGIN = 0.05  # DyT / Derf held-out loss within 5% of LayerNorm's (fixed before
 BEND = 1.0  # an S-curve: the fitted tanh bends inside the data, alpha * max|x| > BEND
 ALPHA_7B = (0.8, 0.2, 0.2)  # DyT's LLaMA-7B alpha_0: before attention, before the FFN, the final norm
 ALPHA_FACTORS = (0.5, 1.0, 2.0, 4.0, 8.0)  # the sweep: ALPHA_7B times each (our width 64 is below 7B's 4,096)
-PAPER_S = 900.0  # paper scale: 1,024 sentences, 2,000 LM steps per setting
+PAPER_S = 1000.0  # paper scale: 1,024 sentences, 2,000 LM steps per setting
 RULE = VerdictRule((
     Clause("min_r2_tanh_minus_line", Direction.ABOVE, 0.0,
            f"each of the last {DEEP} MiniLM LayerNorms' input-output map is fitted better by tanh than by a line"),
@@ -316,6 +316,6 @@ EXPERIMENT = Experiment(
     "alpha_0 per site (7B: 0.8 before attention, 0.2 before the FFN and at the final norm; smaller for wider "
     "models). Derf (derf2025) reports erf(alpha x + s) beating LayerNorm, RMSNorm and DyT.",
     rule=RULE,
-    estimates_s=estimates(default=60.0, quick=6.0, paper=PAPER_S),
+    estimates_s=estimates(default=200.0, quick=15.0, paper=PAPER_S),
     run=run,
 )
