@@ -201,6 +201,10 @@ def _figure(sweep: dict, batches: tuple[int, ...], sizes: tuple[int, ...], var: 
         ms = [_mean_std(per[b]) for b in bs]
         axes[0].errorbar(bs, [100 * m for m, _ in ms], [100 * e for _, e in ms], fmt="o-", capsize=3, label=name)
     axes[0].set_xscale("log", base=2)
+    paper = ("Wu & He (GroupNorm paper, ResNet-50 on ImageNet):\nBN error 23.6% at 32 images/GPU, 34.7% at 2;\n"
+             "GN about 24% at every batch size")  # fmt: skip
+    axes[0].text(0.98, 0.98, paper, transform=axes[0].transAxes, fontsize=7, color="0.3", va="top", ha="right",
+                 bbox={"facecolor": "white", "alpha": 0.8, "edgecolor": "0.7"})  # fmt: skip
     axes[0].set(xlabel="batch size (log2)", ylabel="test accuracy (%), mean ± std over repeats",
                 title="digits CNN, same epochs at every batch")  # fmt: skip
     axes[1].loglog(sizes, var, "o-", label="measured variance of the batch mean")
