@@ -55,8 +55,9 @@ def test_set_alphas_initialises_each_site_of_the_model() -> None:
 
     lm = set_alphas(tiny_lm(pre_ln(), DyT, n_layers=2, d_model=16, n_heads=2), ALPHA_7B)
     for b in lm.blocks():
-        assert float(b.attn_pre_norm.alpha) == pytest.approx(0.8) and float(b.ffn_pre_norm.alpha) == pytest.approx(0.2)
-    assert float(lm.final_norm.alpha) == pytest.approx(0.2)
+        assert float(b.attn_pre_norm.alpha.detach()) == pytest.approx(0.8)
+        assert float(b.ffn_pre_norm.alpha.detach()) == pytest.approx(0.2)
+    assert float(lm.final_norm.alpha.detach()) == pytest.approx(0.2)
     with pytest.raises(TypeError, match="not DyT or Derf"):
         from normatlas.presets import LayerNorm
 
