@@ -52,9 +52,17 @@ def test_variance_depth_quick() -> None:
 def test_gradient_depth_quick() -> None:
     """Post-LN's gradient shrinks toward the input at init; Pre-LN's last-layer gradient falls with depth."""
     m = measured("gradient-depth")
-    assert m["first_over_last_post_ln"] < 1
+    assert m["first_over_last_post_ln"] < 1 and m["backward_slope_post_ln"] < 0
     assert m["last_layer_grad_slope_vs_depth_pre_ln"] < 0
     assert m["last_layer_grad_slope_vs_depth_pre_ln"] < m["last_layer_grad_slope_vs_depth_post_ln"]
+
+
+def test_gradient_depth_fit_recovers_a_power_law() -> None:
+    from normatlas.experiments.e04_gradient_depth import fit
+
+    xs = [1, 2, 4, 8, 16]
+    k, c, r2 = fit(xs, [3.0 * x**-0.5 for x in xs])
+    assert abs(k + 0.5) < 1e-12 and abs(math.exp(c) - 3.0) < 1e-9 and abs(r2 - 1) < 1e-12
 
 
 def test_curse_of_depth_quick() -> None:

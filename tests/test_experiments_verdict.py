@@ -218,6 +218,12 @@ def test_cli_report_on_a_folder_with_only_a_truncated_result(
 # clear margin. The others are inconclusive or do not hold at quick scale (docs/experiments.md says which and
 # why); their directions are asserted where robust in test_experiments_claims_*.py, their verdicts nowhere.
 STABLE_AT_QUICK = ("scale-invariance", "covariate-shift", "scaled-init", "geometry", "vlm-norm-gap", "bf16-headroom")
+# Re-measured after experiments 4, 8, 9 and 10 were redesigned (quick, seeds 0-2, 1 thread): gradient-depth does not
+# hold at every seed with every failing margin negative (Pre-LN's profile is further from level than Post-LN's:
+# -0.55 .. -0.09). Experiments 8, 9 and 10 also do not hold at every seed at quick scale (8: the init transient
+# trips the alarm in the control; 9: MiniLM's LayerNorm 12 is a line; 10: one epoch on 400 images), but they take
+# minutes over three seeds, so their verdicts are not asserted here.
+STABLE_NOT_HOLDING_AT_QUICK = ("gradient-depth",)
 
 
 @pytest.mark.parametrize("name", STABLE_AT_QUICK)
@@ -227,3 +233,11 @@ def test_quick_verdict_over_three_seeds(name: str) -> None:
     rec = quick_run(name, SEEDS).record
     assert rec["seeds"] == [0, 1, 2]
     assert rec["verdict"] == "holds", rec["reasons"]
+
+
+@pytest.mark.parametrize("name", STABLE_NOT_HOLDING_AT_QUICK)
+def test_quick_verdict_that_does_not_hold_over_three_seeds(name: str) -> None:
+    from .experiment_runs import quick_run
+
+    rec = quick_run(name, SEEDS).record
+    assert rec["verdict"] == "does not hold" and rec["reasons"], rec["clauses"]

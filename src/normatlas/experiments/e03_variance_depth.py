@@ -84,12 +84,19 @@ def run(ctx: RunContext) -> Outcome:
     return Outcome(statistics, measured, series, _figure(ctx, var, n_layers), notes)
 
 
+def _title(var: dict[str, dict[str, list[float]]]) -> str:
+    """What the first seed's trained profiles show, from their growth (last block's variance / first block's)."""
+    g = {n: growth(var[n]["trained"]) for n in PLACEMENTS}
+    others = [n for n in PLACEMENTS if n != "Pre-LN"]
+    less = [n for n in others if g[n] < g["Pre-LN"]]
+    more = [n for n in others if g[n] >= g["Pre-LN"]]
+    head = f"Trained variance growth over depth (last / first block): Pre-LN x{g['Pre-LN']:.2g}"
+    parts = [f"{', '.join(less)} grow less" if less else "", f"{', '.join(more)} grow as much or more" if more else ""]
+    return head + "\n" + "; ".join(p for p in parts if p)
+
+
 def _figure(ctx: RunContext, var: dict[str, dict[str, list[float]]], n_layers: int) -> Any:
-    fig, (a, b) = figure(
-        2,
-        "Pre-LN's residual variance grows with depth; LNS and Peri-LN damp it, Post-LN / DeepNorm keep it flat",
-        f"seed {ctx.seed}; normatlas experiments run variance-depth{ctx.flag}",
-    )
+    fig, (a, b) = figure(2, _title(var), f"seed {ctx.seed}; normatlas experiments run variance-depth{ctx.flag}")
     depth = list(range(1, n_layers + 1))
     for i, name in enumerate(PLACEMENTS):
         a.plot(depth, var[name]["init"][1:], "o-", ms=3, color=f"C{i}", label=name)

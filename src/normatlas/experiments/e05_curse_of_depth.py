@@ -86,12 +86,17 @@ def run(ctx: RunContext) -> Outcome:
     return Outcome(statistics, measured, series, _figure(ctx, deltas, n_layers), notes)
 
 
+def _title(deltas: dict[str, list[float]]) -> str:
+    """What the first seed's ablations show, from the deeper half's mean loss increase over the shallower half's."""
+    r = {n: late_over_early(deltas[n]) for n in KINDS}
+    pre = "costs less than" if r["Pre-LN"] < 1 else "costs at least as much as"
+    lns = "narrows" if r["LNS"] > r["Pre-LN"] else "does not narrow"
+    return (f"Removing a deep Pre-LN layer {pre} an early one (late / early {r['Pre-LN']:.2g}); LNS {lns} the gap "
+            f"({r['LNS']:.2g}), Peri-LN {r['Peri-LN']:.2g}")  # fmt: skip
+
+
 def _figure(ctx: RunContext, deltas: dict[str, list[float]], n_layers: int) -> Any:
-    fig, (a, b) = figure(
-        2,
-        "Curse of depth: removing a deep Pre-LN layer costs little; LayerNorm Scaling makes deep layers matter",
-        f"seed {ctx.seed}; normatlas experiments run curse-of-depth{ctx.flag}",
-    )
+    fig, (a, b) = figure(2, _title(deltas), f"seed {ctx.seed}; normatlas experiments run curse-of-depth{ctx.flag}")
     layers = list(range(1, n_layers + 1))
     for i, name in enumerate(KINDS):
         a.plot(layers, deltas[name], "o-", ms=3, color=f"C{i}", label=name)

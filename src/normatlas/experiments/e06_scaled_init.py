@@ -93,12 +93,18 @@ def run(ctx: RunContext) -> Outcome:
     return Outcome(statistics, measured, series, _figure(ctx, runs, n_layers), notes)
 
 
+def _title(runs: dict[str, Any]) -> str:
+    """What the first seed's runs show, from their growth (last block's variance / first block's)."""
+    g = {k: (growth(runs[k]["checkpoints"][0][1]), growth(runs[k]["checkpoints"][-1][1])) for k in KINDS}
+    end = runs["Pre-LN + scaled init"]["checkpoints"][-1][0]
+    scaled, lns = g["Pre-LN + scaled init"], g["LNS"]
+    lower = "lower" if lns[1] < scaled[1] else "not lower"
+    return (f"Scaled init starts Pre-LN's depth growth at x{scaled[0]:.2g} (plain x{g['Pre-LN'][0]:.2g}); at step "
+            f"{end} it is x{scaled[1]:.2g}, LNS's x{lns[1]:.2g} ({lower})")  # fmt: skip
+
+
 def _figure(ctx: RunContext, runs: dict[str, Any], n_layers: int) -> Any:
-    fig, (a, b) = figure(
-        2,
-        "Scaled init only sets the start: Pre-LN's deep-layer variance regrows in training, LNS keeps it lower",
-        f"seed {ctx.seed}; normatlas experiments run scaled-init{ctx.flag}",
-    )
+    fig, (a, b) = figure(2, _title(runs), f"seed {ctx.seed}; normatlas experiments run scaled-init{ctx.flag}")
     for i, kind in enumerate(KINDS):
         cps = runs[kind]["checkpoints"]
         a.plot([s for s, _ in cps], [growth(v) for _, v in cps], "o-", ms=3, color=f"C{i}", label=kind)

@@ -156,12 +156,17 @@ def run(ctx: RunContext) -> Outcome:
     return Outcome(statistics, measured, series, _figure(ctx, runs, lrs, top), notes)
 
 
+def _title(top: dict[str, Any], lr: float) -> str:
+    """What the first seed's top-LR runs show: the largest logit and the lowest head entropy with and without."""
+    no, qk = (top[v] for v in VARIANTS)
+    logit = [max(r["max_logit"], default=math.nan) for r in (no, qk)]
+    ent = [min(r["min_entropy"], default=math.nan) for r in (no, qk)]
+    return (f"At lr {lr:g}, largest attention logit {logit[0]:.3g} without QK-norm vs {logit[1]:.3g} with; "
+            f"lowest head entropy {ent[0]:.2f} vs {ent[1]:.2f}")  # fmt: skip
+
+
 def _figure(ctx: RunContext, runs: dict[str, list[dict[str, Any]]], lrs: list[float], top: dict[str, Any]) -> Any:
-    fig, (a, b, c) = figure(
-        3,
-        "Without QK-norm, high learning rates grow attention logits and collapse entropy; QK-norm bounds both",
-        f"seed {ctx.seed}; normatlas experiments run qk-norm{ctx.flag}",
-    )
+    fig, (a, b, c) = figure(3, _title(top, lrs[-1]), f"seed {ctx.seed}; normatlas experiments run qk-norm{ctx.flag}")
     for i, v in enumerate(VARIANTS):
         a.plot(lrs, [r["final"] for r in runs[v]], "o-", color=f"C{i}", label=v)
         b.plot(top[v]["steps"], top[v]["max_logit"], color=f"C{i}", label=v)

@@ -82,10 +82,21 @@ def _train(norm: Callable[[int], nn.Module], steps: int, data: ByteBatches, seed
     return step_s, evaluate_lm(model, data), log.losses
 
 
+def _title(op_rows: list[tuple], lm: dict[str, tuple[float, float]]) -> str:
+    """What the first seed measured, in two lines: the op ratio at the largest width per provider, the LM's."""
+    top = max(row[1] for row in op_rows)
+    ratio = {row[0]: row[5] for row in op_rows if row[1] == top}
+    ops = ", ".join(f"{p} {ratio[p]:.2f}x" for p in PROVIDERS if p in ratio)
+    step = lm["RMSNorm"][0] / lm["LayerNorm"][0]
+    gap = 100 * (lm["RMSNorm"][1] - lm["LayerNorm"][1]) / lm["LayerNorm"][1]
+    return (f"RMSNorm's op time over LayerNorm's at D = {top}: {ops}\n"
+            f"tiny LM: step time {step:.2f}x, held-out loss {gap:+.1f}% with RMSNorm")  # fmt: skip
+
+
 def _figure(op_rows: list[tuple], curves: dict[str, list[float]], lm: dict[str, tuple[float, float]]) -> object:
     plt = use_agg()
     fig, axes = plt.subplots(1, 3, figsize=(14, 4))
-    fig.suptitle("RMSNorm costs less than LayerNorm per op; a tiny LM trains to about the same loss with either")
+    fig.suptitle(_title(op_rows, lm), fontsize=11)
     for p, style in zip(PROVIDERS, ("o-", "s--"), strict=True):
         r = [row for row in op_rows if row[0] == p]
         axes[0].semilogx([x[1] for x in r], [x[5] for x in r], style, base=2, label=f"{p}: RMSNorm / LayerNorm")
