@@ -62,10 +62,8 @@ def quantize(x: Tensor, fmt: str, scale: str) -> Tensor:
         raise ValueError(f"scale must be one of {SCALES}, got {scale!r}")
     a = x.abs().amax() if scale == "tensor" else x.abs().reshape(-1, x.shape[-1]).amax(0)
     s = torch.where(a > 0, a / _QMAX[fmt], torch.ones_like(a))
-    if fmt == "int8":
-        q = torch.clamp(torch.round(x / s), -127, 127)
-    else:
-        q = (x / s).to(torch.float8_e4m3fn).to(x.dtype)
+    u = x / s
+    q = torch.clamp(torch.round(u), -127, 127) if fmt == "int8" else u.to(torch.float8_e4m3fn).to(x.dtype)
     return q * s
 
 
