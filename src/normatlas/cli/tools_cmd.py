@@ -373,7 +373,7 @@ def outliers(args: argparse.Namespace) -> int:
         )
         sections.append(Section("smoothing", sm.rows, title))
     if sm.refusals:
-        sections.append(Section("refused", sm.refusals, "norms not smoothed, and why"))
+        sections.append(Section("refusals", sm.refusals, "norms not smoothed, and why"))
     notes = []
     if not args.no_entropy:
         try:
