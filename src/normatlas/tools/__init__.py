@@ -1,5 +1,5 @@
 """Practitioner tools on real checkpoints: the logit lens through the final norm, depth pruning by norm
-geometry, the embedding-table scan, and a trained byte Llama to run them on (:mod:`.zoo`).
+geometry, the embedding-table scan, outliers and quantization at the norms (:mod:`.outliers`), and a trained byte Llama to run them on (:mod:`.zoo`).
 
 Each tool reads the model's structure from one recorded forward pass (:mod:`.reading`, built on the inspector's
 phases), never from module names. Checkpoints are read under the one load policy
@@ -25,10 +25,28 @@ from .prune import (
     prune_surgery,
     quality,
 )
+from .outliers import (
+    Smoothing,
+    matrix_entropy,
+    max_logit_diff,
+    quant_error,
+    quantize,
+    site_report,
+    smooth,
+    stream_entropy,
+)
 from .reading import Layer, NoHead, Reading, ToolError, capture_stream, model_inputs, read_model, skipping
 from .zoo import ByteLlama, byte_tokenizer, heldout_bytes, train_byte_llama
 
 __all__ = [
+    "Smoothing",
+    "matrix_entropy",
+    "max_logit_diff",
+    "quant_error",
+    "quantize",
+    "site_report",
+    "smooth",
+    "stream_entropy",
     "ByteLlama",
     "EmbeddingScan",
     "Layer",

@@ -39,6 +39,7 @@ __all__ = [
     "SCALES",
     "Smoothing",
     "matrix_entropy",
+    "max_logit_diff",
     "norm_sites",
     "quant_error",
     "quantize",
