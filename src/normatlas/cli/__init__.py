@@ -158,6 +158,13 @@ TABLE: tuple[Entry, ...] = (
         "the norm of every token's embedding: outliers and special tokens flagged",
     ),
     Entry(
+        "outliers",
+        "tools_cmd",
+        "outliers",
+        "configure_outliers",
+        "massive activations and int8/fp8 error at each norm's input and output; SmoothQuant-style fold proven",
+    ),
+    Entry(
         "zoo",
         "tools_cmd",
         "zoo",

@@ -1,4 +1,4 @@
-"""``normatlas lens``, ``normatlas prune``, ``normatlas embeddings`` and ``normatlas zoo``: the practitioner tools
+"""``normatlas lens``, ``prune``, ``embeddings``, ``outliers`` and ``zoo``: the practitioner tools
 (:mod:`normatlas.tools`) on a checkpoint folder (config.json, safetensors, tokenizer files).
 
 Real text is the Python standard library's own sources: the held-out tail of the zoo corpus
@@ -315,4 +315,72 @@ def zoo(args: argparse.Namespace) -> int:
         record = train_byte_llama(args.output, spec, progress=ph.update)
     row = {k: v for k, v in record.items() if k != "spec"}
     emit([Section("trained", [row], f"saved {args.output}")], args.format, meta={"spec": record["spec"]})
+    return 0
+
+
+# ----------------------------------------------------------------------------- outliers
+def configure_outliers(p: argparse.ArgumentParser) -> None:
+    p.add_argument("checkpoint", help="folder with config.json, *.safetensors and tokenizer files")
+    p.add_argument("--text", action="append", help="text to run (repeatable; default: one window of held-out text)")
+    p.add_argument("--alpha", type=float, default=0.5, help="SmoothQuant migration strength in [0, 1] (default 0.5)")
+    p.add_argument("--no-entropy", action="store_true", help="skip the matrix entropy of the stream by depth")
+    add_format_option(p)
+
+
+def outliers(args: argparse.Namespace) -> int:
+    import copy
+
+    import torch
+
+    from ..tools import ToolError, check_ids, heldout_ids
+    from ..tools.outliers import max_logit_diff, site_report, smooth, stream_entropy
+
+    if not 0.0 <= args.alpha <= 1.0:
+        raise CliError(f"--alpha must be in [0, 1], got {args.alpha}")
+    for t in args.text or []:
+        if not t.strip():
+            raise CliError(f"--text must hold text, got {t!r}")
+    model, tok = _load(args.checkpoint)
+    if args.text:
+        ids = torch.tensor([tok(args.text[0])["input_ids"]])
+        for t in args.text[1:]:
+            ids = torch.cat([ids, torch.tensor([tok(t)["input_ids"]])], 1)  # joined along the token axis
+        ids = ids[:, : _window_len(model)]
+    else:
+        ids = torch.tensor([heldout_ids(tok)[: _window_len(model)]])
+    check_ids(model, ids, "the text")
+    tokens = [tok.decode([i]) for i in ids[0].tolist()]
+    with progress.phase(f"norm sites from the dataflow; their inputs and outputs on {ids.numel()} tokens"):
+        sites = site_report(model, ids, tokens)
+    for r in sites:
+        r["token"] = repr(r["token"])
+    meta: dict[str, Any] = {"model": type(model).__name__, "checkpoint": args.checkpoint, "tokens": ids.numel()}
+    title = (
+        "per norm site: the input's largest |x| (channel, token, x median |x|) and the relative quantization error "
+        "||q(x) - x|| / ||x|| of input and output (int8 / fp8 e4m3, absmax per tensor / per channel)"
+    )
+    sections = [Section("sites", sites, title)]
+    with progress.phase("SmoothQuant-style migration on a float64 copy, proven against the float64 original"):
+        m64 = copy.deepcopy(model).double().eval()
+        sm = smooth(m64, ids, args.alpha)
+        diff = max_logit_diff(m64, sm.model, ids)
+    meta.update(alpha=args.alpha, smoothed=len(sm.rows), refused=len(sm.refusals), max_abs_logit_diff_f64=diff)
+    if sm.rows:
+        title = (
+            f"smoothing (alpha {args.alpha}): per-tensor int8 error of the linear input (the norm output) and "
+            f"per-channel int8 error of the weights, before / after; function unchanged: max |logit diff| {diff:.3g} "
+            "(float64)"
+        )
+        sections.append(Section("smoothing", sm.rows, title))
+    if sm.refusals:
+        sections.append(Section("refusals", sm.refusals, "norms not smoothed, and why"))
+    notes = []
+    if not args.no_entropy:
+        try:
+            with progress.phase("matrix entropy of the stream by depth"):
+                ent = stream_entropy(model, ids)
+            sections.append(Section("entropy", ent, "matrix entropy of the residual stream (tokens x features)"))
+        except ToolError as exc:
+            notes.append(f"no entropy by depth: {exc}")
+    emit(sections, args.format, meta=meta, notes=notes)
     return 0

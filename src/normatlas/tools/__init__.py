@@ -1,5 +1,6 @@
 """Practitioner tools on real checkpoints: the logit lens through the final norm, depth pruning by norm
-geometry, the embedding-table scan, and a trained byte Llama to run them on (:mod:`.zoo`).
+geometry, the embedding-table scan, outliers and quantization at the norms (:mod:`.outliers`), and a trained
+byte Llama to run them on (:mod:`.zoo`).
 
 Each tool reads the model's structure from one recorded forward pass (:mod:`.reading`, built on the inspector's
 phases), never from module names. Checkpoints are read under the one load policy
@@ -14,6 +15,16 @@ from typing import Any
 
 from .embeddings import EmbeddingScan, embedding_figure, scan_embeddings, token_table
 from .lens import LensResult, TunedFit, fit_tuned_gains, lens_figure, logit_lens, windows
+from .outliers import (
+    Smoothing,
+    matrix_entropy,
+    max_logit_diff,
+    quant_error,
+    quantize,
+    site_report,
+    smooth,
+    stream_entropy,
+)
 from .prune import (
     block_scores,
     choose,
@@ -35,6 +46,7 @@ __all__ = [
     "LensResult",
     "NoHead",
     "Reading",
+    "Smoothing",
     "ToolError",
     "TunedFit",
     "block_scores",
@@ -52,14 +64,21 @@ __all__ = [
     "lens_figure",
     "load",
     "logit_lens",
+    "matrix_entropy",
+    "max_logit_diff",
     "model_inputs",
     "prune",
     "prune_figure",
     "prune_surgery",
     "quality",
+    "quant_error",
+    "quantize",
     "read_model",
     "scan_embeddings",
+    "site_report",
     "skipping",
+    "smooth",
+    "stream_entropy",
     "token_table",
     "train_byte_llama",
     "windows",
