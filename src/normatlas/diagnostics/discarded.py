@@ -6,9 +6,11 @@ The essay (§03, "The gradient is the interesting part"): the Jacobian of the no
     LayerNorm:  J = (I - 1 1^T / D - x_hat x_hat^T / D) / sigma      rank D - 2   (null: 1, x_hat)
     RMSNorm:    J = (I - x_hat x_hat^T / D) / rms                     rank D - 1   (null: x_hat)
 
-(eps = 0; with eps > 0 the x_hat direction keeps a singular value ``eps / (var + eps)`` times the others,
-below any useful tolerance). ``J`` is symmetric, so the backward ``g_x = J^T g`` drops the part of the
-gradient ``g`` arriving at the normalised output that lies in ``span{1, x_hat}``: the *removed share*
+(eps = 0; with eps > 0 the x_hat direction keeps a singular value ``eps / (var + eps)`` times the others:
+1e-5 for torch's default eps at unit variance, so the measured rank counts singular values above
+:data:`RTOL` = 1e-4 of the largest; a token whose variance falls near ``eps / RTOL`` keeps x_hat).
+``J`` is symmetric, so the backward ``g_x = J^T g`` drops the part of the gradient ``g`` arriving at the
+normalised output that lies in ``span{1, x_hat}``: the *removed share*
 ``||P g|| / ||g||``.
 
 * Closed form, float64: :func:`normaliser_jacobian`, :func:`discarded_basis`, :func:`removed_share`.
@@ -48,7 +50,7 @@ __all__ = [
     "removed_share",
 ]
 
-RTOL = 1e-6  # a singular value below RTOL * the largest counts as discarded
+RTOL = 1e-4  # a singular value below RTOL * the largest counts as discarded (passes < 1e-4 of the gradient)
 
 
 def _centred(x: Tensor, center: bool) -> Tensor:
@@ -120,6 +122,16 @@ class SiteDiscard:
         return self.dim - self.rank_max
 
 
+def _bare(module: nn.Module, dtype: torch.dtype | None = None) -> nn.Module:
+    """A copy of ``module`` without forward hooks (the Monitor's, a user's), optionally in ``dtype``: probing it
+    neither fires nor trips them."""
+    bare = copy.deepcopy(module)
+    for m in bare.modules():
+        for hooks in (m._forward_hooks, m._forward_pre_hooks, m._backward_hooks, m._backward_pre_hooks):
+            hooks.clear()
+    return bare if dtype is None else bare.to(dtype)
+
+
 def _token_jacobians(module: nn.Module, rows: Tensor) -> Tensor:
     """The module's Jacobian at each row of ``rows`` (``(T, D)`` -> ``(T, D, D)``), each row fed alone as
     ``(1, 1, D)`` so the statistics are the row's own."""
@@ -150,9 +162,9 @@ def measure_site(
     the Jacobian's first ``r`` left singular vectors (its range). The Jacobian is taken on a float64 copy."""
     if x.dim() != 2:
         raise ValueError(f"x must be (tokens, D), got shape {tuple(x.shape)}")
-    facts = facts if facts is not None else probe(module)
+    facts = facts if facts is not None else probe(_bare(module))
     x = x.detach()
-    exact = copy.deepcopy(module).to(torch.float64)  # the Jacobian in float64, the model untouched
+    exact = _bare(module, torch.float64)  # the Jacobian in float64, the model untouched
     with torch.enable_grad():
         jac = _token_jacobians(exact, x.to(torch.float64))
     gain = facts.multiplier(module) if facts is not None else None
@@ -173,9 +185,7 @@ def measure_site(
         kept = (ur @ (ur.transpose(-1, -2) @ gn.unsqueeze(-1))).squeeze(-1)
         shares = (gn - kept).norm(dim=-1) / gn.norm(dim=-1).clamp_min(torch.finfo(torch.float64).tiny)
         share_mean, share_max = float(shares.mean()), float(shares.max())
-    return SiteDiscard(
-        name, x.shape[-1], int(ranks.min()), int(ranks.max()), share_mean, share_max, int(x.shape[0])
-    )
+    return SiteDiscard(name, x.shape[-1], int(ranks.min()), int(ranks.max()), share_mean, share_max, int(x.shape[0]))
 
 
 def _rows(t: Tensor, tokens: int) -> Tensor:
@@ -227,12 +237,10 @@ class DiscardedDirections(MonitorMetric):
         worst = float("nan")
         for module, (x, grads) in self._seen.items():
             if module not in self._facts:
-                self._facts[module] = probe(module)
+                self._facts[module] = probe(_bare(module))
             if self._facts[module] is None:
                 continue
-            site = measure_site(
-                module, x, grads[0] if grads else None, facts=self._facts[module], rtol=self.rtol
-            )
+            site = measure_site(module, x, grads[0] if grads else None, facts=self._facts[module], rtol=self.rtol)
             name = self.monitor.name_of(module)
             row[self.columns[0].at(name)] = float(site.deficit)
             row[self.columns[1].at(name)] = site.share_mean
@@ -304,5 +312,5 @@ def discarded_hf(
         real = mask.reshape(-1)
         xr, gr = x.reshape(-1, x.shape[-1])[real], y.grad.reshape(-1, x.shape[-1])[real]
         idx = torch.linspace(0, xr.shape[0] - 1, min(tokens, xr.shape[0])).round().long().unique()
-        sites.append(measure_site(module, xr[idx], gr[idx], facts=_probe(module), name=name, rtol=rtol))
+        sites.append(measure_site(module, xr[idx], gr[idx], facts=_probe(_bare(module)), name=name, rtol=rtol))
     return sites
