@@ -178,6 +178,18 @@ def test_monitor_metric_on_a_tiny_model() -> None:
     assert mon.last["discarded_rank/blocks.0.norm"] == 2.0
 
 
+def test_monitor_metric_leaves_out_a_channels_first_batchnorm() -> None:
+    torch.manual_seed(5)
+    model = nn.Sequential(
+        nn.Conv1d(3, 6, 1), nn.BatchNorm1d(6), nn.Flatten(), nn.Linear(24, 6), nn.LayerNorm(6, eps=1e-9)
+    )
+    mon = Monitor(model, every=1, metrics=[DiscardedDirections()], print_alarms=False)
+    model(torch.randn(5, 3, 4)).pow(2).sum().backward()
+    mon.step()
+    assert mon.last["discarded_rank/4"] == 2.0
+    assert not any(k.startswith("discarded_rank/1") for k in mon.last)
+
+
 def test_arguments_are_checked() -> None:
     with pytest.raises(ValueError, match="tokens"):
         DiscardedDirections(tokens=0)

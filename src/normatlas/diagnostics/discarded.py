@@ -198,7 +198,8 @@ def _rows(t: Tensor, tokens: int) -> Tensor:
 
 class DiscardedDirections(MonitorMetric):
     """Per norm module (found by behaviour): how many directions its Jacobian discards and the share of the
-    incoming gradient's norm in them, on ``tokens`` sampled tokens of a measured step."""
+    incoming gradient's norm in them, on ``tokens`` sampled tokens of a measured step. A norm that does not take
+    one token ``(1, 1, D)`` alone (a channels-first BatchNorm) is left out."""
 
     key = "discarded"
     hooks = frozenset({Hook.MODULE_OUTPUT, Hook.GRADIENTS, Hook.STEP})
@@ -240,7 +241,10 @@ class DiscardedDirections(MonitorMetric):
                 self._facts[module] = probe(_bare(module))
             if self._facts[module] is None:
                 continue
-            site = measure_site(module, x, grads[0] if grads else None, facts=self._facts[module], rtol=self.rtol)
+            try:
+                site = measure_site(module, x, grads[0] if grads else None, facts=self._facts[module], rtol=self.rtol)
+            except (RuntimeError, ValueError, TypeError):
+                continue  # not a per-token norm over the last axis (a channels-first BatchNorm): no token Jacobian
             name = self.monitor.name_of(module)
             row[self.columns[0].at(name)] = float(site.deficit)
             row[self.columns[1].at(name)] = site.share_mean
