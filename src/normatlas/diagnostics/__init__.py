@@ -20,6 +20,7 @@ from .alarms import (
     default_alarms,
 )
 from .attention import AttentionCapture, sdpa_probs
+from .discarded import DiscardedDirections, discarded_hf, measure_site
 from .groups import ParamInfo, Role, format_report, param_groups, param_roles
 from .metric_base import Column, Hook, MonitorMetric, Scope
 from .metrics import (
@@ -42,6 +43,7 @@ __all__ = [
     "AttentionCapture",
     "CSVSink",
     "Column",
+    "DiscardedDirections",
     "EntropyCollapseAlarm",
     "Hook",
     "JSONLSink",
@@ -63,11 +65,13 @@ __all__ = [
     "attention_stats",
     "check_image_processor",
     "default_alarms",
+    "discarded_hf",
     "find_blocks",
     "format_report",
     "gain_convention",
     "headroom",
     "massive_activations",
+    "measure_site",
     "modality_norm_gap",
     "module_kind",
     "param_groups",
