@@ -34,9 +34,7 @@ def _run(*argv: str) -> tuple[subprocess.CompletedProcess[str], set[str]]:
         text=True,
         timeout=120,
     )
-    imported = {
-        line.rsplit("|", 1)[1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")
-    }
+    imported = {line.rsplit("|", 1)[1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
     imported.discard("package")  # the header line: "import time: self [us] | cumulative | imported package"
     return proc, imported
 
