@@ -34,10 +34,10 @@ CONVERSIONS = ("ln-rms", "gain", "eps", "bn-fold", "bn-frozen")
 EXIT_VERIFY_FAILED = 1
 EXIT_NOTHING_TO_CHANGE = 3
 EXIT_CODES = """exit codes:
-  0  written (dry run / verify: verified)
-  1  verification failed, nothing written
-  2  refused (argument, input or output location), nothing written
-  3  nothing to change, nothing written"""
+  0 written (dry run / verify: verified)
+  1 verification failed, nothing written
+  2 refused (argument, input or output location), nothing written
+  3 nothing to change, nothing written"""
 DTYPE_NOTE = (
     "Every tensor keeps its stored dtype (config.json says it); --dtype chooses only the working dtype of the "
     "verification, never what is stored."
