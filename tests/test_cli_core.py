@@ -254,12 +254,23 @@ def test_ctrl_c_while_the_console_script_starts_is_one_line(tmp_path: Path) -> N
     code = "import sys, normatlas; print('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                           env=_env()).stdout.strip() == "False"  # fmt: skip
-    proc = subprocess.Popen([script, "inspect", "llama"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_env(),
+    # each import prints its line on stderr as it completes: Ctrl-C once torch's first submodule is in (no fixed
+    # sleep: the command starts in well under a second now, so a timed Ctrl-C could land anywhere)
+    env = dict(_env(), PYTHONPROFILEIMPORTTIME="1")
+    proc = subprocess.Popen([script, "inspect", "llama"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
                             cwd=tmp_path, start_new_session=True)  # fmt: skip
-    time.sleep(1.0)  # the interpreter is up, inside main(), importing torch
-    os.killpg(proc.pid, signal.SIGINT)
+    assert proc.stderr is not None
+    seen: list[str] = []  # stderr before the Ctrl-C, less the import lines
+    for line in iter(proc.stderr.readline, b""):
+        if re.search(r"\|\s+torch\.", line.decode()):
+            break
+        if not line.startswith(b"import time:"):
+            seen.append(line.decode())
+    else:
+        pytest.fail(f"the command ended before it imported torch: {''.join(seen)}")
+    os.killpg(proc.pid, signal.SIGINT)  # inside main(), importing torch
     _, err = proc.communicate(timeout=60)
-    text = err.decode()
+    text = "".join([*seen, *(x for x in err.decode().splitlines(True) if not x.startswith("import time:"))])
     assert proc.returncode == 130, text
     assert "Traceback" not in text, text
 

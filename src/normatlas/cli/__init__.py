@@ -2,8 +2,10 @@
 
 Each row names the module in this package, its ``run(args: argparse.Namespace) -> int`` and its
 ``configure(parser) -> None``, and the one-line help; ``normatlas --help`` lists the rows in this order.
-A new subcommand is a function pair in a module here and one row below. Modules import their heavy
-dependencies inside the run function, so ``normatlas --help`` stays fast.
+A new subcommand is a function pair in a module here and one row below. ``normatlas --help`` lists the rows
+without importing a command module, ``normatlas SUB`` imports only SUB's, and every module here imports its heavy
+dependencies (torch, transformers) inside its run function, so ``--help`` and ``--version`` answer in a fraction
+of a second and ``SUB --help`` too (tests/test_cli_startup.py holds them to it).
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ import math
 import os
 import signal
 import sys
-from collections.abc import Callable, Sequence
+import textwrap
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +29,7 @@ __all__ = [
     "CliError",
     "Command",
     "Entry",
+    "HelpFormatter",
     "add_attention_option",
     "describe_error",
     "is_user_error",
@@ -201,7 +205,24 @@ TABLE: tuple[Entry, ...] = (
     ),
 )
 
-COMMANDS: dict[str, Command] = {}  # the loaded table (tests may add entries)
+_NAMES = frozenset(e.name for e in TABLE)
+COMMANDS: dict[str, Command] = {}  # the rows of the table loaded so far (tests may add entries)
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """argparse's help, wrapped to the terminal (``COLUMNS``), with the line breaks of a description or epilog kept.
+
+    Each line of the text is wrapped on its own, its continuation lines indented as it is, so an epilog can be a
+    paragraph and an indented list (``exit codes:``, then one code a line) and still fit the width. (argparse's
+    default joins every line into one paragraph; its Raw formatters keep lines of any length.)"""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        lines = []
+        for line in text.splitlines():
+            body = line.lstrip()
+            pad = indent + line[: len(line) - len(body)]
+            lines.append(textwrap.fill(body, width, initial_indent=pad, subsequent_indent=pad) if body else "")
+        return "\n".join(lines)
 
 
 def _number_arg(kind: type, cond: Callable[[float], bool], rule: str) -> Callable[[str], Any]:
@@ -264,24 +285,39 @@ def _run(args: argparse.Namespace) -> int:
         return int(args._run(args))
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _command_in(argv: Sequence[str]) -> str | None:
+    """The subcommand ``argv`` names: its first word that is not an option (``normatlas`` itself takes only
+    ``-h`` / ``--help`` and ``--version``, neither with a value)."""
+    return next((a for a in argv if not a.startswith("-")), None)
+
+
+def build_parser(commands: Collection[str] | None = None) -> argparse.ArgumentParser:
+    """The ``normatlas`` parser: one sub-parser per row of :data:`TABLE` (and per test entry of :data:`COMMANDS`).
+
+    Only the sub-parsers named in ``commands`` (every one when None) are configured, which imports their modules;
+    the others carry their name and help from the table alone. :func:`main` configures just the command it runs,
+    so ``normatlas --help`` imports no command module and ``normatlas SUB`` only SUB's."""
     from .. import __version__
 
+    wanted = {e.name for e in TABLE} | set(COMMANDS) if commands is None else set(commands)
     for entry in TABLE:
-        if entry.name not in COMMANDS:
+        if entry.name in wanted and entry.name not in COMMANDS:
             COMMANDS[entry.name] = entry.load()
     parser = argparse.ArgumentParser(
         prog="normatlas",
         description="The geometry of normalization, as working software.",
         epilog="`normatlas COMMAND --help` for a command's options; every command takes --format table|json|csv.",
+        formatter_class=HelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"normatlas {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
-    for cmd in COMMANDS.values():
-        p = sub.add_parser(cmd.name, help=cmd.help, description=cmd.help)
-        cmd.configure(p)
-        p.set_defaults(_run=cmd.run)
+    rows = [(e.name, e.help) for e in TABLE] + [(c.name, c.help) for c in COMMANDS.values() if c.name not in _NAMES]
+    for name, text in rows:
+        p = sub.add_parser(name, help=text, description=text, formatter_class=HelpFormatter)
+        if name in wanted and name in COMMANDS:
+            COMMANDS[name].configure(p)
+            p.set_defaults(_run=COMMANDS[name].run)
     return parser
 
 
@@ -352,7 +388,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     name = "normatlas"
     try:
-        parser = build_parser()
+        command = _command_in(argv)
+        parser = build_parser([command] if command else [])  # imports only the module of the command run
         if not argv:
             parser.print_help()
             return 0

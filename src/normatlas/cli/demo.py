@@ -5,17 +5,15 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-from torch import nn
-
-from .. import presets
-from ..backend import Backend
-from ..modules import Norm
 from ..spec import CastOrder, GainConvention
 from . import _progress as progress
 from ._format import Section, add_format_option, emit
+
+if TYPE_CHECKING:  # torch comes with the run, not with `normatlas demo --help`
+    import torch
+    from torch import nn
 
 
 @dataclass(frozen=True)
@@ -39,6 +37,10 @@ class Peer:
 
 def _peers() -> list[Peer]:
     """Every preset checked against a peer (the HF ones only when transformers is installed)."""
+    from torch import nn
+
+    from .. import presets
+
     d, c = 257, 12
     out = [
         Peer("LayerNorm", lambda: presets.LayerNorm(d), lambda: nn.LayerNorm(d), (4, 33, d)),
@@ -61,8 +63,15 @@ def _peers() -> list[Peer]:
     return out
 
 
-def check_presets(dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16)) -> list[dict[str, Any]]:
-    """Run each preset and its peer on the same random input and weights; report the max error."""
+def check_presets(dtypes: tuple[torch.dtype, ...] | None = None) -> list[dict[str, Any]]:
+    """Run each preset and its peer on the same random input and weights; report the max error
+    (``dtypes``: float32 and bfloat16 by default)."""
+    import torch
+
+    from ..backend import Backend
+    from ..modules import Norm
+
+    dtypes = (torch.float32, torch.bfloat16) if dtypes is None else dtypes
     rows = []
     for row in _peers():
         name, ours_fn, peer_fn, shape = row.name, row.ours, row.peer, row.shape

@@ -26,17 +26,18 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from . import CliError
+from . import CliError, HelpFormatter
 from . import _progress as progress
 from ._format import Section, add_format_option, emit
 
 CONVERSIONS = ("ln-rms", "gain", "eps", "bn-fold", "bn-frozen")
 EXIT_VERIFY_FAILED = 1
 EXIT_NOTHING_TO_CHANGE = 3
-EXIT_CODES = (
-    "exit codes: 0 written (dry run / verify: verified); 1 verification failed, nothing written; "
-    "2 refused (argument, input or output location), nothing written; 3 nothing to change, nothing written"
-)
+EXIT_CODES = """exit codes:
+  0 written (dry run / verify: verified)
+  1 verification failed, nothing written
+  2 refused (argument, input or output location), nothing written
+  3 nothing to change, nothing written"""
 DTYPE_NOTE = (
     "Every tensor keeps its stored dtype (config.json says it); --dtype chooses only the working dtype of the "
     "verification, never what is stored."
@@ -59,8 +60,8 @@ def positive_finite(flag: str) -> Callable[[str], float]:
 
 
 def _epilog(p: argparse.ArgumentParser) -> None:
-    p.epilog = f"{DTYPE_NOTE}\n{EXIT_CODES}"
-    p.formatter_class = argparse.RawDescriptionHelpFormatter
+    p.epilog = f"{DTYPE_NOTE}\n\n{EXIT_CODES}"
+    p.formatter_class = HelpFormatter  # wrapped to the terminal, the exit codes one a line
 
 
 def _common(p: argparse.ArgumentParser, *, out: bool = True) -> None:
