@@ -299,3 +299,13 @@ def test_cli_encoder_decoder_sweep_and_refusal(tmp_path: object, capsys: pytest.
     assert (row["placement_cross_attention"], row["encoder_final_norm"]) == ("pre", "rmsnorm")
     header = (out / "transformers_matrix.csv").read_text().splitlines()[0].split(",")
     assert header == ENCODER_DECODER_COLUMNS
+
+
+def test_a_hybrid_reading_its_first_embeddings_is_one_stack() -> None:
+    """Zamba 2 (1.2B: 2048 wide, 38 Mamba 2 layers and 2 shared attention blocks) feeds its shared blocks the
+    first embeddings beside the stream: a later branch reads an earlier stream value without attending to it,
+    so there is no encoder and decoder, one stack (before this rule it split in two)."""
+    from normatlas.inspect import inspect_target
+
+    report = inspect_target("zamba2")
+    assert report.encoder is None and report.stack != "decoder"

@@ -54,13 +54,23 @@ def analyze(
     by stack: the report is the last stack's (the decoder's) and its ``encoder`` the stack it reads."""
     sites = find_sites(g)
     stream = find_stream(g, sites) if stream is None else stream
-    stacks = split_stacks(g, stream)
     trig = trig_bits(g)
-    starts = [st.sublayers[0].source for st in stacks if st.sublayers]
     subs = stream.sublayers
     stream_inputs = {strip(g, s.source, SHAPE_ONLY) for s in subs} | {strip(g, s.adds[-1], SHAPE_ONLY) for s in subs}
-    cores = find_cores(g, sites, sum(1 << s for s in set(starts)), stream_inputs, trig) if subs else []
+
+    def cores_of(stacks: list[Stream]) -> list[Core]:
+        starts = [st.sublayers[0].source for st in stacks if st.sublayers]
+        return find_cores(g, sites, sum(1 << s for s in set(starts)), stream_inputs, trig) if subs else []
+
+    stacks = split_stacks(g, stream)
+    cores = cores_of(stacks)
     owner = _core_stacks(g, cores, stacks)
+    if len(stacks) > 1 and not _cross_attends(g, cores, owner, stacks):
+        # a later branch reads an earlier stream value without attending to it (Zamba's shared blocks read the
+        # first embeddings beside the stream): one stack, not an encoder and a decoder
+        stacks = [stream]
+        cores = cores_of(stacks)
+        owner = _core_stacks(g, cores, stacks)
     reads = [
         _read_stack(g, sites, st, [c for c, k in zip(cores, owner, strict=True) if k == i], trig, f"{name}", tracer)
         for i, st in enumerate(stacks)
@@ -77,6 +87,21 @@ def analyze(
         if len(reads) > 2:
             report.notes.append(f"{len(reads)} stacks: the last two are reported (decoder and encoder)")
     return report
+
+
+def _cross_attends(g: Graph, cores: list[Core], owner: list[int], stacks: list[Stream]) -> bool:
+    """Whether every stack after the first holds an attention whose keys come from the stack before it and not
+    from its own first stream value (a decoder's cross-attention to its encoder's output)."""
+    for i in range(1, len(stacks)):
+        if not stacks[i].sublayers or not stacks[i - 1].sublayers:
+            return False
+        start, before = stacks[i].sublayers[0].source, stacks[i - 1].sublayers[-1].adds[-1]
+        mine = [c for c, k in zip(cores, owner, strict=True) if k == i and c.k >= 0]
+        if not any(
+            (c.k == before or g.feeds(before, c.k)) and not (c.k == start or g.feeds(start, c.k)) for c in mine
+        ):
+            return False
+    return True
 
 
 def _core_stacks(g: Graph, cores: list[Core], stacks: list[Stream]) -> list[int]:
