@@ -97,9 +97,7 @@ def _cross_attends(g: Graph, cores: list[Core], owner: list[int], stacks: list[S
             return False
         start, before = stacks[i].sublayers[0].source, stacks[i - 1].sublayers[-1].adds[-1]
         mine = [c for c, k in zip(cores, owner, strict=True) if k == i and c.k >= 0]
-        if not any(
-            (c.k == before or g.feeds(before, c.k)) and not (c.k == start or g.feeds(start, c.k)) for c in mine
-        ):
+        if not any((c.k == before or g.feeds(before, c.k)) and not (c.k == start or g.feeds(start, c.k)) for c in mine):
             return False
     return True
 
