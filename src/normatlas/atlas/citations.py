@@ -203,6 +203,12 @@ UTILITIES: dict[str, str] = _reasons(
         ),
         ("the essay's bf16-range argument measured directly (§01), no paper", _D, ("headroom",)),
         (
+            "the essay's rank-deficiency argument (§03: a norm's backward discards 1 and x-hat) measured directly, "
+            "no paper",
+            _D,
+            ("DiscardedDirections", "discarded_hf", "measure_site"),
+        ),
+        (
             "the Monitor's metric protocol (hooks and columns a metric declares)",
             _D,
             ("Column", "Hook", "MonitorMetric", "Scope"),
