@@ -7,6 +7,7 @@ values in rank order, or raises a RuntimeError carrying the first failing rank's
 
 from __future__ import annotations
 
+import gc
 import os
 import socket
 import traceback
@@ -36,6 +37,9 @@ def _worker(rank: int, world: int, port: int, fn: Callable[..., Any], args: tupl
         try:
             queue.put((rank, True, fn(rank, world, *args)))
         finally:
+            # free what fn left in reference cycles (meshes, DTensors) before the group, so the group is not freed
+            # during interpreter shutdown, where gloo's worker threads can abort the process
+            gc.collect()
             dist.destroy_process_group()
     except BaseException:  # report any failure to the parent instead of hanging it
         queue.put((rank, False, traceback.format_exc()))
