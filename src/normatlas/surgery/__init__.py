@@ -1,7 +1,7 @@
 """Surgery: fold, convert and port normalization in real checkpoints, proving every result.
 
-Owns the transforms (:mod:`.fold`, :mod:`.convert`), their proof (:mod:`.verify`) and the safe checkpoint
-write (:mod:`.io`, :mod:`.output`). Every transformation reads the model's recorded dataflow
+Owns the transforms (:mod:`.fold`, :mod:`.convert`, :mod:`.absorb`), their proof (:mod:`.verify`) and the safe
+checkpoint write (:mod:`.io`, :mod:`.output`). Every transformation reads the model's recorded dataflow
 (:func:`normatlas.analysis.record_flow`) and measured norm behaviour (:func:`normatlas.analysis.probe`,
 through :mod:`.norms`), never parameter names; returns a
 :class:`Surgery` (the transformed model, runtime swaps, changes and refusals with
@@ -11,6 +11,7 @@ working dtype); and is written only when the proof passes (:func:`save_surgery`)
 >>> s = fold_gains(model, inputs); run_checks(model, s, inputs); save_surgery(s, "out/", inputs=inputs, source="ckpt/")
 """
 
+from .absorb import Absorption, FrozenStatNorm, PostNormStat, absorb_post_norms, approximation
 from .convert import (
     change_eps,
     convert_gain_convention,
@@ -39,18 +40,23 @@ from .verify import (
 __all__ = [
     "DEFAULT_TOLERANCE",
     "MANIFEST",
+    "Absorption",
     "Change",
     "Check",
     "DeferredNormLinear",
+    "FrozenStatNorm",
     "NothingToChange",
     "OutputPlan",
+    "PostNormStat",
     "Refusal",
     "Surgery",
     "Swap",
     "SwapKind",
     "Tolerance",
+    "absorb_post_norms",
     "analysis_copy",
     "apply_swaps",
+    "approximation",
     "cancel_pre_attention_norms",
     "change_eps",
     "check_output",
