@@ -127,6 +127,13 @@ TABLE: tuple[Entry, ...] = (
         "fold norm gains into their linear consumers (FlashNorm), proven before writing",
     ),
     Entry(
+        "absorb",
+        "absorb_cmd",
+        "absorb",
+        "configure_absorb",
+        "absorb post-branch RMSNorms, rms frozen on calibration text",
+    ),
+    Entry(
         "convert",
         "surgery",
         "convert",

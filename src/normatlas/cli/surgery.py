@@ -207,7 +207,20 @@ def _tolerance(args: argparse.Namespace, model: Any) -> tuple[Any, Any, Any]:
     return stored, working, Tolerance.default(stored, working, float64=args.tol64, working_tol=args.tol)
 
 
-def _finish(args: argparse.Namespace, model: Any, surgery: Any, dtypes: Any, inputs: Any, notes: list[str]) -> int:
+def _finish(
+    args: argparse.Namespace,
+    model: Any,
+    surgery: Any,
+    dtypes: Any,
+    inputs: Any,
+    notes: list[str],
+    *,
+    reference: Any = None,
+    extra: list[Section] | None = None,
+    proof: str = "verification (before vs after, probe inputs)",
+) -> int:
+    """Prove ``surgery`` against ``reference`` (default: ``model``, the loaded checkpoint), print the changes, the
+    ``extra`` sections and the checks (titled ``proof``), and write it when it passed (not with --dry-run)."""
     from normatlas.surgery import run_checks, save_surgery
 
     stored, working, tol = _tolerance(args, model)
@@ -219,15 +232,16 @@ def _finish(args: argparse.Namespace, model: Any, surgery: Any, dtypes: Any, inp
         "output": args.output,
     }
     changes = Section("changes", surgery.rows(), f"{surgery.transform}: what changed")
+    head = [changes, *(extra or [])]
     if not surgery.changed:
         meta.update(result="nothing to change", written=False)
         notes = [*notes, f"nothing to change: {surgery.nothing_reason()}; nothing written (exit 3)"]
-        emit([changes], args.format, meta=meta, notes=[*surgery.notes, *notes])
+        emit(head, args.format, meta=meta, notes=[*surgery.notes, *notes])
         return EXIT_NOTHING_TO_CHANGE
     surgery.restore_dtypes(dtypes)  # what is proven is what is written: every tensor in its stored dtype
     with progress.phase("verifying (before vs after, float64 and the working dtype)"):
-        run_checks(model, surgery, inputs, tolerance=tol, working_dtype=working)
-    checks = Section("checks", surgery.check_rows(), "verification (before vs after, probe inputs)")
+        run_checks(model if reference is None else reference, surgery, inputs, tolerance=tol, working_dtype=working)
+    checks = Section("checks", surgery.check_rows(), proof)
     notes = [*surgery.notes, *notes]
     if args.dry_run or not surgery.passed:
         meta.update(result=("verified" if surgery.passed else "verification failed"), written=False)
@@ -235,7 +249,7 @@ def _finish(args: argparse.Namespace, model: Any, surgery: Any, dtypes: Any, inp
             failed = ", ".join(f"{c.model}/{c.dtype}" for c in surgery.checks if not c.passed)
             notes.append(f"not written: verification failed ({failed})")
             print(f"not written: verification failed ({failed})", file=sys.stderr)
-        emit([changes, checks], args.format, meta=meta, notes=notes)
+        emit([*head, checks], args.format, meta=meta, notes=notes)
         return 0 if surgery.passed else EXIT_VERIFY_FAILED
     try:
         with progress.phase(f"writing {args.output} (and reading it back)"):
@@ -249,7 +263,7 @@ def _finish(args: argparse.Namespace, model: Any, surgery: Any, dtypes: Any, inp
         f"wrote {path}: weights in their stored dtypes, config.json, the input's other files and {_manifest()}; "
         "read back and compared"
     )
-    emit([changes, checks], args.format, meta=meta, notes=notes)
+    emit([*head, checks], args.format, meta=meta, notes=notes)
     return 0
 
 
