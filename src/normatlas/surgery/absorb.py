@@ -155,7 +155,8 @@ def _divisors(model: nn.Module, norms: dict[str, Tensor], calibration_inputs: li
             m = norms[name]
             my = (args[0].double() * m).flatten(0, -2)
             o = out.double().flatten(0, -2)
-            seen[name].append(my.pow(2).sum(-1) / (my * o).sum(-1))
+            d = my.pow(2).sum(-1) / (my * o).sum(-1)
+            seen[name].append(d[torch.isfinite(d) & (d > 0)])  # a token with y = 0 has no divisor to measure
 
         return run
 
@@ -230,6 +231,8 @@ def absorb_post_norms(
     divisors = _divisors(stock, {n: p[1] for n, p in plan.items()}, calibration)
     for name, (lin, m, (info, gain_param)) in plan.items():
         d = divisors[name]
+        if d.numel() == 0:
+            raise ValueError(f"{name}: no calibration token has a nonzero input, so its rms cannot be measured")
         r = float(d.mean())
         cv = float(d.std(unbiased=False) / d.mean())
         s = m / r
