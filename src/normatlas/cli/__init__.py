@@ -128,7 +128,7 @@ TABLE: tuple[Entry, ...] = (
     ),
     Entry(
         "absorb",
-        "absorb_cmd",
+        "surgery",
         "absorb",
         "configure_absorb",
         "absorb post-branch RMSNorms, rms frozen on calibration text",
