@@ -64,6 +64,8 @@ PLACEMENTS = {"pre_ln": pre_ln, "post_ln": post_ln, "peri_ln": peri_ln}
 PEER = "sdpa"
 VARIANTS = ("sdpa", "qknorm_sdpa", "eager", "eager_softcap")
 MODES = ("fwd", "fwd+bwd")
+MAX_ROUNDS = 40
+ATTENTION_BUDGET_S, BLOCK_BUDGET_S = 4.0, 30.0  # timed seconds per (shape, mode) cell and for all the blocks
 
 Core = Callable[[Tensor, Tensor, Tensor], Tensor]
 
@@ -108,11 +110,17 @@ def variants(t: int, head_dim: int, norms: tuple[QKNorm, QKNorm], softcap: float
     }
 
 
-def inputs(shape: Sequence[int], seed: int, grad: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """q, k, v of ``shape`` (B, T, H, Dh) scaled so the logits reach the cap's range, and an upstream gradient."""
+def inputs(
+    shape: Sequence[int], seed: int, grad: bool = False, scale: float = 3.0
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """q, k, v of ``shape`` (B, T, H, Dh) times ``scale``, and an upstream gradient ``(B, H, T, Dh)``.
+
+    At ``scale=3`` (the check's) the logits' std is 9 and their largest reach the cap's range (tanh(40 / 50) is 0.66,
+    not 0.8); the timings use unit-variance inputs (logits of std 1).
+    """
     g = torch.Generator().manual_seed(seed)
     b, t, h, dh = shape
-    q, k, v = (torch.randn(b, t, h, dh, generator=g) * 3.0 for _ in range(3))
+    q, k, v = (torch.randn(b, t, h, dh, generator=g) * scale for _ in range(3))
     up = torch.randn(b, h, t, dh, generator=g)
     return q.requires_grad_(grad), k.requires_grad_(grad), v.requires_grad_(grad), up
 
@@ -123,7 +131,7 @@ def _reference(q: Tensor, k: Tensor, v: Tensor, cap: float | None, norms: tuple[
     if norms is not None:
         q, k = (
             x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + n.config.eps) * n.weight.detach().double()  # type: ignore[union-attr]
-            for x, n in zip((q, k), norms)
+            for x, n in zip((q, k), norms, strict=True)
         )
     scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
     if cap is not None:
@@ -153,11 +161,22 @@ def check(shape: Sequence[int], seed: int = 0) -> list[dict[str, object]]:
     return rows
 
 
-def time_interleaved(calls: Mapping[str, Callable[[], object]], rounds: int, warmup: int, rng: random.Random) -> dict[str, list[float]]:  # fmt: skip
-    """Seconds per call of each provider, the providers in a fresh random order every round."""
-    for _ in range(warmup):
+def time_interleaved(
+    calls: Mapping[str, Callable[[], object]], rounds: int, warmup: int, rng: random.Random, budget_s: float = 0.0
+) -> dict[str, list[float]]:
+    """Seconds per call of each provider, the providers in a fresh random order every round.
+
+    ``rounds`` is the least number of rounds; with a ``budget_s`` the last warm-up round's time sets more (up to
+    ``MAX_ROUNDS``) so that the timed rounds take about ``budget_s`` seconds.
+    """
+    round_s = 0.0
+    for _ in range(max(warmup, 1)):
+        t0 = time.perf_counter()
         for fn in calls.values():
             fn()
+        round_s = time.perf_counter() - t0
+    if budget_s > 0:
+        rounds = max(rounds, min(MAX_ROUNDS, int(budget_s / max(round_s, 1e-9))))
     times: dict[str, list[float]] = {name: [] for name in calls}
     for _ in range(rounds):
         order = list(calls)
@@ -188,15 +207,20 @@ def _fwd_bwd(fn: Core, q: Tensor, k: Tensor, v: Tensor, up: Tensor, params: Sequ
     return call
 
 
-def _stats(seconds: list[float]) -> dict[str, float]:
-    return {"median_ms": statistics.median(seconds) * 1e3, "min_ms": min(seconds) * 1e3}
+def _stats(seconds: list[float], peer: list[float]) -> dict[str, object]:
+    """Median and best call in ms; ``ratio`` of medians and ``ratio_min`` of best calls to the same-run peer."""
+    return {"median_ms": statistics.median(seconds) * 1e3, "min_ms": min(seconds) * 1e3,
+            "ratio": statistics.median(seconds) / statistics.median(peer), "ratio_min": min(seconds) / min(peer),
+            "rounds": len(seconds)}  # fmt: skip
 
 
-def attention_rows(shapes: Sequence[Sequence[int]], rounds: int, warmup: int, seed: int, progress: bool) -> list[dict[str, object]]:  # fmt: skip
+def attention_rows(
+    shapes: Sequence[Sequence[int]], rounds: int, warmup: int, seed: int, progress: bool, budget_s: float = 0.0
+) -> list[dict[str, object]]:
     rows: list[dict[str, object]] = []
     rng = random.Random(seed)
     for shape in shapes:
-        q, k, v, up = inputs(shape, seed, grad=True)
+        q, k, v, up = inputs(shape, seed, grad=True, scale=1.0)
         norms = qk_norms(shape[2], shape[3], seed)
         fns = variants(shape[1], shape[3], norms)
         params = [q, k, v, *(p for n in norms for p in n.parameters())]
@@ -205,11 +229,10 @@ def attention_rows(shapes: Sequence[Sequence[int]], rounds: int, warmup: int, se
                 calls = {name: _fwd(fn, q, k, v) for name, fn in fns.items()}
             else:
                 calls = {name: _fwd_bwd(fn, q, k, v, up, params) for name, fn in fns.items()}
-            times = time_interleaved(calls, rounds, warmup, rng)
-            peer = statistics.median(times[PEER])
+            times = time_interleaved(calls, rounds, warmup, rng, budget_s)
             for name in VARIANTS:
-                rows.append({"shape": shape_name(shape), "mode": mode, "variant": name, **_stats(times[name]),
-                             "ratio": statistics.median(times[name]) / peer, "rounds": rounds})  # fmt: skip
+                rows.append({"shape": shape_name(shape), "mode": mode, "variant": name,
+                             **_stats(times[name], times[PEER])})  # fmt: skip
             if progress:
                 print(f"# attention {shape_name(shape)} {mode} done", file=sys.stderr, flush=True)
     return rows
@@ -224,7 +247,9 @@ def block_model(placement: str, qk: bool, size: Mapping[str, int], seed: int = 0
     return TransformerLM(cfg)
 
 
-def block_rows(size: Mapping[str, int], rounds: int, warmup: int, seed: int, progress: bool) -> list[dict[str, object]]:  # fmt: skip
+def block_rows(
+    size: Mapping[str, int], rounds: int, warmup: int, seed: int, progress: bool, budget_s: float = 0.0
+) -> list[dict[str, object]]:
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, 256, (size["batch"], size["seq"]), generator=g)
     targets = torch.randint(0, 256, (size["batch"], size["seq"]), generator=g)
@@ -242,14 +267,12 @@ def block_rows(size: Mapping[str, int], rounds: int, warmup: int, seed: int, pro
 
             name = f"{placement}{'+qk' if qk else ''}"
             calls[name], keys[name] = step, (placement, qk)
-    times = time_interleaved(calls, rounds, warmup, random.Random(seed))
-    peer = statistics.median(times["pre_ln"])
+    times = time_interleaved(calls, rounds, warmup, random.Random(seed), budget_s)
     rows: list[dict[str, object]] = []
     for name, (placement, qk) in keys.items():
         same = statistics.median(times[placement])
-        rows.append({"placement": placement, "qk_norm": qk, **_stats(times[name]),
-                     "ratio": statistics.median(times[name]) / peer,
-                     "qk_cost": statistics.median(times[name]) / same, "rounds": rounds})  # fmt: skip
+        rows.append({"placement": placement, "qk_norm": qk, **_stats(times[name], times["pre_ln"]),
+                     "qk_cost": statistics.median(times[name]) / same})  # fmt: skip
     if progress:
         print("# blocks done", file=sys.stderr, flush=True)
     return rows
@@ -273,28 +296,30 @@ def run(quick: bool = False, rounds: int | None = None, seed: int = 0, progress:
     """The whole benchmark as one result: ``meta``, ``check``, ``attention`` and ``blocks`` rows."""
     torch.manual_seed(seed)
     shapes, size = (QUICK_SHAPES, QUICK_BLOCK) if quick else (SHAPES, BLOCK)
-    n = rounds if rounds is not None else (3 if quick else 9)
+    n = rounds if rounds is not None else (3 if quick else 5)
+    budget = rounds is None and not quick  # the default run: at least 5 rounds, more where calls are short
     meta: dict[str, Any] = {
         "torch": torch.__version__, "threads": torch.get_num_threads(), "cpu": cpu_model(),
-        "cpu_count": os.cpu_count(), "loadavg_before": _load(), "quick": quick, "rounds": n, "seed": seed,
+        "cpu_count": os.cpu_count(), "loadavg_before": _load(), "quick": quick, "min_rounds": n, "seed": seed,
         "softcap": SOFTCAP, "dtype": "float32", "peer": PEER, "block": dict(size),
     }  # fmt: skip
     checks = check(QUICK_SHAPES[-1], seed)
-    attention = attention_rows(shapes, n, 1 if quick else 2, seed, progress)
-    blocks = block_rows(size, n, 1 if quick else 2, seed, progress)
+    attention = attention_rows(shapes, n, 1 if quick else 2, seed, progress, ATTENTION_BUDGET_S if budget else 0.0)
+    blocks = block_rows(size, n, 1 if quick else 2, seed, progress, BLOCK_BUDGET_S if budget else 0.0)
     meta["loadavg_after"] = _load()
     return {"meta": meta, "check": checks, "attention": attention, "blocks": blocks}
 
 
 def sections(result: Mapping[str, Any]) -> list[Section]:
+    att_cols = ("shape", "mode", "variant", "median_ms", "min_ms", "ratio", "ratio_min", "rounds")
+    block_cols = ("placement", "qk_norm", "median_ms", "min_ms", "ratio", "ratio_min", "qk_cost", "rounds")
+    att_title = f"Attention core, fp32 causal: ratio to fused {PEER} in the same run (medians; ratio_min: best calls)"
+    block_title = "Whole model fwd+bwd: ratio to pre_ln without QK-norm; qk_cost = with / without QK-norm there"
     return [
-        Section("attention", result["attention"], f"Attention core, fp32 causal, ratio to fused {PEER} (same run)",
-                columns=("shape", "mode", "variant", "median_ms", "min_ms", "ratio"), group="shape"),
-        Section("blocks", result["blocks"], "Whole blocks, fwd+bwd: ratio to pre_ln without QK-norm; qk_cost = with / "
-                "without QK-norm at that placement", columns=("placement", "qk_norm", "median_ms", "min_ms", "ratio",
-                                                              "qk_cost")),
+        Section("attention", result["attention"], att_title, columns=att_cols, group="shape"),
+        Section("blocks", result["blocks"], block_title, columns=block_cols),
         Section("check", result["check"], "fp32 forward vs float64 reference"),
-    ]  # fmt: skip
+    ]
 
 
 def _median_ratio(rows: Sequence[Mapping[str, Any]], variant: str, mode: str) -> float:
@@ -354,8 +379,11 @@ def figure(result: Mapping[str, Any], path: Path, command: str) -> Path:
         f"{_median_ratio(att, 'qknorm_sdpa', 'fwd+bwd'):.2f}x the core, {qk:.2f}x a whole model (fwd+bwd medians)",
         fontsize=11,
     )
-    fig.text(0.01, 0.005, f"{command}  |  torch {meta['torch']}, {meta['threads']} threads, {meta['cpu']}, "
-             f"load {meta['loadavg_before']}, seed {meta['seed']}, median of {meta['rounds']} rounds", fontsize=7)  # fmt: skip
+    caption = (
+        f"{command}  |  torch {meta['torch']}, {meta['threads']} threads, {meta['cpu']}, "
+        f"load {meta['loadavg_before']}, seed {meta['seed']}, medians of >= {meta['min_rounds']} rounds"
+    )
+    fig.text(0.01, 0.005, caption, fontsize=7)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -380,12 +408,20 @@ def write_outputs(result: Mapping[str, Any], out: Path) -> list[Path]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="tiny shapes and model, a few seconds (the test's mode)")
-    p.add_argument("--rounds", type=int, default=None, help="timed rounds per provider (default 9; --quick 3)")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=None,
+        help="timed rounds per provider (default: at least 5, more where calls are short; --quick 3)",
+    )
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--format", choices=FORMATS, default="table", help="printed output format (default: table)")
     p.add_argument("--out", type=Path, default=None, help="write norm_cost.json and norm_cost.csv here")
     p.add_argument("--figure", default="docs/figures/norm_cost.png", help="figure path ('' for none)")
     args = p.parse_args(argv)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     result = run(quick=args.quick, rounds=args.rounds, seed=args.seed, progress=True)
     notes = [f"{k}: {v}" for k, v in result["meta"].items()] if args.format == "table" else []
     emit(sections(result), args.format, meta=None if args.format == "table" else result["meta"], notes=notes)
