@@ -338,8 +338,8 @@ def figure(result: Mapping[str, Any], path: Path, command: str) -> Path:
     colors = {"sdpa": "#777777", "qknorm_sdpa": "#1f77b4", "eager": "#ff7f0e", "eager_softcap": "#d62728"}
     labels = {"sdpa": "sdpa (fused)", "qknorm_sdpa": "QK-norm + sdpa", "eager": "eager, no cap",
               "eager_softcap": "eager + tanh soft-cap"}  # fmt: skip
-    fig = plt.figure(figsize=(8, 7.2), dpi=100)
-    grid = fig.add_gridspec(2, 2, height_ratios=(1.15, 1), hspace=0.55, wspace=0.25)
+    fig = plt.figure(figsize=(8, 7.4), dpi=100)
+    grid = fig.add_gridspec(2, 2, height_ratios=(1.15, 1), hspace=0.5, wspace=0.25, top=0.84, bottom=0.07)
     width = 0.8 / len(VARIANTS)
     for col, mode in enumerate(MODES):
         ax = fig.add_subplot(grid[0, col])
@@ -355,7 +355,7 @@ def figure(result: Mapping[str, Any], path: Path, command: str) -> Path:
         ax.set_title(f"attention core, {mode}", fontsize=10)
         ax.grid(axis="y", alpha=0.3)
         if col == 0:
-            ax.legend(fontsize=8, loc="upper left")
+            fig.legend(loc="upper center", bbox_to_anchor=(0.5, 0.915), ncol=len(VARIANTS), fontsize=8, frameon=False)
     ax = fig.add_subplot(grid[1, :])
     names = list(PLACEMENTS)
     for i, qk in enumerate((False, True)):
@@ -374,9 +374,10 @@ def figure(result: Mapping[str, Any], path: Path, command: str) -> Path:
     ax.legend(fontsize=8, loc="lower right")
     qk = statistics.median(float(r["qk_cost"]) for r in blocks if r["qk_norm"])
     fig.suptitle(
-        f"On this CPU, soft-capping costs {_median_ratio(att, 'eager_softcap', 'fwd+bwd'):.2f}x fused attention "
-        f"(eager alone {_median_ratio(att, 'eager', 'fwd+bwd'):.2f}x);\nQK-norm costs "
-        f"{_median_ratio(att, 'qknorm_sdpa', 'fwd+bwd'):.2f}x the core, {qk:.2f}x a whole model (fwd+bwd medians)",
+        f"CPU, fwd+bwd: tanh soft-capping costs {_median_ratio(att, 'eager_softcap', 'fwd+bwd'):.2f}x fused attention, "
+        f"eager alone {_median_ratio(att, 'eager', 'fwd+bwd'):.2f}x;\nQK-norm costs "
+        f"{_median_ratio(att, 'qknorm_sdpa', 'fwd+bwd'):.2f}x the core and {qk:.2f}x a whole small model "
+        "(medians over shapes / placements)",
         fontsize=11,
     )
     caption = (
@@ -392,7 +393,7 @@ def figure(result: Mapping[str, Any], path: Path, command: str) -> Path:
 
 def write_outputs(result: Mapping[str, Any], out: Path) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
-    paths = [write_text_atomic(out / "norm_cost.json", render(sections(result), "json", meta=result["meta"]))]
+    paths = [write_text_atomic(out / "norm_cost.json", render(sections(result), "json", meta={"meta": result["meta"]}))]
     with (out / "norm_cost.csv").open("w", newline="") as fh:
         w = csv.writer(fh, lineterminator="\n")
         w.writerow(("part", "shape_or_placement", "mode", "variant", "median_ms", "min_ms", "ratio"))
@@ -424,7 +425,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     result = run(quick=args.quick, rounds=args.rounds, seed=args.seed, progress=True)
     notes = [f"{k}: {v}" for k, v in result["meta"].items()] if args.format == "table" else []
-    emit(sections(result), args.format, meta=None if args.format == "table" else result["meta"], notes=notes)
+    emit(sections(result), args.format, meta=None if args.format == "table" else {"meta": result["meta"]}, notes=notes)
     if args.out is not None:
         for path in write_outputs(result, args.out):
             print(f"# wrote {path}", file=sys.stderr)
