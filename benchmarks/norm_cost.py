@@ -65,6 +65,7 @@ PEER = "sdpa"
 VARIANTS = ("sdpa", "qknorm_sdpa", "eager", "eager_softcap")
 MODES = ("fwd", "fwd+bwd")
 MAX_ROUNDS = 40
+CPU = torch.device("cpu")
 ATTENTION_BUDGET_S, BLOCK_BUDGET_S = 4.0, 30.0  # timed seconds per (shape, mode) cell and for all the blocks
 
 Core = Callable[[Tensor, Tensor, Tensor], Tensor]
@@ -85,9 +86,11 @@ def qk_norms(n_heads: int, head_dim: int, seed: int = 0) -> tuple[QKNorm, QKNorm
     return norms
 
 
-def variants(t: int, head_dim: int, norms: tuple[QKNorm, QKNorm], softcap: float = SOFTCAP) -> dict[str, Core]:
+def variants(
+    t: int, head_dim: int, norms: tuple[QKNorm, QKNorm], softcap: float = SOFTCAP, device: torch.device | None = None
+) -> dict[str, Core]:
     """Each variant as ``(q, k, v) -> out``: inputs ``(B, T, H, Dh)``, output ``(B, H, T, Dh)``, causal."""
-    mask = torch.ones(t, t, dtype=torch.bool).tril()
+    mask = torch.ones(t, t, dtype=torch.bool, device=device).tril()
     scale = head_dim**-0.5
     qn, kn = norms
 
@@ -111,7 +114,7 @@ def variants(t: int, head_dim: int, norms: tuple[QKNorm, QKNorm], softcap: float
 
 
 def inputs(
-    shape: Sequence[int], seed: int, grad: bool = False, scale: float = 3.0
+    shape: Sequence[int], seed: int, grad: bool = False, scale: float = 3.0, device: torch.device | None = None
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """q, k, v of ``shape`` (B, T, H, Dh) times ``scale``, and an upstream gradient ``(B, H, T, Dh)``.
 
@@ -120,8 +123,8 @@ def inputs(
     """
     g = torch.Generator().manual_seed(seed)
     b, t, h, dh = shape
-    q, k, v = (torch.randn(b, t, h, dh, generator=g) * scale for _ in range(3))
-    up = torch.randn(b, h, t, dh, generator=g)
+    q, k, v = ((torch.randn(b, t, h, dh, generator=g) * scale).to(device) for _ in range(3))
+    up = torch.randn(b, h, t, dh, generator=g).to(device)
     return q.requires_grad_(grad), k.requires_grad_(grad), v.requires_grad_(grad), up
 
 
@@ -162,7 +165,12 @@ def check(shape: Sequence[int], seed: int = 0) -> list[dict[str, object]]:
 
 
 def time_interleaved(
-    calls: Mapping[str, Callable[[], object]], rounds: int, warmup: int, rng: random.Random, budget_s: float = 0.0
+    calls: Mapping[str, Callable[[], object]],
+    rounds: int,
+    warmup: int,
+    rng: random.Random,
+    budget_s: float = 0.0,
+    sync: Callable[[], object] = lambda: None,
 ) -> dict[str, list[float]]:
     """Seconds per call of each provider, the providers in a fresh random order every round.
 
@@ -174,6 +182,7 @@ def time_interleaved(
         t0 = time.perf_counter()
         for fn in calls.values():
             fn()
+        sync()
         round_s = time.perf_counter() - t0
     if budget_s > 0:
         rounds = max(rounds, min(MAX_ROUNDS, int(budget_s / max(round_s, 1e-9))))
@@ -184,6 +193,7 @@ def time_interleaved(
         for name in order:
             t0 = time.perf_counter()
             calls[name]()
+            sync()
             times[name].append(time.perf_counter() - t0)
     return times
 
@@ -215,21 +225,29 @@ def _stats(seconds: list[float], peer: list[float]) -> dict[str, object]:
 
 
 def attention_rows(
-    shapes: Sequence[Sequence[int]], rounds: int, warmup: int, seed: int, progress: bool, budget_s: float = 0.0
+    shapes: Sequence[Sequence[int]],
+    rounds: int,
+    warmup: int,
+    seed: int,
+    progress: bool,
+    budget_s: float = 0.0,
+    device: torch.device = CPU,
 ) -> list[dict[str, object]]:
     rows: list[dict[str, object]] = []
     rng = random.Random(seed)
     for shape in shapes:
-        q, k, v, up = inputs(shape, seed, grad=True, scale=1.0)
+        q, k, v, up = inputs(shape, seed, grad=True, scale=1.0, device=device)
         norms = qk_norms(shape[2], shape[3], seed)
-        fns = variants(shape[1], shape[3], norms)
+        for n in norms:
+            n.to(device)
+        fns = variants(shape[1], shape[3], norms, device=device)
         params = [q, k, v, *(p for n in norms for p in n.parameters())]
         for mode in MODES:
             if mode == "fwd":
                 calls = {name: _fwd(fn, q, k, v) for name, fn in fns.items()}
             else:
                 calls = {name: _fwd_bwd(fn, q, k, v, up, params) for name, fn in fns.items()}
-            times = time_interleaved(calls, rounds, warmup, rng, budget_s)
+            times = time_interleaved(calls, rounds, warmup, rng, budget_s, _sync(device))
             for name in VARIANTS:
                 rows.append({"shape": shape_name(shape), "mode": mode, "variant": name,
                              **_stats(times[name], times[PEER])})  # fmt: skip
@@ -248,16 +266,22 @@ def block_model(placement: str, qk: bool, size: Mapping[str, int], seed: int = 0
 
 
 def block_rows(
-    size: Mapping[str, int], rounds: int, warmup: int, seed: int, progress: bool, budget_s: float = 0.0
+    size: Mapping[str, int],
+    rounds: int,
+    warmup: int,
+    seed: int,
+    progress: bool,
+    budget_s: float = 0.0,
+    device: torch.device = CPU,
 ) -> list[dict[str, object]]:
     g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, 256, (size["batch"], size["seq"]), generator=g)
-    targets = torch.randint(0, 256, (size["batch"], size["seq"]), generator=g)
+    ids = torch.randint(0, 256, (size["batch"], size["seq"]), generator=g).to(device)
+    targets = torch.randint(0, 256, (size["batch"], size["seq"]), generator=g).to(device)
     calls: dict[str, Callable[[], object]] = {}
     keys: dict[str, tuple[str, bool]] = {}
     for placement in PLACEMENTS:
         for qk in (False, True):
-            model = block_model(placement, qk, size, seed)
+            model = block_model(placement, qk, size, seed).to(device)
 
             def step(model: TransformerLM = model) -> object:
                 model.zero_grad(set_to_none=True)
@@ -267,7 +291,7 @@ def block_rows(
 
             name = f"{placement}{'+qk' if qk else ''}"
             calls[name], keys[name] = step, (placement, qk)
-    times = time_interleaved(calls, rounds, warmup, random.Random(seed), budget_s)
+    times = time_interleaved(calls, rounds, warmup, random.Random(seed), budget_s, _sync(device))
     rows: list[dict[str, object]] = []
     for name, (placement, qk) in keys.items():
         same = statistics.median(times[placement])
@@ -292,8 +316,18 @@ def _load() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
 
 
-def run(quick: bool = False, rounds: int | None = None, seed: int = 0, progress: bool = False) -> dict[str, Any]:
-    """The whole benchmark as one result: ``meta``, ``check``, ``attention`` and ``blocks`` rows."""
+def _sync(device: torch.device) -> Callable[[], object]:
+    return torch.cuda.synchronize if device.type == "cuda" else lambda: None
+
+
+def run(
+    quick: bool = False, rounds: int | None = None, seed: int = 0, progress: bool = False, device: str = "cpu"
+) -> dict[str, Any]:
+    """The whole benchmark as one result: ``meta``, ``check``, ``attention`` and ``blocks`` rows.
+
+    ``device``: where the timed calls run (``cuda`` on a GPU; the float64 check always runs on the CPU).
+    """
+    dev = torch.device(device)
     torch.manual_seed(seed)
     shapes, size = (QUICK_SHAPES, QUICK_BLOCK) if quick else (SHAPES, BLOCK)
     n = rounds if rounds is not None else (3 if quick else 5)
@@ -301,11 +335,13 @@ def run(quick: bool = False, rounds: int | None = None, seed: int = 0, progress:
     meta: dict[str, Any] = {
         "torch": torch.__version__, "threads": torch.get_num_threads(), "cpu": cpu_model(),
         "cpu_count": os.cpu_count(), "loadavg_before": _load(), "quick": quick, "min_rounds": n, "seed": seed,
-        "softcap": SOFTCAP, "dtype": "float32", "peer": PEER, "block": dict(size),
+        "softcap": SOFTCAP, "dtype": "float32", "peer": PEER, "block": dict(size), "device": str(dev),
+        "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else cpu_model(),
     }  # fmt: skip
     checks = check(QUICK_SHAPES[-1], seed)
-    attention = attention_rows(shapes, n, 1 if quick else 2, seed, progress, ATTENTION_BUDGET_S if budget else 0.0)
-    blocks = block_rows(size, n, 1 if quick else 2, seed, progress, BLOCK_BUDGET_S if budget else 0.0)
+    warm = 1 if quick else 2
+    attention = attention_rows(shapes, n, warm, seed, progress, ATTENTION_BUDGET_S if budget else 0.0, dev)
+    blocks = block_rows(size, n, warm, seed, progress, BLOCK_BUDGET_S if budget else 0.0, dev)
     meta["loadavg_after"] = _load()
     return {"meta": meta, "check": checks, "attention": attention, "blocks": blocks}
 
@@ -373,15 +409,17 @@ def figure(result: Mapping[str, Any], path: Path, command: str) -> Path:
                  f"T {size['seq']} (eager attention)", fontsize=10)  # fmt: skip
     ax.legend(fontsize=8, loc="lower right")
     qk = statistics.median(float(r["qk_cost"]) for r in blocks if r["qk_norm"])
+    where = "CPU" if meta.get("device", "cpu") == "cpu" else meta["device_name"]
     fig.suptitle(
-        f"CPU, fwd+bwd: tanh soft-capping costs {_median_ratio(att, 'eager_softcap', 'fwd+bwd'):.2f}x fused attention, "
+        f"{where}, fwd+bwd: tanh soft-capping costs {_median_ratio(att, 'eager_softcap', 'fwd+bwd'):.2f}x "
+        "fused attention, "
         f"eager alone {_median_ratio(att, 'eager', 'fwd+bwd'):.2f}x;\nQK-norm costs "
         f"{_median_ratio(att, 'qknorm_sdpa', 'fwd+bwd'):.2f}x the core and {qk:.2f}x a whole small model "
         "(medians over shapes / placements)",
         fontsize=11,
     )
     caption = (
-        f"{command}  |  torch {meta['torch']}, {meta['threads']} threads, {meta['cpu']}, "
+        f"{command}  |  torch {meta['torch']}, {meta['threads']} threads, {meta.get('device_name', meta['cpu'])}, "
         f"load {meta['loadavg_before']}, seed {meta['seed']}, medians of >= {meta['min_rounds']} rounds"
     )
     fig.text(0.01, 0.005, caption, fontsize=7)
@@ -416,6 +454,7 @@ def main(argv: list[str] | None = None) -> int:
         help="timed rounds per provider (default: at least 5, more where calls are short; --quick 3)",
     )
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    p.add_argument("--device", default="cpu", help="where the timed calls run: cpu (default) or cuda")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--format", choices=FORMATS, default="table", help="printed output format (default: table)")
     p.add_argument("--out", type=Path, default=None, help="write norm_cost.json and norm_cost.csv here")
@@ -423,7 +462,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    result = run(quick=args.quick, rounds=args.rounds, seed=args.seed, progress=True)
+    result = run(quick=args.quick, rounds=args.rounds, seed=args.seed, progress=True, device=args.device)
     notes = [f"{k}: {v}" for k, v in result["meta"].items()] if args.format == "table" else []
     emit(sections(result), args.format, meta=None if args.format == "table" else {"meta": result["meta"]}, notes=notes)
     if args.out is not None:
@@ -431,6 +470,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"# wrote {path}", file=sys.stderr)
     if args.figure:
         command = "PYTHONPATH=src python benchmarks/norm_cost.py" + (" --quick" if args.quick else "")
+        command += "" if args.device == "cpu" else f" --device {args.device}"
         print(f"# wrote {figure(result, Path(args.figure), command)}", file=sys.stderr)
     return 0
 
