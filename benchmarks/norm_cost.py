@@ -375,7 +375,7 @@ def figure(result: Mapping[str, Any], path: Path, command: str) -> Path:
     labels = {"sdpa": "sdpa (fused)", "qknorm_sdpa": "QK-norm + sdpa", "eager": "eager, no cap",
               "eager_softcap": "eager + tanh soft-cap"}  # fmt: skip
     fig = plt.figure(figsize=(8, 7.4), dpi=100)
-    grid = fig.add_gridspec(2, 2, height_ratios=(1.15, 1), hspace=0.5, wspace=0.25, top=0.84, bottom=0.07)
+    grid = fig.add_gridspec(2, 2, height_ratios=(1.15, 1), hspace=0.5, wspace=0.25, top=0.84, bottom=0.09)
     width = 0.8 / len(VARIANTS)
     for col, mode in enumerate(MODES):
         ax = fig.add_subplot(grid[0, col])
@@ -408,18 +408,18 @@ def figure(result: Mapping[str, Any], path: Path, command: str) -> Path:
     ax.set_title(f"whole model fwd+bwd: {size['n_layers']} layers, d_model {size['d_model']}, {size['n_heads']} heads, "
                  f"T {size['seq']} (eager attention)", fontsize=10)  # fmt: skip
     ax.legend(fontsize=8, loc="lower right")
-    qk = statistics.median(float(r["qk_cost"]) for r in blocks if r["qk_norm"])
+    qk = [float(r["qk_cost"]) for r in blocks if r["qk_norm"]]
     where = "CPU" if meta.get("device", "cpu") == "cpu" else meta["device_name"]
     fig.suptitle(
         f"{where}, fwd+bwd: tanh soft-capping costs {_median_ratio(att, 'eager_softcap', 'fwd+bwd'):.2f}x "
         "fused attention, "
         f"eager alone {_median_ratio(att, 'eager', 'fwd+bwd'):.2f}x;\nQK-norm costs "
-        f"{_median_ratio(att, 'qknorm_sdpa', 'fwd+bwd'):.2f}x the core and {qk:.2f}x a whole small model "
-        "(medians over shapes / placements)",
+        f"{_median_ratio(att, 'qknorm_sdpa', 'fwd+bwd'):.2f}x the core (medians over shapes), "
+        f"{min(qk):.2f}-{max(qk):.2f}x a whole small model",
         fontsize=11,
     )
     caption = (
-        f"{command}  |  torch {meta['torch']}, {meta['threads']} threads, {meta.get('device_name', meta['cpu'])}, "
+        f"{command}\ntorch {meta['torch']}, {meta['threads']} threads, {meta.get('device_name', meta['cpu'])}, "
         f"load {meta['loadavg_before']}, seed {meta['seed']}, medians of >= {meta['min_rounds']} rounds"
     )
     fig.text(0.01, 0.005, caption, fontsize=7)
@@ -469,8 +469,8 @@ def main(argv: list[str] | None = None) -> int:
         for path in write_outputs(result, args.out):
             print(f"# wrote {path}", file=sys.stderr)
     if args.figure:
-        command = "PYTHONPATH=src python benchmarks/norm_cost.py" + (" --quick" if args.quick else "")
-        command += "" if args.device == "cpu" else f" --device {args.device}"
+        shown = [a for a in (sys.argv[1:] if argv is None else argv) if a not in ("--format", "json", "csv", "table")]
+        command = " ".join(["PYTHONPATH=src python benchmarks/norm_cost.py", *shown])
         print(f"# wrote {figure(result, Path(args.figure), command)}", file=sys.stderr)
     return 0
 
