@@ -408,14 +408,14 @@ def figure(result: Mapping[str, Any], path: Path, command: str) -> Path:
     ax.set_title(f"whole model fwd+bwd: {size['n_layers']} layers, d_model {size['d_model']}, {size['n_heads']} heads, "
                  f"T {size['seq']} (eager attention)", fontsize=10)  # fmt: skip
     ax.legend(fontsize=8, loc="lower right")
-    qk = [float(r["qk_cost"]) for r in blocks if r["qk_norm"]]
+    qk_costs = [float(r["qk_cost"]) for r in blocks if r["qk_norm"]]
     where = "CPU" if meta.get("device", "cpu") == "cpu" else meta["device_name"]
     fig.suptitle(
         f"{where}, fwd+bwd: tanh soft-capping costs {_median_ratio(att, 'eager_softcap', 'fwd+bwd'):.2f}x "
         "fused attention, "
         f"eager alone {_median_ratio(att, 'eager', 'fwd+bwd'):.2f}x;\nQK-norm costs "
         f"{_median_ratio(att, 'qknorm_sdpa', 'fwd+bwd'):.2f}x the core (medians over shapes), "
-        f"{min(qk):.2f}-{max(qk):.2f}x a whole small model",
+        f"{min(qk_costs):.2f}-{max(qk_costs):.2f}x a whole small model",
         fontsize=11,
     )
     caption = (
