@@ -5,8 +5,12 @@ from growing until the softmax saturates, but the tanh acts on the score matrix,
 (``F.scaled_dot_product_attention``) cannot express, so a soft-capped model runs its attention eagerly; QK-norm
 acts on q and k before the kernel and keeps it. OLMoE reports QK-norm costing ~10% of throughput. Command::
 
-    PYTHONPATH=src .venv/bin/python benchmarks/norm_cost.py [--format json] [--out DIR]   # ~1.5 min on 2 cores
-    PYTHONPATH=src .venv/bin/python benchmarks/norm_cost.py --quick                       # a few seconds
+    PYTHONPATH=src .venv/bin/python benchmarks/norm_cost.py --threads 1 [--format json] [--out DIR]  # ~70 s
+    PYTHONPATH=src .venv/bin/python benchmarks/norm_cost.py --quick                                  # a few seconds
+    PYTHONPATH=src python benchmarks/norm_cost.py --device cuda                                     # on a GPU
+
+On a shared CPU use ``--threads 1``: a two-thread parallel region waits for whichever thread is descheduled, and
+medians of short calls grew 3-5x (docs/kernels.md, "What normalization costs", has a run and its reading).
 
 Part 1, the attention core (fp32, causal, q / k / v of shape (B, T, H, Dh) as a projection gives them), four
 variants at each shape, forward (no_grad) and forward + backward:
