@@ -10,7 +10,7 @@ acts on q and k before the kernel and keeps it. OLMoE reports QK-norm costing ~1
     PYTHONPATH=src python benchmarks/norm_cost.py --device cuda                                     # on a GPU
 
 On a shared CPU use ``--threads 1``: a two-thread parallel region waits for whichever thread is descheduled, and
-medians of short calls grew 3-5x (docs/kernels.md, "What normalization costs", has a run and its reading).
+the shortest calls' medians grew 2.7-4x (docs/kernels.md, "What normalization costs", has a run and its reading).
 
 Part 1, the attention core (fp32, causal, q / k / v of shape (B, T, H, Dh) as a projection gives them), four
 variants at each shape, forward (no_grad) and forward + backward:
