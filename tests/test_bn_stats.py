@@ -75,6 +75,16 @@ def test_known_intraclass_correlation() -> None:
     assert ((got.n_eff - b * t / 3).abs() < 0.2 * b * t / 3).all()
 
 
+@pytest.mark.parametrize(("scale", "shift"), [(3.0, 0.0), (-0.01, 5.0), (1e3, -2.0)])
+def test_affine_invariant(scale: float, shift: float) -> None:
+    """n_eff counts samples: a per-channel affine map of the values (what BN undoes) does not change it."""
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(5, 9, 3, generator=gen, dtype=torch.float64) + torch.randn(5, 1, 3, generator=gen)
+    ref, got = effective_sample_count(x), effective_sample_count(x * scale + shift)
+    torch.testing.assert_close(got.rho, ref.rho, rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(got.n_eff, ref.n_eff, rtol=1e-9, atol=1e-9)
+
+
 def test_no_variance_is_rho_zero() -> None:
     got = effective_sample_count(torch.ones(3, 4, 2))
     assert got.rho.tolist() == [0.0, 0.0] and got.n_eff.tolist() == [12.0, 12.0]
