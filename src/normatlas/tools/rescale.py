@@ -125,9 +125,8 @@ def _w_error(w: Tensor) -> float:
 
 
 @torch.no_grad()
-def _apply(att: Any, s: Tensor, n_rep: int, hd: int, inverse: bool = False) -> None:
+def _apply(att: Any, s: Tensor, n_rep: int, hd: int) -> None:
     """``v_proj`` rows (and bias) divided by ``s``, ``o_proj`` columns of every query head times ``s``."""
-    s = 1 / s if inverse else s
     kv = s.numel() // hd
     s_o = s.view(kv, 1, hd).expand(kv, n_rep, hd).reshape(-1)
     v, o = att.v_proj, att.o_proj
@@ -180,21 +179,24 @@ def v_scale(model: nn.Module, ids: Tensor, alpha: float = 0.5, strict: bool = Tr
             continue
         att: Any = stock.get_submodule(n)
         v_out = before[f"{n}.v_proj"][1].double()
-        w_o = (
-            att.o_proj.weight.double()
-        )  # (hidden, heads * hd); column h * hd + d reads kv channel (h // n_rep) * hd + d
+        # o_proj: (hidden, heads * hd); column h * hd + d reads kv channel (h // n_rep) * hd + d
+        w_o = att.o_proj.weight.double()
         w_max = w_o.abs().amax(0).view(kv, n_rep, hd).amax(1).reshape(-1)
         v_max = v_out.abs().reshape(-1, v_out.shape[-1]).amax(0)
         s = v_max.pow(alpha) / w_max.pow(1 - alpha)
         s = torch.where(torch.isfinite(s) & (s > 0), s, torch.ones_like(s))
-        w_before = att.o_proj.weight.detach().clone()
+        params = [p for p in (att.v_proj.weight, att.v_proj.bias, att.o_proj.weight) if p is not None]
+        saved = [p.detach().clone() for p in params]
+        w_before = saved[-1]
         _apply(att, s, n_rep, hd)
         y0 = att_out[n].double()
         y1 = _outputs(stock, [n], ids)[n].double()
         moved = float((y1 - y0).abs().max())
         bound = 1e4 * eps * float(y0.abs().max().clamp_min(1e-300))
         if moved > bound:
-            _apply(att, s, n_rep, hd, inverse=True)
+            with torch.no_grad():
+                for p, old in zip(params, saved, strict=True):
+                    p.copy_(old)  # bit for bit, not through 1 / s
             refuse(n, f"its output moved by {moved:.3g} (rounding bound {bound:.3g}): V is not read linearly per head")
             continue
         done[n] = (s, w_before)
