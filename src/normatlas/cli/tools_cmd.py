@@ -324,6 +324,12 @@ def configure_outliers(p: argparse.ArgumentParser) -> None:
     p.add_argument("--text", action="append", help="text to run (repeatable; default: one window of held-out text)")
     p.add_argument("--alpha", type=float, default=0.5, help="SmoothQuant migration strength in [0, 1] (default 0.5)")
     p.add_argument("--no-entropy", action="store_true", help="skip the matrix entropy of the stream by depth")
+    p.add_argument(
+        "--rescale",
+        type=one_of(("v",)),
+        help="v: also rescale the attention value path (v_proj rows / s, o_proj columns x s, same --alpha) on the "
+        "float64 copy and show the int8 errors before / after",
+    )
     add_format_option(p)
 
 
@@ -374,6 +380,24 @@ def outliers(args: argparse.Namespace) -> int:
         sections.append(Section("smoothing", sm.rows, title))
     if sm.refusals:
         sections.append(Section("refusals", sm.refusals, "norms not smoothed, and why"))
+    if args.rescale == "v":
+        from ..tools.rescale import v_scale
+
+        with progress.phase("V-scale on a float64 copy, each attention module verified, logits against the original"):
+            try:
+                vs = v_scale(m64, ids, args.alpha, strict=False)
+            except ValueError as exc:
+                raise CliError(f"--rescale v: {exc}") from exc
+        meta.update(v_scaled=len(vs.rows), v_refused=len(vs.refusals), v_max_abs_logit_diff_f64=vs.max_logit_diff)
+        if vs.rows:
+            title = (
+                f"V-scale (alpha {args.alpha}): per-tensor int8 error of v_proj's output and of o_proj's input, "
+                "per-output-channel int8 error of o_proj's weight, before / after; function unchanged: max |logit "
+                f"diff| {vs.max_logit_diff:.3g} (float64)"
+            )
+            sections.append(Section("rescale", vs.rows, title))
+        if vs.refusals:
+            sections.append(Section("rescale_refusals", vs.refusals, "attention modules not rescaled, and why"))
     notes = []
     if not args.no_entropy:
         try:
