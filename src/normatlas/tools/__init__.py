@@ -37,6 +37,7 @@ from .prune import (
     quality,
 )
 from .reading import Layer, NoHead, Reading, ToolError, capture_stream, model_inputs, read_model, skipping
+from .rescale import VScaling, head_layout, v_scale
 from .zoo import ByteLlama, byte_tokenizer, heldout_bytes, train_byte_llama
 
 __all__ = [
@@ -49,6 +50,7 @@ __all__ = [
     "Smoothing",
     "ToolError",
     "TunedFit",
+    "VScaling",
     "block_scores",
     "byte_tokenizer",
     "capture_stream",
@@ -57,6 +59,7 @@ __all__ = [
     "choose_block",
     "embedding_figure",
     "fit_tuned_gains",
+    "head_layout",
     "heldout_bytes",
     "heldout_ids",
     "is_causal",
@@ -81,6 +84,7 @@ __all__ = [
     "stream_entropy",
     "token_table",
     "train_byte_llama",
+    "v_scale",
     "windows",
 ]
 
