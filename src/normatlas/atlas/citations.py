@@ -120,6 +120,7 @@ CITATIONS: dict[str, tuple[str, ...]] = _table(
         (("enjoy_layernorm", "pre_rmsnorm2023"), _S, ("ln_to_rms", "ln_foldability")),
         (("ioffe2015",), _S, ("fold_batchnorm", "freeze_batchnorm")),
         (("gemma2024",), _S, ("convert_gain_convention", "gain_offset_warnings")),
+        (("pangu_light2025",), _S, ("absorb_post_norms", "FrozenStatNorm")),
     ]
 )
 
@@ -134,6 +135,11 @@ def _reasons(groups: Iterable[tuple[str, str, tuple[str, ...]]]) -> dict[str, st
 
 UTILITIES: dict[str, str] = _reasons(
     [
+        (
+            "the absorption's report and its measurement against the original model, not a method",
+            _S,
+            ("Absorption", "PostNormStat", "approximation"),
+        ),
         (
             "block configuration and state-dict plumbing (names, factories, the HF port's entry), not a method",
             _B,
