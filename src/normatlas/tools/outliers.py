@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -84,17 +84,16 @@ def norm_sites(model: nn.Module, ids: Tensor) -> tuple[Dataflow, dict[str, NormF
     return flow, find_norms(flow)
 
 
-def _capture(model: nn.Module, names: Sequence[str], ids: Tensor) -> dict[str, tuple[Tensor, Tensor]]:
-    """Each named module's input and output on one forward (calls of one module joined along the token axis)."""
-    seen: dict[str, list[tuple[Tensor, Tensor]]] = {n: [] for n in names}
+def record(model: nn.Module, names: Sequence[str], ids: Tensor, pick: Callable[[Any, Any], Any]) -> dict[str, list]:
+    """``pick(args, output)`` of each named module's every call on one forward (``None`` picks are dropped)."""
+    seen: dict[str, list] = {n: [] for n in names}
     handles = []
     for n in names:
 
         def hook(mod: nn.Module, args: Any, out: Any, n: str = n) -> None:
-            x = args[0] if args else None
-            y = out[0] if isinstance(out, (tuple, list)) else out
-            if isinstance(x, Tensor) and isinstance(y, Tensor):
-                seen[n].append((x.detach(), y.detach()))
+            got = pick(args, out[0] if isinstance(out, (tuple, list)) else out)
+            if got is not None:
+                seen[n].append(got)
 
         handles.append(model.get_submodule(n).register_forward_hook(hook))
     try:
@@ -103,6 +102,17 @@ def _capture(model: nn.Module, names: Sequence[str], ids: Tensor) -> dict[str, t
     finally:
         for h in handles:
             h.remove()
+    return seen
+
+
+def _in_out(args: Any, y: Any) -> tuple[Tensor, Tensor] | None:
+    x = args[0] if args else None
+    return (x.detach(), y.detach()) if isinstance(x, Tensor) and isinstance(y, Tensor) else None
+
+
+def _capture(model: nn.Module, names: Sequence[str], ids: Tensor) -> dict[str, tuple[Tensor, Tensor]]:
+    """Each named module's input and output on one forward (calls of one module joined along the token axis)."""
+    seen = record(model, names, ids, _in_out)
     return {n: (torch.cat([x for x, _ in v], 1), torch.cat([y for _, y in v], 1)) for n, v in seen.items() if v}
 
 

@@ -30,8 +30,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .outliers import _capture, max_logit_diff, quant_error
-from .reading import model_inputs
+from .outliers import _capture, max_logit_diff, quant_error, record
 
 __all__ = ["VScaling", "head_layout", "v_scale"]
 
@@ -100,22 +99,7 @@ def _refusal(model: nn.Module, name: str, layout: tuple[int, int, int]) -> str |
 
 def _outputs(model: nn.Module, names: list[str], ids: Tensor) -> dict[str, Tensor]:
     """Each named module's first output on one forward (its inputs may be keyword arguments)."""
-    seen: dict[str, list[Tensor]] = {n: [] for n in names}
-    handles = []
-    for n in names:
-
-        def hook(mod: nn.Module, args: Any, out: Any, n: str = n) -> None:
-            y = out[0] if isinstance(out, (tuple, list)) else out
-            if isinstance(y, Tensor):
-                seen[n].append(y.detach())
-
-        handles.append(model.get_submodule(n).register_forward_hook(hook))
-    try:
-        with torch.no_grad():
-            model(**model_inputs(model, ids))
-    finally:
-        for h in handles:
-            h.remove()
+    seen = record(model, names, ids, lambda args, y: y.detach() if isinstance(y, Tensor) else None)
     return {n: torch.cat(v, 1) for n, v in seen.items() if v}
 
 
