@@ -20,6 +20,7 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -92,12 +93,14 @@ class Outcome:
 @dataclass
 class RunContext:
     """What one seed of an experiment is run with. ``size(default, quick, paper=)`` picks a count by scale;
-    ``progress(msg)`` reports a step on stderr (the CLI's status line)."""
+    ``progress(msg)`` reports a step on stderr (the CLI's status line); ``shared`` is where trained sets that
+    several experiments read are cached (``None``: train in memory)."""
 
     scale: Scale
     seed: int
     progress: Callable[[str], None] = field(default=lambda msg: None)
     threads: int | None = None
+    shared: Path | None = None  # a folder for what several experiments train once (the runner's DIR/_shared)
 
     def __post_init__(self) -> None:
         self.scale = Scale.parse(self.scale)
@@ -154,6 +157,7 @@ class Experiment:
     rule: VerdictRule
     estimates_s: Mapping[Scale, float]
     run: Callable[[RunContext], Outcome]
+    depends: tuple[str, ...] = ()  # modules (dotted names) whose source also keys the seed cache (shared sets)
 
     def __post_init__(self) -> None:
         if not self.name or not self.name.replace("-", "").isalnum() or self.name != self.name.lower():

@@ -9,10 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..blocks import deepnorm, layernorm_scaling, mix_ln, peri_ln, post_ln, pre_ln
-from ._shared import byte_data, figure, finish, stream_variance, trained
+from . import depth_set
+from ._shared import figure, finish
 from .base import Experiment, Outcome, RunContext, Series, estimates
-from .lm import TrainConfig
 from .verdict import Clause, Direction, Diverged, Statistic, VerdictRule
 
 PLACEMENTS = ("Pre-LN", "Post-LN", "Peri-LN", "LNS", "DeepNorm", "Mix-LN")
@@ -25,61 +24,43 @@ RULE = VerdictRule(tuple(
 ))  # fmt: skip
 
 
-def placement(name: str, n_layers: int) -> Any:
-    """The library's preset for a label of :data:`PLACEMENTS`."""
-    presets = {
-        "Pre-LN": pre_ln, "Post-LN": post_ln, "Peri-LN": peri_ln, "LNS": layernorm_scaling,
-        "DeepNorm": lambda: deepnorm(n_layers), "Mix-LN": lambda: mix_ln(n_layers),
-    }  # fmt: skip
-    if name not in presets:
-        raise ValueError(f"placement={name!r} is not one of {sorted(presets)}")
-    return presets[name]()
-
-
 def growth(var: list[float]) -> float:
     """The stream's variance leaving the last block over that leaving the first (``var[0]`` is the embedding)."""
     return var[-1] / var[1]
 
 
 def run(ctx: RunContext) -> Outcome:
-    n_layers, d_model = ctx.size(8, 6, paper=24), ctx.size(64, 32)
-    cfg = TrainConfig(steps=ctx.size(200, 15, paper=2000), batch=ctx.size(16, 8), seq=ctx.size(64, 32), lr=3e-3)
-    data = byte_data(ctx)
-    x, _ = data.held_out(8, cfg.seq)
-    var: dict[str, dict[str, list[float]]] = {}
-    finals: dict[str, float] = {}
-    diverged: dict[str, int | None] = {}
-    for name in PLACEMENTS:
-        init, lm, log = trained(ctx, placement(name, n_layers), cfg, data, name, n_layers=n_layers, d_model=d_model)
-        var[name] = {"init": stream_variance(init, x), "trained": stream_variance(lm, x)}
-        finals[name] = sum(log.losses[-10:]) / len(log.losses[-10:])
-        diverged[name] = log.diverged_at
+    s = depth_set.setup(ctx)
+    n_layers = s.n_layers
+    members = {name: depth_set.member(ctx, name) for name in PLACEMENTS}
+    var = {name: {"init": t.init_variance, "trained": t.final_variance} for name, t in members.items()}
     measured: dict[str, Any] = {}
-    for name in PLACEMENTS:
+    for name, t in members.items():
         key = name.lower().replace("-", "_")
         measured[f"growth_init_{key}"] = growth(var[name]["init"])
         measured[f"growth_trained_{key}"] = growth(var[name]["trained"])
         measured[f"first_block_variance_trained_{key}"] = var[name]["trained"][1]
         measured[f"last_block_variance_trained_{key}"] = var[name]["trained"][-1]
-        measured[f"final_train_loss_{key}"] = finals[name]
+        measured[f"final_train_loss_{key}"] = sum(t.losses[-10:]) / len(t.losses[-10:])
     g = {n: growth(var[n]["trained"]) for n in PLACEMENTS}
     statistics: dict[str, Statistic] = {}
     for other in OTHERS:
         key = f"growth_pre_ln_over_{other.lower().replace('-', '_')}"
-        bad = next((n for n in ("Pre-LN", other) if diverged[n] is not None), None)
-        statistics[key] = g["Pre-LN"] / g[other] if bad is None else Diverged(f"{bad}'s training", diverged[bad])
+        bad = next((n for n in ("Pre-LN", other) if members[n].diverged_at is not None), None)
+        statistics[key] = (
+            g["Pre-LN"] / g[other] if bad is None else Diverged(f"{bad}'s training", members[bad].diverged_at)
+        )
     rows = [
-        (name, placement(name, n_layers).name, stage, layer, v)
+        (name, depth_set.MEMBERS[name].placement(n_layers).name, stage, layer, v)
         for name in PLACEMENTS
         for stage in ("init", "trained")
         for layer, v in enumerate(var[name][stage])
     ]  # the placement column is the preset's own name (the web atlas draws each profile beside its diagram)
     series = {"variance": Series(("label", "placement", "stage", "depth", "variance"), rows)}
     notes = (
-        f"{n_layers} layers, d_model {d_model}, byte LM on the stdlib sources, AdamW lr {cfg.lr} (warm-up "
-        f"{cfg.warmup}), {cfg.steps} steps of {cfg.batch}x{cfg.seq} bytes, LayerNorm in every slot. 'growth' = "
-        "variance leaving the last block / leaving the first. The LNS paper measures 130M-1B Llama-style models "
-        "over billions of tokens."
+        f"The shared depth set (experiments/depth_set.py, trained once per seed for experiments 3, 5 and 6): "
+        f"{s.describe()}. 'growth' = variance leaving the last block / leaving the first. The LNS paper measures "
+        "130M-1B Llama-style models over billions of tokens."
     )
     return Outcome(statistics, measured, series, _figure(ctx, var, n_layers), notes)
 
@@ -124,4 +105,5 @@ EXPERIMENT = Experiment(
     rule=RULE,
     estimates_s=estimates(default=70.0, quick=1.5, paper=PAPER_S),
     run=run,
+    depends=(depth_set.__name__,),
 )

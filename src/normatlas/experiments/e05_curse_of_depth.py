@@ -13,13 +13,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..blocks import layernorm_scaling, peri_ln, pre_ln
-from ._shared import byte_data, figure, finish, trained, without_layer
+from . import depth_set
+from ._shared import byte_data, figure, finish, without_layer
 from .base import Experiment, Outcome, RunContext, Series, estimates
-from .lm import TrainConfig, evaluate_lm
+from .lm import evaluate_lm
 from .verdict import Clause, Direction, Diverged, Statistic, VerdictRule
 
-KINDS = {"Pre-LN": pre_ln, "LNS": layernorm_scaling, "Peri-LN": peri_ln}
+KINDS = ("Pre-LN", "LNS", "Peri-LN")  # members of the shared depth set
 
 
 PAPER_S = 600.0  # paper scale: 24 layers, 2,000 steps per placement (estimate)
@@ -50,17 +50,17 @@ def late_over_early(deltas: list[float]) -> float:
 
 
 def run(ctx: RunContext) -> Outcome:
-    n_layers, d_model = ctx.size(8, 6, paper=24), ctx.size(64, 32)
-    cfg = TrainConfig(steps=ctx.size(300, 20, paper=2000), batch=ctx.size(16, 8), seq=ctx.size(64, 32), lr=3e-3)
+    s = depth_set.setup(ctx)
+    n_layers = s.n_layers
     data = byte_data(ctx)
-    x, y = data.held_out(ctx.size(32, 8), cfg.seq)
+    x, y = data.held_out(ctx.size(32, 8), s.train.seq)
     deltas, held = {}, {}
     diverged: dict[str, int | None] = {}
-    for name, preset in KINDS.items():
-        _, lm, log = trained(ctx, preset(), cfg, data, name, n_layers=n_layers, d_model=d_model)
-        diverged[name] = log.diverged_at
-        held[name] = evaluate_lm(lm, data, batch=ctx.size(32, 8), seq=cfg.seq)
-        deltas[name] = ablation(lm, x, y)
+    for name in KINDS:
+        t = depth_set.member(ctx, name)
+        diverged[name] = t.diverged_at
+        held[name] = evaluate_lm(t.model, data, batch=ctx.size(32, 8), seq=s.train.seq)
+        deltas[name] = ablation(t.model, x, y)
     measured: dict[str, Any] = {}
     for name in KINDS:
         key = name.lower().replace("-", "_")
@@ -79,8 +79,8 @@ def run(ctx: RunContext) -> Outcome:
     rows = [(name, i + 1, d) for name in KINDS for i, d in enumerate(deltas[name])]
     series = {"ablation": Series(("placement", "removed_layer", "loss_increase"), rows)}
     notes = (
-        f"{n_layers} layers, d_model {d_model}, AdamW lr {cfg.lr}, {cfg.steps} steps of {cfg.batch}x{cfg.seq} "
-        "stdlib bytes, LayerNorm; loss increase on one held-out batch. The LNS paper prunes 130M-7B LLMs and "
+        f"The shared depth set (experiments/depth_set.py, trained once per seed for experiments 3, 5 and 6): "
+        f"{s.describe()}; loss increase on one held-out batch. The LNS paper prunes 130M-7B LLMs and "
         "reads MMLU; 'late over early' is the deeper half's mean increase over the shallower half's."
     )
     return Outcome(statistics, measured, series, _figure(ctx, deltas, n_layers), notes)
@@ -124,4 +124,5 @@ EXPERIMENT = Experiment(
     rule=RULE,
     estimates_s=estimates(default=50.0, quick=1.0, paper=PAPER_S),
     run=run,
+    depends=(depth_set.__name__,),
 )

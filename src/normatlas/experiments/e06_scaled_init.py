@@ -11,16 +11,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from torch import nn
-
-from ..blocks import TransformerLM, layernorm_scaling, pre_ln
-from ..presets import LayerNorm
-from ._shared import byte_data, figure, finish, stream_variance
+from . import depth_set
+from ._shared import figure, finish
 from .base import Experiment, Outcome, RunContext, Series, estimates
-from .lm import TrainConfig, tiny_lm, train_lm
 from .verdict import Clause, Direction, Diverged, Statistic, VerdictRule
 
-KINDS = {"Pre-LN": (pre_ln, False), "Pre-LN + scaled init": (pre_ln, True), "LNS": (layernorm_scaling, False)}
+KINDS = ("Pre-LN", "Pre-LN + scaled init", "LNS")  # members of the shared depth set
 PAPER_S = 600.0  # paper scale: 24 layers, 2,000 steps (the guide's "by 2k steps"), estimate
 RULE = VerdictRule((
     Clause("growth_init_scaled_over_plain", Direction.BELOW, 1.0,
@@ -37,28 +33,13 @@ def growth(var: list[float]) -> float:
     return var[-1] / var[1]
 
 
-def trajectory(ctx: RunContext, kind: str, cfg: TrainConfig, n_layers: int, d_model: int, every: int) -> dict[str, Any]:
-    """Train one model; the per-block stream variance at step 0 and every ``every`` steps after."""
-    preset, scaled = KINDS[kind]
-    data = byte_data(ctx)
-    x, _ = data.held_out(8, cfg.seq)
-    lm = tiny_lm(preset(), LayerNorm, n_layers=n_layers, d_model=d_model, seed=ctx.seed, scaled_residual_init=scaled)
-    checkpoints = [(0, stream_variance(lm, x))]
-
-    def on_step(step: int, model: nn.Module, _loss: float) -> None:
-        if (step + 1) % every == 0:
-            assert isinstance(model, TransformerLM)
-            checkpoints.append((step + 1, stream_variance(model, x)))
-
-    log = train_lm(lm, data, cfg, on_step=on_step, progress=lambda msg: ctx.progress(f"{kind}: {msg}"))
-    return {"checkpoints": checkpoints, "losses": log.losses, "diverged_at": log.diverged_at}
-
-
 def run(ctx: RunContext) -> Outcome:
-    n_layers, d_model = ctx.size(8, 6, paper=24), ctx.size(64, 32)
-    cfg = TrainConfig(steps=ctx.size(300, 20, paper=2000), batch=ctx.size(16, 8), seq=ctx.size(64, 32), lr=3e-3)
-    every = ctx.size(30, 5, paper=100)
-    runs = {kind: trajectory(ctx, kind, cfg, n_layers, d_model, every) for kind in KINDS}
+    s = depth_set.setup(ctx)
+    n_layers = s.n_layers
+    runs = {}
+    for kind in KINDS:
+        t = depth_set.member(ctx, kind)
+        runs[kind] = {"checkpoints": t.trajectory, "losses": t.losses, "diverged_at": t.diverged_at}
     measured: dict[str, Any] = {}
     for kind in KINDS:
         key = kind.lower().replace("-", "_").replace(" + ", "_").replace(" ", "_")
@@ -86,8 +67,8 @@ def run(ctx: RunContext) -> Outcome:
     ]
     series = {"variance": Series(("model", "step", "depth", "variance"), rows)}
     notes = (
-        f"{n_layers} layers, d_model {d_model}, LayerNorm, AdamW lr {cfg.lr}, {cfg.steps} steps of {cfg.batch}x"
-        f"{cfg.seq} stdlib bytes, checkpoints every {every} steps. 'growth' = variance leaving the last block / "
+        f"The shared depth set (experiments/depth_set.py, trained once per seed for experiments 3, 5 and 6): "
+        f"{s.describe()}. 'growth' = variance leaving the last block / "
         "leaving the first. The guide's '2k steps' is the LNS paper's scale (LLMs); here the horizon is shorter."
     )
     return Outcome(statistics, measured, series, _figure(ctx, runs, n_layers), notes)
@@ -133,4 +114,5 @@ EXPERIMENT = Experiment(
     rule=RULE,
     estimates_s=estimates(default=50.0, quick=1.0, paper=PAPER_S),
     run=run,
+    depends=(depth_set.__name__,),
 )

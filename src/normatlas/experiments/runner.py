@@ -20,6 +20,7 @@ from __future__ import annotations
 import csv
 import functools
 import hashlib
+import importlib
 import inspect
 import json
 import math
@@ -134,11 +135,13 @@ def machine_info() -> dict[str, Any]:
 
 
 def _source_hash(exp: Experiment) -> str:
-    module = sys.modules.get(getattr(exp.run, "__module__", ""), None)
-    try:
-        text = inspect.getsource(module) if module is not None else repr(exp.rule)
-    except (OSError, TypeError):
-        text = repr(exp.rule)
+    text = ""
+    for name in (getattr(exp.run, "__module__", ""), *exp.depends):
+        module = sys.modules.get(name) or (importlib.import_module(name) if name in exp.depends else None)
+        try:
+            text += inspect.getsource(module) if module is not None else repr(exp.rule)
+        except (OSError, TypeError):
+            text += repr(exp.rule)
     return hashlib.sha256((text + repr(exp.rule)).encode()).hexdigest()[:16]
 
 
@@ -172,7 +175,7 @@ def _run_seed(
     plt = use_agg()
     path.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
-    ctx = RunContext(scale=scale, seed=seed, progress=progress)
+    ctx = RunContext(scale=scale, seed=seed, progress=progress, shared=path.parents[2] / "_shared")
     start = time.perf_counter()
     outcome = exp.run(ctx)
     seconds = time.perf_counter() - start
