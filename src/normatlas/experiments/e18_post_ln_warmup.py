@@ -194,7 +194,7 @@ def _title(runs: dict[tuple[str, int, str], dict[str, Any]], depths: tuple[int, 
 def _figure(
     ctx: RunContext, runs: dict[tuple[str, int, str], dict[str, Any]], depths: tuple[int, ...], h1: float
 ) -> Any:
-    from matplotlib.ticker import NullFormatter, ScalarFormatter  # matplotlib is optional (the demo extra)
+    from matplotlib.ticker import NullFormatter  # matplotlib is optional (the demo extra)
 
     fig, (a, b, c) = figure(
         3, _title(runs, depths), f"seed {ctx.seed}; normatlas experiments run post-ln-warmup{ctx.flag}"
@@ -231,9 +231,9 @@ def _figure(
     c.plot(range(1, deep + 1), [g0 * x**-0.5 for x in range(1, deep + 1)], ":", color="0.4", label="guide: 1/sqrt(l)")
     c.set(xlabel="l: layers back from the output", ylabel="block gradient norm at step 0", xscale="log", yscale="log",
           title="gradients the full rate meets")  # fmt: skip
-    for axis in (c.xaxis, c.yaxis):
-        axis.set_major_formatter(ScalarFormatter())
-        axis.set_minor_formatter(NullFormatter())
+    ticks = [2**i for i in range(deep.bit_length()) if 2**i <= deep]
+    c.set_xticks(ticks, [str(t) for t in ticks])
+    c.xaxis.set_minor_formatter(NullFormatter())
     return finish(fig, (a, b, c), legend_size=7)
 
 
