@@ -82,9 +82,11 @@ def train_arm(ctx: RunContext, kind: str, depth: int, arm: str, steps: int, batc
             first.extend(block_grad_norms(model))
 
     log = train_lm(lm, data, cfg, on_step=on_step, progress=lambda m: ctx.progress(f"{kind} {depth} {arm}: {m}"))
-    held = evaluate_lm(lm, data, batch=ctx.size(32, 8), seq=seq) if log.diverged_at is None else float("nan")
-    if not math.isfinite(held) and log.diverged_at is None:  # finite training, non-finite held-out loss
-        log.diverged_at = steps
+    held: float | None = None
+    if log.diverged_at is None:
+        held = evaluate_lm(lm, data, batch=ctx.size(32, 8), seq=seq)
+        if not math.isfinite(held):  # trained to the end with finite losses, but the held-out loss is not finite
+            held, log.diverged_at = None, steps
     return {"losses": log.losses, "diverged_at": log.diverged_at, "held_out": held, "first_grads": first}
 
 
@@ -207,14 +209,14 @@ def _figure(
             a.plot(range(len(finite)), smooth(finite), style, color=f"C{i}", label=f"{kind}, {arm}")
     a.axhline(h1, color="0.5", lw=0.8, ls=":", label="unigram entropy")
     a.set(xlabel="step", ylabel="training loss (nats/byte, 20-step mean)", title=f"{deep} layers")
-    top = max((r["held_out"] for r in runs.values() if math.isfinite(r["held_out"])), default=h1)
+    top = max((r["held_out"] for r in runs.values() if r["held_out"] is not None), default=h1)
     for i, kind in enumerate(KINDS):
         for arm, marker in zip(ARMS, ("o", "s"), strict=True):
             ys = [runs[(kind, d, arm)]["held_out"] for d in depths]
-            b.plot(depths, [y if math.isfinite(y) else float("nan") for y in ys], marker, color=f"C{i}",
+            b.plot(depths, [float("nan") if y is None else y for y in ys], marker, color=f"C{i}",
                    ls="-" if arm == "no warm-up" else "--", label=f"{kind}, {arm}")  # fmt: skip
             for d, y in zip(depths, ys, strict=True):
-                if not math.isfinite(y):
+                if y is None:
                     b.plot([d], [top * 1.05], "x", color=f"C{i}", ms=9)
                     b.annotate("diverged", (d, top * 1.05), fontsize=7, color=f"C{i}", ha="center", va="bottom")
     b.axhline(h1, color="0.5", lw=0.8, ls=":", label="unigram entropy")
