@@ -19,7 +19,6 @@ import hashlib
 import inspect
 import json
 import os
-import sys
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -42,7 +41,7 @@ from ..blocks import (
 )
 from ..presets import LayerNorm
 from ._shared import byte_data, stream_variance
-from .base import RunContext
+from .base import RunContext, Scale
 from .lm import TrainConfig, tiny_lm, train_lm
 
 __all__ = ["MEMBERS", "DepthMember", "DepthSetup", "Trained", "member", "setup"]
@@ -85,6 +84,7 @@ class DepthSetup:
     train: TrainConfig
     every: int
     probe_batch: int
+    members: tuple[str, ...]  # the labels of MEMBERS trained at this scale
 
     def describe(self) -> str:
         t = self.train
@@ -97,14 +97,15 @@ class DepthSetup:
 
 def setup(ctx: RunContext) -> DepthSetup:
     """Quick: 6 layers of width 32, 20 steps. Default: 8 layers of width 64, 300 steps. Paper: 24 layers of width
-    64, 2,000 steps of 8 x 64 bytes (the batch halved from the default's 16 so the set of seven trains in about
-    50 minutes per seed on one core)."""
+    64, 2,000 steps of 8 x 64 bytes (the batch halved from the default's 16), and without Mix-LN, which no clause
+    reads (experiment 3 draws it): the six members take about 45 minutes per seed on one idle core."""
     train = TrainConfig(
         steps=ctx.size(300, 20, paper=2000), batch=ctx.size(16, 8, paper=8), seq=ctx.size(64, 32), lr=3e-3
     )
     return DepthSetup(
         n_layers=ctx.size(8, 6, paper=24), d_model=ctx.size(64, 32), train=train,
         every=ctx.size(30, 5, paper=100), probe_batch=8,
+        members=tuple(k for k in MEMBERS if k != "Mix-LN" or ctx.scale is not Scale.PAPER),
     )  # fmt: skip
 
 
@@ -138,11 +139,15 @@ def _build(ctx: RunContext, m: DepthMember, s: DepthSetup) -> TransformerLM:
 
 
 def _key(ctx: RunContext, m: DepthMember, s: DepthSetup) -> dict[str, Any]:
+    """What a cached member must have been made with: the member's design, the sizes, the seed, torch, and the
+    source of the code that builds and trains it (this module's :func:`_build` and :func:`_train`, and
+    experiments/lm.py), so an edit to how members are read or described does not throw the set away."""
     from . import lm as lm_module
 
-    text = "".join(inspect.getsource(mod) for mod in (sys.modules[__name__], lm_module))
+    text = "".join(inspect.getsource(obj) for obj in (_build, _train, lm_module))
+    design = {"placement": m.placement(s.n_layers).name, "scaled_init": m.scaled_init}
     return {
-        "member": m.label, "scale": ctx.scale.value, "seed": ctx.seed, "setup": repr(s),
+        "member": m.label, "design": design, "scale": ctx.scale.value, "seed": ctx.seed, "setup": repr(s),
         "source": hashlib.sha256(text.encode()).hexdigest()[:16], "torch": torch.__version__,
     }  # fmt: skip
 
@@ -165,7 +170,7 @@ def _read(folder: Path, key: dict[str, Any], ctx: RunContext, m: DepthMember, s:
     model = _build(ctx, m, s)
     try:
         load_model(model, str(folder / "model.safetensors"))
-    except (OSError, RuntimeError, ValueError) as e:
+    except Exception as e:
         ctx.progress(f"{m.label}: cached weights unreadable ({type(e).__name__}); retraining")
         return None
     trajectory = [(int(step), [float(v) for v in var]) for step, var in log["trajectory"]]
@@ -201,15 +206,27 @@ def member(ctx: RunContext, label: str) -> Trained:
     """The member ``label`` of :data:`MEMBERS` trained at ``ctx``'s scale and seed (from the cache when there)."""
     import time
 
-    if label not in MEMBERS:
-        raise ValueError(f"label={label!r} is not one of {list(MEMBERS)}")
-    m, s = MEMBERS[label], setup(ctx)
+    s = setup(ctx)
+    if label not in s.members:
+        raise ValueError(f"label={label!r} is not one of {list(s.members)} (the set at {ctx.scale.value} scale)")
+    m = MEMBERS[label]
     folder, key = _folder(ctx, m), _key(ctx, m, s)
     if folder is not None:
         hit = _read(folder, key, ctx, m, s)
         if hit is not None:
             ctx.progress(f"{label}: read from the shared depth set")
             return hit
+    start = time.perf_counter()
+    model, trajectory, log = _train(ctx, m, s)
+    t = Trained(label, model, trajectory, log.losses, log.diverged_at, time.perf_counter() - start, cached=False)
+    if folder is not None:
+        _write(folder, key, t)
+    return t
+
+
+def _train(ctx: RunContext, m: DepthMember, s: DepthSetup) -> tuple[TransformerLM, list[tuple[int, list[float]]], Any]:
+    """Train member ``m``: its own seeded batches, the stream's variance on a fixed held-out batch at step 0 and
+    every ``s.every`` steps (and the last)."""
     data = byte_data(ctx)
     x, _ = data.held_out(s.probe_batch, s.train.seq)
     model = _build(ctx, m, s)
@@ -220,9 +237,5 @@ def member(ctx: RunContext, label: str) -> Trained:
             assert isinstance(lm, TransformerLM)
             trajectory.append((step + 1, stream_variance(lm, x)))
 
-    start = time.perf_counter()
-    log = train_lm(model, data, s.train, on_step=on_step, progress=lambda msg: ctx.progress(f"{label}: {msg}"))
-    t = Trained(label, model, trajectory, log.losses, log.diverged_at, time.perf_counter() - start, cached=False)
-    if folder is not None:
-        _write(folder, key, t)
-    return t
+    log = train_lm(model, data, s.train, on_step=on_step, progress=lambda msg: ctx.progress(f"{m.label}: {msg}"))
+    return model, trajectory, log

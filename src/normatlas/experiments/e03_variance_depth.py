@@ -32,7 +32,7 @@ def growth(var: list[float]) -> float:
 def run(ctx: RunContext) -> Outcome:
     s = depth_set.setup(ctx)
     n_layers = s.n_layers
-    members = {name: depth_set.member(ctx, name) for name in PLACEMENTS}
+    members = {name: depth_set.member(ctx, name) for name in PLACEMENTS if name in s.members}
     var = {name: {"init": t.init_variance, "trained": t.final_variance} for name, t in members.items()}
     measured: dict[str, Any] = {}
     for name, t in members.items():
@@ -42,7 +42,7 @@ def run(ctx: RunContext) -> Outcome:
         measured[f"first_block_variance_trained_{key}"] = var[name]["trained"][1]
         measured[f"last_block_variance_trained_{key}"] = var[name]["trained"][-1]
         measured[f"final_train_loss_{key}"] = sum(t.losses[-10:]) / len(t.losses[-10:])
-    g = {n: growth(var[n]["trained"]) for n in PLACEMENTS}
+    g = {n: growth(var[n]["trained"]) for n in members}
     statistics: dict[str, Statistic] = {}
     for other in OTHERS:
         key = f"growth_pre_ln_over_{other.lower().replace('-', '_')}"
@@ -52,7 +52,7 @@ def run(ctx: RunContext) -> Outcome:
         )
     rows = [
         (name, depth_set.MEMBERS[name].placement(n_layers).name, stage, layer, v)
-        for name in PLACEMENTS
+        for name in members
         for stage in ("init", "trained")
         for layer, v in enumerate(var[name][stage])
     ]  # the placement column is the preset's own name (the web atlas draws each profile beside its diagram)
@@ -67,8 +67,8 @@ def run(ctx: RunContext) -> Outcome:
 
 def _title(var: dict[str, dict[str, list[float]]]) -> str:
     """What the first seed's trained profiles show, from their growth (last block's variance / first block's)."""
-    g = {n: growth(var[n]["trained"]) for n in PLACEMENTS}
-    others = [n for n in PLACEMENTS if n != "Pre-LN"]
+    g = {n: growth(var[n]["trained"]) for n in var}
+    others = [n for n in var if n != "Pre-LN"]
     less = [n for n in others if g[n] < g["Pre-LN"]]
     more = [n for n in others if g[n] >= g["Pre-LN"]]
     head = f"Trained variance growth over depth (last / first block): Pre-LN x{g['Pre-LN']:.2g}"
@@ -79,7 +79,9 @@ def _title(var: dict[str, dict[str, list[float]]]) -> str:
 def _figure(ctx: RunContext, var: dict[str, dict[str, list[float]]], n_layers: int) -> Any:
     fig, (a, b) = figure(2, _title(var), f"seed {ctx.seed}; normatlas experiments run variance-depth{ctx.flag}")
     depth = list(range(1, n_layers + 1))
-    for i, name in enumerate(PLACEMENTS):
+    for i, name in enumerate(PLACEMENTS):  # one colour per placement at every scale
+        if name not in var:
+            continue
         a.plot(depth, var[name]["init"][1:], "o-", ms=3, color=f"C{i}", label=name)
         b.plot(depth, var[name]["trained"][1:], "o-", ms=3, color=f"C{i}", label=name)
     a.set(xlabel="block (depth)", ylabel="variance of the residual stream", title="at initialisation", yscale="log")

@@ -1,0 +1,117 @@
+"""The depth claims' shared trained set (experiments/depth_set.py) and experiment 18's pieces.
+
+The set is trained once per seed and scale and read back by experiments 3, 5 and 6: a read-back member must be the
+model that was trained (same weights, same logs), a damaged or stale cache must be retrained, never half-read.
+Experiment 18's verdict rests on how a pair of runs becomes a statistic: a diverged run without warm-up is the
+predicted failure (a Diverged), a diverged run with warm-up leaves the set-up untested.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from normatlas.experiments import RunContext
+from normatlas.experiments import depth_set as ds
+from normatlas.experiments import e18_post_ln_warmup as e18
+from normatlas.experiments.verdict import Diverged, Untested
+
+from .experiment_runs import quick_run
+
+
+def ctx(tmp: Path | None, seed: int = 0) -> RunContext:
+    return RunContext(scale="quick", seed=seed, shared=tmp)
+
+
+def test_a_member_is_trained_once_and_read_back_identical(tmp_path: Path) -> None:
+    first = ds.member(ctx(tmp_path), "Post-LN")
+    assert not first.cached and first.diverged_at is None
+    folder = tmp_path / "depth-set" / "quick-seed0" / "post-ln"
+    assert (folder / "log.json").is_file() and (folder / "model.safetensors").is_file()
+    again = ds.member(ctx(tmp_path), "Post-LN")
+    assert again.cached
+    assert again.trajectory == first.trajectory and again.losses == first.losses
+    for (k, a), (k2, b) in zip(first.model.state_dict().items(), again.model.state_dict().items(), strict=True):
+        assert k == k2 and torch.equal(a, b), k
+    x = torch.randint(0, 256, (2, 16))
+    assert torch.equal(first.model.eval()(x), again.model.eval()(x))
+
+
+def test_the_set_is_deterministic_and_not_cached_without_a_folder() -> None:
+    a, b = ds.member(ctx(None), "LNS"), ds.member(ctx(None), "LNS")
+    assert not a.cached and not b.cached and a.losses == b.losses and a.trajectory == b.trajectory
+    c = ds.member(ctx(None, seed=1), "LNS")
+    assert c.losses != a.losses
+
+
+def test_a_damaged_or_stale_cache_is_retrained(tmp_path: Path) -> None:
+    first = ds.member(ctx(tmp_path), "Pre-LN")
+    folder = tmp_path / "depth-set" / "quick-seed0" / "pre-ln"
+    (folder / "log.json").write_text('{"key": ')  # a run killed while writing
+    assert not ds.member(ctx(tmp_path), "Pre-LN").cached
+    log = json.loads((folder / "log.json").read_text())
+    log["key"]["source"] = "0" * 16  # made by other code
+    (folder / "log.json").write_text(json.dumps(log))
+    assert not ds.member(ctx(tmp_path), "Pre-LN").cached
+    (folder / "model.safetensors").write_bytes(b"\0" * 8)  # truncated weights beside a valid log
+    again = ds.member(ctx(tmp_path), "Pre-LN")
+    assert not again.cached and again.losses == first.losses
+
+
+def test_members_see_the_same_batches_and_differ_only_by_design() -> None:
+    """Same seed and batches: Pre-LN and its scaled-init twin start from different projections only."""
+    plain, scaled = ds.member(ctx(None), "Pre-LN"), ds.member(ctx(None), "Pre-LN + scaled init")
+    assert scaled.init_variance[-1] < plain.init_variance[-1]  # GPT-2's init shrinks what the blocks write
+    assert plain.trajectory[0][0] == 0 and plain.trajectory[-1][0] == ds.setup(ctx(None)).train.steps
+
+
+def test_unknown_member_is_named() -> None:
+    with pytest.raises(ValueError, match="label='Pre-RMS'"):
+        ds.member(ctx(None), "Pre-RMS")
+
+
+def test_paper_scale_is_the_deep_long_set() -> None:
+    s = ds.setup(RunContext(scale="paper", seed=0))
+    assert s.n_layers == 24 and s.train.steps == 2000 and s.d_model == 64
+    assert "Mix-LN" not in s.members and "Mix-LN" in ds.setup(ctx(None)).members  # no clause reads Mix-LN
+
+
+def _runs(cold: dict[str, object], warm: dict[str, object]) -> dict[tuple[str, int, str], dict[str, object]]:
+    return {("Post-LN", 12, "no warm-up"): cold, ("Post-LN", 12, "warm-up"): warm}
+
+
+def test_warmup_gap_statistics() -> None:
+    ok = {"diverged_at": None, "held_out": 2.0}
+    assert e18._gap(_runs({"diverged_at": None, "held_out": 2.5}, ok), "Post-LN", 12) == pytest.approx(0.5)
+    diverged = e18._gap(_runs({"diverged_at": 17, "held_out": None}, ok), "Post-LN", 12)
+    assert isinstance(diverged, Diverged) and diverged.step == 17
+    both = e18._gap(_runs({"diverged_at": 17, "held_out": None}, {"diverged_at": 40, "held_out": None}), "Post-LN", 12)
+    assert isinstance(both, Untested) and "step 40" in both.why
+
+
+def test_unigram_entropy_and_block_gradients() -> None:
+    assert e18.unigram_entropy(torch.arange(256).repeat(3)) == pytest.approx(math.log(256), rel=1e-12)
+    assert e18.unigram_entropy(torch.full((100,), 7)) == 0.0
+    lm = e18.xiong_model(RunContext(scale="quick", seed=0), "Post-LN", 3, 32)
+    x = torch.randint(0, 256, (2, 16))
+    torch.nn.functional.cross_entropy(lm(x).flatten(0, 1), x.flatten()).backward()
+    want = [math.sqrt(sum(float(p.grad.double().pow(2).sum()) for p in b.parameters())) for b in lm.blocks()]
+    assert e18.block_grad_norms(lm) == pytest.approx(want, rel=1e-12)
+
+
+def test_post_ln_warmup_quick_record_matches_its_runs() -> None:
+    run = quick_run("post-ln-warmup")
+    m, stats = run.record["measured"], run.outcome.statistics
+    deep = m["depths"][-1]
+    gap = m[f"held_out_post_ln_{deep}_no_warm_up"] - m[f"held_out_post_ln_{deep}_warm_up"]
+    assert stats["post_ln_gap_deepest"] == pytest.approx(gap)
+    assert stats["post_ln_warmup_deepest_over_unigram"] == pytest.approx(
+        m[f"held_out_post_ln_{deep}_warm_up"] / m["unigram_entropy_nats"]
+    )
+    assert 2.5 < m["unigram_entropy_nats"] < math.log(256)
+    for kind in ("post_ln", "pre_ln"):
+        assert math.isfinite(m[f"step0_grad_backward_slope_{kind}"])
