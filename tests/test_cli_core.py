@@ -243,6 +243,33 @@ def test_progress_phases_show_and_clear_on_a_terminal(monkeypatch: pytest.Monkey
     assert list(_progress.steps([1, 2, 3], "items")) == [1, 2, 3]
 
 
+def test_forced_progress_on_a_log_writes_whole_lines_at_most_every_line_every(monkeypatch: pytest.MonkeyPatch) -> None:
+    """NORMATLAS_PROGRESS=1 with stderr in a file (a long background run): plain lines, no carriage returns or
+    escapes, one when the text changed and LINE_EVERY seconds have passed, nothing to erase at the end."""
+    from normatlas.cli import _progress
+
+    monkeypatch.setenv("NORMATLAS_PROGRESS", "1")
+    monkeypatch.setattr(_progress, "DELAY", 0.0)
+    now = [100.0]  # a clock the test moves (the ticker thread reads it too, so what it writes is the same)
+    monkeypatch.setattr(_progress.time, "monotonic", lambda: now[0])
+    log = io.StringIO()
+    with _progress.phase("experiment 1/3: depth", stream=log) as ph:
+        ph.update("seed 0: Pre-LN: step 1/2000")
+        now[0] += 10
+        ph.update("seed 0: Pre-LN: step 21/2000")  # replaced before LINE_EVERY passed: never written
+        now[0] += 10
+        ph.update("seed 0: Pre-LN: step 41/2000")
+        now[0] += 11
+        _progress._status.redraw()  # what the ticker does every 0.25 s
+        _progress._status.redraw()  # the same text again: no second line
+    lines = log.getvalue().splitlines()
+    assert "\r" not in log.getvalue() and "\x1b" not in log.getvalue()
+    assert lines[0].startswith("experiment 1/3: depth: seed 0: Pre-LN: step 1/2000 ... ")
+    assert not any("step 21/2000" in line for line in lines)
+    assert lines[-1].startswith("experiment 1/3: depth: seed 0: Pre-LN: step 41/2000 ... ")
+    assert len(lines) == 2
+
+
 def test_ctrl_c_while_the_console_script_starts_is_one_line(tmp_path: Path) -> None:
     """The installed ``normatlas`` script imports ``normatlas.cli`` before main() runs; the package's top level is
     lazy, so the first heavy import (torch) happens inside main()'s handler. Ctrl-C there: exit 130, one line."""

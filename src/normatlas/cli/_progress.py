@@ -14,12 +14,15 @@ Commands wrap their slow steps::
 The status line appears after :data:`DELAY` seconds (quick work shows nothing), counts the
 elapsed seconds, and is erased when the phase ends, so what stays on the screen is the command's
 result. Nothing is written when stderr is not a terminal (pipes, files, CI logs) unless
-``NORMATLAS_PROGRESS=1``; ``NORMATLAS_PROGRESS=0`` silences it on a terminal too. Phases nest:
+``NORMATLAS_PROGRESS=1``, which then writes plain lines, one whenever the text changed and at most every
+:data:`LINE_EVERY` seconds (a log of a long background run: ``NORMATLAS_PROGRESS=1 normatlas experiments run
+... 2> run.log``); ``NORMATLAS_PROGRESS=0`` silences it on a terminal too. Phases nest:
 the line shows ``outer: inner``. :func:`emit` erases the line before it prints a result.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import sys
@@ -29,10 +32,11 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import IO, TypeVar
 
-__all__ = ["DELAY", "Phase", "clear", "enabled", "phase", "steps"]
+__all__ = ["DELAY", "LINE_EVERY", "Phase", "clear", "enabled", "phase", "steps"]
 
 T = TypeVar("T")
 DELAY = 0.5  # seconds before a phase shows itself
+LINE_EVERY = 30.0  # seconds between two lines when the stream is not a terminal
 _TICK = 0.25
 
 
@@ -44,7 +48,10 @@ def enabled(stream: IO[str] | None = None) -> bool:
         return True
     if env in ("0", "no", "false", "never"):
         return False
-    stream = sys.stderr if stream is None else stream
+    return _isatty(sys.stderr if stream is None else stream)
+
+
+def _isatty(stream: IO[str]) -> bool:
     try:
         return bool(stream.isatty())
     except (AttributeError, ValueError):
@@ -74,11 +81,14 @@ class _Status:
         self.stream: IO[str] | None = None
         self.shown = False
         self.thread: threading.Thread | None = None
+        self.tty = True
+        self.last_line: tuple[float, str] = (-math.inf, "")
 
     def push(self, ph: Phase, stream: IO[str]) -> None:
         with self.lock:
             self.stack.append(ph)
             self.stream = stream
+            self.tty = _isatty(stream)
             if self.thread is None:  # one idle daemon ticker for the process, started on first use
                 self.thread = threading.Thread(target=self._tick, name="normatlas-progress", daemon=True)
                 self.thread.start()
@@ -105,20 +115,34 @@ class _Status:
             elapsed = time.monotonic() - first.start
             if elapsed < DELAY:
                 return
+            if not self.tty:  # a log: whole lines, when the text changed, at most every LINE_EVERY seconds
+                text = ": ".join(p.text() for p in self.stack)
+                now = time.monotonic()
+                if text == self.last_line[1] or now - self.last_line[0] < LINE_EVERY:
+                    return
+                self.last_line = (now, text)
+                self._write(f"{text} ... {elapsed:.0f} s\n")
+                return
             text = ": ".join(p.text() for p in self.stack) + f" ... {elapsed:.0f} s"
             width = shutil.get_terminal_size((100, 24)).columns - 1
             if len(text) > width:
                 text = text[: max(0, width - 3)] + "..."
-            try:
-                self.stream.write("\r" + text + "\x1b[K")
-                self.stream.flush()
+            if self._write("\r" + text + "\x1b[K"):
                 self.shown = True
-            except (OSError, ValueError):  # a closed or broken stderr: progress is never worth an error
-                self.stack.clear()
+
+    def _write(self, text: str) -> bool:
+        assert self.stream is not None
+        try:
+            self.stream.write(text)
+            self.stream.flush()
+            return True
+        except (OSError, ValueError):  # a closed or broken stderr: progress is never worth an error
+            self.stack.clear()
+            return False
 
     def clear(self) -> None:
         with self.lock:
-            if self.shown and self.stream is not None:
+            if self.shown and self.stream is not None and self.tty:
                 try:
                     self.stream.write("\r\x1b[K")
                     self.stream.flush()
