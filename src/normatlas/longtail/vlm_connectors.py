@@ -111,7 +111,7 @@ class TanhGate(nn.Module):
         self.alpha = nn.Parameter(torch.tensor(float(init)))
 
     def forward(self, x: Tensor) -> Tensor:
-        return torch.tanh(self.alpha).to(x.dtype) * x
+        return torch.tanh(self.alpha) * x  # a 0-dim factor keeps x's dtype
 
     def extra_repr(self) -> str:
         return f"alpha={float(self.alpha.detach()):.4g}"
