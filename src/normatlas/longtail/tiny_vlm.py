@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..blocks.attention import rope_tables
+from ..blocks.attention import Attention, rope_tables
 from ..blocks.block import Activation, Block
 from ..blocks.model import ModelConfig, TransformerLM, as_factory
 from ..blocks.placement import NormFactory, pre_ln
@@ -136,12 +136,12 @@ class VisionTower(nn.Module):
         self.final_norm = norm(d) if n else None
 
     def forward(self, pixel_values: Tensor) -> Tensor:
-        if not isinstance(pixel_values, Tensor) or pixel_values.dim() != 3 or pixel_values.shape[1:] != (
-            self.num_patches,
-            self.patch_dim,
-        ):
+        want = (self.num_patches, self.patch_dim)
+        if not isinstance(pixel_values, Tensor) or pixel_values.dim() != 3 or tuple(pixel_values.shape[1:]) != want:
             got = tuple(pixel_values.shape) if isinstance(pixel_values, Tensor) else type(pixel_values).__name__
-            raise ValueError(f"pixel_values {got} must be (B, num_patches={self.num_patches}, patch_dim={self.patch_dim})")
+            raise ValueError(
+                f"pixel_values {got} must be (B, num_patches={self.num_patches}, patch_dim={self.patch_dim})"
+            )
         x = self.patch_embed(pixel_values) + self.pos_embed
         for layer in self.layers:
             x = layer(x)
@@ -232,7 +232,9 @@ class TinyVLM(nn.Module):
         if image_mask is not None and (
             not isinstance(image_mask, Tensor) or image_mask.dtype != torch.bool or image_mask.shape != (b, t)
         ):
-            raise ValueError(f"image_mask must be a boolean tensor of input_ids' shape {(b, t)}, got {image_mask!r:.80}")
+            raise ValueError(
+                f"image_mask must be a boolean tensor of input_ids' shape {(b, t)}, got {image_mask!r:.80}"
+            )
         rows = self.image_rows(pixel_values)
         x = self.lm.embed_tokens(input_ids, attention_mask=attention_mask)
         if cfg.injection is Injection.EMBEDDING_STREAM:
@@ -253,6 +255,7 @@ class TinyVLM(nn.Module):
         rope = None
         if self.lm.config.rope is not None:
             first = self.lm.layers[0]
+            assert isinstance(first, (Block, ModalityBlock)) and isinstance(first.attn, Attention)
             cos, sin = rope_tables(self.lm.config.rope, first.attn.rope_head_dim, torch.arange(t, device=x.device))
             rope = (cos, sin, self.lm.config.rope.style)
         m = image_mask if image_mask is not None else torch.zeros(b, t, dtype=torch.bool, device=x.device)

@@ -278,7 +278,9 @@ class GatedCrossAttentionBlock(nn.Module):
         self.embed_dim = _int(embed_dim, "embed_dim")
         self.attn_norm, self.ffn_norm = make(embed_dim), make(embed_dim)
         self.attn = CrossAttention(embed_dim, num_heads, kdim=kdim, vdim=kdim)
-        self.mlp = MLP(embed_dim, _int(4 * embed_dim if ffn_dim is None else ffn_dim, "ffn_dim"), Activation.GELU, False)
+        self.mlp = MLP(
+            embed_dim, _int(4 * embed_dim if ffn_dim is None else ffn_dim, "ffn_dim"), Activation.GELU, False
+        )
         self.attn_residual = ResidualAdd(gate=TanhGate(gate_init))
         self.ffn_residual = ResidualAdd(gate=TanhGate(gate_init))
 
@@ -358,7 +360,12 @@ class ModalityBlock(nn.Module):
         p = pre_ln() if placement is None else placement
         if not isinstance(p, Placement):
             raise TypeError(f"placement={p!r} must be a Placement")
-        if p.parallel or p.qkv_norm or p.pre_norm_scale is not DepthScale.NONE or p.post_gain_init is not DepthScale.NONE:
+        if (
+            p.parallel
+            or p.qkv_norm
+            or p.pre_norm_scale is not DepthScale.NONE
+            or p.post_gain_init is not DepthScale.NONE
+        ):
             raise ValueError(
                 f"placement {p.name!r}: a ModalityBlock takes a sequential placement without qkv_norm, pre_norm_scale "
                 "or post_gain_init"
