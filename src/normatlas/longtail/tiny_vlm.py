@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..blocks.attention import Attention, rope_tables
+from ..blocks.attention import rope_tables
 from ..blocks.block import Activation, Block
 from ..blocks.model import ModelConfig, TransformerLM, as_factory
 from ..blocks.placement import NormFactory, pre_ln
@@ -254,9 +254,9 @@ class TinyVLM(nn.Module):
             mask = mask & attention_mask.bool()[:, None, None, :]
         rope = None
         if self.lm.config.rope is not None:
-            first = self.lm.layers[0]
-            assert isinstance(first, (Block, ModalityBlock)) and isinstance(first.attn, Attention)
-            cos, sin = rope_tables(self.lm.config.rope, first.attn.rope_head_dim, torch.arange(t, device=x.device))
+            attn: Any = self.lm.layers[0].attn  # every layer's attention spans the same RoPE width
+            head_dim = int(attn.rope_head_dim)
+            cos, sin = rope_tables(self.lm.config.rope, head_dim, torch.arange(t, device=x.device))
             rope = (cos, sin, self.lm.config.rope.style)
         m = image_mask if image_mask is not None else torch.zeros(b, t, dtype=torch.bool, device=x.device)
         for i, layer in enumerate(self.lm.layers):
