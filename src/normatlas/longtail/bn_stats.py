@@ -30,7 +30,7 @@ class SampleCount:
 
     ``n``: values averaged per channel (``B * T``; the real tokens under a mask); ``batch``: ``B`` (the sequences
     holding a real token); ``rho`` (C,): the intraclass correlation between sequences; ``n_eff`` (C,): the
-    design-effect count, in ``[batch, n]``.
+    design-effect count, in ``[batch, n]`` (in ``[n^2 / sum n_b^2, n]`` under a mask of unequal lengths).
     """
 
     n: int
@@ -40,7 +40,7 @@ class SampleCount:
 
     @property
     def ratio(self) -> Tensor:
-        """``n_eff / n`` per channel, in ``[batch / n, 1]``."""
+        """``n_eff / n`` per channel, in ``[batch / n, 1]`` (the lower end smaller under a mask of unequal lengths)."""
         return self.n_eff / self.n
 
 
@@ -66,8 +66,10 @@ def effective_sample_count(
     make groups of unequal size: ``n = sum n_b`` over the ``B'`` sequences with a token, ``MSB = sum_b n_b (mean_b -
     mean)^2 / (B' - 1)``, ``MSW = sum (x - mean_b)^2 / (n - B')``, ``rho = (MSB - MSW) / (MSB + (n0 - 1) MSW)``
     with ``n0 = (n - sum n_b^2 / n) / (B' - 1)``, and Kish's design effect ``1 + (m - 1) rho`` with the
-    size-weighted mean length ``m = sum n_b^2 / n``; ``n_eff`` is clipped to ``[B', n]``. With every token real
-    this is the formula above (``n0 = m = T``). Needs ``B' >= 2`` and ``n > B'``.
+    size-weighted mean length ``m = sum n_b^2 / n``; ``n_eff`` is clipped to ``[n / m, n]``: ``n / m = n^2 / sum
+    n_b^2`` is the count of a pooled mean whose sequences are each constant (the pooled mean weights a sequence by
+    its length, so unequal lengths count for fewer than ``B'``). With every token real this is the formula above
+    (``n0 = m = T``, ``n / m = B``). Needs ``B' >= 2`` and ``n > B'``.
     """
     if not isinstance(x, Tensor):
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
@@ -111,7 +113,7 @@ def effective_sample_count(
     m = sq / n
     denom = msb + (n0 - 1) * msw
     rho = torch.where(denom > 0, (msb - msw) / denom.clamp_min(torch.finfo(torch.float64).tiny), 0.0)
-    n_eff = (n / (1 + (m - 1) * rho)).clamp(groups, n)
+    n_eff = (n / (1 + (m - 1) * rho)).clamp(n / m, n)
     return SampleCount(n, groups, rho, n_eff)
 
 
