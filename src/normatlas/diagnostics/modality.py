@@ -311,7 +311,8 @@ def _mean_norm(t: Tensor) -> float:
 class PartUpdates(MonitorMetric):
     """``part_update/<part>``: ``||W_now - W_then|| / ||W_then||`` of each part's parameters (:func:`update_ratio`),
     ``then`` the previous measured step (read before its optimizer step), and ``part_update/steps`` the optimizer
-    steps between them. The first measured step has no value."""
+    steps between them. The first measured step has no value. Holds a copy of the parts' parameters between
+    measured steps (on their device)."""
 
     key = "part_update"
     hooks = frozenset({Hook.STEP})

@@ -256,8 +256,8 @@ class GatedCrossAttentionBlock(nn.Module):
         norm: the operator of the two pre-norms (a per-token NormSpec or a factory; None is LayerNorm).
         gate_init: the initial ``alpha`` of both ``tanh(alpha)`` gates; 0 (Flamingo) makes the block the identity.
 
-    ``forward(input, media, media_padding_mask=None)``: ``input`` ``(B, T, embed_dim)``, ``media`` ``(B, S, kdim)``,
-    ``media_padding_mask`` ``(B, S)`` True where a media token is padding.
+    ``forward(input, media, key_padding_mask=None)``: ``input`` ``(B, T, embed_dim)``, ``media`` ``(B, S, kdim)``,
+    ``key_padding_mask`` ``(B, S)`` True where a media token is padding (``torch.nn.MultiheadAttention``'s name).
     """
 
     injection = Injection.GATED_CROSS_ATTENTION
@@ -290,10 +290,10 @@ class GatedCrossAttentionBlock(nn.Module):
         assert isinstance(a, TanhGate) and isinstance(f, TanhGate)
         return float(torch.tanh(a.alpha.detach())), float(torch.tanh(f.alpha.detach()))
 
-    def forward(self, input: Tensor, media: Tensor, media_padding_mask: Tensor | None = None) -> Tensor:
+    def forward(self, input: Tensor, media: Tensor, key_padding_mask: Tensor | None = None) -> Tensor:
         _tensor(input, "input", 3, self.embed_dim, "embed_dim")
         _tensor(media, "media", 3)
-        x = self.attn_residual(input, self.attn(self.attn_norm(input), media, media, media_padding_mask))
+        x = self.attn_residual(input, self.attn(self.attn_norm(input), media, media, key_padding_mask))
         return self.ffn_residual(x, self.mlp(self.ffn_norm(x)))
 
 
