@@ -27,7 +27,8 @@ Every norm is the library's (a :class:`~normatlas.spec.NormSpec`, or a factory `
 * :class:`ModalitySplitNorm`: one norm per modality (text, image), routed by a boolean image-token mask the caller
   passes (never by names); :class:`ModalityBlock` is a transformer block whose attention and FFN are shared by both
   modalities and whose every norm slot (from a :class:`~normatlas.blocks.Placement`) is split (BEiT-3's multiway
-  norms, CogVLM's visual expert at the norms).
+  LayerNorms: torchscale's ``MultiwayWrapper`` splits them at a token position; here the caller's mask routes them.
+  CogVLM's visual expert is the converse: its norms are shared and its projections split).
 
 Guarantees (tested): each forward equals an independent float64 computation in plain torch, forward and backward;
 the gated block returns its input bit for bit at init; a split norm on an all-text (all-image) mask is the text
