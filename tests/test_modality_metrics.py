@@ -23,6 +23,7 @@ from normatlas.diagnostics import (
     image_attention_share,
     modality_norms,
     modality_report,
+    modality_updates,
     update_ratio,
 )
 from normatlas.diagnostics.modality import part_parameters
@@ -92,6 +93,25 @@ def test_modality_norms_and_update_ratio() -> None:
     assert update_ratio(a, b) == pytest.approx(want, rel=1e-6)  # ours sums in float64
 
 
+def test_modality_updates_match_per_token_loops() -> None:
+    x = torch.randn(2, 4, 6, dtype=torch.float64)
+    y = x + 0.3 * torch.randn(2, 4, 6, dtype=torch.float64)
+    y[0, 0] = -x[0, 0]  # a token turned around: 180 degrees, relative update 2
+    mask = torch.tensor([[True, False, True, False], [False, False, True, False]])
+    got = modality_updates(x, y, mask)
+    rel, ang = {True: [], False: []}, {True: [], False: []}
+    for i in range(2):
+        for j in range(4):
+            a, b = x[i, j], y[i, j]
+            rel[bool(mask[i, j])].append(float((b - a).norm() / a.norm()))
+            ang[bool(mask[i, j])].append(math.degrees(math.acos(float(a @ b / (a.norm() * b.norm())))))
+    for side, key in ((True, "image"), (False, "text")):
+        assert got[f"{key}_update"] == pytest.approx(sum(rel[side]) / len(rel[side]), rel=1e-12)
+        assert got[f"{key}_rotation"] == pytest.approx(sum(ang[side]) / len(ang[side]), rel=1e-9)
+    assert modality_updates(x, -x, mask)["image_rotation"] == pytest.approx(180.0)
+    assert math.isnan(modality_updates(x, y, torch.zeros(2, 4, dtype=torch.bool))["image_update"])
+
+
 def test_bad_arguments_are_named() -> None:
     with pytest.raises(TypeError, match=r"image_mask must be a boolean \(B, T\) torch.Tensor"):
         modality_norms(torch.randn(2, 3, 4), torch.zeros(2, 3))
@@ -151,6 +171,12 @@ def test_metrics_on_tiny_vlm_equal_the_tests_own_hooks() -> None:
         img, txt = y[mask].norm(dim=-1).mean(), y[~mask].norm(dim=-1).mean()
         assert rec[f"modality_split/image_norm/L{i}"] == pytest.approx(float(img), rel=1e-5)
         assert rec[f"modality_split/text_norm/L{i}"] == pytest.approx(float(txt), rel=1e-5)
+        x_in = seen["lm_in"][0] if i == 0 else seen["out"][i - 1]
+        upd = (y - x_in).norm(dim=-1) / x_in.norm(dim=-1)
+        assert rec[f"modality_split/image_update/L{i}"] == pytest.approx(float(upd[mask].mean()), rel=1e-5)
+        assert rec[f"modality_split/text_update/L{i}"] == pytest.approx(float(upd[~mask].mean()), rel=1e-5)
+        # the essay's inertia: the long image rows (norm ~3.3) turn less than the short text tokens (~0.1)
+        assert rec[f"modality_split/image_rotation/L{i}"] < rec[f"modality_split/text_rotation/L{i}"]
     assert rec["vlm_path/tower_norm"] == pytest.approx(float(seen["conn_in"][0].norm(dim=-1).mean()), rel=1e-6)
     conn = float(seen["conn_out"][0].norm(dim=-1).mean())
     assert rec["vlm_path/connector_norm"] == pytest.approx(conn, rel=1e-6)

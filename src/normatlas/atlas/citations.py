@@ -107,7 +107,7 @@ CITATIONS: dict[str, tuple[str, ...]] = _table(
         (("attention_sinks2023",), _D, ("attention_sinks",)),
         (("massive_activations2024",), _D, ("massive_activations",)),
         (("vlm_norm_gap2025",), _D, ("modality_norm_gap", "VLMPath", "ModalitySplit", "PartUpdates")),
-        (("vlm_norm_gap2025",), _D, ("modality_norms", "image_attention_share")),
+        (("vlm_norm_gap2025",), _D, ("modality_norms", "modality_updates", "image_attention_share")),
         (("clip2021", "siglip2023"), _D, ("check_image_processor",)),
         (("lns2025",), _D, ("residual_stats",)),
         (("olmo2_2024",), _D, ("repeated_ngrams", "param_groups")),

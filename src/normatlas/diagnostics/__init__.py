@@ -40,6 +40,7 @@ from .modality import (
     image_attention_share,
     modality_norms,
     modality_report,
+    modality_updates,
     update_ratio,
 )
 from .monitor import DEFAULT_METRICS, Metric, Monitor
@@ -90,6 +91,7 @@ __all__ = [
     "modality_norm_gap",
     "modality_norms",
     "modality_report",
+    "modality_updates",
     "module_kind",
     "param_groups",
     "param_roles",

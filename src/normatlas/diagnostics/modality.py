@@ -10,13 +10,14 @@ Pure functions:
   queries that may attend to at least one image key, and beside it the share a uniform attention over the
   allowed keys would give (the ratio says whether text looks at the image more or less than chance);
 * :func:`modality_norms`: mean per-token L2 norm of the image and of the text tokens of an activation;
+* :func:`modality_updates`: per modality, how far a block moves its tokens (relative update, rotation angle);
 * :func:`update_ratio`: ``||W_after - W_before|| / ||W_before||`` over a group of parameters.
 
 Monitor metrics (pass them in ``Monitor(metrics=[...])``; the Monitor's ``blocks`` should be the language model's
 layers, e.g. ``blocks=model.model.language_model.layers``):
 
-* :class:`ModalitySplit` (``modality_split/...``): per layer, the text-to-image attention share and the output
-  norm of each modality;
+* :class:`ModalitySplit` (``modality_split/...``): per layer, the text-to-image attention share, the output
+  norm of each modality and each modality's update (relative size and rotation);
 * :class:`VLMPath` (``vlm_path/...``): the norm gap along the VLM path in one record: the tower output as the
   connector reads it, the connector's output, and the language model's input stream (first block) split into its
   image and text tokens; ``vlm_path/gap`` = LM-input image norm / text norm;
@@ -53,6 +54,7 @@ __all__ = [
     "image_attention_share",
     "modality_norms",
     "modality_report",
+    "modality_updates",
     "part_parameters",
     "update_ratio",
 ]
@@ -126,6 +128,30 @@ def modality_norms(x: Tensor, image_mask: Tensor) -> dict[str, float]:
     return {"image": img, "text": txt, "ratio": img / txt if txt > 0 else math.nan}
 
 
+def modality_updates(x: Tensor, y: Tensor, image_mask: Tensor) -> dict[str, float]:
+    """How far one block moves each modality's tokens (the essay's representational inertia: a Pre-LN update of
+    about fixed size rotates a short token far and a long one little): per token ``||y - x|| / ||x||`` and the angle
+    between ``x`` and ``y`` in degrees, averaged over the image (``image_update``, ``image_rotation``) and the text
+    tokens (``text_update``, ``text_rotation``); NaN for a modality with no token."""
+    if not isinstance(x, Tensor) or not isinstance(y, Tensor) or x.shape != y.shape or x.dim() != 3:
+        got = [tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__ for t in (x, y)]
+        raise ValueError(f"x and y {got} must be (B, T, D) tensors of one shape")
+    m = _mask(image_mask)
+    if tuple(m.shape) != tuple(x.shape[:2]):
+        raise ValueError(f"image_mask has shape {tuple(m.shape)}; x {tuple(x.shape)} needs {tuple(x.shape[:2])}")
+    a, b = x.detach().double(), y.detach().double()
+    rel = (b - a).norm(dim=-1) / a.norm(dim=-1).clamp_min(1e-300)
+    cos = torch.nn.functional.cosine_similarity(a, b, dim=-1, eps=1e-300).clamp(-1.0, 1.0)
+    angle = torch.rad2deg(torch.arccos(cos))
+    m = m.to(rel.device)
+    out: dict[str, float] = {}
+    for side, where in (("image", m), ("text", ~m)):
+        some = bool(where.any())
+        out[f"{side}_update"] = float(rel[where].mean()) if some else math.nan
+        out[f"{side}_rotation"] = float(angle[where].mean()) if some else math.nan
+    return out
+
+
 def update_ratio(before: Sequence[Tensor], after: Sequence[Tensor]) -> float:
     """``||after - before|| / ||before||`` over a group of tensors (Frobenius norms of the concatenation)."""
     if len(before) != len(after) or not before:
@@ -193,8 +219,8 @@ class _Masked(MonitorMetric):
 
 class ModalitySplit(_Masked):
     """Per language-model layer: the text-to-image attention share (:func:`image_attention_share` of the first
-    self-attention map over the whole sequence computed inside the block) and the block output's mean token norm
-    per modality (:func:`modality_norms`)."""
+    self-attention map over the whole sequence computed inside the block), the block output's mean token norm per
+    modality (:func:`modality_norms`) and how far the block moves each modality's tokens (:func:`modality_updates`)."""
 
     key = "modality_split"
     hooks = frozenset({Hook.MODEL_INPUT, Hook.STREAM, Hook.MODEL_OUTPUT})
@@ -210,6 +236,14 @@ class ModalitySplit(_Masked):
                table=True),
         Column("modality_split/norm_ratio", "img/txt", "image norm / text norm", "x", scope=Scope.LAYER, table=True,
                summary="img/txt", worst="max"),
+        Column("modality_split/image_update", "img upd", "image tokens' mean ||y - x|| / ||x|| in the block",
+               scope=Scope.LAYER),
+        Column("modality_split/text_update", "txt upd", "text tokens' mean ||y - x|| / ||x|| in the block",
+               scope=Scope.LAYER),
+        Column("modality_split/image_rotation", "img rot", "image tokens' mean angle(x, y)", "deg", scope=Scope.LAYER,
+               table=True, fmt=".3g"),
+        Column("modality_split/text_rotation", "txt rot", "text tokens' mean angle(x, y)", "deg", scope=Scope.LAYER,
+               table=True, fmt=".3g"),
     )  # fmt: skip
 
     def __init__(self, image_mask: ImageMask) -> None:
@@ -243,7 +277,10 @@ class ModalitySplit(_Masked):
         m = self.mask_for(y)
         if m is not None and y.dim() == 3:
             n = modality_norms(y, m)
-            row.update({c.at(layer): n[k] for c, k in zip(self.columns[2:], ("image", "text", "ratio"), strict=True)})
+            row.update({c.at(layer): n[k] for c, k in zip(self.columns[2:5], ("image", "text", "ratio"), strict=True)})
+            if x is not None:
+                u = modality_updates(x, y, m)
+                row.update({c.at(layer): u[c.key.split("/")[1]] for c in self.columns[5:]})
         return row
 
     def on_model_output(self, output: Any) -> Row | None:
