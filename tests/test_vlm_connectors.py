@@ -376,6 +376,8 @@ def test_bad_inputs_are_named() -> None:
         r(torch.randn(2, 4, 6))
     with pytest.raises(TypeError, match="key_padding_mask must be a boolean"):
         r(torch.randn(2, 4, 8), torch.zeros(2, 4))
+    with pytest.raises(ValueError, match=r"key_padding_mask has shape \(2, 5\); expected \(2, 4\)"):
+        r(torch.randn(2, 4, 8), torch.zeros(2, 5, dtype=torch.bool))
     with pytest.raises(ValueError, match="key_padding_mask masks every key"):
         CrossAttention(8, 2)(torch.randn(2, 3, 8), torch.randn(2, 4, 8), torch.randn(2, 4, 8),
                              torch.ones(2, 4, dtype=torch.bool))  # fmt: skip

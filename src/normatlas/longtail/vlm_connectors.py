@@ -237,6 +237,8 @@ class PerceiverResampler(nn.Module):
 
     def forward(self, input: Tensor, key_padding_mask: Tensor | None = None) -> Tensor:
         _tensor(input, "input", 3, self.embed_dim, "embed_dim")
+        if key_padding_mask is not None:
+            _bool_mask(key_padding_mask, "key_padding_mask", tuple(input.shape[:2]))
         x = self.latents.to(input.dtype).expand(input.shape[0], -1, -1)
         for layer in self.layers:
             x = layer(x, input, key_padding_mask)
