@@ -282,3 +282,23 @@ def test_part_updates_on_transformers_llava(llava) -> None:
     rec = mon.last
     for part in ("tower", "connector", "language-model"):
         assert 0 < rec[f"part_update/{part}"] < 1
+
+
+@pytest.mark.gpu
+def test_metrics_and_masked_count_on_cuda_match_cpu() -> None:
+    from normatlas.longtail.bn_stats import effective_sample_count
+
+    model, (ids, pix, mask) = _tiny()
+    cpu = modality_report(model, (ids, pix, mask), mask, blocks=model.lm.layers, connector=model.connector)
+    model = model.cuda()
+    dev = (ids.cuda(), pix.cuda(), mask.cuda())
+    gpu = modality_report(model, dev, dev[2], blocks=model.lm.layers, connector=model.connector)
+    keys = [k for k, v in cpu.items() if isinstance(v, float)]
+    assert len(keys) > 20
+    for k in keys:
+        assert gpu[k] == pytest.approx(cpu[k], rel=2e-3, abs=1e-4), k
+    x = torch.randn(4, 9, 3, dtype=torch.float64)
+    m = torch.arange(9)[None, :] < torch.tensor([9, 2, 5, 7])[:, None]
+    torch.testing.assert_close(
+        effective_sample_count(x.cuda(), mask=m.cuda()).n_eff.cpu(), effective_sample_count(x, mask=m).n_eff
+    )
