@@ -108,7 +108,7 @@ def image_attention_share(probs: Tensor, image_mask: Tensor, logits: Tensor | No
     return {
         "share": float(share[count].mean()),
         "uniform": float(uniform[count].mean()),
-        "queries": int(count[:, 0].sum()),
+        "queries": int(count.any(1).sum()),  # text queries counted in at least one head
     }
 
 
