@@ -305,6 +305,20 @@ def test_tiny_vlm_runs_forward_and_backward(name) -> None:
         assert model.tower.patch_embed.weight.grad.abs().sum() > 0
 
 
+@pytest.mark.parametrize("padded", [False, True])
+def test_tiny_vlm_equals_the_decoders_own_layer_loop(padded) -> None:
+    # our loop (masks, RoPE tables) against TransformerLM.run_layers on the same stream, float64, odd length 17
+    model = TinyVLM(CONFIGS["resampler"]).double()
+    ids, pix, mask = _batch(model.config, b=3, text=9)
+    pad = torch.ones(ids.shape, dtype=torch.long)
+    if padded:
+        pad[1, -3:] = 0
+    out = model(ids, pix.double(), mask, attention_mask=pad if padded else None)
+    x = model.lm.embed_tokens(ids).masked_scatter(mask[..., None], model.image_rows(pix.double()))
+    ref = model.lm.lm_head(model.lm.final_norm(model.lm.run_layers(x, pad if padded else None)))
+    torch.testing.assert_close(out, ref, **F64)
+
+
 def test_embedding_stream_is_causal_in_the_image() -> None:
     model = TinyVLM(CONFIGS["resampler"])
     ids, pix, mask = _batch(model.config)
