@@ -14,6 +14,8 @@ import re
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given
+from hypothesis import strategies as st
 from torch import Tensor, nn
 
 from normatlas import RMSNorm
@@ -167,6 +169,26 @@ def test_gated_block_is_exactly_the_identity_at_init(dtype, b, t, s, e, kdim) ->
     assert torch.equal(out, x)
     assert blk.gates() == (0.0, 0.0)
     assert blk.injection is Injection.GATED_CROSS_ATTENTION
+
+
+@given(
+    b=st.integers(1, 3),
+    t=st.integers(1, 9),
+    s=st.integers(1, 5),
+    heads=st.sampled_from([1, 2, 4]),
+    kdim=st.integers(1, 7),
+    scale=st.floats(1e-3, 1e3),
+)
+def test_property_gated_block_is_the_identity_at_init_and_split_norms_ignore_scale(b, t, s, heads, kdim, scale) -> None:
+    torch.manual_seed(b * 100 + t)
+    blk = GatedCrossAttentionBlock(8, heads, kdim=kdim).double()
+    x = torch.randn(b, t, 8, dtype=torch.float64) * scale
+    assert torch.equal(blk(x, torch.randn(b, s, kdim, dtype=torch.float64)), x)
+    # Norm(a x) = Norm(x) per modality (LayerNorm and RMS are scale invariant; eps is the only difference)
+    norm = ModalitySplitNorm(8, norm=NormSpec(eps=1e-30)).double()
+    _randomise(norm)
+    mask = torch.rand(b, t) < 0.5
+    torch.testing.assert_close(norm(x * scale, mask), norm(x, mask), atol=1e-9, rtol=1e-9)
 
 
 def test_gated_block_backward_at_init_passes_the_gradient_and_opens_the_gates() -> None:
