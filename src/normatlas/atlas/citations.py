@@ -91,6 +91,7 @@ CITATIONS: dict[str, tuple[str, ...]] = _table(
         (("dit2022",), _L, ("AdaLNZero",)),
         (("film2018", "dit2022"), _L, ("modulate",)),
         (("vlm_norm_gap2025",), _L, ("ConnectorNorm", "grad_scale", "text_embedding_norm")),
+        (("flamingo2022",), _L, ("PerceiverResampler", "PerceiverLayer", "GatedCrossAttentionBlock", "TanhGate")),
         (("dyt2025",), _L, ("DyT", "dyt", "Pointwise", "convert_norms_to_pointwise")),
         (("derf2025",), _L, ("Derf", "derf")),
         (("fixup2019",), _L, ("FixupBasicBlock", "ScalarBias", "ScalarScale", "fixup_init_", "fixup_scale")),
@@ -105,7 +106,8 @@ CITATIONS: dict[str, tuple[str, ...]] = _table(
         (("zhai2023",), _D, ("EntropyCollapseAlarm", "attention_stats")),
         (("attention_sinks2023",), _D, ("attention_sinks",)),
         (("massive_activations2024",), _D, ("massive_activations",)),
-        (("vlm_norm_gap2025",), _D, ("modality_norm_gap",)),
+        (("vlm_norm_gap2025",), _D, ("modality_norm_gap", "VLMPath", "ModalitySplit", "PartUpdates")),
+        (("vlm_norm_gap2025",), _D, ("modality_norms", "modality_updates", "image_attention_share")),
         (("clip2021", "siglip2023"), _D, ("check_image_processor",)),
         (("lns2025",), _D, ("residual_stats",)),
         (("olmo2_2024",), _D, ("repeated_ngrams", "param_groups")),
@@ -173,6 +175,27 @@ UTILITIES: dict[str, str] = _reasons(
             ("apply_parametrization", "remove_parametrization"),
         ),
         ("Chan et al.'s parallel-variance merge, a numerical utility of SyncBatchNorm", _L, ("merge_moments",)),
+        (
+            "the multi-head cross-attention the resampler and the gated block share, not a normalization method",
+            _L,
+            ("CrossAttention",),
+        ),
+        (
+            "tiny image-text models assembled from the connectors for tests and diagnostics, not a method",
+            _L,
+            ("TinyVLM", "TinyVLMConfig", "VisionTower", "Connector"),
+        ),
+        (
+            "one norm per modality in a shared block (BEiT-3's multiway LayerNorms, torchscale's MultiwayWrapper, "
+            "split at a position there and by the caller's mask here); BEiT-3 is not in papers.json yet",
+            _L,
+            ("ModalitySplitNorm", "ModalityBlock"),
+        ),
+        (
+            "plumbing of the per-modality diagnostics: the parts enum, a one-forward report, the ratio arithmetic",
+            _D,
+            ("VLMPart", "modality_report", "update_ratio"),
+        ),
         (
             "monitoring machinery: record sinks, metric registry and the Monitor that runs them",
             _D,

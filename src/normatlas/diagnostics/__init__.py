@@ -32,6 +32,17 @@ from .metrics import (
     repeated_ngrams,
     residual_stats,
 )
+from .modality import (
+    ModalitySplit,
+    PartUpdates,
+    VLMPart,
+    VLMPath,
+    image_attention_share,
+    modality_norms,
+    modality_report,
+    modality_updates,
+    update_ratio,
+)
 from .monitor import DEFAULT_METRICS, Metric, Monitor
 from .roles import Kind, find_blocks, gain_convention, module_kind, trace_linear_to_norm
 from .sinks import CSVSink, JSONLSink, MemorySink, Sink, TensorBoardSink
@@ -50,10 +61,12 @@ __all__ = [
     "Kind",
     "MemorySink",
     "Metric",
+    "ModalitySplit",
     "Monitor",
     "MonitorMetric",
     "NonFiniteAlarm",
     "ParamInfo",
+    "PartUpdates",
     "Role",
     "Scope",
     "Sink",
@@ -61,6 +74,8 @@ __all__ = [
     "TensorBoardSink",
     "ThresholdAlarm",
     "TrendAlarm",
+    "VLMPart",
+    "VLMPath",
     "attention_sinks",
     "attention_stats",
     "check_image_processor",
@@ -70,9 +85,13 @@ __all__ = [
     "format_report",
     "gain_convention",
     "headroom",
+    "image_attention_share",
     "massive_activations",
     "measure_site",
     "modality_norm_gap",
+    "modality_norms",
+    "modality_report",
+    "modality_updates",
     "module_kind",
     "param_groups",
     "param_roles",
@@ -80,4 +99,5 @@ __all__ = [
     "residual_stats",
     "sdpa_probs",
     "trace_linear_to_norm",
+    "update_ratio",
 ]

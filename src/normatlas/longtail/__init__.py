@@ -1,7 +1,8 @@
 """The long tail of the essay: batch-statistics norms and converters, pointwise norm
 replacements (DyT, Derf), initialisation fixes (Fixup, Admin), weight-side methods (WS,
 scaled WS, AGC, spectral / weight norm), nGPT, conditioning norms (AdaIN, adaLN-Zero) and
-the VLM connector norm. Residual scalars (ReZero, LayerScale, DeepNorm) and QK-Norm live in
+the VLM connectors (ConnectorNorm, the Perceiver resampler, Flamingo's gated cross-attention, norms split by
+modality) with tiny VLMs built from them. Residual scalars (ReZero, LayerScale, DeepNorm) and QK-Norm live in
 ``normatlas.blocks``.
 """
 
@@ -40,6 +41,16 @@ from .ngpt import HypersphereConstraint, SphericalUpdate, ngpt_constraint, spher
 from .pointwise import Derf, DyT, Pointwise, convert_norms_to_pointwise, derf, dyt
 from .powernorm import PowerNorm, power_norm
 from .syncbn import SyncBatchNorm, merge_moments
+from .tiny_vlm import Connector, TinyVLM, TinyVLMConfig, VisionTower
+from .vlm_connectors import (
+    CrossAttention,
+    GatedCrossAttentionBlock,
+    ModalityBlock,
+    ModalitySplitNorm,
+    PerceiverLayer,
+    PerceiverResampler,
+    TanhGate,
+)
 from .weight import (
     ScaledWSConv2d,
     WSConv2d,
@@ -67,14 +78,21 @@ __all__ = [
     "BatchNormTarget",
     "BatchRenorm",
     "Change",
+    "Connector",
     "ConnectorNorm",
     "ConversionReport",
+    "CrossAttention",
     "Derf",
     "DyT",
     "FixupBasicBlock",
     "FrozenBatchNorm",
+    "GatedCrossAttentionBlock",
     "GhostBatchNorm",
     "HypersphereConstraint",
+    "ModalityBlock",
+    "ModalitySplitNorm",
+    "PerceiverLayer",
+    "PerceiverResampler",
     "Pointwise",
     "PowerNorm",
     "Ramp",
@@ -83,6 +101,10 @@ __all__ = [
     "ScaledWSConv2d",
     "SphericalUpdate",
     "SyncBatchNorm",
+    "TanhGate",
+    "TinyVLM",
+    "TinyVLMConfig",
+    "VisionTower",
     "WSConv2d",
     "adain",
     "adaptive_clip_grad_",

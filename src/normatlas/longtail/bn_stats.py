@@ -28,8 +28,9 @@ __all__ = ["SampleCount", "effective_sample_count", "shuffled_bn_forward"]
 class SampleCount:
     """Per-channel sample counts of a BatchNorm statistic over (batch x positions).
 
-    ``n``: values averaged per channel (``B * T``); ``batch``: ``B``; ``rho`` (C,): the intraclass
-    correlation between sequences; ``n_eff`` (C,): the design-effect count, in ``[B, n]``.
+    ``n``: values averaged per channel (``B * T``; the real tokens under a mask); ``batch``: ``B`` (the sequences
+    holding a real token); ``rho`` (C,): the intraclass correlation between sequences; ``n_eff`` (C,): the
+    design-effect count, in ``[batch, n]`` (in ``[n^2 / sum n_b^2, n]`` under a mask of unequal lengths).
     """
 
     n: int
@@ -39,7 +40,7 @@ class SampleCount:
 
     @property
     def ratio(self) -> Tensor:
-        """``n_eff / n`` per channel, in ``[1 / T, 1]``."""
+        """``n_eff / n`` per channel, in ``[batch / n, 1]`` (the lower end smaller under a mask of unequal lengths)."""
         return self.n_eff / self.n
 
 
@@ -49,14 +50,26 @@ def _dim(value: object, name: str, rank: int) -> int:
     return value % rank
 
 
-def effective_sample_count(x: Tensor, batch_dim: int = 0, seq_dim: int = 1, channel_dim: int = -1) -> SampleCount:
-    """Per channel: ``n = B * T``, the intraclass correlation ``rho`` and ``n_eff = n / (1 + (T - 1) rho)``.
+def effective_sample_count(
+    x: Tensor, batch_dim: int = 0, seq_dim: int = 1, channel_dim: int = -1, *, mask: Tensor | None = None
+) -> SampleCount:
+    """Per channel: ``n`` values, the intraclass correlation ``rho`` and ``n_eff = n / (1 + (m - 1) rho)``.
 
     ``x``: a 3-D floating tensor holding a batch of ``B >= 2`` sequences of ``T >= 2`` positions with
     ``C`` channels, the three dims named by ``batch_dim``, ``seq_dim``, ``channel_dim``. ``rho`` is the
     one-way ANOVA estimator ``(MSB - MSW) / (MSB + (T - 1) MSW)`` with ``MSB = T * sum_b (mean_b -
     mean)^2 / (B - 1)`` and ``MSW = sum_{b,t} (x - mean_b)^2 / (B (T - 1))``; a channel with no variance
     at all gets ``rho = 0``. Computed in float64.
+
+    ``mask``: a boolean ``(B, T)`` tensor (in the order of ``batch_dim``, ``seq_dim``), True at the real tokens;
+    padding is left out of every statistic, as a masked BatchNorm leaves it out. Sequences of ``n_b`` real tokens
+    make groups of unequal size: ``n = sum n_b`` over the ``B'`` sequences with a token, ``MSB = sum_b n_b (mean_b -
+    mean)^2 / (B' - 1)``, ``MSW = sum (x - mean_b)^2 / (n - B')``, ``rho = (MSB - MSW) / (MSB + (n0 - 1) MSW)``
+    with ``n0 = (n - sum n_b^2 / n) / (B' - 1)``, and Kish's design effect ``1 + (m - 1) rho`` with the
+    size-weighted mean length ``m = sum n_b^2 / n``; ``n_eff`` is clipped to ``[n / m, n]``: ``n / m = n^2 / sum
+    n_b^2`` is the count of a pooled mean whose sequences are each constant (the pooled mean weights a sequence by
+    its length, so unequal lengths count for fewer than ``B'``). With every token real this is the formula above
+    (``n0 = m = T``, ``n / m = B``). Needs ``B' >= 2`` and ``n > B'``.
     """
     if not isinstance(x, Tensor):
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
@@ -67,17 +80,41 @@ def effective_sample_count(x: Tensor, batch_dim: int = 0, seq_dim: int = 1, chan
         raise ValueError(f"batch_dim, seq_dim, channel_dim = {batch_dim}, {seq_dim}, {channel_dim} must be distinct")
     v = x.detach().permute(*dims).to(torch.float64)  # (B, T, C)
     b, t, _ = v.shape
-    if b < 2 or t < 2:
-        raise ValueError(f"x has B={b} sequences of T={t} positions; the intraclass correlation needs B >= 2, T >= 2")
-    group = v.mean(1)  # (B, C)
-    grand = group.mean(0)  # (C,)
-    msb = t * (group - grand).pow(2).sum(0) / (b - 1)
-    msw = (v - group[:, None]).pow(2).sum((0, 1)) / (b * (t - 1))
-    denom = msb + (t - 1) * msw
+    if mask is None:
+        if b < 2 or t < 2:
+            raise ValueError(
+                f"x has B={b} sequences of T={t} positions; the intraclass correlation needs B >= 2, T >= 2"
+            )
+        keep = torch.ones(b, t, dtype=torch.float64, device=v.device)
+    else:
+        if not isinstance(mask, Tensor) or mask.dtype != torch.bool:
+            got = mask.dtype if isinstance(mask, Tensor) else type(mask).__name__
+            raise TypeError(f"mask must be a boolean torch.Tensor (True at real tokens), got {got}")
+        if tuple(mask.shape) != (b, t):
+            raise ValueError(f"mask has shape {tuple(mask.shape)}; expected (B, T) = {(b, t)} of x")
+        keep = mask.to(v.device, torch.float64)
+    sizes = keep.sum(1)  # n_b
+    rows = sizes > 0
+    v, keep, sizes = v[rows], keep[rows], sizes[rows]
+    groups = int(rows.sum())
+    n = int(sizes.sum())
+    if groups < 2 or n <= groups:
+        raise ValueError(
+            f"mask leaves {groups} sequences with {n} real tokens; the intraclass correlation needs >= 2 sequences "
+            "and more tokens than sequences"
+        )
+    w = keep[..., None]
+    group = (v * w).sum(1) / sizes[:, None]  # (B', C)
+    grand = (v * w).sum((0, 1)) / n  # (C,)
+    msb = (sizes[:, None] * (group - grand).pow(2)).sum(0) / (groups - 1)
+    msw = ((v - group[:, None]).pow(2) * w).sum((0, 1)) / (n - groups)
+    sq = float(sizes.pow(2).sum())
+    n0 = (n - sq / n) / (groups - 1)
+    m = sq / n
+    denom = msb + (n0 - 1) * msw
     rho = torch.where(denom > 0, (msb - msw) / denom.clamp_min(torch.finfo(torch.float64).tiny), 0.0)
-    n = b * t
-    n_eff = (n / (1 + (t - 1) * rho)).clamp(b, n)
-    return SampleCount(n, b, rho, n_eff)
+    n_eff = (n / (1 + (m - 1) * rho)).clamp(n / m, n)
+    return SampleCount(n, groups, rho, n_eff)
 
 
 def shuffled_bn_forward(
