@@ -76,7 +76,7 @@ def test_unknown_member_is_named() -> None:
 
 def test_paper_scale_is_the_deep_long_set() -> None:
     s = ds.setup(RunContext(scale="paper", seed=0))
-    assert s.n_layers == 24 and s.train.steps == 2000 and s.d_model == 64
+    assert s.n_layers == 24 and s.train.steps == 2000 and s.d_model == 32
     assert "Mix-LN" not in s.members and "Mix-LN" in ds.setup(ctx(None)).members  # no clause reads Mix-LN
 
 
