@@ -33,12 +33,16 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
 
 from .outliers import _capture, max_logit_diff, quant_error, record
+
+if TYPE_CHECKING:
+    from ..blocks.model import ModelConfig
+    from ..port.core import Link, Port
 
 __all__ = ["VScaling", "head_layout", "v_scale"]
 
@@ -62,15 +66,27 @@ class _Path:
 
     layer: int
     site: str
-    v_weight: Any  # Link | None
-    v_bias: Any  # Link | None
-    o_weight: Any  # Link | None
+    v_weight: Link | None
+    v_bias: Link | None
+    o_weight: Link | None
     heads: int
     kv: int
     hd: int
 
+    @property
+    def v(self) -> Link:
+        """The value projection's weight link (set on every path that passed :func:`_refusal`)."""
+        assert self.v_weight is not None
+        return self.v_weight
 
-def _port(model: nn.Module) -> tuple[Any, Any]:
+    @property
+    def o(self) -> Link:
+        """The output projection's weight link (set on every path that passed :func:`_refusal`)."""
+        assert self.o_weight is not None
+        return self.o_weight
+
+
+def _port(model: nn.Module) -> tuple[Port, nn.Module]:
     """The port of ``model`` (its links and config), or a ``ValueError`` saying the port cannot read it and why."""
     from ..port.core import port
 
@@ -83,7 +99,7 @@ def _port(model: nn.Module) -> tuple[Any, Any]:
         ) from exc
 
 
-def _layout(cfg: Any, layer: int) -> tuple[int, int, int]:
+def _layout(cfg: ModelConfig, layer: int) -> tuple[int, int, int]:
     """``(n_heads, n_kv_heads, head_dim)`` of one layer of a port's config."""
     heads = int(cfg.n_heads)
     kv = cfg.layer_kv_heads[layer] if cfg.layer_kv_heads is not None else cfg.n_kv_heads
@@ -118,7 +134,7 @@ def _site(names: list[str]) -> str:
     return ".".join(common)
 
 
-def _paths(p: Any) -> list[_Path]:
+def _paths(p: Port) -> list[_Path]:
     by = {link.ours: link for link in p.links}
     out = []
     for i in range(p.config.n_layers):
@@ -131,17 +147,17 @@ def _paths(p: Any) -> list[_Path]:
     return out
 
 
-def _matrix(model: nn.Module, link: Any) -> Tensor:
+def _matrix(model: nn.Module, link: Link) -> Tensor:
     """The source tensor of ``link`` in our layout (``(out, in)`` for a weight), a view sharing its storage."""
     t = model.get_parameter(link.theirs[0]).detach()
     return t.transpose(-2, -1) if link.transpose else t
 
 
-def _rows(link: Any, n: int) -> Tensor:
+def _rows(link: Link, n: int) -> Tensor:
     return torch.tensor(link.rows) if link.rows is not None else torch.arange(n)
 
 
-def _refusal(model: nn.Module, cfg: Any, path: _Path, links: tuple[Any, ...]) -> str | None:
+def _refusal(model: nn.Module, cfg: ModelConfig, path: _Path, links: tuple[Link, ...]) -> str | None:
     """Why ``path`` cannot be rescaled exactly, or None."""
     i, heads, kv, hd = path.layer, path.heads, path.kv, path.hd
     if cfg.mla is not None:
@@ -196,28 +212,28 @@ def _apply(model: nn.Module, path: _Path, s: Tensor) -> None:
     every query head times its kv head's ``s``; in the source tensors' own layout (fused, transposed or not)."""
     n_rep = path.heads // path.kv
     s_o = s.view(path.kv, 1, path.hd).expand(path.kv, n_rep, path.hd).reshape(-1)
-    for link in (path.v_weight, path.v_bias):
+    for link in (path.v, path.v_bias):
         if link is None:
             continue
         t = _matrix(model, link)
-        r = _rows(link, t.shape[0])
+        r = _rows(link, t.shape[0]).to(t.device)
         part = t.index_select(0, r).double()
         part = part / (s[:, None] if part.dim() == 2 else s)
         t.index_copy_(0, r, part.to(t.dtype))
-    w_o = _matrix(model, path.o_weight)
+    w_o = _matrix(model, path.o)
     w_o.copy_((w_o.double() * s_o[None, :]).to(w_o.dtype))
 
 
 def _v_out(captured: dict[str, tuple[Tensor, Tensor]], path: _Path, width: int) -> Tensor | None:
     """The V part of the value projection's output (its V columns when fused), or None when not seen."""
-    got = captured.get(_owner(path.v_weight.theirs[0]))
+    got = captured.get(_owner(path.v.theirs[0]))
     if got is None or got[1].shape[-1] != width:
         return None
-    return got[1].index_select(-1, _rows(path.v_weight, width).to(got[1].device))
+    return got[1].index_select(-1, _rows(path.v, width).to(got[1].device))
 
 
 def _o_in(captured: dict[str, tuple[Tensor, Tensor]], path: _Path, width: int) -> Tensor | None:
-    got = captured.get(_owner(path.o_weight.theirs[0]))
+    got = captured.get(_owner(path.o.theirs[0]))
     return got[0] if got is not None and got[0].shape[-1] == width else None
 
 
@@ -251,14 +267,14 @@ def v_scale(model: nn.Module, ids: Tensor, alpha: float = 0.5, strict: bool = Tr
             ok.append(path)
         else:
             refuse(path, reason)
-    owners = list(dict.fromkeys(_owner(link.theirs[0]) for q in ok for link in (q.v_weight, q.o_weight)))
+    owners = list(dict.fromkeys(_owner(link.theirs[0]) for q in ok for link in (q.v, q.o)))
     before = _capture(stock, owners, ids)
     att_out = _outputs(stock, list(dict.fromkeys(q.site for q in ok)), ids)
     eps = torch.finfo(next(stock.parameters()).dtype).eps
     done: list[tuple[_Path, Tensor, Tensor]] = []
     for path in ok:
-        w_o = _matrix(stock, path.o_weight)
-        v_width = _matrix(stock, path.v_weight).shape[0]
+        w_o = _matrix(stock, path.o)
+        v_width = _matrix(stock, path.v).shape[0]
         v_out, o_in = _v_out(before, path, v_width), _o_in(before, path, w_o.shape[1])
         if path.site not in att_out or v_out is None or o_in is None:
             refuse(path, "the projections' modules were not run on the text as the projections")
@@ -289,11 +305,11 @@ def v_scale(model: nn.Module, ids: Tensor, alpha: float = 0.5, strict: bool = Tr
             )
             continue
         done.append((path, s, w_before))
-    owners = list(dict.fromkeys(_owner(link.theirs[0]) for q, _, _ in done for link in (q.v_weight, q.o_weight)))
+    owners = list(dict.fromkeys(_owner(link.theirs[0]) for q, _, _ in done for link in (q.v, q.o)))
     after = _capture(stock, owners, ids)
     for path, s, w_before in done:
-        w_o = _matrix(stock, path.o_weight)
-        v_width = _matrix(stock, path.v_weight).shape[0]
+        w_o = _matrix(stock, path.o)
+        v_width = _matrix(stock, path.v).shape[0]
         v0, v1 = _v_out(before, path, v_width), _v_out(after, path, v_width)
         o0, o1 = _o_in(before, path, w_o.shape[1]), _o_in(after, path, w_o.shape[1])
         assert v0 is not None and v1 is not None and o0 is not None and o1 is not None
