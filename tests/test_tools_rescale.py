@@ -114,6 +114,7 @@ def test_v_scale_leaves_the_function_unchanged_in_float64(
 def test_fused_qkv_projections_are_rescaled_exactly_in_float64(name: str) -> None:
     make, layout, _ = FUSED[name]
     model = make()
+    assert model.config._attn_implementation == "sdpa"  # transformers' default, not an eager stand-in
     assert head_layout(model) == layout
     vs = v_scale(model, IDS)
     assert len(vs.rows) == LAYERS and vs.refusals == []
