@@ -234,6 +234,9 @@ def test_refusals_name_the_module_and_the_reason() -> None:
     _attn(tied, 2).v_proj.weight = _attn(tied, 0).v_proj.weight
     with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn: v_proj\.weight is shared with model\.layers"):
         v_scale(tied, IDS)
+    vs = v_scale(tied, IDS, strict=False)  # both layers refused, each under its own attention module
+    assert [r["site"] for r in vs.refusals] == ["model.layers.0.self_attn", "model.layers.2.self_attn"]
+    assert len(vs.rows) == LAYERS - 2 and vs.max_logit_diff < 1e-12
     # MLA (DeepSeek-V3): V is part of the latent's up-projection; refused from the port's config, per layer
     import transformers
 

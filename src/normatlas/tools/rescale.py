@@ -141,8 +141,10 @@ def _paths(p: Port) -> list[_Path]:
         pre = f"layers.{i}.attn."
         vw, vb, ow = (by.get(pre + k) for k in ("v_proj.weight", "v_proj.bias", "o_proj.weight"))
         mine = [link.theirs[0] for link in p.links if link.ours.startswith(pre)]
-        named = [vw.theirs[0], ow.theirs[0]] if vw is not None and ow is not None else mine
-        site = _site(named) if named else f"layer {i}"
+        if vw is not None and ow is not None:  # a tensor with several names: the pair closest in the module tree
+            site = max((_site([a, b]) for a in vw.theirs for b in ow.theirs), key=lambda x: len(x.split(".")))
+        else:
+            site = _site(mine) if mine else f"layer {i}"
         out.append(_Path(i, site, vw, vb, ow, *_layout(p.config, i)))
     return out
 
