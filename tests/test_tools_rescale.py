@@ -1,7 +1,9 @@
 """V-scale (:func:`normatlas.tools.rescale.v_scale`): the value-path rescale proven exact in float64 on tiny
-transformers models (multi-head, grouped-query with 2 and 1 kv heads, q/k/v biases), the weights really changed
-with the GQA column layout checked (and a wrong layout shown to break the function), the refusals, the report, and
-the CLI hook on the trained byte Llama."""
+transformers models (multi-head, grouped-query with 2 and 1 kv heads, q/k/v biases, and the fused QKV projections of
+GPT-2 (a transposed Conv1D with bias), Phi-3 and GPT-NeoX (interleaved per head)), the weights really changed with
+the GQA column layout checked, only the V rows of a fused tensor touched (and a wrong layout shown to break the
+function), the refusals, the report, and the CLI hook on the trained byte Llama. The projections are found by the
+port's dataflow reading; the tests spell out each family's layout from its transformers source instead."""
 
 from __future__ import annotations
 
@@ -35,6 +37,54 @@ CASES = [
 ]
 
 
+def _hf(config: Any) -> Any:
+    """A seeded model of ``config`` (transformers' defaults: sdpa attention) in float64, gains and biases moved."""
+    import transformers
+
+    from .tiny_hf import randomise_
+
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    randomise_(model, 0.3, vectors_only=True, generator=torch.Generator().manual_seed(1))
+    return torch.nn.Module.to(model, torch.float64).eval()
+
+
+def _phi3() -> Any:  # Phi-3-mini: 3072 wide, 32 layers, 32 heads; qkv_proj stacks [q | k | v] rows
+    import transformers
+
+    return _hf(transformers.Phi3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=LAYERS,
+                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                       pad_token_id=0))  # fmt: skip
+
+
+def _neox() -> Any:  # Pythia-160m: 768 wide, 12 layers, 12 heads; query_key_value is [q_h | k_h | v_h] per head
+    import transformers
+
+    return _hf(transformers.GPTNeoXConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=LAYERS,
+                                          num_attention_heads=4, max_position_embeddings=64))  # fmt: skip
+
+
+# family -> (model, (heads, kv heads, head_dim), the V rows of the fused projection in its (out, in) layout)
+FUSED: dict[str, tuple[Any, tuple[int, int, int], list[int]]] = {
+    "gpt2": (lambda: tool_model("gpt2", dtype=torch.float64), (4, 4, 8), list(range(64, 96))),  # Conv1D c_attn
+    "phi3": (_phi3, (4, 2, 8), list(range(48, 64))),  # after 32 q rows and 16 k rows
+    "gpt_neox": (_neox, (4, 4, 8), [h * 24 + 16 + d for h in range(4) for d in range(8)]),  # view(.., -1, 3 * hd)
+}
+
+
+def _fused(name: str, model: Any, i: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """Layer ``i``'s fused QKV weight ``(out, in)``, its bias, and the output projection ``(out, in)``, spelled
+    out per family from its transformers source."""
+    if name == "gpt2":
+        a = model.transformer.h[i].attn
+        return a.c_attn.weight.T, a.c_attn.bias, a.c_proj.weight.T  # Conv1D stores (in, out)
+    if name == "phi3":
+        a = model.model.layers[i].self_attn
+        return a.qkv_proj.weight, a.qkv_proj.bias, a.o_proj.weight
+    a = model.gpt_neox.layers[i].attention
+    return a.query_key_value.weight, a.query_key_value.bias, a.dense.weight
+
+
 def _attn(model: torch.nn.Module, i: int) -> Any:
     return model.get_submodule(f"model.layers.{i}.self_attn")
 
@@ -52,10 +102,57 @@ def test_v_scale_leaves_the_function_unchanged_in_float64(
     assert head_layout(model) == layout
     vs = v_scale(model, IDS)
     assert len(vs.rows) == LAYERS and vs.refusals == []
-    assert vs.max_logit_diff < 1e-12
+    with torch.no_grad():
+        size = float(model(input_ids=IDS).logits.abs().max())
+    assert vs.max_logit_diff < 1e-12 and vs.max_logit_diff / size < 1e-12
     assert max_logit_diff(model, vs.model, IDS) == vs.max_logit_diff
     heads, kv, hd = layout
     assert all(r["heads"] == f"{heads}q/{kv}kv x {hd}" for r in vs.rows)
+
+
+@pytest.mark.parametrize("name", list(FUSED))
+def test_fused_qkv_projections_are_rescaled_exactly_in_float64(name: str) -> None:
+    make, layout, _ = FUSED[name]
+    model = make()
+    assert model.config._attn_implementation == "sdpa"  # transformers' default, not an eager stand-in
+    assert head_layout(model) == layout
+    vs = v_scale(model, IDS)
+    assert len(vs.rows) == LAYERS and vs.refusals == []
+    with torch.no_grad():
+        size = float(model(input_ids=IDS).logits.abs().max())
+    assert vs.max_logit_diff / size < 1e-12
+    heads, kv, hd = layout
+    assert all(r["heads"] == f"{heads}q/{kv}kv x {hd}" for r in vs.rows)
+
+
+@pytest.mark.parametrize("name", list(FUSED))
+def test_only_the_v_rows_of_a_fused_projection_change(name: str) -> None:
+    make, (heads, kv, hd), v_rows = FUSED[name]
+    model = make()
+    vs = v_scale(model, IDS)
+    others = [r for r in range(_fused(name, model, 0)[0].shape[0]) if r not in set(v_rows)]
+    v, rest = torch.tensor(v_rows), torch.tensor(others)
+    for i in range(LAYERS):
+        (wa, ba, oa), (wb, bb, ob) = _fused(name, model, i), _fused(name, vs.model, i)
+        s = (wa[v, 0] / wb[v, 0]).detach()
+        assert float(s.max() / s.min()) > 1.2
+        torch.testing.assert_close(wb[v] * s[:, None], wa[v], rtol=1e-12, atol=0)
+        torch.testing.assert_close(wb[rest], wa[rest], rtol=0, atol=0)  # q and k rows bit for bit
+        if ba is not None:
+            assert bb is not None
+            torch.testing.assert_close(bb[v] * s, ba[v], rtol=1e-12, atol=0)
+            torch.testing.assert_close(bb[rest], ba[rest], rtol=0, atol=0)
+        col = torch.tensor([(h // (heads // kv)) * hd + d for h in range(heads) for d in range(hd)])
+        torch.testing.assert_close(ob, oa * s[col][None, :], rtol=1e-12, atol=0)
+    # the report's V output is the V columns of the fused output
+    captured: list[torch.Tensor] = []
+    owner = {"gpt2": "transformer.h.0.attn.c_attn", "phi3": "model.layers.0.self_attn.qkv_proj",
+             "gpt_neox": "gpt_neox.layers.0.attention.query_key_value"}[name]  # fmt: skip
+    with torch.no_grad():
+        h = model.get_submodule(owner).register_forward_hook(lambda m, args, out: captured.append(out[..., v]))
+        model(input_ids=IDS, use_cache=False)
+        h.remove()
+    assert vs.rows[0]["v_int8_before"] == pytest.approx(quant_error(captured[0], "int8", "tensor"), rel=1e-12)
 
 
 @pytest.mark.parametrize(("model_type", "overrides", "layout"), CASES)
@@ -137,14 +234,36 @@ def test_refusals_name_the_module_and_the_reason() -> None:
     _attn(tied, 2).v_proj.weight = _attn(tied, 0).v_proj.weight
     with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn: v_proj\.weight is shared with model\.layers"):
         v_scale(tied, IDS)
-    # a config whose head layout disagrees with the layers' shapes
+    vs = v_scale(tied, IDS, strict=False)  # both layers refused, each under its own attention module
+    assert [r["site"] for r in vs.refusals] == ["model.layers.0.self_attn", "model.layers.2.self_attn"]
+    assert len(vs.rows) == LAYERS - 2 and vs.max_logit_diff < 1e-12
+    # MLA (DeepSeek-V3): V is part of the latent's up-projection; refused from the port's config, per layer
+    import transformers
+
+    mla = _hf(transformers.DeepseekV3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                            num_attention_heads=4, num_key_value_heads=4, q_lora_rank=None,
+                                            kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=8, v_head_dim=8,
+                                            first_k_dense_replace=2))  # fmt: skip
+    with pytest.raises(ValueError, match=r"refuses model\.layers\.0\.self_attn: MLA"):
+        v_scale(mla, IDS)
+    vs = v_scale(mla, IDS, strict=False)
+    assert [r["site"] for r in vs.refusals] == ["model.layers.0.self_attn", "model.layers.1.self_attn"]
+    assert vs.rows == [] and vs.max_logit_diff == 0
+    # a model the port cannot read (a BertModel: no head): the port's reason
+    with pytest.raises(ValueError, match=r"the port cannot read BertModel.*cannot port: .*head"):
+        v_scale(tool_model("bert", dtype=torch.float64), IDS)
+    with pytest.raises(ValueError, match=r"the port cannot read Sequential.*no \.config"):
+        v_scale(torch.nn.Sequential(torch.nn.Embedding(64, 8)), IDS)
+
+
+def test_the_layout_is_read_from_the_dataflow_not_the_config() -> None:
+    """A config whose head layout disagrees with the layers: the port reads the layers (2 kv heads), the config's
+    num_key_value_heads (1) is never consulted, and the rescale is exact."""
     liar = tool_model("llama", dtype=torch.float64, num_key_value_heads=2)
     liar.config.num_key_value_heads = 1
-    with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn: v_proj has 16 outputs, not"):
-        v_scale(liar, IDS)
-    # no v_proj / o_proj pair at all (GPT-2's fused c_attn)
-    with pytest.raises(ValueError, match="no module holds a v_proj and an o_proj"):
-        v_scale(tool_model("gpt2", dtype=torch.float64), IDS)
+    assert head_layout(liar) == (4, 2, 8)
+    vs = v_scale(liar, IDS)
+    assert vs.max_logit_diff < 1e-12 and [r["heads"] for r in vs.rows] == ["4q/2kv x 8"] * LAYERS
 
 
 def test_the_cli_hook(byte_llama: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -92,6 +92,9 @@ CITATIONS: dict[str, tuple[str, ...]] = _table(
         (("film2018", "dit2022"), _L, ("modulate",)),
         (("vlm_norm_gap2025",), _L, ("ConnectorNorm", "grad_scale", "text_embedding_norm")),
         (("flamingo2022",), _L, ("PerceiverResampler", "PerceiverLayer", "GatedCrossAttentionBlock", "TanhGate")),
+        # one norm per modality in a shared block: BEiT-3's Multiway Transformer (torchscale's MultiwayWrapper splits
+        # its LayerNorms at a position; here the caller's mask splits them)
+        (("beit3_2022",), _L, ("ModalitySplitNorm", "ModalityBlock")),
         (("dyt2025",), _L, ("DyT", "dyt", "Pointwise", "convert_norms_to_pointwise")),
         (("derf2025",), _L, ("Derf", "derf")),
         (("fixup2019",), _L, ("FixupBasicBlock", "ScalarBias", "ScalarScale", "fixup_init_", "fixup_scale")),
@@ -184,12 +187,6 @@ UTILITIES: dict[str, str] = _reasons(
             "tiny image-text models assembled from the connectors for tests and diagnostics, not a method",
             _L,
             ("TinyVLM", "TinyVLMConfig", "VisionTower", "Connector"),
-        ),
-        (
-            "one norm per modality in a shared block (BEiT-3's multiway LayerNorms, torchscale's MultiwayWrapper, "
-            "split at a position there and by the caller's mask here); BEiT-3 is not in papers.json yet",
-            _L,
-            ("ModalitySplitNorm", "ModalityBlock"),
         ),
         (
             "plumbing of the per-modality diagnostics: the parts enum, a one-forward report, the ratio arithmetic",

@@ -327,8 +327,9 @@ def configure_outliers(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--rescale",
         type=one_of(("v",)),
-        help="v: also rescale the attention value path (v_proj rows / s, o_proj columns x s, same --alpha) on the "
-        "float64 copy and show the int8 errors before / after",
+        help="v: also rescale the attention value path (the value projection's V rows / s, the output projection's "
+        "input columns x s, same --alpha; fused QKV and Conv1D layers included, read by the port) on the float64 copy "
+        "and show the int8 errors before / after",
     )
     add_format_option(p)
 
@@ -391,9 +392,9 @@ def outliers(args: argparse.Namespace) -> int:
         meta.update(v_scaled=len(vs.rows), v_refused=len(vs.refusals), v_max_abs_logit_diff_f64=vs.max_logit_diff)
         if vs.rows:
             title = (
-                f"V-scale (alpha {args.alpha}): per-tensor int8 error of v_proj's output and of o_proj's input, "
-                "per-output-channel int8 error of o_proj's weight, before / after; function unchanged: max |logit "
-                f"diff| {vs.max_logit_diff:.3g} (float64)"
+                f"V-scale (alpha {args.alpha}): per-tensor int8 error of the V output and of the output projection's "
+                "input, per-output-channel int8 error of the output projection's weight, before / after; function "
+                f"unchanged: max |logit diff| {vs.max_logit_diff:.3g} (float64)"
             )
             sections.append(Section("rescale", vs.rows, title))
         if vs.refusals:
