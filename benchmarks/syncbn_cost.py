@@ -11,7 +11,8 @@ variant. Command::
 Variants are interleaved round by round inside each process (so load drifts hit them alike); a step's time is
 the max over ranks of that rank's time between two barriers; the table shows medians over rounds and the ratio
 to our BatchNorm2d. ``os.getloadavg()`` is printed before and after: the CPU is shared. About 20-30 s on 2 cores
-(process start-up dominates). Seeded (model seed 0, batch seed rank + 1). Writes ``syncbn_cost.csv``.
+(process start-up dominates). Seeded (model seed 0, batch seed rank + 1). Writes ``syncbn_cost.csv`` and
+``syncbn_cost.png`` (every round's step time per variant and process count, the ratio of medians above each).
 """
 
 from __future__ import annotations
@@ -101,12 +102,14 @@ def main() -> None:
         f"net: 3 x (Conv2d 3x3 -> BN -> ReLU), {CHANNELS} channels, {PER_RANK_BATCH} x 3 x {SIZE} x {SIZE} per process"
     )
     rows: list[dict[str, Any]] = []
+    rounds: dict[int, dict[str, list[float]]] = {}
     refusals: dict[str, str] = {}
     for world in (int(w) for w in args.worlds.split(",")):
         ranks = spawn(_worker, world, args.steps, timeout=300.0)
         refusals.update(ranks[0]["refused"])
         names = list(ranks[0]["times"])
         per_step = {n: [max(r["times"][n][i] for r in ranks) for i in range(args.steps)] for n in names}
+        rounds[world] = per_step
         base = statistics.median(per_step["ours BatchNorm2d"])
         for n in names:
             ratios = [a / b for a, b in zip(per_step[n], per_step["ours BatchNorm2d"], strict=True)]
@@ -131,7 +134,42 @@ def main() -> None:
         w = csv.DictWriter(fh, fieldnames=list(rows[0]), lineterminator="\n")
         w.writeheader()
         w.writerows(rows)
-    print(f"wrote {out / 'syncbn_cost.csv'}")
+    _figure(rounds, rows, out / "syncbn_cost.png", load0[0], load1[0])
+    print(f"wrote {out / 'syncbn_cost.csv'} and {out / 'syncbn_cost.png'}")
+
+
+def _figure(
+    rounds: dict[int, dict[str, list[float]]], rows: list[dict[str, Any]], path: Path, load0: float, load1: float
+) -> None:
+    """One panel per process count: every round's step time (ms, the max over ranks) per variant, the median
+    marked, the ratio of medians to our BatchNorm2d written above it."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(rounds), figsize=(5 * len(rounds), 4.2), squeeze=False)
+    ratio = {(r["processes"], r["variant"]): r["ratio_vs_ours_bn"] for r in rows}
+    for ax, (world, per_step) in zip(axes[0], rounds.items(), strict=True):
+        names = list(per_step)
+        ax.boxplot([[1e3 * t for t in per_step[n]] for n in names], showfliers=True)
+        ax.set_xticks(range(1, len(names) + 1), [n.replace(" ", "\n", 1) for n in names], fontsize=8)
+        top = max(1e3 * max(v) for v in per_step.values())
+        for i, n in enumerate(names, 1):
+            ax.annotate(f"{ratio[(world, n)]:.2f}x", (i, top * 1.02), ha="center", fontsize=9)
+        ax.set(title=f"{world} gloo processes", ylabel="forward + backward per step (ms, max over ranks)")
+        ax.set_ylim(0, top * 1.12)
+        ax.grid(alpha=0.3, axis="y")
+    fig.suptitle(
+        "SyncBatchNorm against per-process BatchNorm, same processes, interleaved rounds "
+        "(ratio of medians to ours BatchNorm2d)",
+        fontsize=10,
+    )
+    fig.text(0.5, -0.02, f"python benchmarks/syncbn_cost.py; loadavg {load0:.2f} -> {load1:.2f}; "
+             f"torch.nn.SyncBatchNorm refuses CPU", ha="center", fontsize=8, color="0.35")  # fmt: skip
+    fig.tight_layout()
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
 
 
 if __name__ == "__main__":
