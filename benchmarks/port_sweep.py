@@ -34,7 +34,7 @@ def one(mt: str) -> dict[str, Any]:
     import torch
 
     from normatlas.inspect import inspect_model
-    from normatlas.inspect.build import build_target
+    from normatlas.factory import build_target
     from normatlas.port import PortError, port
 
     torch.set_num_threads(1)

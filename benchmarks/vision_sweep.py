@@ -2,8 +2,8 @@
 each gets.
 
 The types are the ones :func:`normatlas.inspect.vlm.is_vision_type` calls an image encoder alone (a config with image
-channels, no vocabulary and no text config). Each is built tiny offline (:func:`normatlas.inspect.build.build_vision`),
-given the input layout its config and signature ask for (:func:`normatlas.inspect.vision_inputs.tower_inputs`) and
+channels, no vocabulary and no text config). Each is built tiny offline (:func:`normatlas.factory.build_vision`),
+given the input layout its config and signature ask for (:func:`normatlas.factory.tower_inputs`) and
 inspected (:func:`normatlas.inspect.vision.inspect_vision`), in a forked child killed after ``--timeout`` seconds. One
 line per type says where it stopped:
 
@@ -33,9 +33,9 @@ def one(mt: str) -> dict[str, Any]:
     """Build, feed and inspect one vision tower type; the row never raises."""
     limit_child()
     from normatlas.inspect import UntraceableModel
-    from normatlas.inspect.build import build_vision
+    from normatlas.factory import build_vision
     from normatlas.inspect.vision import inspect_vision
-    from normatlas.inspect.vision_inputs import tower_inputs
+    from normatlas.factory import tower_inputs
 
     row: dict[str, Any] = {c: "" for c in COLUMNS} | {"model": mt}
     with warnings.catch_warnings():

@@ -480,7 +480,7 @@ def test_is_vlm_type_reads_transformers_registry() -> None:
 # --------------------------------------------------------------------------- more transformers VLMs
 def test_transformers_vlm_report_is_rename_invariant() -> None:
     """LLaVA renamed with lying names (a norm called ``q_proj``, a projector called ``layernorm``...): same report."""
-    from normatlas.inspect.vlm_build import build_vlm, vlm_inputs
+    from normatlas.factory import build_vlm, vlm_inputs
 
     warnings.filterwarnings("ignore")
     model = build_vlm("llava")

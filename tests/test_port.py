@@ -246,7 +246,7 @@ def test_a_changed_model_saves_back_where_the_layout_fits():
 
 
 def test_refusals_name_what_is_missing():
-    from normatlas.inspect.build import build_target
+    from normatlas.factory import build_target
 
     moe, _, _ = build_target("phimoe")  # SparseMixer: experts chosen by a sort, not a top-k (Mixtral ports now)
     with pytest.raises(PortError, match="routed mixture of experts") as err:

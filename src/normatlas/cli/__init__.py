@@ -286,7 +286,7 @@ def _run(args: argparse.Namespace) -> int:
     attn = getattr(args, "attn_implementation", None)
     if attn is None:
         return int(args._run(args))
-    from ..inspect.build import attention_implementation
+    from ..factory import attention_implementation
 
     with attention_implementation(attn):
         return int(args._run(args))

@@ -89,7 +89,7 @@ def _known_thetas(cfg: Any) -> tuple[float, ...]:
 
 
 def _inputs(hf: nn.Module, seq: int, batch: int, seed: int) -> dict[str, Any]:
-    from ..inspect.build import example_inputs
+    from ..factory import example_inputs
     from .vision import is_vision, pixel_inputs
 
     if is_vision(hf.config):
