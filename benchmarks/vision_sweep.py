@@ -32,10 +32,9 @@ STATUSES = ("ok", "ok (unread)", "failed build", "failed inputs", "failed run", 
 def one(mt: str) -> dict[str, Any]:
     """Build, feed and inspect one vision tower type; the row never raises."""
     limit_child()
+    from normatlas.factory import build_vision, tower_inputs
     from normatlas.inspect import UntraceableModel
-    from normatlas.factory import build_vision
     from normatlas.inspect.vision import inspect_vision
-    from normatlas.factory import tower_inputs
 
     row: dict[str, Any] = {c: "" for c in COLUMNS} | {"model": mt}
     with warnings.catch_warnings():

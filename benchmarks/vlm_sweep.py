@@ -58,9 +58,9 @@ def limit_child() -> None:
 def one(mt: str) -> dict[str, Any]:
     """Build, feed and inspect one image-text model type; the row never raises."""
     limit_child()
+    from normatlas.factory import build_vlm, vlm_inputs
     from normatlas.inspect import UntraceableModel
     from normatlas.inspect.vlm import inspect_vlm
-    from normatlas.factory import build_vlm, vlm_inputs
 
     row: dict[str, Any] = {c: "" for c in COLUMNS} | {"model": mt}
     with warnings.catch_warnings():

@@ -217,7 +217,7 @@ def test_the_import_graph_has_no_cycle() -> None:
     """No module reaches itself through imports, lazy ones included (a cycle hidden in a function is still one)."""
     found = set(cycles(_graph(IMPORTS)))
     assert found <= KNOWN_CYCLES, [sorted(c) for c in found - KNOWN_CYCLES]
-    assert KNOWN_CYCLES <= found, "a known cycle is gone: remove it from KNOWN_CYCLES"
+    assert found >= KNOWN_CYCLES, "a known cycle is gone: remove it from KNOWN_CYCLES"
 
 
 def test_the_factory_imports_only_the_checkpoint_loader() -> None:
@@ -246,11 +246,13 @@ def test_the_check_can_fail() -> None:
     for source, is_lazy in ((top, False), (lazy, True)):
         (imp,) = imports_of(here, source, MODULES)
         assert imp.lazy is is_lazy and _breaks([imp]) == [imp]
-    assert not imports_of(here, "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .. import cli\n", MODULES)
+    typing_only = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .. import cli\n"
+    assert not imports_of(here, typing_only, MODULES)
     factory = SRC / "factory" / "text.py"
     (imp,) = imports_of(factory, "def f():\n    from ..inspect.report import NormInfo\n", MODULES)
     assert _breaks([imp]) == [imp]
     # the circle this package replaced: build.py -> vlm_build.py (lazily) -> build.py
-    old = {"normatlas.inspect.build": {"normatlas.inspect.vlm_build"}, "normatlas.inspect.vlm_build": {"normatlas.inspect.build"}}
+    build, vlm_build = "normatlas.inspect.build", "normatlas.inspect.vlm_build"
+    old = {build: {vlm_build}, vlm_build: {build}}
     assert cycles(old) == [frozenset(old)]
     assert cycles({"a": {"b"}, "b": {"c"}}) == []

@@ -12,8 +12,8 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from normatlas.inspect import InspectionReport, inspect_model
 from normatlas.factory import model_from_config, tiny_config
+from normatlas.inspect import InspectionReport, inspect_model
 from normatlas.vocabulary import GainConvention, SiteRole, SublayerKind
 
 OVERRIDES: dict[str, dict[str, Any]] = {

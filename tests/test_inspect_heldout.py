@@ -27,9 +27,9 @@ from torch import nn
 
 import normatlas.inspect as inspect_pkg
 from normatlas.cli import main
-from normatlas.inspect import VisionReport, inspect_model, inspect_target
 from normatlas.factory import build_target, example_inputs
 from normatlas.factory.fit import build_filling, product_fixes
+from normatlas.inspect import VisionReport, inspect_model, inspect_target
 from normatlas.vocabulary import Operator, PlacementKind, SiteRole, SublayerKind
 
 D, V, T = 16, 32, 8

@@ -15,9 +15,9 @@ import pytest
 import torch
 from torch import nn
 
-from normatlas.inspect.vlm import ConnectorKind, Injection, inspect_vlm_target
 from normatlas.factory import build_vlm
 from normatlas.factory.vlm_inputs import _count_tokens, _feature_arguments
+from normatlas.inspect.vlm import ConnectorKind, Injection, inspect_vlm_target
 from normatlas.vocabulary import Operator, PlacementKind, QKNormKind
 
 L, R = Operator.LAYERNORM, Operator.RMSNORM

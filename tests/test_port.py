@@ -19,8 +19,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from normatlas import Norm  # noqa: E402
-from normatlas.blocks import QKNorm, TransformerLM, from_hf, layernorm_scaling, peri_ln  # noqa: E402
-from normatlas.port import PortError, port, to_hf_state_dict  # noqa: E402
+from normatlas.blocks import QKNorm, TransformerLM, layernorm_scaling, peri_ln  # noqa: E402
+from normatlas.port import PortError, from_hf, port, to_hf_state_dict  # noqa: E402
 
 from .renamer import old_names, renamed  # noqa: E402
 from .tiny_hf import randomise_, tiny_model  # noqa: E402

@@ -28,7 +28,7 @@ from normatlas import Norm, NormSpec  # noqa: E402
 from normatlas.blocks import Alibi, ModelConfig, MoEConfig, TransformerLM, geometric_slopes  # noqa: E402
 from normatlas.blocks.alibi import alibi_bias  # noqa: E402
 from normatlas.blocks.attention import Attention  # noqa: E402
-from normatlas.blocks.block import Activation  # noqa: E402
+from normatlas.blocks.mlp import Activation  # noqa: E402
 from normatlas.blocks.moe import MoE, RouterScore  # noqa: E402
 from normatlas.blocks.qknorm import QKGain, QKNormConfig, QKScope  # noqa: E402
 from normatlas.factory import tiny_config  # noqa: E402
