@@ -1,7 +1,7 @@
 """Inspect every vision-tower model type of the installed transformers with ``inspect --vision``, and count how far
 each gets.
 
-The types are the ones :func:`normatlas.inspect.vlm.is_vision_type` calls an image encoder alone (a config with image
+The types are the ones :func:`normatlas.factory.is_vision_type` calls an image encoder alone (a config with image
 channels, no vocabulary and no text config). Each is built tiny offline (:func:`normatlas.factory.build_vision`),
 given the input layout its config and signature ask for (:func:`normatlas.factory.tower_inputs`) and
 inspected (:func:`normatlas.inspect.vision.inspect_vision`), in a forked child killed after ``--timeout`` seconds. One
@@ -67,7 +67,7 @@ def one(mt: str) -> dict[str, Any]:
 
 
 def main() -> None:
-    from normatlas.inspect.vlm import is_vision_type
+    from normatlas.factory import is_vision_type
 
     sweep_main(__doc__, "vision-tower types", 120.0, is_vision_type, one, "vision_sweep", COLUMNS, STATUSES)
 

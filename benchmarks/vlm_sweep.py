@@ -1,6 +1,6 @@
 """Inspect every image-text model type of the installed transformers whole, and count how far each gets.
 
-The types are the ones ``normatlas inspect`` treats as image-text models (:func:`normatlas.inspect.vlm.is_vlm_type`).
+The types are the ones ``normatlas inspect`` treats as image-text models (:func:`normatlas.factory.is_vlm_type`).
 Each is built tiny offline (:func:`normatlas.factory.build_vlm`), given its synthetic image + text batch
 (:func:`~normatlas.factory.vlm_inputs`) and inspected (:func:`normatlas.inspect.vlm.inspect_vlm`), in a
 forked child killed after ``--timeout`` seconds. One line per type says where it stopped:
@@ -117,7 +117,7 @@ def reason_group(reason: str) -> str:
 
 
 def main() -> None:
-    from normatlas.inspect.vlm import is_vlm_type
+    from normatlas.factory import is_vlm_type
 
     sweep_main(__doc__, "image-text types", 180.0, is_vlm_type, one, "vlm_sweep", COLUMNS, STATUSES)
 

@@ -17,8 +17,9 @@ import pytest
 import torch
 from torch import Tensor, nn
 
+from normatlas.factory import is_vlm_type
 from normatlas.inspect import UntraceableModel
-from normatlas.inspect.vlm import ConnectorKind, Injection, inspect_vlm, inspect_vlm_target, is_vlm_type
+from normatlas.inspect.vlm import ConnectorKind, Injection, inspect_vlm, inspect_vlm_target
 from normatlas.vocabulary import Operator, PlacementKind, QKNormKind
 from tests.renamer import old_names, renamed
 from tests.test_rename_invariance import lying_scheme, relabel

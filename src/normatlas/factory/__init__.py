@@ -7,7 +7,8 @@ tests); it reads no design itself.
 * :mod:`.text`: :func:`build_target` (a model type, a checkpoint folder under :mod:`normatlas.checkpoint`'s load
   policy, or ``module:factory``), with :mod:`.fit` keeping a shrunk config buildable.
 * :mod:`.tower`: :func:`build_vision`, a vision tower alone; :mod:`.vlm`: :func:`build_vlm`, an image-text model
-  (language model, tower, connector).
+  (language model, tower, connector); :func:`is_vision_type` / :func:`is_vlm_type` say which a model type's
+  config describes.
 * :mod:`.inputs`, :mod:`.tower_inputs`, :mod:`.vlm_inputs`: the token batch, a tower's input layout, the image +
   text batch.
 * :mod:`.attention`: the attention implementation models are built with.
@@ -21,9 +22,9 @@ from .attention import ATTENTION_IMPLEMENTATIONS, attention_implementation, atte
 from .inputs import example_inputs
 from .shrink import TINY, check_model_type, tiny_config
 from .text import build_target, model_from_config
-from .tower import build_vision
+from .tower import build_vision, is_vision_type
 from .tower_inputs import tower_inputs
-from .vlm import build_vlm
+from .vlm import build_vlm, is_vlm_type
 from .vlm_inputs import vlm_inputs
 
 __all__ = [
@@ -36,6 +37,8 @@ __all__ = [
     "build_vlm",
     "check_model_type",
     "example_inputs",
+    "is_vision_type",
+    "is_vlm_type",
     "model_from_config",
     "tiny_config",
     "tower_inputs",

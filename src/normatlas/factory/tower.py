@@ -28,7 +28,7 @@ from .shrink import (
     tiny_config,
 )
 
-__all__ = ["build_vision"]
+__all__ = ["build_vision", "is_vision_type"]
 
 
 def build_vision(model_type: str, seed: int = 0, image_size: int = 32, patch_size: int = 8) -> nn.Module:
@@ -272,3 +272,15 @@ def _staged_tower(model_type: str, image_size: int) -> Any:
         cfg.image_size = max(image_size, patch * window * 2 ** (len(depths) - 1))
     choose_attention(cfg)
     return cfg
+
+
+def is_vision_type(model_type: str) -> bool:
+    """Whether ``model_type``'s config describes an image encoder alone: image channels, no vocabulary, no
+    text config (a transformers config fact, not a name)."""
+    from transformers import AutoConfig
+
+    try:
+        d = AutoConfig.for_model(model_type).to_dict()
+    except Exception:
+        return False
+    return "num_channels" in d and "vocab_size" not in d and "text_config" not in d

@@ -40,7 +40,7 @@ from .shrink import (
 )
 from .vlm_inputs import PATCHES_PER_SIDE, image_config, text_config
 
-__all__ = ["VQ_TINY", "build_vlm"]
+__all__ = ["VQ_TINY", "build_vlm", "is_vlm_type"]
 
 # 32 groups), a 16-code codebook of width 32.
 VQ_TINY: dict[str, Any] = {
@@ -201,3 +201,18 @@ def build_vlm(model_type: str, seed: int = 0) -> nn.Module:
     except ValueError:
         model = AutoModel.from_config(cfg, **attention_kwargs())
     return model.eval()
+
+
+def is_vlm_type(model_type: str) -> bool:
+    """Whether transformers registers ``model_type`` as an image-text-to-text model whose config has a vision
+    tower (``vision_config``) or a VQ image tokenizer (``vq_config``: Chameleon)."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+    if model_type not in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:
+        return False
+    try:
+        cfg = AutoConfig.for_model(model_type)
+    except Exception:
+        return False
+    return any(getattr(cfg, key, None) is not None for key in ("vision_config", "vq_config"))

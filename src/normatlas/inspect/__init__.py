@@ -19,10 +19,11 @@ from typing import Any
 
 from torch import nn
 
-from ..factory import build_target, build_vision, tower_inputs
+from ..factory import build_target, build_vision, is_vision_type, is_vlm_type, tower_inputs
 from ..factory import example_inputs as default_example_inputs
-from .report import AttentionInfo, InspectionReport, NormInfo, SublayerInfo
+from .report import AttentionInfo, InspectionReport, NormInfo, SublayerInfo, UntraceableModel
 from .vision import VisionReport, inspect_vision
+from .vlm import inspect_vlm_target
 
 __all__ = [
     "AttentionInfo",
@@ -37,10 +38,6 @@ __all__ = [
     "inspect_vision",
     "inspect_vision_target",
 ]
-
-
-class UntraceableModel(ValueError):
-    """The model could not be run on the example inputs, so no dataflow could be recorded."""
 
 
 def inspect_model(
@@ -91,10 +88,9 @@ inspect = inspect_model
 
 def inspect_target(target: str, *, seed: int = 0, probe: bool = True) -> InspectionReport:
     """Build a CLI TARGET (model type, checkpoint folder, ``module:factory``) and inspect it. A model type whose
-    config describes an image encoder alone (:func:`.vlm.is_vision_type`: image channels, no vocabulary) is read as
-    a vision tower (:func:`inspect_vision_target`), so ``inspect vit`` reads what ``inspect --vision vit`` does."""
-    from .vlm import is_vision_type
-
+    config describes an image encoder alone (:func:`normatlas.factory.is_vision_type`: image channels, no
+    vocabulary) is read as a vision tower (:func:`inspect_vision_target`), so ``inspect vit`` reads what
+    ``inspect --vision vit`` does."""
     if _is_model_type(target) and is_vision_type(target):
         return inspect_vision_target(target, seed=seed, probe=probe)
     model, inputs, label = build_target(target, seed=seed)
@@ -106,8 +102,6 @@ def inspect_vision_target(target: str, *, seed: int = 0, probe: bool = True) -> 
     model type (Qwen2.5-VL, whose tower reads flattened patches and their grid) is run whole on an image + text
     and its tower part reported (:func:`.vlm.inspect_vlm`); a tower alone gets the input layout its signature and
     config ask for (:func:`normatlas.factory.tower_inputs.tower_inputs`: patch grids, tiles, frames, ...)."""
-    from .vlm import inspect_vlm_target, is_vision_type, is_vlm_type
-
     if is_vlm_type(target):
         report = inspect_vlm_target(target, seed=seed, probe=probe)
         report.vision.model = target

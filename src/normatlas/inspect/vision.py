@@ -52,7 +52,7 @@ from ..factory import tower_inputs
 from ..spec import EpsPlacement
 from ..vocabulary import Operator, PlacementKind, SiteRole
 from .norms import Site, find_sites
-from .report import InspectionReport, NormInfo, SublayerInfo
+from .report import InspectionReport, NormInfo, SublayerInfo, UntraceableModel
 from .stages import (
     Stage,
     attention_bits,
@@ -369,8 +369,6 @@ def inspect_vision(
     seeded image of ``config.image_size``. Raises :class:`~normatlas.inspect.UntraceableModel` when the
     model does not run on these inputs.
     """
-    from . import UntraceableModel
-
     t0 = time.perf_counter()
     label = name or type(model).__name__
     if pixel_values is None and not inputs and callable(getattr(getattr(model, "config", None), "to_dict", None)):

@@ -48,7 +48,7 @@ from ..analysis.graph import record
 from ..factory import build_vlm, vlm_inputs
 from ..vocabulary import Operator, QKNormKind
 from . import vlm_graph as vg
-from .report import InspectionReport, _plain, gain_word
+from .report import InspectionReport, UntraceableModel, _plain, gain_word
 from .vision import VisionReport, vision_report
 from .vlm_graph import ConnectorInfo, ConnectorKind, Injection
 
@@ -59,8 +59,6 @@ __all__ = [
     "VLMReport",
     "inspect_vlm",
     "inspect_vlm_target",
-    "is_vision_type",
-    "is_vlm_type",
 ]
 
 
@@ -191,7 +189,6 @@ def inspect_vlm(
     :class:`~normatlas.inspect.UntraceableModel` when the model does not run on them, ``ValueError`` when the run has
     no image part or no text embedding.
     """
-    from . import UntraceableModel
     from .analyze import analyze
     from .probe import check_sites
     from .residual import scale_after
@@ -283,30 +280,3 @@ def inspect_vlm_target(model_type: str, *, seed: int = 0, probe: bool = True) ->
 
     model = build_vlm(model_type, seed=seed)
     return inspect_vlm(model, vlm_inputs(model, seed=seed), name=model_type, probe=probe)
-
-
-def is_vision_type(model_type: str) -> bool:
-    """Whether ``model_type``'s config describes an image encoder alone: image channels, no vocabulary, no
-    text config (a transformers config fact, not a name)."""
-    from transformers import AutoConfig
-
-    try:
-        d = AutoConfig.for_model(model_type).to_dict()
-    except Exception:
-        return False
-    return "num_channels" in d and "vocab_size" not in d and "text_config" not in d
-
-
-def is_vlm_type(model_type: str) -> bool:
-    """Whether transformers registers ``model_type`` as an image-text-to-text model whose config has a vision
-    tower (``vision_config``) or a VQ image tokenizer (``vq_config``: Chameleon)."""
-    from transformers import AutoConfig
-    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
-
-    if model_type not in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:
-        return False
-    try:
-        cfg = AutoConfig.for_model(model_type)
-    except Exception:
-        return False
-    return any(getattr(cfg, key, None) is not None for key in ("vision_config", "vq_config"))
