@@ -19,7 +19,7 @@ transformers = pytest.importorskip("transformers")
 
 from normatlas import RMSNorm  # noqa: E402
 from normatlas.blocks import ModelConfig, MoE, MoEConfig, RouterScore, TransformerLM  # noqa: E402
-from normatlas.blocks.block import Activation  # noqa: E402
+from normatlas.blocks.mlp import Activation  # noqa: E402
 from normatlas.port import PortError, port, to_hf_state_dict  # noqa: E402
 
 from .tiny_hf import randomise_  # noqa: E402

@@ -20,7 +20,7 @@ transformers = pytest.importorskip("transformers")
 
 from normatlas import RMSNorm  # noqa: E402
 from normatlas.blocks import ModelConfig, TransformerLM  # noqa: E402
-from normatlas.blocks.block import XIELU, Activation  # noqa: E402
+from normatlas.blocks.mlp import XIELU, Activation  # noqa: E402
 from normatlas.blocks.moe import MoEConfig  # noqa: E402
 from normatlas.blocks.placement import Gate, Placement, Schedule, parallel, pre_ln  # noqa: E402
 from normatlas.port import PortError, port, to_hf_state_dict  # noqa: E402
