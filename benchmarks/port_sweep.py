@@ -33,8 +33,8 @@ def one(mt: str) -> dict[str, Any]:
     """Build, inspect and port one model type; the row never raises."""
     import torch
 
+    from normatlas.factory import build_target
     from normatlas.inspect import inspect_model
-    from normatlas.inspect.build import build_target
     from normatlas.port import PortError, port
 
     torch.set_num_threads(1)

@@ -1,9 +1,9 @@
 """Inspect every vision-tower model type of the installed transformers with ``inspect --vision``, and count how far
 each gets.
 
-The types are the ones :func:`normatlas.inspect.vlm.is_vision_type` calls an image encoder alone (a config with image
-channels, no vocabulary and no text config). Each is built tiny offline (:func:`normatlas.inspect.build.build_vision`),
-given the input layout its config and signature ask for (:func:`normatlas.inspect.vision_inputs.tower_inputs`) and
+The types are the ones :func:`normatlas.factory.is_vision_type` calls an image encoder alone (a config with image
+channels, no vocabulary and no text config). Each is built tiny offline (:func:`normatlas.factory.build_vision`),
+given the input layout its config and signature ask for (:func:`normatlas.factory.tower_inputs`) and
 inspected (:func:`normatlas.inspect.vision.inspect_vision`), in a forked child killed after ``--timeout`` seconds. One
 line per type says where it stopped:
 
@@ -32,10 +32,9 @@ STATUSES = ("ok", "ok (unread)", "failed build", "failed inputs", "failed run", 
 def one(mt: str) -> dict[str, Any]:
     """Build, feed and inspect one vision tower type; the row never raises."""
     limit_child()
+    from normatlas.factory import build_vision, tower_inputs
     from normatlas.inspect import UntraceableModel
-    from normatlas.inspect.build import build_vision
     from normatlas.inspect.vision import inspect_vision
-    from normatlas.inspect.vision_inputs import tower_inputs
 
     row: dict[str, Any] = {c: "" for c in COLUMNS} | {"model": mt}
     with warnings.catch_warnings():
@@ -68,7 +67,7 @@ def one(mt: str) -> dict[str, Any]:
 
 
 def main() -> None:
-    from normatlas.inspect.vlm import is_vision_type
+    from normatlas.factory import is_vision_type
 
     sweep_main(__doc__, "vision-tower types", 120.0, is_vision_type, one, "vision_sweep", COLUMNS, STATUSES)
 

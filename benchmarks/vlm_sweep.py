@@ -1,8 +1,8 @@
 """Inspect every image-text model type of the installed transformers whole, and count how far each gets.
 
-The types are the ones ``normatlas inspect`` treats as image-text models (:func:`normatlas.inspect.vlm.is_vlm_type`).
-Each is built tiny offline (:func:`normatlas.inspect.vlm_build.build_vlm`), given its synthetic image + text batch
-(:func:`~normatlas.inspect.vlm_build.vlm_inputs`) and inspected (:func:`normatlas.inspect.vlm.inspect_vlm`), in a
+The types are the ones ``normatlas inspect`` treats as image-text models (:func:`normatlas.factory.is_vlm_type`).
+Each is built tiny offline (:func:`normatlas.factory.build_vlm`), given its synthetic image + text batch
+(:func:`~normatlas.factory.vlm_inputs`) and inspected (:func:`normatlas.inspect.vlm.inspect_vlm`), in a
 forked child killed after ``--timeout`` seconds. One line per type says where it stopped:
 
 * ``ok``: the three parts were read (the line shows tower / connector / injection / language model);
@@ -58,9 +58,9 @@ def limit_child() -> None:
 def one(mt: str) -> dict[str, Any]:
     """Build, feed and inspect one image-text model type; the row never raises."""
     limit_child()
+    from normatlas.factory import build_vlm, vlm_inputs
     from normatlas.inspect import UntraceableModel
     from normatlas.inspect.vlm import inspect_vlm
-    from normatlas.inspect.vlm_build import build_vlm, vlm_inputs
 
     row: dict[str, Any] = {c: "" for c in COLUMNS} | {"model": mt}
     with warnings.catch_warnings():
@@ -117,7 +117,7 @@ def reason_group(reason: str) -> str:
 
 
 def main() -> None:
-    from normatlas.inspect.vlm import is_vlm_type
+    from normatlas.factory import is_vlm_type
 
     sweep_main(__doc__, "image-text types", 180.0, is_vlm_type, one, "vlm_sweep", COLUMNS, STATUSES)
 
@@ -146,12 +146,10 @@ def sweep_main(
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
     # imported before forking, so every child runs the code the sweep started with
-    import normatlas.inspect.build
+    import normatlas.factory
     import normatlas.inspect.stages
     import normatlas.inspect.vision
-    import normatlas.inspect.vision_inputs
-    import normatlas.inspect.vlm
-    import normatlas.inspect.vlm_build  # noqa: F401
+    import normatlas.inspect.vlm  # noqa: F401
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

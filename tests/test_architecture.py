@@ -1,8 +1,12 @@
-"""docs/architecture.md's import rules, checked: each layer imports only the layers below it at module level."""
+"""docs/architecture.md's import rules, checked: each layer imports only the layers below it (at module level and
+inside functions alike), the import graph of src/ has no cycle, and the model factory depends on nothing of ours but
+the checkpoint loader."""
 
 from __future__ import annotations
 
 import ast
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -11,72 +15,244 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "normatlas"
 
 # top-level module or package -> its layer (docs/architecture.md, "The layers")
 LAYER = {
-    "spec": 0, "vocabulary": 0, "capacity": 0,
-    "backend": 1, "functional": 1, "modules": 1, "presets": 1, "taxonomy": 1, "kernels": 1,
-    "longtail": 2, "blocks": 2,
-    "analysis": 3,
-    "inspect": 4, "surgery": 4, "diagnostics": 4, "checkpoint": 4,
-    "distributed": 5, "experiments": 5, "port": 5, "tools": 5,
-    "atlas": 6, "data": 6,
-    "cli": 7, "web": 7, "__init__": 7, "__main__": 7,
+    "spec": 0, "vocabulary": 0, "capacity": 0, "_exports": 0,
+    "backend": 1, "reference": 1, "functional": 1, "modules": 1, "presets": 1, "taxonomy": 1, "kernels": 1,
+    "analysis": 2,
+    "longtail": 3, "blocks": 3,
+    "checkpoint": 4, "factory": 4,
+    "inspect": 5, "surgery": 5, "diagnostics": 5,
+    "distributed": 6, "experiments": 6, "port": 6, "tools": 6,
+    "atlas": 7, "data": 7,
+    "cli": 8, "web": 8, "__init__": 8, "__main__": 8,
 }  # fmt: skip
-# layers that may be imported at module level (beyond one's own): the table's last column
-MAY_IMPORT = {0: {0}, 1: {0, 1}, 2: {0, 1}, 3: {0, 1}, 4: {0, 1, 3, 4}, 5: {0, 1, 2, 3, 4}, 6: {0}, 7: set(range(8))}
+# layers that may be imported (beyond one's own), at module level or inside a function: the table's last column
+MAY_IMPORT = {
+    0: {0},
+    1: {0, 1},
+    2: {0, 1},
+    3: {0, 1, 2},
+    4: {0, 4},
+    5: {0, 1, 2, 3, 4, 5},
+    6: {0, 1, 2, 3, 4, 5},
+    7: {0},
+    8: set(range(9)),
+}
 # one-way edges inside a layer: longtail's VLM connectors and tiny VLMs are written with the blocks (Placement,
-# ResidualAdd, Attention, TransformerLM); blocks never imports longtail
+# ResidualAdd, Attention, TransformerLM); blocks never imports longtail (test_within_layer_edges_are_one_way)
 WITHIN_LAYER = {("longtail", "blocks")}
+# what the model factory may import of ours, beside itself: the one load policy for checkpoint folders
+FACTORY_IMPORTS = {"checkpoint"}
+
+# Imports that break the layers today, each in a folder another change owns (issue 35 names them): listed so that the
+# rest is held to the rule, and checked to still exist so that each one fixed leaves this list.
+KNOWN_BREAKS = {
+    ("diagnostics/monitor.py", "cli"): "Monitor.table() prints through the CLI's one table printer",
+    ("tools/zoo.py", "experiments"): "the zoo's byte Llama trains on the experiments' stdlib corpus (experiments.data)",
+}
 
 
-def _owner(path: Path) -> str:
-    rel = path.relative_to(SRC).parts
-    return rel[0] if len(rel) > 1 else rel[0].removesuffix(".py")
+@dataclass(frozen=True)
+class Import:
+    where: str  # the importing file, relative to src/normatlas
+    source: str  # the importing module, dotted (normatlas.inspect.vision)
+    target: str  # the imported module, dotted: a submodule where one is named, else the package
+    lazy: bool  # inside a function or class body rather than at module level
+
+    @property
+    def owner(self) -> str:
+        return _top(self.source)
+
+    @property
+    def layer_target(self) -> str:
+        return _top(self.target)
 
 
-def _target(path: Path, node: ast.ImportFrom) -> str | None:
-    """The top-level normatlas module a relative (or absolute normatlas) import names."""
+def _top(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def _module(path: Path) -> str:
+    parts = list(path.relative_to(SRC.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {_module(p): p for p in sorted(SRC.rglob("*.py"))}
+
+
+def _targets(path: Path, node: ast.ImportFrom | ast.Import, modules: dict[str, Path]) -> list[str]:
+    """The normatlas modules ``node`` imports: ``from .x import y`` names the submodule ``x.y`` where there is one,
+    else ``x``; a package's ``__init__`` stands for the package."""
+    if isinstance(node, ast.Import):
+        return [a.name for a in node.names if a.name.split(".")[0] == "normatlas"]
     if node.level == 0:
-        parts = (node.module or "").split(".")
-        return parts[1] if parts[0] == "normatlas" and len(parts) > 1 else None
-    here = list(path.relative_to(SRC).parts[:-1])
-    base = here[: len(here) - (node.level - 1)]
-    parts = base + [p for p in (node.module or "").split(".") if p]
-    if parts:
-        return parts[0].removesuffix(".py")
-    return node.names[0].name  # ``from .. import x`` at the package root
+        base = node.module or ""
+    else:
+        here = _module(path).split(".")
+        package = here if path.name == "__init__.py" else here[:-1]
+        base = ".".join(package[: len(package) - (node.level - 1)] + ([node.module] if node.module else []))
+    if base.split(".")[0] != "normatlas":
+        return []
+    return list(dict.fromkeys(f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names))
 
 
-def _module_level_imports() -> list[tuple[str, str, str]]:
+def _is_type_checking(node: ast.AST) -> bool:
+    test = getattr(node, "test", None)
+    return isinstance(node, ast.If) and (
+        (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING")
+        or (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+    )
+
+
+def _walk(node: ast.AST, lazy: bool) -> Iterator[tuple[ast.Import | ast.ImportFrom, bool]]:
+    """Every import under ``node`` with whether it runs lazily; ``if TYPE_CHECKING:`` blocks never run."""
+    for child in ast.iter_child_nodes(node):
+        if _is_type_checking(child):
+            continue
+        if isinstance(child, (ast.Import, ast.ImportFrom)):
+            yield child, lazy
+        inner = lazy or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef))
+        yield from _walk(child, inner)
+
+
+def imports_of(path: Path, source: str, modules: dict[str, Path]) -> list[Import]:
     out = []
-    for path in sorted(SRC.rglob("*.py")):
-        tree = ast.parse(path.read_text())
-        for node in tree.body:  # module level only: imports inside functions are lazy by design
-            if isinstance(node, ast.ImportFrom) and (target := _target(path, node)) is not None:
-                owner = _owner(path)
-                if target != owner and target in LAYER:
-                    out.append((str(path.relative_to(SRC)), owner, target))
+    for node, lazy in _walk(ast.parse(source), False):
+        for target in _targets(path, node, modules):
+            if target != _module(path):
+                out.append(Import(str(path.relative_to(SRC)), _module(path), target, lazy))
     return out
 
 
+IMPORTS = [imp for m, p in MODULES.items() for imp in imports_of(p, p.read_text(), MODULES)]
+
+
+def _breaks(imports: list[Import]) -> list[Import]:
+    return [
+        i
+        for i in imports
+        if i.owner != i.layer_target
+        and i.layer_target in LAYER
+        and LAYER[i.layer_target] not in MAY_IMPORT[LAYER[i.owner]]
+        and (i.owner, i.layer_target) not in WITHIN_LAYER
+    ]
+
+
+def test_within_layer_edges_are_one_way() -> None:
+    for a, b in WITHIN_LAYER:
+        assert LAYER[a] == LAYER[b]
+        back = [i for i in IMPORTS if i.owner == b and i.layer_target == a]
+        assert not back, f"{b} imports {a}: {[(i.where, i.target) for i in back]}"
+
+
+def cycles(edges: dict[str, set[str]]) -> list[frozenset[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    found: list[frozenset[str]] = []
+    for root in sorted(edges):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(edges.get(root, ()))))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on.add(root)
+        while work:
+            v, it = work[-1]
+            w = next(it, None)
+            if w is not None:
+                if w not in index:
+                    index[w] = low[w] = len(index)
+                    stack.append(w)
+                    on.add(w)
+                    work.append((w, iter(sorted(edges.get(w, ())))))
+                elif w in on:
+                    low[v] = min(low[v], index[w])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[v])
+            if low[v] == index[v]:
+                comp = set()
+                while True:
+                    w = stack.pop()
+                    on.discard(w)
+                    comp.add(w)
+                    if w == v:
+                        break
+                if len(comp) > 1:
+                    found.append(frozenset(comp))
+    return found
+
+
+def _graph(imports: list[Import]) -> dict[str, set[str]]:
+    edges: dict[str, set[str]] = {}
+    for i in imports:
+        edges.setdefault(i.source, set()).add(i.target)
+    return edges
+
+
 def test_every_module_has_a_layer() -> None:
-    names = {_owner(p) for p in SRC.rglob("*.py")}
+    names = {_owner for p in SRC.rglob("*.py") if (_owner := _top(_module(p)))}
     assert names <= set(LAYER), names - set(LAYER)
 
 
-@pytest.mark.parametrize(("where", "owner", "target"), _module_level_imports())
-def test_imports_follow_the_layers(where: str, owner: str, target: str) -> None:
-    allowed = LAYER[target] in MAY_IMPORT[LAYER[owner]] or (owner, target) in WITHIN_LAYER
-    assert allowed, f"{where}: {owner} (layer {LAYER[owner]}) imports {target}"
+@pytest.mark.parametrize("imp", _breaks(IMPORTS), ids=lambda i: f"{i.where}->{i.target}")
+def test_imports_follow_the_layers(imp: Import) -> None:
+    """Module level and inside functions alike: a lazy import is still a dependency."""
+    assert (imp.where, imp.layer_target) in KNOWN_BREAKS, (
+        f"{imp.where}: {imp.owner} (layer {LAYER[imp.owner]}) imports {imp.target} (layer {LAYER[imp.layer_target]})"
+        f"{' inside a function' if imp.lazy else ''}"
+    )
 
 
-def test_edges_within_a_layer_run_one_way() -> None:
-    edges = {(owner, target) for _, owner, target in _module_level_imports()}
-    for owner, target in WITHIN_LAYER:
-        assert (target, owner) not in edges, f"{target} imports {owner}: the edge {owner} -> {target} is one-way"
+def test_known_breaks_are_still_there() -> None:
+    """Each listed exception is still in the code (one fixed leaves the list)."""
+    seen = {(i.where, i.layer_target) for i in _breaks(IMPORTS)}
+    assert set(KNOWN_BREAKS) <= seen, set(KNOWN_BREAKS) - seen
+
+
+def test_the_import_graph_has_no_cycle() -> None:
+    """No module reaches itself through imports, lazy ones included (a cycle hidden in a function is still one)."""
+    found = cycles(_graph(IMPORTS))
+    assert not found, [sorted(c) for c in found]
+
+
+def test_the_factory_imports_only_the_checkpoint_loader() -> None:
+    """normatlas.factory builds models; it reads no design (no inspect, analysis, blocks ...)."""
+    theirs = {i.layer_target for i in IMPORTS if i.owner == "factory"} - {"factory"}
+    assert theirs <= FACTORY_IMPORTS, theirs - FACTORY_IMPORTS
+
+
+def test_the_readers_build_through_the_factory() -> None:
+    """inspect/ keeps the readers: no module of it builds a model from a config (the factory does)."""
+    building = {"from_config", "_from_config", "for_model"}
+    offenders = []
+    for path in sorted((SRC / "inspect").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr in building:
+                offenders.append(f"{path.relative_to(SRC)}:{node.lineno} .{node.attr}")
+    assert not offenders, offenders
 
 
 def test_the_check_can_fail() -> None:
-    """A substrate module importing a reader would be caught."""
-    node = ast.parse("from ..inspect import analyze").body[0]
-    assert isinstance(node, ast.ImportFrom)
-    target = _target(SRC / "analysis" / "graph.py", node)
-    assert target == "inspect" and LAYER[target] not in MAY_IMPORT[LAYER["analysis"]]
+    """A substrate module importing a reader, at module level or inside a function, would be caught; so would a
+    cycle through a lazy import, the factory importing the inspector, and the factory's old circle."""
+    here = SRC / "analysis" / "graph.py"
+    top = "from ..inspect import analyze\n"
+    lazy = "def f():\n    from ..inspect.build import x\n"
+    for source, is_lazy in ((top, False), (lazy, True)):
+        (imp,) = imports_of(here, source, MODULES)
+        assert imp.lazy is is_lazy and _breaks([imp]) == [imp]
+    typing_only = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .. import cli\n"
+    assert not imports_of(here, typing_only, MODULES)
+    factory = SRC / "factory" / "text.py"
+    (imp,) = imports_of(factory, "def f():\n    from ..inspect.report import NormInfo\n", MODULES)
+    assert _breaks([imp]) == [imp]
+    # the circle this package replaced: build.py -> vlm_build.py (lazily) -> build.py
+    build, vlm_build = "normatlas.inspect.build", "normatlas.inspect.vlm_build"
+    old = {build: {vlm_build}, vlm_build: {build}}
+    assert cycles(old) == [frozenset(old)]
+    assert cycles({"a": {"b"}, "b": {"c"}}) == []

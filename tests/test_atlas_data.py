@@ -123,8 +123,8 @@ def test_chameleon_34b_swin_norm_path_inspects_as_recorded() -> None:
     import torch
     from transformers import AutoModel, AutoModelForCausalLM
 
+    from normatlas.factory import example_inputs, tiny_config
     from normatlas.inspect import inspect_model
-    from normatlas.inspect.build import example_inputs, tiny_config
 
     torch.manual_seed(0)
     cfg = tiny_config("chameleon", swin_norm=True)  # the 34B design, shrunk to 2 layers, width 64 (TINY)

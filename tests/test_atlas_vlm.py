@@ -35,7 +35,7 @@ def test_vlm_record_parts(rec: dict) -> None:
 @pytest.mark.parametrize("rec", LINKED_VLMS, ids=[r["name"] for r in LINKED_VLMS])
 def test_linked_vlm_is_run_whole_by_the_check(rec: dict) -> None:
     """The check compares the parts only where it runs the model whole: every linked type is an image-text type."""
-    from normatlas.inspect.vlm import is_vlm_type
+    from normatlas.factory import is_vlm_type
 
     warnings.filterwarnings("ignore")
     assert all(is_vlm_type(mt) for mt in rec["hf_model_types"]), rec["name"]

@@ -18,7 +18,8 @@ transformers = pytest.importorskip("transformers")
 import json  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-from normatlas.blocks import Activation, Gate, ViTEncoder, ViTPool, from_hf, to_hf_state_dict  # noqa: E402
+from normatlas.blocks import Activation, Gate, ViTEncoder, ViTPool  # noqa: E402
+from normatlas.port import from_hf, to_hf_state_dict  # noqa: E402
 
 OLD = json.loads((Path(__file__).parent / "data" / "port_keymaps.json").read_text())
 HF_CLASS = {"vit": "ViTForImageClassification", "dinov2": "Dinov2ForImageClassification"}

@@ -67,9 +67,9 @@ def _fused_on_dtensor(rank: int, world: int) -> dict[str, Any]:
     on one rank, forward and the weight's gradient; sharded on the normalized dim (refused)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor.parallel import SequenceParallel, parallelize_module
 
     import normatlas
-    from normatlas.distributed.plan import SequenceParallel, parallelize_module
 
     mesh = init_device_mesh("cpu", (world,))
     torch.manual_seed(0)

@@ -12,8 +12,8 @@ import pytest
 
 pytest.importorskip("transformers")
 
+from normatlas.factory import model_from_config, tiny_config
 from normatlas.inspect import InspectionReport, inspect_model
-from normatlas.inspect.build import _model_from_config, tiny_config
 from normatlas.vocabulary import GainConvention, SiteRole, SublayerKind
 
 OVERRIDES: dict[str, dict[str, Any]] = {
@@ -86,7 +86,7 @@ _REPORTS: dict[str, InspectionReport] = {}
 
 def report(mt: str) -> InspectionReport:
     if mt not in _REPORTS:
-        model = _model_from_config(tiny_config(mt, **OVERRIDES.get(mt, {})))
+        model = model_from_config(tiny_config(mt, **OVERRIDES.get(mt, {})))
         _REPORTS[mt] = inspect_model(model, name=mt)
     return _REPORTS[mt]
 

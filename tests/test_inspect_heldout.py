@@ -27,9 +27,9 @@ from torch import nn
 
 import normatlas.inspect as inspect_pkg
 from normatlas.cli import main
+from normatlas.factory import build_target, example_inputs
+from normatlas.factory.fit import build_filling, product_fixes
 from normatlas.inspect import VisionReport, inspect_model, inspect_target
-from normatlas.inspect.build import build_target, example_inputs
-from normatlas.inspect.build_fit import build_filling, product_fixes
 from normatlas.vocabulary import Operator, PlacementKind, SiteRole, SublayerKind
 
 D, V, T = 16, 32, 8
@@ -203,11 +203,11 @@ def test_tiny_ssm_models_build_and_run(model_type: str) -> None:
 def test_a_sub_config_field_the_model_reads_is_filled_from_its_parent() -> None:
     """transformers' default ``DbrxConfig()`` keeps ``rope_theta`` in ``rope_parameters``; its attention reads
     ``attn_config.rope_theta``."""
-    from normatlas.inspect.build import _model_from_config, tiny_config
+    from normatlas.factory import model_from_config, tiny_config
 
     cfg = tiny_config("dbrx")
     assert not hasattr(cfg.attn_config, "rope_theta")
-    model = build_filling(cfg, _model_from_config)
+    model = build_filling(cfg, model_from_config)
     assert cfg.attn_config.rope_theta == cfg.rope_parameters["rope_theta"]
     assert sum(p.numel() for p in model.parameters()) > 0
 

@@ -149,7 +149,7 @@ def _tiny(mt: str):  # type: ignore[no-untyped-def]
     pytest.importorskip("transformers")
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-    from normatlas.inspect.build import tiny_config
+    from normatlas.factory import tiny_config
 
     if mt not in CONFIG_MAPPING:
         pytest.skip(f"no {mt} in this transformers")
@@ -169,9 +169,9 @@ def test_dory_final_norm_is_found() -> None:
     """DoryModel.forward ends in ``self.norm(hidden_states)`` (an L2 norm) after the last layer, whose layers each
     begin by normalizing the stream (``input_layernorm``): the last norm is that layer's post-norm and the final
     norm; it was read as the post-norm only (final norm ``none``)."""
-    from normatlas.inspect.build import _model_from_config
+    from normatlas.factory import model_from_config
 
-    rep = inspect_model(_model_from_config(_tiny("dory")), name="dory")
+    rep = inspect_model(model_from_config(_tiny("dory")), name="dory")
     assert rep.operator is Operator.L2 and rep.final_norm is Operator.L2
     final = [n for n in rep.norms if n.role is SiteRole.FINAL]
     assert len(final) == 1 and final[0].index in rep.sublayers[-1].post
@@ -191,11 +191,11 @@ def test_depth_behind_a_property_is_shrunk() -> None:
     """LongCat-Flash derives ``num_hidden_layers`` (two attention sublayers per layer) from ``num_layers`` through a
     property with a setter, absent from ``to_dict``: the tiny model kept all 28 MoE layers (33 M parameters, past
     the sweep's time limit once traced). The property is set like any size."""
-    from normatlas.inspect.build import _model_from_config
+    from normatlas.factory import model_from_config
 
     cfg = _tiny("longcat_flash")
     assert (cfg.num_layers, cfg.num_hidden_layers, cfg.n_routed_experts) == (1, 2, 4)
-    model = _model_from_config(cfg)
+    model = model_from_config(cfg)
     assert sum(p.numel() for p in model.parameters()) < 2_000_000
 
 
@@ -216,7 +216,7 @@ def test_towers_keep_their_sizes() -> None:
     ],
 )
 def test_final_norm_of_held_out_models(mt: str, placement: PlacementKind) -> None:
-    from normatlas.inspect.build import _model_from_config
+    from normatlas.factory import model_from_config
 
-    rep = inspect_model(_model_from_config(_tiny(mt)), name=mt)
+    rep = inspect_model(model_from_config(_tiny(mt)), name=mt)
     assert rep.final_norm is Operator.RMSNORM and rep.placement is placement

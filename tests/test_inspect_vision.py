@@ -323,7 +323,7 @@ def test_pooling_head_is_not_a_stage() -> None:
 
 
 def test_build_vision_finds_the_model_class_of_an_unregistered_tower_config() -> None:
-    from normatlas.inspect.build import build_vision
+    from normatlas.factory import build_vision
 
     # AutoModel has no entry for AltCLIPVisionConfig; modeling_altclip.py defines AltCLIPVisionModel for it
     model = build_vision("altclip_vision_model")

@@ -20,8 +20,8 @@ import pytest
 
 transformers = pytest.importorskip("transformers")
 
+from normatlas.factory import build_vision  # noqa: E402
 from normatlas.inspect import inspect_vision_target  # noqa: E402
-from normatlas.inspect.build import build_vision  # noqa: E402
 from normatlas.inspect.vision import VisionReport  # noqa: E402
 from normatlas.vocabulary import Operator, QKNormKind  # noqa: E402
 from normatlas.vocabulary import PlacementKind as Placement  # noqa: E402

@@ -20,10 +20,9 @@ from torch import nn
 
 transformers = pytest.importorskip("transformers")
 
+from normatlas.factory import build_vision, tower_inputs  # noqa: E402
 from normatlas.inspect import UntraceableModel, inspect_vision_target  # noqa: E402
-from normatlas.inspect.build import build_vision  # noqa: E402
 from normatlas.inspect.vision import inspect_vision  # noqa: E402
-from normatlas.inspect.vision_inputs import tower_inputs  # noqa: E402
 from normatlas.vocabulary import Operator  # noqa: E402
 from normatlas.vocabulary import PlacementKind as Placement  # noqa: E402
 

@@ -17,8 +17,9 @@ import pytest
 import torch
 from torch import Tensor, nn
 
+from normatlas.factory import is_vlm_type
 from normatlas.inspect import UntraceableModel
-from normatlas.inspect.vlm import ConnectorKind, Injection, inspect_vlm, inspect_vlm_target, is_vlm_type
+from normatlas.inspect.vlm import ConnectorKind, Injection, inspect_vlm, inspect_vlm_target
 from normatlas.vocabulary import Operator, PlacementKind, QKNormKind
 from tests.renamer import old_names, renamed
 from tests.test_rename_invariance import lying_scheme, relabel
@@ -480,7 +481,7 @@ def test_is_vlm_type_reads_transformers_registry() -> None:
 # --------------------------------------------------------------------------- more transformers VLMs
 def test_transformers_vlm_report_is_rename_invariant() -> None:
     """LLaVA renamed with lying names (a norm called ``q_proj``, a projector called ``layernorm``...): same report."""
-    from normatlas.inspect.vlm_build import build_vlm, vlm_inputs
+    from normatlas.factory import build_vlm, vlm_inputs
 
     warnings.filterwarnings("ignore")
     model = build_vlm("llava")

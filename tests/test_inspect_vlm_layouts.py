@@ -1,6 +1,6 @@
 """Image-text models whose ``get_image_features`` needs more than the image, read whole.
 
-Each is built tiny offline, fed the batch its config describes (:mod:`normatlas.inspect.vlm_inputs`: a patch grid,
+Each is built tiny offline, fed the batch its config describes (:mod:`normatlas.factory.vlm_inputs`: a patch grid,
 pooling indices, merge sizes, an instruction, a high-resolution copy) and checked against its modeling file
 (transformers 5.24, models/<name>/modeling_<name>.py, cited per row). Plus the config refits that make them run and
 the check that image features come in rows of the language model's width.
@@ -15,9 +15,9 @@ import pytest
 import torch
 from torch import nn
 
+from normatlas.factory import build_vlm
+from normatlas.factory.vlm_inputs import _count_tokens, _feature_arguments
 from normatlas.inspect.vlm import ConnectorKind, Injection, inspect_vlm_target
-from normatlas.inspect.vlm_build import build_vlm
-from normatlas.inspect.vlm_inputs import _count_tokens, _feature_arguments
 from normatlas.vocabulary import Operator, PlacementKind, QKNormKind
 
 L, R = Operator.LAYERNORM, Operator.RMSNORM

@@ -237,7 +237,8 @@ def test_metrics_run_beside_the_default_ones_with_a_mask_from_the_inputs() -> No
 @pytest.fixture(scope="module")
 def llava() -> tuple[nn.Module, dict]:
     pytest.importorskip("transformers")
-    from normatlas.inspect.vlm_build import build_vlm, vlm_inputs
+    from normatlas.factory.vlm import build_vlm
+    from normatlas.factory.vlm_inputs import vlm_inputs
 
     model = build_vlm("llava", seed=0)
     return model, vlm_inputs(model, seed=0)

@@ -19,8 +19,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from normatlas import Norm  # noqa: E402
-from normatlas.blocks import QKNorm, TransformerLM, from_hf, layernorm_scaling, peri_ln  # noqa: E402
-from normatlas.port import PortError, port, to_hf_state_dict  # noqa: E402
+from normatlas.blocks import QKNorm, TransformerLM, layernorm_scaling, peri_ln  # noqa: E402
+from normatlas.port import PortError, from_hf, port, to_hf_state_dict  # noqa: E402
 
 from .renamer import old_names, renamed  # noqa: E402
 from .tiny_hf import randomise_, tiny_model  # noqa: E402
@@ -246,7 +246,7 @@ def test_a_changed_model_saves_back_where_the_layout_fits():
 
 
 def test_refusals_name_what_is_missing():
-    from normatlas.inspect.build import build_target
+    from normatlas.factory import build_target
 
     moe, _, _ = build_target("phimoe")  # SparseMixer: experts chosen by a sort, not a top-k (Mixtral ports now)
     with pytest.raises(PortError, match="routed mixture of experts") as err:

@@ -7,7 +7,7 @@
 * a gate on the attention output (:class:`~normatlas.blocks.attn_gate.OutputGate`): AFMoE's sigmoid per element,
   Laguna's softplus per head (their dense tiny builds).
 
-Each model type is built tiny with :func:`normatlas.inspect.build.tiny_config` (MLA's widths made distinct so a
+Each model type is built tiny with :func:`normatlas.factory.tiny_config` (MLA's widths made distinct so a
 swapped part cannot pass: nope 12, rope 8, value 10, q latent 24, kv latent 20), every parameter randomised, ported,
 and compared in fp32: logits and the gradient on every parameter. Our new attention math is checked in float64
 against naive references written here.
@@ -28,7 +28,7 @@ from normatlas.blocks import ModelConfig, TransformerLM  # noqa: E402
 from normatlas.blocks.attention import Attention, Rope, RopeStyle, apply_rope, rope_tables  # noqa: E402
 from normatlas.blocks.attn_gate import GateActivation, GateScope, OutputGate, softmax_with_sinks  # noqa: E402
 from normatlas.blocks.mla import MLAConfig, MLAttention  # noqa: E402
-from normatlas.inspect.build import tiny_config  # noqa: E402
+from normatlas.factory import tiny_config  # noqa: E402
 from normatlas.port import PortError, port, to_hf_state_dict  # noqa: E402
 
 from .tiny_hf import randomise_  # noqa: E402

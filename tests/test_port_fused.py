@@ -20,11 +20,10 @@ transformers = pytest.importorskip("transformers")
 
 from normatlas.analysis.attention_calls import fused_call  # noqa: E402
 from normatlas.analysis.graph import record  # noqa: E402
-from normatlas.blocks import from_hf  # noqa: E402
 from normatlas.cli import main  # noqa: E402
+from normatlas.factory import attention_implementation, build_target  # noqa: E402
 from normatlas.inspect import inspect_model  # noqa: E402
-from normatlas.inspect.build import attention_implementation, build_target  # noqa: E402
-from normatlas.port import PortError, port  # noqa: E402
+from normatlas.port import PortError, from_hf, port  # noqa: E402
 
 from .tiny_hf import randomise_, tiny_model  # noqa: E402
 

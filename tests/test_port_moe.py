@@ -2,7 +2,7 @@
 validation, and transformers' MoE decoders ported from their dataflow (same logits, same gradients, the state dict
 back), with the router variants we do not compute refused by name.
 
-Each model type is built tiny from its own config's defaults (``normatlas.inspect.build.tiny_config``: 2 layers,
+Each model type is built tiny from its own config's defaults (``normatlas.factory.tiny_config``: 2 layers,
 width 64, 4 experts of which 2 per token, expert width 32; Mixtral-8x7B is 4096 wide with 8 experts, Qwen1.5-MoE-A2.7B
 2048 with 60 and a shared expert, GLM-4.5 5120 with 160 in groups) and every parameter and selection bias
 randomised, so that the routing, the renormalisation and the scales matter.
@@ -19,7 +19,7 @@ transformers = pytest.importorskip("transformers")
 
 from normatlas import RMSNorm  # noqa: E402
 from normatlas.blocks import ModelConfig, MoE, MoEConfig, RouterScore, TransformerLM  # noqa: E402
-from normatlas.blocks.block import Activation  # noqa: E402
+from normatlas.blocks.mlp import Activation  # noqa: E402
 from normatlas.port import PortError, port, to_hf_state_dict  # noqa: E402
 
 from .tiny_hf import randomise_  # noqa: E402
@@ -40,7 +40,7 @@ CASES = {
 
 
 def _build(model_type: str) -> torch.nn.Module:
-    from normatlas.inspect.build import tiny_config
+    from normatlas.factory import tiny_config
 
     cfg = tiny_config(model_type, **CASES[model_type])
     torch.manual_seed(0)
@@ -129,7 +129,7 @@ def test_state_dict_back(ported):
 
 def test_refuses_a_router_we_do_not_compute():
     """PhiMoE's SparseMixer chooses by sorting the scores with a jitter threshold, not by a top-k: refused, named."""
-    from normatlas.inspect.build import tiny_config
+    from normatlas.factory import tiny_config
 
     torch.manual_seed(0)
     hf = transformers.AutoModelForCausalLM.from_config(tiny_config("phimoe")).float().eval()

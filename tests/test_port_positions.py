@@ -3,7 +3,7 @@ ids (OPT, BioGPT, RoBERTa), scaled RoPE as measured inverse frequencies and atte
 LongRoPE, CWM, Ministral 3), RoPE from a precomputed sinusoid buffer (GPT-J, CodeGen), NanoChat's reversed rotation;
 and the refusals that name their feature (dynamic NTK, CTRL's fixed sinusoids).
 
-Each model type is built tiny from its own config's defaults (``normatlas.inspect.build``: 2 layers, width 64), its
+Each model type is built tiny from its own config's defaults (``normatlas.factory``: 2 layers, width 64), its
 weights randomised, and ported: the same fp32 logits as transformers (<= 1e-5).
 """
 
@@ -28,7 +28,7 @@ TOL = 1e-5
 
 
 def _build(model_type: str) -> torch.nn.Module:
-    from normatlas.inspect.build import build_target
+    from normatlas.factory import build_target
 
     torch.manual_seed(0)
     model, _, _ = build_target(model_type)

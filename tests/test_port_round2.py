@@ -10,7 +10,7 @@
   RoPE is refused separately);
 * per-layer kv head counts (``ModelConfig.layer_kv_heads``).
 
-Each model is built tiny from its own config (:func:`normatlas.inspect.build.tiny_config`), every parameter
+Each model is built tiny from its own config (:func:`normatlas.factory.tiny_config`), every parameter
 randomised, ported and compared in fp32 with the default attention and eager: logits and every parameter's gradient.
 The new math is checked in float64 against naive references written here.
 """
@@ -28,10 +28,10 @@ from normatlas import Norm, NormSpec  # noqa: E402
 from normatlas.blocks import Alibi, ModelConfig, MoEConfig, TransformerLM, geometric_slopes  # noqa: E402
 from normatlas.blocks.alibi import alibi_bias  # noqa: E402
 from normatlas.blocks.attention import Attention  # noqa: E402
-from normatlas.blocks.block import Activation  # noqa: E402
+from normatlas.blocks.mlp import Activation  # noqa: E402
 from normatlas.blocks.moe import MoE, RouterScore  # noqa: E402
 from normatlas.blocks.qknorm import QKGain, QKNormConfig, QKScope  # noqa: E402
-from normatlas.inspect.build import tiny_config  # noqa: E402
+from normatlas.factory import tiny_config  # noqa: E402
 from normatlas.port import port, to_hf_state_dict  # noqa: E402
 from normatlas.vocabulary import RopeOrder  # noqa: E402
 

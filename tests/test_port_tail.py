@@ -1,7 +1,7 @@
 """The port's long tail (issue 31): the Block features added so that more model types port exactly, each read by
 behaviour, and the validation of each new field.
 
-Each transformers model type is built tiny from its own config's defaults (``normatlas.inspect.build.tiny_config``:
+Each transformers model type is built tiny from its own config's defaults (``normatlas.factory.tiny_config``:
 2 layers, width 64; ELECTRA-base is 768 wide over 128-wide embeddings, RemBERT 1152 over 256 with a 1664-wide head,
 Mllama-11B's text model 4096 with 8 image-token rows more than its head, Apertus-8B 4096 with xIELU) and every
 parameter randomised. Two features no ported model type shows alone are checked on a Llama whose decoder layer is
@@ -20,7 +20,7 @@ transformers = pytest.importorskip("transformers")
 
 from normatlas import RMSNorm  # noqa: E402
 from normatlas.blocks import ModelConfig, TransformerLM  # noqa: E402
-from normatlas.blocks.block import XIELU, Activation  # noqa: E402
+from normatlas.blocks.mlp import XIELU, Activation  # noqa: E402
 from normatlas.blocks.moe import MoEConfig  # noqa: E402
 from normatlas.blocks.placement import Gate, Placement, Schedule, parallel, pre_ln  # noqa: E402
 from normatlas.port import PortError, port, to_hf_state_dict  # noqa: E402
@@ -47,7 +47,7 @@ CASES: dict[str, tuple[dict, dict]] = {
 
 
 def _build(model_type: str) -> torch.nn.Module:
-    from normatlas.inspect.build import tiny_config
+    from normatlas.factory import tiny_config
 
     cfg = tiny_config(model_type)
     for k, v in CASES[model_type][0].items():
@@ -201,7 +201,7 @@ def test_xielu_is_the_mlp_module():
 
 # --------------------------------------------------------------------------- refusals and validation
 def test_refusals_name_the_feature():
-    from normatlas.inspect.build import build_target
+    from normatlas.factory import build_target
 
     torch.set_num_threads(1)
     model, _, _ = build_target("zaya")

@@ -6,7 +6,7 @@ dimension ``width // 4``, feed-forward ``2 * width``. Whatever else a test depen
 position limits, soft-caps, ``use_qk_norm``, ``do_layer_norm_before`` ...) it passes as an override,
 so the call site states it.
 
-Not to be confused with :func:`normatlas.inspect.build.tiny_config`, which shrinks the *defaults* of
+Not to be confused with :func:`normatlas.factory.tiny_config`, which shrinks the *defaults* of
 any model type for the inspector; this module pins the exact sizes the port and surgery tests assert on.
 """
 

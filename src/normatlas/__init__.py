@@ -13,30 +13,10 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from ._exports import EXPORTS as _EXPORTS  # submodule -> the names the package takes from it: the one list
+
 __version__ = "0.1.0"
 
-# submodule -> the names the package takes from it: the one list of them (``__all__`` here and in presets.py
-# derive from it; the TYPE_CHECKING imports below repeat it for static tools, and a test holds them to it)
-_EXPORTS = {
-    "backend": ("Backend",),
-    "functional": ("normalize",),
-    "modules": ("Norm",),
-    "presets": (
-        "GemmaRMSNorm",
-        "GroupNorm",
-        "InstanceNorm",
-        "InstanceNorm1d",
-        "InstanceNorm2d",
-        "InstanceNorm3d",
-        "L2Norm",
-        "LayerNorm",
-        "LayerNorm2d",
-        "RMSNorm",
-        "ScaleNorm",
-    ),
-    "spec": ("Axis", "CastOrder", "EpsPlacement", "Gain", "GainConvention", "Layout", "NormSpec", "Scale"),
-    "taxonomy": ("Taxon", "classify"),
-}
 # name -> the submodule that defines it
 _NAMES = {name: module for module, names in _EXPORTS.items() for name in names}
 # the capabilities built on the core

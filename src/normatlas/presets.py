@@ -13,12 +13,12 @@ from typing import Any
 
 import torch
 
-from . import _EXPORTS
+from ._exports import EXPORTS
 from .backend import Backend
 from .modules import Norm, _as_shape, _count
 from .spec import Axis, CastOrder, EpsPlacement, Gain, GainConvention, Layout, NormSpec, Scale
 
-__all__ = list(_EXPORTS["presets"])  # the names the package takes from here, listed once in its __init__
+__all__ = list(EXPORTS["presets"])  # the names the package takes from here, listed once in _exports.py
 
 F_, P_, S_ = Axis.FEATURE, Axis.POSITION, Axis.SAMPLE
 Device = torch.device | str | None

@@ -146,9 +146,9 @@ UTILITIES: dict[str, str] = _reasons(
             ("Absorption", "PostNormStat", "approximation"),
         ),
         (
-            "block configuration and state-dict plumbing (names, factories, the HF port's entry), not a method",
+            "block configuration plumbing (norm factories), not a method",
             _B,
-            ("from_hf", "to_hf_state_dict", "NormFactory", "as_factory"),
+            ("NormFactory", "as_factory"),
         ),
         (
             "the typed placement vocabulary the presets are values of",

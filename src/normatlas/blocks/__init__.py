@@ -1,14 +1,14 @@
-"""Transformer blocks whose norm placement is a value, and weight porting from HF transformers.
+"""Transformer blocks whose norm placement is a value.
 
 ``Placement`` says where the norms sit; one ``Block`` reads it; ``TransformerLM`` and
-``ViTEncoder`` stack blocks from a ``ModelConfig``; ``from_hf`` ports HF reference
-models from their dataflow (:mod:`normatlas.port`, imported lazily; no key maps).
+``ViTEncoder`` stack blocks from a ``ModelConfig``. Porting a transformers model into them
+(``from_hf``, ``to_hf_state_dict``) is :mod:`normatlas.port`'s, a layer above this one.
 """
 
 from .alibi import Alibi, geometric_slopes
 from .attention import Attention, Rope, RopeStyle, apply_rope, rope_tables
-from .block import MLP, Activation, Block
-from .hf_port import from_hf, to_hf_state_dict
+from .block import Block
+from .mlp import MLP, Activation
 from .model import ModelConfig, TransformerLM, ViTConfig, ViTEncoder, ViTPool, as_factory
 from .moe import MoE, MoEConfig, RouterScore
 from .placement import (
@@ -56,8 +56,8 @@ __all__ = [
     "Placement", "QKGain", "QKNorm", "QKNormConfig", "QKOperator", "QKScope", "ReZero", "ResidualAdd", "Rope",
     "RopeStyle", "RouterScore", "Schedule", "SkipInit", "Sublayer", "TransformerLM", "ViTConfig", "ViTEncoder",
     "ViTPool",
-    "apply_rope", "as_factory", "deepnorm", "deepnorm_constants", "depth_scaled_sandwich", "from_hf",
+    "apply_rope", "as_factory", "deepnorm", "deepnorm_constants", "depth_scaled_sandwich",
     "geometric_slopes", "hybridnorm", "hybridnorm_star", "layernorm_scaling", "layerscale", "mix_ln", "norm_free",
     "parallel", "peri_ln", "post_ln", "pre_ln", "reordered_norm", "res_post_norm", "rezero", "rope_tables",
-    "sandwich_ln", "scaled_residual", "skipinit", "to_hf_state_dict",
+    "sandwich_ln", "scaled_residual", "skipinit",
 ]  # fmt: skip

@@ -20,8 +20,9 @@ from ..spec import NormSpec
 from .alibi import Alibi
 from .attention import Rope
 from .attn_gate import OutputGate
-from .block import MLP, Activation, Block
+from .block import Block
 from .mla import MLAConfig
+from .mlp import MLP, Activation
 from .moe import MoE, MoEConfig
 from .placement import NormFactory, Placement, Schedule, pre_ln
 from .positions import PositionIds, position_rows

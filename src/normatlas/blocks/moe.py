@@ -26,6 +26,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from .mlp import MLP, Activation
+
 __all__ = ["MoE", "MoEConfig", "RouterScore", "route"]
 
 
@@ -148,8 +150,6 @@ class MoE(nn.Module):
 
     def __init__(self, d_model: int, config: MoEConfig, activation: object, gated: bool) -> None:
         super().__init__()
-        from .block import MLP, Activation
-
         if not isinstance(config, MoEConfig):
             raise TypeError(f"config={config!r} must be a MoEConfig")
         if not isinstance(activation, Activation):

@@ -267,7 +267,7 @@ def one_of(allowed: Sequence[str]) -> Callable[[str], str]:
     return parse
 
 
-ATTENTION_CHOICES = ("eager", "sdpa", "flex_attention")  # inspect/build.py's ATTENTION_IMPLEMENTATIONS (no import)
+ATTENTION_CHOICES = ("eager", "sdpa", "flex_attention")  # factory/attention.py's ATTENTION_IMPLEMENTATIONS (no import)
 
 
 def add_attention_option(p: argparse.ArgumentParser) -> None:
@@ -286,7 +286,7 @@ def _run(args: argparse.Namespace) -> int:
     attn = getattr(args, "attn_implementation", None)
     if attn is None:
         return int(args._run(args))
-    from ..inspect.build import attention_implementation
+    from ..factory import attention_implementation
 
     with attention_implementation(attn):
         return int(args._run(args))

@@ -83,8 +83,9 @@ def inspected_row(model_type: str) -> dict[str, Any]:
     """What ``matrix --check`` compares a record with: an image-text model type run whole on an image + text
     (its tower and connector checked too), an image encoder on an image (a tower whose only norms are batch
     statistics reads as ``batchnorm``), any other model type on tokens."""
+    from ..factory import is_vision_type, is_vlm_type
     from ..inspect import inspect_target, inspect_vision_target
-    from ..inspect.vlm import inspect_vlm_target, is_vision_type, is_vlm_type
+    from ..inspect.vlm import inspect_vlm_target
 
     if is_vlm_type(model_type):
         return inspect_vlm_target(model_type, probe=False).check_row()

@@ -88,7 +88,7 @@ def inspect_cmd(args: argparse.Namespace) -> int:
 
     if args.all_transformers:
         return _sweep(args)
-    from ..inspect.vlm import is_vlm_type
+    from ..factory import is_vlm_type
 
     vlms = not args.vision and not args.norms and all(is_vlm_type(t) for t in args.target)
     if len(args.target) > 1:

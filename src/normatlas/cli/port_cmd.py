@@ -23,7 +23,7 @@ def configure_port(p: argparse.ArgumentParser) -> None:
 
 
 def _build(target: str) -> Any:
-    from ..inspect.build import build_target
+    from ..factory import build_target
 
     try:
         with progress.phase(f"building {target}"):

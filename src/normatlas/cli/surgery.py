@@ -419,9 +419,7 @@ def _calibration(args: argparse.Namespace, model: Any, tok: Any, ids: list[int],
 
 def absorb(args: argparse.Namespace) -> int:
     from normatlas.surgery import absorb_post_norms, analysis_copy, approximation, probe_inputs
-    from normatlas.tools import check_ids, heldout_ids, load, windows
-
-    from .tools_cmd import _window_len
+    from normatlas.tools import check_ids, heldout_ids, load, window_len, windows
 
     notes = _prepare(args)
     with progress.phase(f"loading {args.checkpoint}"):
@@ -430,7 +428,7 @@ def absorb(args: argparse.Namespace) -> int:
         inputs = probe_inputs(model, seed=args.seed)
     ids = heldout_ids(tok)
     check_ids(model, ids, "the held-out text")
-    seq = _window_len(model)
+    seq = window_len(model)
     calibration, source = _calibration(args, model, tok, ids, seq)
     try:
         held = windows(ids, seq, args.windows, offset=CALIBRATION_WINDOWS * seq)

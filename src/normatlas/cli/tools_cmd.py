@@ -24,7 +24,6 @@ from . import CliError, nonnegative_int, one_of, positive_float, positive_int
 from . import _progress as progress
 from ._format import Section, add_format_option, emit, write_text_atomic
 
-SEQ = 128  # tokens per window of held-out text
 EXIT_VERIFY_FAILED = 1
 EXIT_NOTHING_TO_CHANGE = 3
 
@@ -61,11 +60,6 @@ def _load(path: str) -> tuple[Any, Any]:
         return load(path)
 
 
-def _window_len(model: Any) -> int:
-    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
-    return min(SEQ, int(limit)) if isinstance(limit, int) and limit > 1 else SEQ
-
-
 # ----------------------------------------------------------------------------- lens
 def configure_lens(p: argparse.ArgumentParser) -> None:
     p.add_argument("checkpoint", help="folder with config.json, *.safetensors and tokenizer files")
@@ -79,7 +73,17 @@ def configure_lens(p: argparse.ArgumentParser) -> None:
 
 
 def lens(args: argparse.Namespace) -> int:
-    from ..tools import NoHead, check_ids, fit_tuned_gains, heldout_ids, lens_figure, logit_lens, read_model, windows
+    from ..tools import (
+        NoHead,
+        check_ids,
+        fit_tuned_gains,
+        heldout_ids,
+        lens_figure,
+        logit_lens,
+        read_model,
+        window_len,
+        windows,
+    )
 
     for t in args.text:
         if not t.strip():
@@ -110,7 +114,7 @@ def lens(args: argparse.Namespace) -> int:
     if args.tuned:
         ids = heldout_ids(tok)
         check_ids(model, ids, "the held-out text")
-        seq = _window_len(model)
+        seq = window_len(model)
         fit_ids, eval_ids = windows(ids, seq, 16), windows(ids, seq, 16, offset=16 * seq)
         with progress.phase(f"fitting one gain per layer on {fit_ids.numel()} held-out tokens"):
             fit = fit_tuned_gains(model, reading, fit_ids, eval_ids, steps=args.tuned_steps, seed=args.seed)
@@ -173,6 +177,7 @@ def prune(args: argparse.Namespace) -> int:
         quality,
         read_model,
         skipping,
+        window_len,
         windows,
     )
     from .surgery import _prepare
@@ -181,7 +186,7 @@ def prune(args: argparse.Namespace) -> int:
     model, tok = _load(args.checkpoint)
     ids = heldout_ids(tok)
     check_ids(model, ids, "the held-out text")
-    seq = _window_len(model)
+    seq = window_len(model)
     score_ids = windows(ids, seq, 8)
     eval_ids = windows(ids, seq, args.windows, offset=8 * seq)
     with progress.phase("reading the layers from the dataflow and scoring them"):
@@ -339,7 +344,7 @@ def outliers(args: argparse.Namespace) -> int:
 
     import torch
 
-    from ..tools import ToolError, check_ids, heldout_ids
+    from ..tools import ToolError, check_ids, heldout_ids, window_len
     from ..tools.outliers import max_logit_diff, site_report, smooth, stream_entropy
 
     if not 0.0 <= args.alpha <= 1.0:
@@ -352,9 +357,9 @@ def outliers(args: argparse.Namespace) -> int:
         ids = torch.tensor([tok(args.text[0])["input_ids"]])
         for t in args.text[1:]:
             ids = torch.cat([ids, torch.tensor([tok(t)["input_ids"]])], 1)  # joined along the token axis
-        ids = ids[:, : _window_len(model)]
+        ids = ids[:, : window_len(model)]
     else:
-        ids = torch.tensor([heldout_ids(tok)[: _window_len(model)]])
+        ids = torch.tensor([heldout_ids(tok)[: window_len(model)]])
     check_ids(model, ids, "the text")
     tokens = [tok.decode([i]) for i in ids[0].tolist()]
     with progress.phase(f"norm sites from the dataflow; their inputs and outputs on {ids.numel()} tokens"):

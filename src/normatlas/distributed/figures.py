@@ -33,11 +33,11 @@ VOCAB = 64
 
 def lm_config(norm: str = "rms", placement: str = "pre_ln", *, qk_norm: bool = True, **changes: Any) -> Any:
     """A tiny TransformerLM config (2 layers, d_model 32, 4 heads / 2 kv heads, d_ff 64) for the checks."""
-    import normatlas
     from normatlas import blocks
     from normatlas.blocks.qknorm import QKNormConfig
+    from normatlas.presets import LayerNorm, RMSNorm
 
-    norms = {"rms": normatlas.RMSNorm, "layernorm": normatlas.LayerNorm}
+    norms = {"rms": RMSNorm, "layernorm": LayerNorm}
     if norm not in norms:
         raise ValueError(f"norm={norm!r} must be one of {sorted(norms)}")
     if placement not in ("pre_ln", "peri_ln", "post_ln"):
@@ -137,15 +137,15 @@ def _tp_models(hf: str | None) -> list[tuple[str, nn.Module]]:
 def _qk_variants() -> dict[str, Any]:
     """The QK-norms whose parameters belong to heads (a gain per head; one norm over the flattened heads, OLMo
     2's), and the fused CPU kernels on the sequence shards (``backend="fused"`` raises where they cannot run)."""
-    import normatlas
     from normatlas.blocks.qknorm import QKGain, QKNormConfig, QKScope
+    from normatlas.presets import RMSNorm
 
     return {
         "pre_ln/rms/qk-per-head-gains": lm_config(qk_norm=False).with_(qk_norm=QKNormConfig(gain=QKGain.PER_HEAD)),
         "pre_ln/rms/qk-flattened": lm_config(qk_norm=False).with_(
             qk_norm=QKNormConfig(scope=QKScope.FLAT, gain=QKGain.PER_HEAD)
         ),
-        "pre_ln/rms-fused/qk": lm_config().with_(norm=functools.partial(normatlas.RMSNorm, backend="fused")),
+        "pre_ln/rms-fused/qk": lm_config().with_(norm=functools.partial(RMSNorm, backend="fused")),
     }
 
 

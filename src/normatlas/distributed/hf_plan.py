@@ -21,7 +21,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, PrepareModuleInput
 
 from ..vocabulary import QKNormKind, SiteRole
-from .plan import TensorParallelPlan, _embedding, _head, _qk_style, _row_to_sequence, _stream
+from .styles import TensorParallelPlan, embedding_style, head_style, qk_style, row_to_sequence, stream_style
 
 __all__ = ["hf_plan"]
 
@@ -111,7 +111,7 @@ def _branches(model: nn.Module, flow: _Flow, hidden: int, skip: set[str]) -> dic
                 if lin.out_features != hidden:
                     raise ValueError(f"Linear {p!r} in branch {branch!r} neither reads the branch's input nor "
                                      f"writes hidden_size={hidden} features; the plan cannot place it")  # fmt: skip
-                styles[p] = _row_to_sequence()
+                styles[p] = row_to_sequence()
     return styles
 
 
@@ -147,15 +147,15 @@ def hf_plan(model: Any, example_inputs: Any, loss_parallel: bool) -> TensorParal
         model.train(training)
     styles: dict[str, ParallelStyle] = {}
     embed = _path_of(model, model.get_input_embeddings(), "input embedding")
-    styles[embed] = _embedding()
+    styles[embed] = embedding_style()
     head_mod = model.get_output_embeddings()
     head = _path_of(model, head_mod, "output embedding")
     styles.update(_branches(model, flow, hidden, {head, ""}))
     for p in stream:
-        styles[p] = _stream()
+        styles[p] = stream_style()
     for p in qk:
-        styles[p] = _qk_style(report.qk_norm)
-    styles[head] = _head(loss_parallel)
+        styles[p] = qk_style(report.qk_norm)
+    styles[head] = head_style(loss_parallel)
     tied: tuple[tuple[str, str], ...] = ()
     if head_mod is not None and head_mod.weight is model.get_input_embeddings().weight:
         tied = ((f"{embed}.weight", f"{head}.weight"),)

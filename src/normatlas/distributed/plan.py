@@ -29,109 +29,34 @@ Everything runs on PyTorch's own engine (``torch.distributed.tensor.parallel``);
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
     PrepareModuleInput,
-    RowwiseParallel,
-    SequenceParallel,
     parallelize_module,
 )
 
-from ..vocabulary import QKNormKind
+from ..blocks import TransformerLM
+from .hf_plan import hf_plan
+from .styles import (
+    HeadShardedNorm,
+    TensorParallelPlan,
+    embedding_style,
+    head_style,
+    heads_style,
+    qk_style,
+    row_to_sequence,
+    stream_style,
+)
 
 __all__ = ["HeadShardedNorm", "TensorParallelPlan", "parallelize", "rebind_param_groups", "tensor_parallel_plan"]
 
 _SLOTS = ("attn_pre_norm", "attn_post_norm", "attn_after_norm", "ffn_pre_norm", "ffn_post_norm", "ffn_after_norm")
-
-
-@dataclass(frozen=True)
-class TensorParallelPlan:
-    """A tensor + sequence parallel plan and what applying it needs besides ``parallelize_module``.
-
-    ``styles``: module path -> ParallelStyle (the argument of ``parallelize_module``). ``norms``: the paths of the
-    sequence-parallel norm regions (stream norms first per layer, then QK-norms). ``heads``: attention modules whose
-    ``n_heads`` / ``n_kv_heads`` attributes become the local head counts (a normatlas model reshapes by them; a
-    transformers model reshapes with ``-1`` and needs none). ``tied``: (owner, alias) parameter paths tied in the
-    model, re-tied after sharding. ``n_heads`` / ``n_kv_heads``: the head counts the mesh size must divide.
-    """
-
-    styles: dict[str, ParallelStyle]
-    norms: tuple[str, ...]
-    heads: tuple[str, ...]
-    tied: tuple[tuple[str, str], ...]
-    n_heads: int
-    n_kv_heads: int
-
-    def sequence_parallel_params(self, model: nn.Module) -> list[str]:
-        """The parameter paths of the norm regions (and residual gates): replicated, gradients ``Partial``."""
-        out = []
-        for path, style in self.styles.items():
-            if isinstance(style, SequenceParallel):
-                out += [f"{path}.{n}" for n, _ in model.get_submodule(path).named_parameters()]
-        return out
-
-
-def _stream() -> SequenceParallel:
-    return SequenceParallel()  # input (and output) Shard(1): sequence-sharded, whole hidden dim
-
-
-def _heads() -> SequenceParallel:
-    return SequenceParallel(sequence_dim=2, use_local_output=True)  # (B, T, H, Dh) sharded over H
-
-
-class HeadShardedNorm(ParallelStyle):
-    """A QK-norm whose parameters belong to heads, on this rank's heads: a gain per head (``(H, Dh)``, Chameleon)
-    or a norm over the flattened heads (``(H * Dh,)``, OLMo 2).
-
-    The column-parallel q / k projection leaves each rank its own heads, so the norm's input is local on dim 2 (the
-    head dim of ``(B, T, H, Dh)``, or the flattened ``H * Dh`` of ``(B, T, H * Dh)``): it becomes a ``Shard(2)``
-    DTensor and the parameters ``Shard(0)`` DTensors (each rank holds its heads' rows). A per-head statistic is then
-    local; a statistic over the flattened heads reduces over the sharded dim, and DTensor's sharding propagation
-    inserts the all-reduce of the partial sums (PyTorch's engine; nothing here communicates). The output goes back
-    to this rank's heads as a plain tensor. The parameters' gradients are ``Shard(0)`` and final (each rank owns
-    its heads' rows), so :func:`~normatlas.distributed.reduce_partial_grads` has nothing to do for them.
-    """
-
-    @staticmethod
-    def _shard_params(_name: str, module: nn.Module, mesh: DeviceMesh) -> None:
-        for p_name, param in list(module.named_parameters(recurse=False)):
-            module.register_parameter(p_name, nn.Parameter(distribute_tensor(param.detach(), mesh, [Shard(0)])))
-
-    @staticmethod
-    def _input(_mod: nn.Module, inputs: tuple[Any, ...], mesh: DeviceMesh) -> tuple[Any, ...]:
-        x = inputs[0]
-        if isinstance(x, DTensor):
-            raise ValueError(
-                f"HeadShardedNorm expects this rank's heads as a plain tensor, got a DTensor {x.placements}"
-            )
-        return (DTensor.from_local(x, mesh, [Shard(2)], run_check=False), *inputs[1:])
-
-    @staticmethod
-    def _output(_mod: nn.Module, out: Any, mesh: DeviceMesh) -> Any:
-        return out.redistribute(mesh, [Shard(2)]).to_local()
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        return distribute_module(module, device_mesh, self._shard_params, self._input, self._output)  # type: ignore[arg-type]
-
-
-def _row_to_sequence() -> RowwiseParallel:
-    return RowwiseParallel(output_layouts=Shard(1), use_local_output=False)  # reduce-scatter onto the sequence
-
-
-def _embedding() -> RowwiseParallel:
-    return RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1), use_local_output=False)
-
-
-def _head(loss_parallel: bool) -> ColwiseParallel:
-    out = Shard(-1) if loss_parallel else Replicate()
-    return ColwiseParallel(input_layouts=Shard(1), output_layouts=out, use_local_output=not loss_parallel)
 
 
 def tensor_parallel_plan(
@@ -146,15 +71,11 @@ def tensor_parallel_plan(
     """
     if not isinstance(loss_parallel, bool):
         raise TypeError(f"loss_parallel={loss_parallel!r} must be a bool")
-    from ..blocks import TransformerLM
-
     if isinstance(model, TransformerLM):
         if example_inputs is not None:
             raise ValueError("example_inputs is read for transformers models only; a TransformerLM's plan is static")
         return _lm_plan(model, loss_parallel)
     if isinstance(model, nn.Module) and hasattr(model, "config") and hasattr(model, "get_input_embeddings"):
-        from .hf_plan import hf_plan
-
         return hf_plan(model, example_inputs, loss_parallel)
     raise TypeError(
         f"model={type(model).__name__} must be a normatlas TransformerLM or a transformers PreTrainedModel "
@@ -171,18 +92,10 @@ def _check_lm(model: Any) -> None:
         raise ValueError("head_transform=True (the MLM head transform) is not in the plan; use False")
 
 
-def _qk_style(kind: QKNormKind | None) -> ParallelStyle:
-    """A norm inside attention on this rank's heads: replicated parameters (one gain shared by the heads, or none)
-    or parameters that belong to heads (a gain per head, a norm over the flattened heads)."""
-    if kind in (QKNormKind.PER_HEAD_GAINS, QKNormKind.FLATTENED):
-        return HeadShardedNorm()
-    return _heads()
-
-
 def _lm_plan(model: Any, loss_parallel: bool) -> TensorParallelPlan:
     _check_lm(model)
     path = {id(m): n for n, m in model.named_modules()}
-    styles: dict[str, ParallelStyle] = {"embed": _embedding()}
+    styles: dict[str, ParallelStyle] = {"embed": embedding_style()}
     norms: list[str] = []
 
     def region(m: nn.Module | None, style: ParallelStyle, is_norm: bool = True) -> None:
@@ -191,31 +104,31 @@ def _lm_plan(model: Any, loss_parallel: bool) -> TensorParallelPlan:
             if is_norm:
                 norms.append(path[id(m)])
 
-    region(model.embed_norm, _stream())
+    region(model.embed_norm, stream_style())
     heads = []
     for block in model.blocks():
         for slot in _SLOTS:
-            region(getattr(block, slot), _stream())
+            region(getattr(block, slot), stream_style())
         for res in (block.attn_residual, block.ffn_residual):
-            region(None if res is None else res.gate, _stream(), is_norm=False)
+            region(None if res is None else res.gate, stream_style(), is_norm=False)
         attn, mlp = block.attn, block.mlp
         region(attn, PrepareModuleInput(
             input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None),
             use_local_output=False), is_norm=False)  # fmt: skip
         for lin in (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj):
             region(lin, ColwiseParallel(), is_norm=False)
-        region(attn.o_proj, _row_to_sequence(), is_norm=False)
-        region(mlp.down_proj, _row_to_sequence(), is_norm=False)
+        region(attn.o_proj, row_to_sequence(), is_norm=False)
+        region(mlp.down_proj, row_to_sequence(), is_norm=False)
         region(mlp, PrepareModuleInput(
             input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=False),
             is_norm=False)  # fmt: skip
         kind = None if attn.qk_config is None else attn.qk_config.kind
         for qn in (attn.q_norm, attn.k_norm):
-            region(qn, _qk_style(kind))
-        region(attn.v_norm, _heads())
+            region(qn, qk_style(kind))
+        region(attn.v_norm, heads_style())
         heads.append(path[id(attn)])
-    region(model.final_norm, _stream())
-    styles["lm_head"] = _head(loss_parallel)
+    region(model.final_norm, stream_style())
+    styles["lm_head"] = head_style(loss_parallel)
     tied = (("embed.weight", "lm_head.weight"),) if model.lm_head.weight is model.embed.weight else ()
     cfg = model.config
     kv = cfg.n_heads if cfg.n_kv_heads is None else cfg.n_kv_heads

@@ -19,8 +19,11 @@ from typing import Any
 
 from torch import nn
 
-from .report import AttentionInfo, InspectionReport, NormInfo, SublayerInfo
+from ..factory import build_target, build_vision, is_vision_type, is_vlm_type, tower_inputs
+from ..factory import example_inputs as default_example_inputs
+from .report import AttentionInfo, InspectionReport, NormInfo, SublayerInfo, UntraceableModel
 from .vision import VisionReport, inspect_vision
+from .vlm import inspect_vlm_target
 
 __all__ = [
     "AttentionInfo",
@@ -37,10 +40,6 @@ __all__ = [
 ]
 
 
-class UntraceableModel(ValueError):
-    """The model could not be run on the example inputs, so no dataflow could be recorded."""
-
-
 def inspect_model(
     model: nn.Module, example_inputs: Any = None, *, name: str | None = None, probe: bool = True
 ) -> InspectionReport:
@@ -53,14 +52,13 @@ def inspect_model(
     """
     from ..analysis.graph import record
     from .analyze import analyze
-    from .build import example_inputs as default_inputs
     from .probe import check_sites, probe_report
 
     t0 = time.perf_counter()
     if example_inputs is None:
         if not hasattr(model, "config"):
             raise ValueError("example_inputs is required for a model without a transformers config")
-        example_inputs = default_inputs(model)
+        example_inputs = default_example_inputs(model)
     label = name or type(model).__name__
     model = model.eval()
     try:
@@ -90,11 +88,9 @@ inspect = inspect_model
 
 def inspect_target(target: str, *, seed: int = 0, probe: bool = True) -> InspectionReport:
     """Build a CLI TARGET (model type, checkpoint folder, ``module:factory``) and inspect it. A model type whose
-    config describes an image encoder alone (:func:`.vlm.is_vision_type`: image channels, no vocabulary) is read as
-    a vision tower (:func:`inspect_vision_target`), so ``inspect vit`` reads what ``inspect --vision vit`` does."""
-    from .build import build_target
-    from .vlm import is_vision_type
-
+    config describes an image encoder alone (:func:`normatlas.factory.is_vision_type`: image channels, no
+    vocabulary) is read as a vision tower (:func:`inspect_vision_target`), so ``inspect vit`` reads what
+    ``inspect --vision vit`` does."""
     if _is_model_type(target) and is_vision_type(target):
         return inspect_vision_target(target, seed=seed, probe=probe)
     model, inputs, label = build_target(target, seed=seed)
@@ -105,11 +101,7 @@ def inspect_vision_target(target: str, *, seed: int = 0, probe: bool = True) -> 
     """Build a tiny vision tower of a transformers model type and inspect it on a seeded image. An image-text
     model type (Qwen2.5-VL, whose tower reads flattened patches and their grid) is run whole on an image + text
     and its tower part reported (:func:`.vlm.inspect_vlm`); a tower alone gets the input layout its signature and
-    config ask for (:func:`.vision_inputs.tower_inputs`: patch grids, tiles, frames, ...)."""
-    from .build import build_vision
-    from .vision_inputs import tower_inputs
-    from .vlm import inspect_vlm_target, is_vision_type, is_vlm_type
-
+    config ask for (:func:`normatlas.factory.tower_inputs.tower_inputs`: patch grids, tiles, frames, ...)."""
     if is_vlm_type(target):
         report = inspect_vlm_target(target, seed=seed, probe=probe)
         report.vision.model = target

@@ -15,7 +15,16 @@ from typing import Any
 from ..spec import CastOrder, EpsPlacement, GainConvention
 from ..vocabulary import Operator, PlacementKind, QKNormKind, RopeOrder, SiteRole, SublayerKind
 
-__all__ = ["ENCODER_COLUMNS", "NO_GAIN", "AttentionInfo", "InspectionReport", "NormInfo", "SublayerInfo", "gain_word"]
+__all__ = [
+    "ENCODER_COLUMNS",
+    "NO_GAIN",
+    "AttentionInfo",
+    "InspectionReport",
+    "NormInfo",
+    "SublayerInfo",
+    "UntraceableModel",
+    "gain_word",
+]
 
 NO_GAIN = "none"  # the gain convention of a norm without a gain (GainConvention names the conventions of a gain)
 
@@ -23,6 +32,10 @@ NO_GAIN = "none"  # the gain convention of a norm without a gain (GainConvention
 def gain_word(conv: GainConvention | None) -> str:
     """A gain convention as the report spells it: its value, or :data:`NO_GAIN` for a norm without a gain."""
     return conv.value if conv is not None else NO_GAIN
+
+
+class UntraceableModel(ValueError):
+    """The model could not be run on the example inputs, so no dataflow could be recorded."""
 
 
 @dataclass(frozen=True)

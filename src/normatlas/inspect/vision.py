@@ -48,10 +48,11 @@ from torch import nn
 from ..analysis.graph import Graph, Ref, record
 from ..analysis.ops import CASTS, SHAPE_ONLY
 from ..analysis.walk import scalar_of, strip
+from ..factory import tower_inputs
 from ..spec import EpsPlacement
 from ..vocabulary import Operator, PlacementKind, SiteRole
 from .norms import Site, find_sites
-from .report import InspectionReport, NormInfo, SublayerInfo
+from .report import InspectionReport, NormInfo, SublayerInfo, UntraceableModel
 from .stages import (
     Stage,
     attention_bits,
@@ -364,17 +365,13 @@ def inspect_vision(
     ``pixel_values`` is passed as the first positional argument; ``inputs`` go in as keyword
     arguments (e.g. ``grid_thw`` for Qwen2-VL's tower, whose first argument is the flattened
     patch tensor). With neither, a transformers vision model gets the seeded input layout its
-    config and signature ask for (:func:`.vision_inputs.tower_inputs`), any other model a
+    config and signature ask for (:func:`normatlas.factory.tower_inputs.tower_inputs`), any other model a
     seeded image of ``config.image_size``. Raises :class:`~normatlas.inspect.UntraceableModel` when the
     model does not run on these inputs.
     """
-    from . import UntraceableModel
-
     t0 = time.perf_counter()
     label = name or type(model).__name__
     if pixel_values is None and not inputs and callable(getattr(getattr(model, "config", None), "to_dict", None)):
-        from .vision_inputs import tower_inputs
-
         try:
             inputs = tower_inputs(model)
         except ValueError as exc:

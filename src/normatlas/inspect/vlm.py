@@ -1,7 +1,7 @@
 """Inspect an image-text model whole: its vision tower, its connector and its language model, from one run.
 
-Method: one eager forward of the whole model on a synthetic image + text batch (:mod:`.vlm_inputs`) is recorded
-with the shared recorder. The graph is then split by dataflow (:mod:`.vlm_graph`):
+Method: one eager forward of the whole model on a synthetic image + text batch (:mod:`normatlas.factory.vlm_inputs`) is
+recorded with the shared recorder. The graph is then split by dataflow (:mod:`.vlm_graph`):
 
 * the **image part** is every value computed from the pixel input and not from the text embedding (the
   ``embedding`` lookup fed by ``input_ids``); its **entries** are the image values the rest of the run reads;
@@ -45,9 +45,10 @@ import torch
 from torch import nn
 
 from ..analysis.graph import record
+from ..factory import build_vlm, vlm_inputs
 from ..vocabulary import Operator, QKNormKind
 from . import vlm_graph as vg
-from .report import InspectionReport, _plain, gain_word
+from .report import InspectionReport, UntraceableModel, _plain, gain_word
 from .vision import VisionReport, vision_report
 from .vlm_graph import ConnectorInfo, ConnectorKind, Injection
 
@@ -58,8 +59,6 @@ __all__ = [
     "VLMReport",
     "inspect_vlm",
     "inspect_vlm_target",
-    "is_vision_type",
-    "is_vlm_type",
 ]
 
 
@@ -186,14 +185,13 @@ def inspect_vlm(
     """Report an image-text model's tower, connector and language model from one recorded forward.
 
     ``inputs`` are keyword inputs of ``model.forward`` holding ``input_ids`` and ``pixel_values`` (default: the
-    synthetic batch of :func:`.vlm_inputs.vlm_inputs`). Raises :class:`~normatlas.inspect.UntraceableModel` when
-    the model does not run on them, ``ValueError`` when the run has no image part or no text embedding.
+    synthetic batch of :func:`normatlas.factory.vlm_inputs.vlm_inputs`). Raises
+    :class:`~normatlas.inspect.UntraceableModel` when the model does not run on them, ``ValueError`` when the run has
+    no image part or no text embedding.
     """
-    from . import UntraceableModel
     from .analyze import analyze
     from .probe import check_sites
     from .residual import scale_after
-    from .vlm_inputs import vlm_inputs
 
     t0 = time.perf_counter()
     inputs = vlm_inputs(model) if inputs is None else inputs
@@ -279,35 +277,6 @@ def _note_image_key_norms(report: VLMReport, g: Any, text_bits: int, image: int,
 
 def inspect_vlm_target(model_type: str, *, seed: int = 0, probe: bool = True) -> VLMReport:
     """Build a tiny image-text model of a transformers ``model_type`` and inspect it whole."""
-    from .vlm_build import build_vlm
-    from .vlm_inputs import vlm_inputs
 
     model = build_vlm(model_type, seed=seed)
     return inspect_vlm(model, vlm_inputs(model, seed=seed), name=model_type, probe=probe)
-
-
-def is_vision_type(model_type: str) -> bool:
-    """Whether ``model_type``'s config describes an image encoder alone: image channels, no vocabulary, no
-    text config (a transformers config fact, not a name)."""
-    from transformers import AutoConfig
-
-    try:
-        d = AutoConfig.for_model(model_type).to_dict()
-    except Exception:
-        return False
-    return "num_channels" in d and "vocab_size" not in d and "text_config" not in d
-
-
-def is_vlm_type(model_type: str) -> bool:
-    """Whether transformers registers ``model_type`` as an image-text-to-text model whose config has a vision
-    tower (``vision_config``) or a VQ image tokenizer (``vq_config``: Chameleon)."""
-    from transformers import AutoConfig
-    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
-
-    if model_type not in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:
-        return False
-    try:
-        cfg = AutoConfig.for_model(model_type)
-    except Exception:
-        return False
-    return any(getattr(cfg, key, None) is not None for key in ("vision_config", "vq_config"))

@@ -1,8 +1,9 @@
 """Fused normalization entry points: spec-driven, torch.nn-named, and residual-add variants.
 
 ``fused_normalize(input, spec, weight, bias, residual=None)`` runs any spec through the fused
-kernels when :func:`~normatlas.kernels.dispatch.unsupported` allows it and through the core's
-:func:`normatlas.functional.normalize` otherwise, so it always computes the spec's function.
+kernels when :func:`~normatlas.kernels.dispatch.unsupported` allows it and through the core's reference arithmetic
+(:mod:`normatlas.reference`, what :func:`normatlas.functional.normalize` computes there) otherwise, so it always
+computes the spec's function. The engine sits below :mod:`normatlas.functional`, which dispatches to it.
 With ``residual`` it returns ``(normalize(input + residual), input + residual)``: the pre-norm
 transformer's add & norm in one pass (Xiong et al., 2020 place the norm on the residual branch).
 """
@@ -17,7 +18,7 @@ import torch
 from torch import Tensor
 
 from ..backend import _REFERENCE_ONLY
-from ..functional import check_float_params, check_spec_params, normalize
+from ..reference import check_float_params, check_spec_params, reference_normalize
 from ..spec import CastOrder, EpsPlacement, Gain, GainConvention, NormSpec, Scale
 from . import cpu
 from .dispatch import kernel_args, spec_unsupported, unsupported
@@ -256,9 +257,9 @@ def _checked(
         y, h = _run(input, spec, weight, bias, residual)
         return (y, h) if residual is not None else y
     if residual is None:
-        return normalize(input, spec, weight, bias)
+        return reference_normalize(input, spec, weight, bias)
     h = input + residual
-    return normalize(h, spec, weight, bias), h
+    return reference_normalize(h, spec, weight, bias), h
 
 
 def _check_params(input: Tensor, spec: NormSpec, weight: Tensor | None, bias: Tensor | None) -> None:

@@ -89,7 +89,7 @@ def _known_thetas(cfg: Any) -> tuple[float, ...]:
 
 
 def _inputs(hf: nn.Module, seq: int, batch: int, seed: int) -> dict[str, Any]:
-    from ..inspect.build import example_inputs
+    from ..factory import example_inputs
     from .vision import is_vision, pixel_inputs
 
     if is_vision(hf.config):
@@ -335,7 +335,7 @@ def _head(r: _Read, embed: nn.Module) -> tuple[dict[str, Any], dict[str, Source]
 
 def _head_transform(r: _Read, head: Proj) -> tuple[Proj, Site] | None:
     """A masked-LM head's transform (BERT): a norm right before the head whose input is ``act(dense(x))``."""
-    from ..blocks.block import Activation
+    from ..blocks.mlp import Activation
 
     g = r.g
     used = {s.node for layer in r.layers for s in layer.norms.values()} | {s.node for s in (r.final, r.emb_norm) if s}

@@ -26,12 +26,13 @@ from ..blocks.qknorm import QKGain, QKNormConfig, QKOperator, QKScope
 from ..inspect.attention import Core
 from ..inspect.norms import Site
 from ..inspect.residual import Sublayer as InspSub
-from ..spec import CastOrder, Gain, GainConvention, NormSpec, Scale
+from ..spec import GainConvention, NormSpec
 from ..vocabulary import Operator, RopeOrder, SublayerKind
 from .errors import PortError
 from .measure import Mlp, RopeReading, Scores, branch_scale, mlp_design, rope_of, scores_of
+from .mla import mla_parts, read_mla
 from .moe import MoeReading, read_moe, routed
-from .read import Proj, attention_parts, attention_roles, mlp_parts, norm_params, own_bits
+from .read import Proj, attention_parts, attention_roles, mlp_parts, norm_params, norm_spec, own_bits
 
 __all__ = ["LayerReading", "Source", "norm_spec", "qk_config", "read_layers", "v_config"]
 
@@ -82,21 +83,6 @@ class _Ctx:
     known: tuple[float, ...]
 
 
-def norm_spec(site: Site) -> NormSpec:
-    """The :class:`NormSpec` of one site, from the arithmetic the inspector read (operator, eps, its placement,
-    cast order, gain and its convention, bias)."""
-    if site.operator not in (Operator.LAYERNORM, Operator.LAYERNORM_NONPARAM, Operator.RMSNORM, Operator.L2):
-        raise PortError([f"a {site.operator.value} norm ({site.module}), which our Norm slots do not take"])
-    return NormSpec(
-        center=site.operator in (Operator.LAYERNORM, Operator.LAYERNORM_NONPARAM),
-        scale=Scale.L2 if site.operator is Operator.L2 else Scale.RMS,
-        eps=site.eps, eps_placement=site.eps_placement or NormSpec().eps_placement,
-        cast_order=site.cast_order or CastOrder.AFTER_GAIN,
-        gain=Gain.PER_FEATURE if site.gain else Gain.NONE,
-        gain_convention=site.gain_convention or GainConvention.W, bias=site.bias,
-    )  # fmt: skip
-
-
 def _proj_sources(prefix: str, p: Proj, biases: dict[str, bool], key: str) -> dict[str, Source]:
     t = p.kind == "conv1d_t"
     out = {f"{prefix}.weight": Source(p.weight(), t, p.rows)}
@@ -134,8 +120,6 @@ def _one(sites: list[Site], what: str, layer: int) -> Site | None:
 def _attention(
     g: Graph, r: LayerReading, sub: InspSub, branch: int, cores: list[Core], projs: list[Proj], ctx: _Ctx
 ) -> None:
-    from .mla import mla_parts
-
     roles = attention_roles(g, sub, branch, cores, projs)
     own = own_bits(g, branch, sub.source)
     picks = [n.idx for n in g.nodes if n.op == "topk" and own >> n.idx & 1 and g.feeds(n.idx, roles.core.node)]
@@ -215,8 +199,6 @@ def _q_scale(g: Graph, q: int) -> float:
 
 def _mla(g: Graph, r: LayerReading, parts: Any, roles: Any, ctx: _Ctx) -> None:
     """An MLA branch (:mod:`.mla`): its config, the rows each of our projections takes, its latent norms."""
-    from .mla import read_mla
-
     used = {id(p) for p in (parts.q, parts.q_a, parts.kv_a, parts.kv_b, parts.o) if p is not None}
     extra = [p.label for p in roles.inside if id(p) not in used]
     if extra:

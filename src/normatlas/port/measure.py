@@ -19,7 +19,7 @@ from ..analysis.attention_calls import FusedCall, fused_call
 from ..analysis.graph import Graph
 from ..analysis.ops import CASTS, SHAPE_ONLY, SPLITS
 from ..analysis.walk import learned_mul, scalar_mul, strip
-from ..blocks.block import Activation
+from ..blocks.mlp import Activation
 from ..inspect.attention import Core
 from .errors import PortError
 from .read import MlpParts, Proj
@@ -83,7 +83,7 @@ def _xielu(g: Graph, parts: MlpParts, x: Tensor, up: Tensor | None) -> tuple[Ten
     """xIELU's two learned scalars (a_p, a_n before their softplus), when the down projection's input equals
     :class:`~normatlas.blocks.XIELU` of ``x`` (times ``up``, gated) with them in one order or the other: the
     parameters of one element the branch reads after its first projections."""
-    from ..blocks.block import XIELU
+    from ..blocks.mlp import XIELU
 
     d = g.tensors[parts.down.input]
     starts = [p.output for p in parts.firsts]

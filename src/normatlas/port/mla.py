@@ -28,7 +28,7 @@ from ..blocks.mla import MLAConfig
 from ..inspect.attention import Core
 from ..inspect.norms import Site
 from .errors import PortError
-from .read import Proj, _match
+from .read import Proj, _match, norm_spec
 from .rope import RopeReading, _theta
 
 __all__ = ["MlaParts", "MlaReading", "mla_parts", "read_mla"]
@@ -133,8 +133,6 @@ def read_mla(g: Graph, parts: MlaParts, sites: list[Site], layer: int, known: tu
         if int(g.tensors[q_site.input].shape[-1]) != q_rank:
             raise PortError([f"layer {layer}: a norm on part of MLA's q latent"])
         norms["q_norm"] = q_site
-    from .design import norm_spec
-
     specs = {norm_spec(s) for s in norms.values()}
     if len(specs) != 1:
         raise PortError([f"layer {layer}: MLA's q and kv latent norms differ"])

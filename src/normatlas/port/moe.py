@@ -27,7 +27,7 @@ from torch import Tensor
 from ..analysis.graph import Graph, Node
 from ..analysis.ops import SHAPE_ONLY
 from ..analysis.walk import strip
-from ..blocks.block import Activation
+from ..blocks.mlp import Activation
 from ..blocks.moe import MoEConfig, RouterScore, route
 from ..inspect.residual import Sublayer
 from .errors import PortError

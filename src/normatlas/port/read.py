@@ -30,6 +30,8 @@ from ..analysis.walk import strip
 from ..inspect.attention import Core
 from ..inspect.norms import Site
 from ..inspect.residual import Sublayer
+from ..spec import CastOrder, Gain, GainConvention, NormSpec, Scale
+from ..vocabulary import Operator
 from .errors import PortError
 
 __all__ = [
@@ -41,6 +43,7 @@ __all__ = [
     "attention_roles",
     "mlp_parts",
     "norm_params",
+    "norm_spec",
     "own_bits",
     "projections",
 ]
@@ -330,3 +333,18 @@ def _param_arg(g: Graph, arg: object) -> nn.Parameter | None:
         leaf = next((n for n in inner if n.op == "param"), leaf)
     t = g.tensors.get(leaf.idx)
     return t if leaf.op == "param" and isinstance(t, nn.Parameter) else None
+
+
+def norm_spec(site: Site) -> NormSpec:
+    """The :class:`NormSpec` of one site, from the arithmetic the inspector read (operator, eps, its placement,
+    cast order, gain and its convention, bias)."""
+    if site.operator not in (Operator.LAYERNORM, Operator.LAYERNORM_NONPARAM, Operator.RMSNORM, Operator.L2):
+        raise PortError([f"a {site.operator.value} norm ({site.module}), which our Norm slots do not take"])
+    return NormSpec(
+        center=site.operator in (Operator.LAYERNORM, Operator.LAYERNORM_NONPARAM),
+        scale=Scale.L2 if site.operator is Operator.L2 else Scale.RMS,
+        eps=site.eps, eps_placement=site.eps_placement or NormSpec().eps_placement,
+        cast_order=site.cast_order or CastOrder.AFTER_GAIN,
+        gain=Gain.PER_FEATURE if site.gain else Gain.NONE,
+        gain_convention=site.gain_convention or GainConvention.W, bias=site.bias,
+    )  # fmt: skip

@@ -29,6 +29,7 @@ from torch import nn
 
 from ..analysis.flow import Dataflow, linear_kind
 from ..analysis.flow import record_flow as record
+from ..longtail.batchnorm import read_batchnorm
 from ..modules import Norm
 from ..spec import EpsPlacement, GainConvention, parse_enum
 from .fold import _fold_norm, linear_consumers
@@ -274,15 +275,11 @@ def change_eps(
 
 def _batchnorms(model: nn.Module) -> list[str]:
     """Every BatchNorm with running statistics (not already frozen), by the one detector."""
-    from ..longtail.batchnorm import read_batchnorm
-
     states = ((n, read_batchnorm(m)) for n, m in model.named_modules())
     return [n for n, s in states if s is not None and not s.frozen and s.running_var is not None]
 
 
 def _bn_channel_axis(bn: nn.Module, ndim: int) -> int:
-    from ..longtail.batchnorm import read_batchnorm
-
     state = read_batchnorm(bn)
     assert state is not None  # one of _batchnorms
     return state.channel_axis(ndim)

@@ -11,6 +11,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..blocks.model import ModelConfig
+from ..longtail import FrozenBatchNorm
 from ..modules import Norm
 from ..spec import NormSpec, parse_enum
 
@@ -136,8 +138,6 @@ class Surgery:
         saved config and in the live model's config (and its text config, for composite VLM configs)."""
         self.notes.append(note)
         config: Any = getattr(self.stock, "config", None)
-        from ..blocks.model import ModelConfig
-
         if isinstance(config, ModelConfig):  # ours: a frozen value, replaced (it has no saved config.json)
             self.stock.config = dataclasses.replace(config, tie_embeddings=False)  # type: ignore[assignment]
             return
@@ -224,8 +224,6 @@ class Surgery:
 @torch.no_grad()
 def apply_swaps(model: nn.Module, swaps: list[Swap]) -> nn.Module:
     """Replace modules in ``model`` as ``swaps`` say, carrying over parameter values."""
-    from ..longtail import FrozenBatchNorm
-
     for s in swaps:
         old = model.get_submodule(s.module)
         new: nn.Module

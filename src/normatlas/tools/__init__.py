@@ -85,6 +85,7 @@ __all__ = [
     "token_table",
     "train_byte_llama",
     "v_scale",
+    "window_len",
     "windows",
 ]
 
@@ -122,6 +123,16 @@ def check_ids(model: Any, ids: Any, what: str) -> None:
             f"{what} has token id {top}, but the model's vocabulary has {vocab} entries: the folder's tokenizer "
             "does not belong to its model"
         )
+
+
+WINDOW = 128  # tokens per window of held-out text
+
+
+def window_len(model: Any, seq: int = WINDOW) -> int:
+    """The tokens per held-out window for ``model``: ``seq``, or fewer where its config's
+    ``max_position_embeddings`` allows fewer."""
+    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    return min(seq, int(limit)) if isinstance(limit, int) and limit > 1 else seq
 
 
 def heldout_ids(tokenizer: Any) -> list[int]:

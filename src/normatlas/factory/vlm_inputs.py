@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["PATCHES_PER_SIDE", "image_config", "patch_sequence", "tiled_image", "vlm_inputs"]
+__all__ = ["PATCHES_PER_SIDE", "image_config", "patch_sequence", "text_config", "tiled_image", "vlm_inputs"]
 
 PATCHES_PER_SIDE = 4
 _MERGES = ("spatial_merge_size", "merge_size", "merge_kernel_size")  # k x k patches merged into one token
@@ -43,7 +43,7 @@ def image_config(cfg: Any) -> Any:
     )
 
 
-def _text_config(cfg: Any) -> Any:
+def text_config(cfg: Any) -> Any:
     return getattr(cfg, "text_config", None) or cfg
 
 
@@ -257,7 +257,7 @@ def _text_ids(vocab: int, gen: torch.Generator, n: int) -> torch.Tensor:
 def vlm_inputs(model: nn.Module, seed: int = 0) -> dict[str, Any]:
     """One image and a short text with its image placeholders, as keyword inputs of ``model.forward``."""
     cfg: Any = model.config
-    text = _text_config(cfg)
+    text = text_config(cfg)
     vocab = int(text.vocab_size)
     gen = torch.Generator().manual_seed(seed)
     params = pyinspect.signature(model.forward).parameters

@@ -1,6 +1,7 @@
 """A tiny image-text model of a transformers model type, built offline from its config (random weights).
 
-The language model is shrunk like :func:`.build.tiny_config`; the image side is shrunk here, from the config's own
+The language model is shrunk like :func:`.shrink.tiny_config`; the image side is shrunk here (with the one
+:func:`.shrink.shrink` and its refits), from the config's own
 fields (never the model type's name):
 
 * a **vision tower** (``vision_config``) to 2 layers of width 64 on a 4 x 4 patch image (:data:`VISION_TINY`); the
@@ -15,7 +16,7 @@ fields (never the model type's name):
   tower taps (``vision_feature_layer`` lists: VipLLaVA) to the last two hidden states, the image placeholder and
   the vision start / end markers moved into the shrunk vocabulary.
 
-The synthetic batch for the model is :func:`.vlm_inputs.vlm_inputs` (re-exported here).
+The synthetic batch for the model is :func:`.vlm_inputs.vlm_inputs`.
 """
 
 from __future__ import annotations
@@ -26,25 +27,21 @@ from typing import Any
 import torch
 from torch import nn
 
-from .build import _shrink, attention_kwargs, tiny_config
-from .vlm_inputs import PATCHES_PER_SIDE, image_config, patch_sequence, vlm_inputs
+from .attention import attention_kwargs
+from .shrink import (
+    TOWER_DERIVED,
+    TOWER_LAYER_INDEX,
+    VISION_TINY,
+    fit_widths,
+    inner_index,
+    refit_tower_layers,
+    shrink,
+    tiny_config,
+)
+from .vlm_inputs import PATCHES_PER_SIDE, image_config, text_config
 
-__all__ = ["VISION_TINY", "VQ_TINY", "build_vlm", "image_config", "patch_sequence", "vlm_inputs"]
+__all__ = ["VQ_TINY", "build_vlm", "is_vlm_type"]
 
-# The tower's shrunk sizes (set only where its config has the key): 2 layers, width 64, 4 heads.
-VISION_TINY: dict[str, Any] = {
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_global_layers": 1,  # Mllama's second, gated encoder
-    "num_attention_heads": 4,
-    "num_key_value_heads": 4,
-    "head_dim": 16,
-    "embed_dim": 64,
-    "depth": 2,
-    "num_heads": 4,
-}
-# A VQ-VAE image tokenizer's shrunk sizes: one downsampling (8 x 8 image -> 4 x 4 codes), 32 channels (GroupNorm's
 # 32 groups), a 16-code codebook of width 32.
 VQ_TINY: dict[str, Any] = {
     "base_channels": 32,
@@ -65,43 +62,12 @@ _TOKEN_IDS = {
     "video_token_index": 4,
 }
 _PLACEHOLDERS = ("image_token_id", "image_token_index")  # set even where the default is None (BLIP-2)
-_TOWER_LAYER_LISTS = ("intermediate_layers_indices",)  # tower layer indices, refitted to the shrunk depth
-_TOWER_LAYER_INDEX = ("insert_layer_id",)  # one tower layer index (MiniCPM-V's window merger runs after it)
-_TOWER_LAYER_SETS = ("global_attn_indexes",)  # tower layers of one kind (SAM's global-attention layers)
 _TOWER_TAP_LISTS = ("vision_feature_layer",)  # a connector config's tower layer indices (Molmo2's adapter)
 _POSITIONS = ("num_position_embeddings",)  # a learned table with one row per patch of the image
 _TEXT_WIDTHS = ("text_hidden_size",)  # a connector config's field stating the language model's width (Molmo2)
 _TEXT_LAYER_LISTS = ("cross_attention_layers",)  # language-model layer indices, refitted to its shrunk depth
 _IMAGE_CONFIGS = ("vision_config", "vq_config")
-_TOWER_DERIVED = ("vision_output_dim", "out_hidden_size", "intermediate_size")  # set by _fit_tower already
 _WIDTHS = ("hidden_size", "encoder_hidden_size", "embed_dim")  # a connector config's fields that state a width
-_WIDTH_SUFFIXES = ("_size", "_dim")
-_NOT_WIDTHS = ("image", "patch", "vocab", "position", "window", "token", "batch", "chunk", "grid", "kernel", "pool")
-
-
-def _text_config(cfg: Any) -> Any:
-    return getattr(cfg, "text_config", None) or cfg
-
-
-def _inner_index(index: int, before: int, depth: int) -> int:
-    """A layer index of a ``before``-layer stack refitted to ``depth`` layers: at the same fraction of the stack,
-    and strictly inside it (layers after it) when it was so before."""
-    index %= before
-    last = depth - 1 if index == before - 1 else max(0, depth - 2)
-    return min(last, index * depth // before)
-
-
-def _fit_layer_indices(vc: Any, before: dict[str, Any], odepth: int, depth: int) -> None:
-    """The tower's layer index (:data:`_TOWER_LAYER_INDEX`) and layer sets (:data:`_TOWER_LAYER_SETS`) of its
-    ``odepth`` layers refitted to ``depth`` (:func:`_inner_index`)."""
-    for key in _TOWER_LAYER_INDEX:
-        val = before.get(key)
-        if type(val) is int and 0 <= val < odepth:
-            setattr(vc, key, _inner_index(val, odepth, depth))
-    for key in _TOWER_LAYER_SETS:
-        vals = before.get(key)
-        if isinstance(vals, list) and vals and all(type(v) is int for v in vals):
-            setattr(vc, key, sorted({_inner_index(v, odepth, depth) for v in vals}))
 
 
 def _fit_tower(vc: Any) -> None:
@@ -109,7 +75,7 @@ def _fit_tower(vc: Any) -> None:
     and lists and their derived widths."""
     before = vc.to_dict()
     odepth = getattr(vc, "num_hidden_layers", None)
-    _shrink(vc, VISION_TINY)
+    shrink(vc, VISION_TINY)
     patch, size = getattr(vc, "patch_size", None), getattr(vc, "image_size", None)
     if isinstance(patch, (list, tuple)) and isinstance(size, (list, tuple)):  # InternViT: (h, w) pairs
         vc.image_size = [p * PATCHES_PER_SIDE for p in patch]
@@ -123,19 +89,13 @@ def _fit_tower(vc: Any) -> None:
             setattr(vc, key, PATCHES_PER_SIDE**2)
     depth = getattr(vc, "num_hidden_layers", None)
     if isinstance(odepth, int) and isinstance(depth, int):
-        _fit_layer_indices(vc, before, odepth, depth)
-    for key in _TOWER_LAYER_LISTS:
-        if isinstance(getattr(vc, key, None), list) and isinstance(depth, int):
-            taps = list(range(max(1, depth - 1)))  # every layer but the last, as the original taps inner layers
-            setattr(vc, key, taps)
-            if isinstance(getattr(vc, "vision_output_dim", None), int):  # the last state and the taps, concatenated
-                vc.vision_output_dim = vc.hidden_size * (1 + len(taps))
+        refit_tower_layers(vc, before, odepth, depth)
 
 
 def _fit_vq(vq: Any, text: Any) -> Any:
     """The VQ tokenizer at :data:`VQ_TINY`, and a vocabulary map sending its codes to the last ids of the text
     vocabulary (the ``IMGIMG<digits as letters>Z`` names transformers' image-vocabulary mapping decodes)."""
-    _shrink(vq, VQ_TINY)
+    shrink(vq, VQ_TINY)
     vocab, codes = int(text.vocab_size), int(getattr(vq, "num_embeddings", 0))
     letters = {str(d): chr(ord("A") + d) for d in range(10)}
     mapping = {"<image>": vocab - 1}
@@ -147,9 +107,9 @@ def _fit_vq(vq: Any, text: Any) -> Any:
 def _fit_connector_configs(cfg: Any, original: Any) -> None:
     """Every sub-config that is neither the image encoder nor the language model (a Q-Former, a perceiver, an
     adapter) shrunk to :data:`VISION_TINY`; its width fields that equalled the original tower or text width take
-    the shrunk one (:func:`_fit_widths`), its lists of tower layer indices (:data:`_TOWER_TAP_LISTS`) are refitted
+    the shrunk one (:func:`fit_widths`), its lists of tower layer indices (:data:`_TOWER_TAP_LISTS`) are refitted
     to the shrunk tower."""
-    text, otext = _text_config(cfg), _text_config(original)
+    text, otext = text_config(cfg), text_config(original)
     image = next((getattr(cfg, k) for k in _IMAGE_CONFIGS if getattr(cfg, k, None) is not None), None)
     oimage = next((getattr(original, k) for k in _IMAGE_CONFIGS if getattr(original, k, None) is not None), None)
     widths = {}
@@ -165,43 +125,28 @@ def _fit_connector_configs(cfg: Any, original: Any) -> None:
         if isinstance(before.get("image_size"), int) and isinstance(before.get("patch_size"), int):
             _fit_tower(sub)  # a second image encoder (DeepSeek-VL hybrid's high-resolution SAM tower)
         else:
-            _shrink(sub, VISION_TINY)
+            shrink(sub, VISION_TINY)
         for field in _WIDTHS:
             old = getattr(osub, field, None)
             if isinstance(old, int) and old in widths:
                 with contextlib.suppress(Exception):
                     setattr(sub, field, widths[old])
-        _fit_widths(sub, {k: v for k, v in before.items() if k not in _WIDTHS}, widths)
-        _shrink(sub, dict.fromkeys(_TEXT_WIDTHS, text.hidden_size))  # its default need not equal the text's
+        fit_widths(sub, {k: v for k, v in before.items() if k not in _WIDTHS}, widths)
+        shrink(sub, dict.fromkeys(_TEXT_WIDTHS, text.hidden_size))  # its default need not equal the text's
         for field in _TOWER_TAP_LISTS:
             taps = before.get(field)
             if isinstance(taps, list) and all(type(t) is int for t in taps) and all(isinstance(d, int) for d in depths):
-                setattr(sub, field, [_inner_index(t, depths[0], depths[1]) for t in taps])  # type: ignore[arg-type]
+                setattr(sub, field, [inner_index(t, depths[0], depths[1]) for t in taps])  # type: ignore[arg-type]
 
 
 def _original_widths(cfg: Any, original: Any) -> dict[int, int]:
     """Original width -> shrunk width, for the image encoder and the language model."""
     widths: dict[int, int] = {}
     pairs = [(getattr(original, k, None), getattr(cfg, k, None)) for k in _IMAGE_CONFIGS]
-    for old, new in [*pairs, (_text_config(original), _text_config(cfg))]:
+    for old, new in [*pairs, (text_config(original), text_config(cfg))]:
         if old is not None and new is not None and isinstance(getattr(old, "hidden_size", None), int):
             widths.setdefault(old.hidden_size, new.hidden_size)
     return widths
-
-
-def _fit_widths(c: Any, before: dict[str, Any], widths: dict[int, int]) -> None:
-    """A config's other width fields (``*_size`` / ``*_dim``: a projector's ``adapter_out_dim``, Kimi's
-    ``projection_hidden_size``) that stated an original width, or k times one (k = 2..16: concatenated or merged
-    rows), take the shrunk width (times k). Sizes of the image, patches, vocabulary and positions are left."""
-    for key, val in before.items():
-        if type(val) is not int or not key.endswith(_WIDTH_SUFFIXES) or any(w in key for w in _NOT_WIDTHS):
-            continue
-        if key in VISION_TINY or val <= 0:
-            continue
-        k = next((val // w for w in widths if val % w == 0 and 1 <= val // w <= 16), None)
-        if k is not None:
-            with contextlib.suppress(Exception):
-                setattr(c, key, k * widths[next(w for w in widths if val == k * w)])
 
 
 def build_vlm(model_type: str, seed: int = 0) -> nn.Module:
@@ -211,23 +156,23 @@ def build_vlm(model_type: str, seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
     original = AutoConfig.for_model(model_type)
     cfg = tiny_config(model_type)
-    text = _text_config(cfg)
+    text = text_config(cfg)
     image_config(cfg)  # raises unless there is a vision tower or an image tokenizer
     vc, vq = getattr(cfg, "vision_config", None), getattr(cfg, "vq_config", None)
     top, tower = cfg.to_dict(), vc.to_dict() if vc is not None else {}
     if vc is not None:
         _fit_tower(vc)
-        for key in _TOWER_LAYER_INDEX:  # the top-level copy of the tower's index (MiniCPM-V copies it down)
+        for key in TOWER_LAYER_INDEX:  # the top-level copy of the tower's index (MiniCPM-V copies it down)
             if type(top.get(key)) is int and isinstance(getattr(vc, key, None), int):
                 setattr(cfg, key, getattr(vc, key))
-        _shrink(vc, {"out_hidden_size": text.hidden_size})
+        shrink(vc, {"out_hidden_size": text.hidden_size})
     elif vq is not None and "vocabulary_map" in cfg.to_dict():
         cfg.vocabulary_map = _fit_vq(vq, text)
     _fit_connector_configs(cfg, original)
     widths = _original_widths(cfg, original)
-    _fit_widths(cfg, {k: v for k, v in top.items() if k not in (getattr(cfg, "sub_configs", None) or {})}, widths)
+    fit_widths(cfg, {k: v for k, v in top.items() if k not in (getattr(cfg, "sub_configs", None) or {})}, widths)
     if vc is not None:
-        _fit_widths(vc, {k: v for k, v in tower.items() if k not in _TOWER_DERIVED}, widths)
+        fit_widths(vc, {k: v for k, v in tower.items() if k not in TOWER_DERIVED}, widths)
     for c in (cfg, vc):  # PaliGemma's projector maps the tower to this width, the language model's
         if c is not None and isinstance(getattr(c, "projection_dim", None), int):
             c.projection_dim = text.hidden_size
@@ -256,3 +201,18 @@ def build_vlm(model_type: str, seed: int = 0) -> nn.Module:
     except ValueError:
         model = AutoModel.from_config(cfg, **attention_kwargs())
     return model.eval()
+
+
+def is_vlm_type(model_type: str) -> bool:
+    """Whether transformers registers ``model_type`` as an image-text-to-text model whose config has a vision
+    tower (``vision_config``) or a VQ image tokenizer (``vq_config``: Chameleon)."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+    if model_type not in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:
+        return False
+    try:
+        cfg = AutoConfig.for_model(model_type)
+    except Exception:
+        return False
+    return any(getattr(cfg, key, None) is not None for key in ("vision_config", "vq_config"))

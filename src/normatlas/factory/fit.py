@@ -1,4 +1,4 @@
-"""Fits that keep a shrunk config buildable (:func:`.build.tiny_config`): the widths a config states as products
+"""Fits that keep a shrunk config buildable (:func:`.shrink.tiny_config`): the widths a config states as products
 of each other, and the fields a model reads from a sub-config that only its parent config holds.
 
 * **Products** (:func:`product_fixes`, tried by :func:`build_running` after the config rebuilt from its shrunk fields,
@@ -26,6 +26,8 @@ import contextlib
 import math
 from collections.abc import Callable
 from typing import Any, TypeVar
+
+from .shrink import config_parts
 
 __all__ = ["build_filling", "build_running", "product_fixes"]
 
@@ -96,7 +98,7 @@ def build_running(
     for i, (part, before) in enumerate(parts):
         for fix in product_fixes(part, before, deliberate)[:_TRIES]:
             trial = copy.deepcopy(cfg)
-            target = _parts_of(trial)[i]
+            target = config_parts(trial)[i]
             with contextlib.suppress(Exception):
                 for key, val in fix.items():
                     setattr(target, key, val)
@@ -104,12 +106,6 @@ def build_running(
                 if runs(candidate):
                     return candidate
     return model
-
-
-def _parts_of(cfg: Any) -> list[Any]:
-    from .build import _parts
-
-    return _parts(cfg)
 
 
 def build_filling(cfg: Any, build: Callable[[Any], M]) -> M:
