@@ -38,8 +38,9 @@ MAY_IMPORT = {
     8: set(range(9)),
 }
 # one-way edges inside a layer: longtail's VLM connectors and tiny VLMs are written with the blocks (Placement,
-# ResidualAdd, Attention, TransformerLM); blocks never imports longtail (test_within_layer_edges_are_one_way)
-WITHIN_LAYER = {("longtail", "blocks")}
+# ResidualAdd, Attention, TransformerLM); the tools read attention through the port's dataflow reading (v_scale finds
+# the value and output projections from Port.links, never by name); the other way is forbidden for both
+WITHIN_LAYER = {("longtail", "blocks"), ("tools", "port")}
 # what the model factory may import of ours, beside itself: the one load policy for checkpoint folders
 FACTORY_IMPORTS = {"checkpoint"}
 
