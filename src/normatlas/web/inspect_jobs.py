@@ -158,8 +158,9 @@ def _phases(enter: Callable[[Phase], None]) -> Iterator[None]:
 
 
 class Inspector:
-    """The page's inspections: targets checked at once, jobs run one at a time on one worker thread, reports
-    cached per target. ``runner`` (a CLI target -> the page's report) is :func:`.inspect_api.run_target`."""
+    """The page's inspections: targets checked at once, jobs run one at a time on one worker thread (started with
+    the inspector; it first imports transformers' config table, which checking a model type needs), reports cached
+    per target. ``runner`` (a CLI target -> the page's report) is :func:`.inspect_api.run_target`."""
 
     def __init__(self, root: Path, runner: Callable[[str], dict[str, Any]] = run_target) -> None:
         self.targets = Targets(root)
@@ -170,8 +171,9 @@ class Inspector:
         self._by_key: dict[str, Job] = {}  # the latest job of each target
         self._queue: collections.deque[Job] = collections.deque()
         self._failed: collections.deque[str] = collections.deque()
-        self._worker: threading.Thread | None = None
         self._closed = False
+        self._worker = threading.Thread(target=self._work, name="normatlas-inspect", daemon=True)
+        self._worker.start()
 
     def folders(self) -> list[str]:
         return self.targets.folders()
@@ -192,9 +194,6 @@ class Inspector:
             self._jobs[job.id] = job
             self._by_key[key] = job
             self._queue.append(job)
-            if self._worker is None:
-                self._worker = threading.Thread(target=self._work, name="normatlas-inspect", daemon=True)
-                self._worker.start()
             self._lock.notify_all()
             return job.view(now, self._ahead(job)) | {"joined": False, "cached": False}, False
 
@@ -226,6 +225,10 @@ class Inspector:
             job.enter(phase, time.monotonic())
 
     def _work(self) -> None:
+        try:  # the model-type check needs transformers' config table: imported here, not in a request (1-2 s)
+            from transformers.models.auto.configuration_auto import CONFIG_MAPPING  # noqa: F401
+        except ImportError:  # pragma: no cover - transformers is a dependency; a request will say what is missing
+            pass
         while True:
             with self._lock:
                 while not self._queue and not self._closed:

@@ -34,10 +34,12 @@ export async function render(root, params) {
   mount(root,
     h("header", {class: "view-head"}, h("h1", {}, "Inspect a model"),
       h("p", {class: "lede"}, "The model is built (tiny, random weights, offline) or loaded, traced, and its normalization ",
-        "design read off the dataflow, never off parameter names. What that costs is measured, not promised: the first ",
-        "inspection after the server starts pays for importing transformers' model code (4.4 s for qwen3 on this ",
-        "2-core machine at load 5, up to 12 s for a vision-language type such as llava), a later type 0.2–1 s, a type ",
-        "already inspected nothing (its report is cached). The phases and the seconds show as they run.")),
+        "design read off the dataflow, never off parameter names. What that costs is measured, not promised. On the ",
+        "machine this page was written on (2 cores shared with running experiments, load about 5), the first inspection ",
+        "after the server started took 5–6 s for a text model (qwen3 5.0 s, gpt2 5.7 s: mostly importing transformers' ",
+        "model code) and 9–12 s for llava; a later text type 0.2–0.4 s; a vision-language type whose tower must be ",
+        "fitted far longer (qwen2_5_vl: 104 s); a type inspected before, nothing (its report is cached). While one runs ",
+        "its phase and seconds show here, and the total is the server's own clock.")),
     form, out);
   if (typeInput.value || folderSel.value) run();
 
@@ -179,7 +181,9 @@ function report(rep, job) {
   return h("div", {class: "report"},
     h("section", {class: "card"},
       h("div", {class: "panel-head"}, h("h2", {}, rep.model), h("span", {class: "pill"}, rep.placement)),
-      h("div", {class: "inspect-diagram"}, h("div", {}, diagram,
+      h("div", {class: "inspect-diagram"}, h("div", {},
+        h("div", {class: "diagram-scroll", tabindex: 0, role: "region", "aria-label": "the block diagram (scrolls sideways on a narrow screen)"}, diagram),
+        h("p", {class: "scroll-hint diagram-hint"}, "the diagram scrolls sideways ›"),
         h("p", {class: "muted small"}, "the first layer as traced, with the norms before and after the stack; QK- and V-norms hang under the attention")),
       panel),
       h("p", {class: "muted small", id: "inspect-timing"}, timing(job))),
@@ -200,11 +204,8 @@ const BRANCHES = {attn: "attention", ffn: "MLP", stream: "stream"};
 function sitePanel(site, rep) {
   const lines = site.arithmetic.filter((l) => l.step !== "in all");
   const all = site.arithmetic.find((l) => l.step === "in all");
-  const numbers = [
-    ["operator", site.operator], ["over d", site.size], ["eps", site.eps], ["eps placement", site.eps_placement],
-    ["gain convention", site.gain_convention], ["bias", site.bias], ["cast order", site.cast_order],
-    ["output scale", site.output_scale], ["fused kernel", site.fused],
-  ];
+  const numbers = [["operator", site.operator], ["over d values", site.size], ["eps", site.eps],
+    ["gain convention", site.gain_convention], ["output scale", site.output_scale], ["fused kernel", site.fused]];
   if (site.slot === "qk") numbers.push(["QK-norm", rep.qk_norm], ["order with RoPE", rep.qk_norm_rope]);
   const probe = site.probe && Object.keys(site.probe).length
     ? Object.entries(site.probe).map(([k, v]) => `${k.replaceAll("_", " ")} ${typeof v === "number" ? fmt(v) : String(v)}`).join(", ")

@@ -23,23 +23,23 @@ export function drawPlacement(p, {label = "placement", sites = null, onSite = nu
     x = r.x;
     rows = Math.max(rows, names.length);
   }
+  const blockEnd = x;
   items.push(arrowLine(x, STREAM_Y, x + 18, STREAM_Y), s("text", {x: x + 22, y: STREAM_Y + 4, class: "d-label"}, "x′"));
   x += 40;
-  if (ctx.at && ctx.at.stream.final.length) {
+  if (ctx.at && ctx.at.stream.final.length) {  // the later layers elided, then the final norm
     items.push(s("text", {x: x + 2, y: STREAM_Y + 4, class: "d-label"}, "⋯"));
-    x += 22;
+    x += 26;
     for (const site of ctx.at.stream.final) {
-      items.push(arrowLine(x - 6, STREAM_Y, x, STREAM_Y));
-      x = siteBox(ctx, x, STREAM_Y, site, "final") + 4;
+      items.push(arrowLine(x - 8, STREAM_Y, x, STREAM_Y));
+      x = siteBox(ctx, x, STREAM_Y, site, "final") + 8;
     }
-    x += 8;
   }
   const width = x, height = rowY(ctx, rows - 1) + BH / 2 + (ctx.inner ? INNER : 0) + 12;
   const defs = s("defs", {}, s("marker", {id: "arr", viewBox: "0 0 8 8", refX: 7, refY: 4, markerWidth: 6, markerHeight: 6,
     orient: "auto"}, s("path", {d: "M0,0 L8,4 L0,8 z", class: "arrowhead"})));
   return s("svg", {viewBox: `0 0 ${width} ${height}`, width, height, class: "diagram",
     role: ctx.at ? "group" : "img", "aria-label": label}, defs,
-    s("line", {x1: 12, x2: x - 8, y1: STREAM_Y, y2: STREAM_Y, class: "stream"}), ...items);
+    s("line", {x1: 12, x2: blockEnd, y1: STREAM_Y, y2: STREAM_Y, class: "stream"}), ...items);
 }
 
 // the sites by branch and slot; null without sites (a preset: its booleans are drawn)
