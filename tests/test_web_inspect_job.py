@@ -23,11 +23,13 @@ from torch.overrides import TorchFunctionMode
 
 from normatlas.web.inspect_api import Unreadable, run_target
 from normatlas.web.inspect_jobs import MAX_QUEUED
+from tests import test_web_browser as web
 from tests.test_web_api import call
-from tests.test_web_browser import ARTIFACTS, CHROMIUM, _open, site  # noqa: F401 (site: the shared fixture)
+from tests.test_web_browser import ARTIFACTS, CHROMIUM, CONTRAST_JS, _open
 from tests.web_helpers import running
 
 FINISHED = ("done", "failed")
+site = web.site  # the browser tests' fixture (a server and a headless Chromium), one per module
 
 
 @pytest.fixture(scope="module")
@@ -312,3 +314,12 @@ def test_the_inspect_view_is_no_wider_than_a_phone(site: dict[str, Any], model_t
         assert page.is_visible(".diagram-hint")
     finally:
         page.set_viewport_size({"width": 1360, "height": 900})
+
+
+@browser
+def test_the_report_with_a_site_open_meets_wcag_aa(site: dict[str, Any]) -> None:
+    page = _open(site, "inspect", "model_type=qwen3")
+    page.wait_for_selector("#inspect-out .report svg.diagram", timeout=90_000)
+    page.locator("svg.diagram .site[data-slot='qk']").first.click()
+    low = page.evaluate(CONTRAST_JS)
+    assert low == [], f"text under WCAG AA contrast: {low[:8]}"

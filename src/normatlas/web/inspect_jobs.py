@@ -225,10 +225,9 @@ class Inspector:
             job.enter(phase, time.monotonic())
 
     def _work(self) -> None:
-        try:  # the model-type check needs transformers' config table: imported here, not in a request (1-2 s)
+        # the model-type check needs transformers' config table: imported here, not in a request (1-2 s)
+        with contextlib.suppress(ImportError):  # a request will say what is missing
             from transformers.models.auto.configuration_auto import CONFIG_MAPPING  # noqa: F401
-        except ImportError:  # pragma: no cover - transformers is a dependency; a request will say what is missing
-            pass
         while True:
             with self._lock:
                 while not self._queue and not self._closed:
