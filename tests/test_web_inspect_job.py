@@ -203,6 +203,9 @@ def test_inspect_shows_progress_then_the_report(site: dict[str, Any]) -> None:
         later = float(page.inner_text("#inspect-job .elapsed").split()[0])
         assert later > first, (first, later)  # the seconds run
         page.screenshot(path=str(ARTIFACTS / "inspect-progress.png"))
+        page.reload()  # a reload during the build joins the running job: its seconds go on, no 503
+        page.wait_for_selector("#inspect-job[data-state='building']", timeout=10_000)
+        assert float(page.inner_text("#inspect-job .elapsed").split()[0]) >= later
         page.wait_for_selector("#inspect-out .report svg.diagram", timeout=60_000)
     finally:
         srv.inspector.runner = run_target
@@ -210,6 +213,7 @@ def test_inspect_shows_progress_then_the_report(site: dict[str, Any]) -> None:
     assert timing.startswith("measured by the server: ") and "building" in timing, timing
     total = float(timing.split(": ")[1].split()[0])
     assert total >= 2.5, timing  # the server's own clock, the held build included
+    assert not any(" 503 " in f for f in site["log"]["failed"]), site["log"]["failed"]
     assert site["log"]["errors"] == [], site["log"]["errors"]
 
 
