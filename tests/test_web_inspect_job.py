@@ -176,6 +176,21 @@ def test_a_real_inspection_reports_its_sites_and_measured_phases(server: Any, mo
         assert "+ b" in rep["sites"][0]["arithmetic"][-1]["expr"]
 
 
+def test_v_norm_and_side_path_sites_of_the_first_layer(server: Any) -> None:
+    doc = call(server, "POST", "/api/inspect", {"model_type": "gemma3n_text"})[2]
+    rep = wait_for(server, doc["job"], FINISHED)["result"]
+    assert rep["v_norm"] is True and rep["qk_norm"] == "per-head"
+    slots = [s["slot"] for s in rep["sites"]]
+    # Peri-LN's four, queries' and keys' norms and the gain-less V-norm (by dataflow order, whatever the layer
+    # field says), and the side paths' norms (AltUp, LAuReL, per-layer inputs) up to the second layer
+    assert slots.count("qk") == 2 and slots.count("v") == 1 and slots.count("out") == 2 and "final" in slots
+    v = next(s for s in rep["sites"] if s["slot"] == "v")
+    lines = {line["step"]: line["expr"] for line in v["arithmetic"]}
+    assert v["gain_convention"] == "none" and lines["gain"] == "none" and "w" not in lines["in all"]
+    others = [s for s in rep["sites"] if s["branch"] == "other"]
+    assert len(others) >= 3 and all(s["slot"] == "other" for s in others)
+
+
 # --- the page ----------------------------------------------------------------------------------------------------
 
 browser = pytest.mark.skipif(not Path(CHROMIUM).exists(), reason=f"{CHROMIUM} is absent (make test installs it)")
@@ -327,3 +342,20 @@ def test_the_report_with_a_site_open_meets_wcag_aa(site: dict[str, Any]) -> None
     page.locator("svg.diagram .site[data-slot='qk']").first.click()
     low = page.evaluate(CONTRAST_JS)
     assert low == [], f"text under WCAG AA contrast: {low[:8]}"
+
+
+@browser
+def test_a_v_norm_is_drawn_and_side_path_norms_open_too(site: dict[str, Any]) -> None:
+    page = _open(site, "inspect", "model_type=gemma3n_text")
+    page.wait_for_selector("#inspect-out .report svg.diagram", timeout=90_000)
+    v = page.locator("svg.diagram .site[data-slot='v']")
+    assert v.count() == 1 and page.locator("svg.diagram .site[data-slot='qk']").count() == 2
+    v.focus()
+    page.keyboard.press("Enter")
+    panel = page.locator("#site-panel")
+    assert "V-norm" in panel.inner_text() and v.get_attribute("aria-pressed") == "true"
+    chip = page.locator(".other-sites button.site-chip").first
+    chip.click()
+    assert "side path" in panel.inner_text() and chip.get_attribute("aria-pressed") == "true"
+    assert v.get_attribute("aria-pressed") == "false"
+    page.screenshot(path=str(ARTIFACTS / "inspect-gemma3n_text.png"), full_page=True)

@@ -128,6 +128,6 @@ def run_target(target: str) -> dict[str, Any]:
     try:
         report = inspect_target(target)
     except Exception as exc:  # building or tracing a model fails in many ways: one named line
-        first = (str(exc).splitlines() or [""])[0][:300]
+        first = next((line.strip() for line in str(exc).splitlines() if line.strip()), "")[:300]
         raise Unreadable(f"cannot build or inspect {target}: {type(exc).__name__}: {first}") from exc
     return report_view(report)

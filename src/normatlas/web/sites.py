@@ -2,7 +2,8 @@
 
 :func:`site_views` is what the Inspect view's diagram draws and what a click on a site opens: the site's place
 (which branch, which slot: ``pre`` / ``out`` on the branch, ``post`` on the stream after the add, ``qk`` / ``v``
-inside attention, ``embedding`` / ``final`` on the stream before the first and after the last layer) and
+inside attention, ``embedding`` / ``final`` on the stream before the first and after the last layer; branch
+``other``: a norm off the block's main path, a side path's or a head's, its slot its role) and
 :func:`arithmetic`, the lines of its computation. Everything is read from :class:`normatlas.inspect.NormInfo`'s
 typed fields (operator, eps and where it sits, gain convention, bias, cast order, output scale); the module name
 rides along as a label and is never read.
@@ -121,35 +122,46 @@ def _site(n: Any, branch: str, slot: str) -> dict[str, Any]:
 
 
 def site_views(report: Any) -> list[dict[str, Any]]:
-    """The norm sites the diagram draws: the first layer's (its sublayers' slots, QK- and V-norms inside its
-    attention), the embedding norm and the final norm; in the order they run."""
-    norms = {n.index: n for n in getattr(report, "norms", [])}
+    """The norm sites the diagram draws: the embedding norm, the first layer's (its sublayers' slots, the QK- and
+    V-norms inside its attention, and any other norm in its stretch of the dataflow: side paths, a tower's heads),
+    and the final norm. A site's place in the dataflow (its index) decides what belongs to the first layer: a QK- or
+    V-norm of it runs before its last sublayer norm, another norm before the next layer's first."""
+    norms = sorted(getattr(report, "norms", []), key=lambda n: n.index)
+    by_index = {n.index: n for n in norms}
     subs = getattr(report, "sublayers", [])
     if not subs:
         return []
     layer = subs[0].layer
     first = [s for s in subs if s.layer == layer]
     attn, ffn = first[0], first[1] if len(first) > 1 else first[0]
+    own = [i for s in first for i in (*s.pre, *s.out, *s.post)]
+    last_own = max(own, default=-1)
+    later = [i for s in subs if s.layer != layer for i in (*s.pre, *s.out, *s.post)]
+    next_first = min(later, default=float("inf"))
     out: list[dict[str, Any]] = []
     seen: set[int] = set()
 
-    def add(index: int, branch: str, slot: str) -> None:
-        if index in norms and index not in seen:
-            seen.add(index)
-            out.append(_site(norms[index], branch, slot))
+    def add(n: Any, branch: str, slot: str) -> None:
+        if n.index not in seen:
+            seen.add(n.index)
+            out.append(_site(n, branch, slot))
 
-    for n in norms.values():
+    for n in norms:
         if n.role is SiteRole.EMBEDDING:
-            add(n.index, "stream", "embedding")
+            add(n, "stream", "embedding")
     for sub, branch in ((attn, "attn"), (ffn, "ffn")):
         for slot in ("pre", "out", "post"):
             for i in getattr(sub, slot):
-                add(i, branch, slot)
-        if branch == "attn":
-            for n in norms.values():
-                if n.layer == layer and n.role in (SiteRole.QK, SiteRole.V):
-                    add(n.index, "attn", n.role.value)
-    for n in norms.values():
+                if i in by_index:
+                    add(by_index[i], branch, slot)
+    for n in norms:
+        if n.role in (SiteRole.QK, SiteRole.V) and (n.layer == layer or n.index < last_own):
+            add(n, "attn", n.role.value)
+    for n in norms:
         if n.role is SiteRole.FINAL:
-            add(n.index, "stream", "final")
+            add(n, "stream", "final")
+    inner = (SiteRole.PRE, SiteRole.OUT, SiteRole.POST, SiteRole.QK, SiteRole.V, SiteRole.FINAL, SiteRole.EMBEDDING)
+    for n in norms:
+        if n.role not in inner and n.index < next_first:
+            add(n, "other", n.role.value)
     return out

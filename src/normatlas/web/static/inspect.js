@@ -168,24 +168,29 @@ function report(rep, job) {
   const sites = rep.sites || [];
   const panel = h("div", {class: "site-panel", id: "site-panel", "aria-live": "polite"},
     h("p", {class: "muted small"}, sites.length ? `${sites.length} norm sites drawn. Click one (or Tab to it and press Enter) for its arithmetic and its numbers.` : "no norm site found"));
-  const onSite = (site, el) => {
-    for (const g of el.ownerSVGElement.querySelectorAll(".site[aria-pressed='true']")) g.setAttribute("aria-pressed", "false");
-    for (const g of el.ownerSVGElement.querySelectorAll(`.site[data-site='${site.index}']`)) g.setAttribute("aria-pressed", "true");
+  let root = null;  // the report, built below: its site buttons (in the drawing and off it) show which one is open
+  const onSite = (site) => {
+    for (const g of root.querySelectorAll(".site[aria-pressed='true']")) g.setAttribute("aria-pressed", "false");
+    for (const g of root.querySelectorAll(`.site[data-site='${site.index}']`)) g.setAttribute("aria-pressed", "true");
     mount(panel, sitePanel(site, rep));
   };
+  const others = sites.filter((x) => x.branch === "other");
+  const otherRow = others.length ? h("p", {class: "other-sites small"}, h("span", {class: "muted"}, "off the block's main path: "),
+    others.map((x) => h("button", {type: "button", class: "site site-chip", "data-site": x.index, "data-slot": x.slot,
+      "aria-pressed": "false", onclick: () => onSite(x)}, `${x.slot} N${x.size ? " · " + x.size : ""} (site ${x.index})`))) : null;
   const first = (rep.attention || []).find((a) => a.layer === (rep.sublayers || [])[0]?.layer);
   const diagram = rep.drawing
     ? drawPlacement(rep.drawing, {label: `${rep.model}: the placement of its first layer, every norm site a button`,
-      sites, onSite, rope: first ? first.qk_norm_rope : null})
+      sites: sites.filter((x) => x.branch !== "other"), onSite, rope: first ? first.qk_norm_rope : null})
     : status("no residual add found");
-  return h("div", {class: "report"},
+  root = h("div", {class: "report"},
     h("section", {class: "card"},
       h("div", {class: "panel-head"}, h("h2", {}, rep.model), h("span", {class: "pill"}, rep.placement)),
       h("div", {class: "inspect-diagram"}, h("div", {},
         h("div", {class: "diagram-scroll", tabindex: 0, role: "region", "aria-label": "the block diagram (scrolls sideways on a narrow screen)"}, diagram),
         h("p", {class: "scroll-hint diagram-hint"}, "the diagram scrolls sideways ›"),
         h("p", {class: "muted small"}, "the first layer as traced, with the norms before and after the stack",
-          sites.some((x) => x.slot === "qk" || x.slot === "v") ? "; QK- and V-norms hang under the attention" : "")),
+          sites.some((x) => x.slot === "qk" || x.slot === "v") ? "; QK- and V-norms hang under the attention" : ""), otherRow),
       panel),
       h("p", {class: "muted small", id: "inspect-timing"}, timing(job))),
     h("div", {class: "two"},
@@ -194,12 +199,15 @@ function report(rep, job) {
         h("thead", {}, h("tr", {}, ["layer", "sublayer", "placement", "pre", "out", "post", "residual ×", "branch ×"].map((c) => h("th", {}, c)))),
         h("tbody", {}, subs))))),
     rep.notes && rep.notes.length ? h("section", {class: "card"}, h("h2", {}, "notes"), h("ul", {}, rep.notes.map((n) => h("li", {}, n)))) : null);
+  return root;
 }
 
 const SLOT_TITLES = {pre: "on the branch input", out: "on the branch output, before the add",
   post: "on the stream, after the add", qk: "QK-norm: on queries or keys", v: "V-norm: on values",
-  embedding: "after the embedding", final: "the final norm, after the last layer"};
-const BRANCHES = {attn: "attention", ffn: "MLP", stream: "stream"};
+  embedding: "after the embedding", final: "the final norm, after the last layer",
+  other: "off the block's main path (a side path)", pooled: "on a token subset (CLS) of the last stream value",
+  merger: "on rows then merged (k tokens to one)", head: "inside a pooling head or connector"};
+const BRANCHES = {attn: "attention", ffn: "MLP", stream: "stream", other: "elsewhere"};
 
 /** A site's arithmetic (the server's lines from its typed fields) and its numbers. */
 function sitePanel(site, rep) {

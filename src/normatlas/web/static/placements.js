@@ -73,7 +73,7 @@ function siteBox(ctx, x, y, site, caption = null, text = "N") {
   const end = box(parts, x, y, text, `norm${site.slot === "post" || site.branch === "stream" ? " on-stream" : ""}`, caption);
   const where = {attn: "attention", ffn: "MLP", stream: "stream"}[site.branch];
   const name = `${site.operator} ${SLOT_WORDS[site.slot]} (${where}, site ${site.index}): its arithmetic`;
-  const open = () => ctx.onSite && ctx.onSite(site, g);
+  const open = () => ctx.onSite && ctx.onSite(site);
   const g = s("g", {class: "site", tabindex: 0, role: "button", "aria-label": name, "aria-pressed": "false",
     "data-site": site.index, "data-slot": site.slot, onclick: open,
     onkeydown: (e) => { if (e.key === "Enter" || e.key === " ") { e.preventDefault(); open(); } }},
