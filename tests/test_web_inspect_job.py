@@ -269,12 +269,17 @@ def test_a_failure_offers_a_retry_that_works(site: dict[str, Any]) -> None:
         raise Unreadable(f"cannot build or inspect {target}: RuntimeError: out of memory")
 
     srv.inspector.runner = broken
+    page = site["page"]
+    page.set_viewport_size({"width": 390, "height": 844})
     try:
         page = _open(site, "inspect", "model_type=phi")
         page.wait_for_selector("#inspect-retry", timeout=30_000)
         assert "out of memory" in page.inner_text("#inspect-out [role='alert']")
+        page.screenshot(path=str(ARTIFACTS / "inspect-failed-390.png"), full_page=True)
+        assert page.evaluate("document.scrollingElement.scrollWidth") <= 390
     finally:
         srv.inspector.runner = run_target
+        page.set_viewport_size({"width": 1360, "height": 900})
     page.click("#inspect-retry")
     page.wait_for_selector("#inspect-out .report svg.diagram", timeout=60_000)
     assert "phi" in page.inner_text("#inspect-out h2")

@@ -105,17 +105,21 @@ function branchItems(ctx, name, slots) {
   return out;
 }
 
-// the QK- and V-norm sites under the attention box at (x, y), joined to it by a dashed line
+// the QK- and V-norm sites under the attention box at (x, y), joined to it by a dashed line; the QK-norms' order
+// with RoPE (the report's typed field) beside them
 function innerSites(ctx, x, y) {
-  const inner = [...ctx.at.attn.qk.map((q) => [q, "QK-N"]), ...ctx.at.attn.v.map((v) => [v, "V-N"])];
-  if (!inner.length) return;
+  const {qk, v} = ctx.at.attn;
+  if (!qk.length && !v.length) return;
   const y2 = y + INNER;
   ctx.items.push(s("line", {x1: x + 12, x2: x + 12, y1: y + BH / 2, y2: y2 - BH / 2, class: "wire inner"}));
   let cx = x;
-  for (const [site, text] of inner) cx = siteBox(ctx, cx, y2, site, null, text) + 6;
-  if (ctx.rope && ctx.at.attn.qk.length && !["n/a", "mixed"].includes(ctx.rope)) {
-    ctx.items.push(s("text", {x: cx + 2, y: y2 + 4, class: "d-label small"}, ctx.rope.replace("-rope", " RoPE")));
+  for (const site of qk) cx = siteBox(ctx, cx, y2, site, null, "QK-N") + 6;
+  if (qk.length && ctx.rope && !["n/a", "mixed"].includes(ctx.rope)) {
+    const words = ctx.rope.replace("-rope", " RoPE");
+    ctx.items.push(s("text", {x: cx, y: y2 + 4, class: "d-label small"}, words));
+    cx += words.length * 6.6 + 10;
   }
+  for (const site of v) cx = siteBox(ctx, cx, y2, site, null, "V-N") + 6;
 }
 
 /** One residual add: branches from a fork on the stream, joining at (+); the after-add norm on the stream. */
