@@ -34,12 +34,11 @@ export async function render(root, params) {
   mount(root,
     h("header", {class: "view-head"}, h("h1", {}, "Inspect a model"),
       h("p", {class: "lede"}, "The model is built (tiny, random weights, offline) or loaded, traced, and its normalization ",
-        "design read off the dataflow, never off parameter names. What that costs is measured, not promised. On the ",
-        "machine this page was written on (2 cores shared with running experiments, load about 5), the first inspection ",
-        "after the server started took 5–6 s for a text model (qwen3 5.0 s, gpt2 5.7 s: mostly importing transformers' ",
-        "model code) and 9–12 s for llava; a later text type 0.2–0.4 s; a vision-language type whose tower must be ",
-        "fitted far longer (qwen2_5_vl: 104 s); a type inspected before, nothing (its report is cached). While one runs ",
-        "its phase and seconds show here, and the total is the server's own clock.")),
+        "design read off the dataflow, never off parameter names. Its cost is measured, not promised: on a 2-core machine ",
+        "shared with running experiments (load about 5), the first inspection after the server started took 5–6 s for a ",
+        "text model (qwen3, gpt2: mostly importing transformers), 9–12 s for llava, 104 s for qwen2_5_vl (its tower is ",
+        "fitted); a later text type 0.2–0.4 s; a type inspected before, nothing (cached). The phases and seconds show as ",
+        "they run.")),
     form, out);
   if (typeInput.value || folderSel.value) run();
 
