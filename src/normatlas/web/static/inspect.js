@@ -57,7 +57,7 @@ export async function render(root, params) {
       let job = await retrying(() => request("/api/inspect", body), view, live);
       while (live() && !["done", "failed"].includes(job.state)) {
         view.show(job);
-        await sleep(POLL_MS);
+        await sleep(job.elapsed > 10 ? 4 * POLL_MS : POLL_MS);  // a long build is polled less often
         if (!live()) return;
         try {
           job = await retrying(() => request(`/api/inspect/job/${job.job}`), view, live);
