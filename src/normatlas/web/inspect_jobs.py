@@ -206,6 +206,11 @@ class Inspector:
                 raise FileNotFoundError(f"no inspection job {ident}; it may have failed long ago: POST again")
             return job.view(time.monotonic(), self._ahead(job))
 
+    def pending(self) -> int:
+        """How many jobs are queued or running."""
+        with self._lock:
+            return len(self._queue) + (1 if self._running() else 0)
+
     def close(self) -> None:
         """Stop the worker once its current job ends (queued jobs are dropped)."""
         with self._lock:
