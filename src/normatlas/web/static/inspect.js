@@ -126,14 +126,13 @@ function progress(name) {
     h("p", {class: "job-line", role: "status", "aria-live": "polite"}, `Inspecting ${name}: `, phase),
     h("p", {class: "job-line muted"}, "elapsed ", elapsed, " (measured by the server)"), steps, retry);
   let base = 0, at = performance.now(), state = "queued";
-  const tick = setInterval(() => {
-    if (!el.isConnected) { clearInterval(tick); return; }
-    elapsed.textContent = `${((base + (performance.now() - at) / 1000)).toFixed(1)} s`;
-  }, 100);
+  const draw = () => { elapsed.textContent = `${(base + (performance.now() - at) / 1000).toFixed(1)} s`; };
+  const tick = setInterval(() => { if (el.isConnected) draw(); else clearInterval(tick); }, 100);
   return {
     el,
     show(job) {
       base = job.elapsed; at = performance.now();
+      draw();
       el.dataset.state = state = job.state;
       phase.textContent = job.state === "queued" && job.ahead ? `waiting for ${job.ahead} inspection(s) before it`
         : PHASE_WORDS[job.state] || job.state;
