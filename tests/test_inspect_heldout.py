@@ -280,14 +280,14 @@ def test_cli_inspect_routes_a_vision_type(capsys: pytest.CaptureFixture[str]) ->
 
 
 def test_web_inspect_answers_a_build_failure_with_422(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
-    from normatlas.web.inspect_api import Inspector, Unreadable
+    from normatlas.web.inspect_api import Unreadable, run_target
 
     def broken(target: str, **_: Any) -> None:
         raise IndexError("list index out of range")
 
     monkeypatch.setattr(inspect_pkg, "inspect_target", broken)
     with pytest.raises(Unreadable, match="cannot build or inspect swinv2: IndexError"):
-        Inspector(tmp_path).inspect({"model_type": "swinv2"})
+        run_target("swinv2")
 
 
 def test_web_server_maps_unreadable_to_422_json(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
@@ -299,6 +299,8 @@ def test_web_server_maps_unreadable_to_422_json(monkeypatch: pytest.MonkeyPatch,
         raise IndexError("list index out of range")
 
     monkeypatch.setattr(inspect_pkg, "inspect_target", broken)
-    with running(tmp_path, None) as srv:
-        status, _, doc = call(srv, "POST", "/api/inspect", {"model_type": "swinv2"})
-    assert status == 422 and doc["status"] == 422 and "IndexError" in doc["error"]
+    with running(tmp_path, None) as srv:  # the inspection is a job: it fails with the status a 422 would carry
+        doc = call(srv, "POST", "/api/inspect", {"model_type": "swinv2"})[2]
+        while doc["state"] not in ("done", "failed"):
+            doc = call(srv, "GET", f"/api/inspect/job/{doc['job']}")[2]
+    assert doc["state"] == "failed" and doc["status"] == 422 and "IndexError" in doc["error"]

@@ -2,23 +2,22 @@
 
 A target is a transformers model type (built tiny, random weights, offline) or a checkpoint folder
 inside the server's ``--root``; a folder that resolves outside it is refused (:class:`Forbidden`, 403),
-and ``module:factory`` targets (which import code) are not accepted from the page at all. Inspection
-takes seconds, so it runs in the request thread, at most :data:`MAX_CONCURRENT` at a time (others get
-:class:`Busy`, 503), and results are cached per target.
+and ``module:factory`` targets (which import code) are not accepted from the page at all. A target is
+checked at once; its inspection then runs as a job (:mod:`.inspect_jobs`: one at a time, on one worker
+thread, the phases timed by the server) whose report is cached per target.
 """
 
 from __future__ import annotations
 
 import re
-import threading
 from pathlib import Path
 from typing import Any
 
 from ..vocabulary import PlacementKind, SublayerKind
+from .sites import site_views
 
-__all__ = ["MAX_CONCURRENT", "Busy", "Forbidden", "Inspector", "Unreadable"]
+__all__ = ["Busy", "Forbidden", "Targets", "Unreadable", "drawing", "report_view", "run_target"]
 
-MAX_CONCURRENT = 1
 _MODEL_TYPE = re.compile(r"[a-z0-9][a-z0-9_-]{0,63}")
 _KEYS = frozenset({"model_type", "folder"})
 MAX_FOLDERS = 200
@@ -29,7 +28,7 @@ class Forbidden(PermissionError):
 
 
 class Busy(RuntimeError):
-    """Every inspection slot is taken."""
+    """The inspection queue is full (503, with ``Retry-After``)."""
 
 
 class Unreadable(ValueError):
@@ -67,14 +66,11 @@ def drawing(report: Any) -> dict[str, Any] | None:
     }
 
 
-class Inspector:
-    """Inspects page targets under a root folder, caching reports and bounding concurrency."""
+class Targets:
+    """The targets the page may inspect: transformers model types, and checkpoint folders under a root."""
 
     def __init__(self, root: Path) -> None:
         self.root = root.resolve()
-        self._cache: dict[str, dict[str, Any]] = {}
-        self._slots = threading.BoundedSemaphore(MAX_CONCURRENT)
-        self._lock = threading.Lock()
 
     def folders(self) -> list[str]:
         """Checkpoint folders (with a config.json) under the root, two levels deep, relative to it."""
@@ -96,15 +92,16 @@ class Inspector:
             raise FileNotFoundError(f"folder={folder!r} has no config.json under the served root")
         return path
 
-    def target(self, body: Any) -> tuple[str, str]:
-        """(cache key, CLI target) of a request body ``{"model_type": ...}`` or ``{"folder": ...}``."""
+    def target(self, body: Any) -> tuple[str, str, str]:
+        """(cache key, CLI target, the target as the page names it) of a body ``{"model_type": ...}`` or
+        ``{"folder": ...}``."""
         if not isinstance(body, dict) or len(set(body) & _KEYS) != 1 or set(body) - _KEYS:
             raise ValueError(
                 f"the body must be one of {{'model_type': TYPE}} or {{'folder': PATH}}; got {body!r}"[:300]
             )
         if "folder" in body:
             path = self.resolve_folder(body["folder"])
-            return f"folder:{path}", str(path)
+            return f"folder:{path}", str(path), path.relative_to(self.root).as_posix()
         mt = body["model_type"]
         if not isinstance(mt, str) or not _MODEL_TYPE.fullmatch(mt):
             raise ValueError(f"model_type={mt!r} must be a transformers model type such as 'llama' or 'gpt2'"[:300])
@@ -112,28 +109,25 @@ class Inspector:
 
         if mt not in CONFIG_MAPPING:
             raise ValueError(f"model_type={mt!r} is not a model type of the installed transformers")
-        return f"type:{mt}", mt
+        return f"type:{mt}", mt, mt
 
-    def inspect(self, body: Any) -> dict[str, Any]:
-        """The report of a target (cached), with its placement drawing."""
-        key, target = self.target(body)
-        with self._lock:
-            if key in self._cache:
-                return self._cache[key] | {"cached": True}
-        if not self._slots.acquire(timeout=0.05):
-            raise Busy("another inspection is running; try again in a few seconds")
-        try:
-            from ..inspect import inspect_target
 
-            try:
-                report = inspect_target(target)
-            except Exception as exc:  # building or tracing a model fails in many ways: one named line
-                first = (str(exc).splitlines() or [""])[0][:300]
-                raise Unreadable(f"cannot build or inspect {target}: {type(exc).__name__}: {first}") from exc
-            doc = report.to_dict() | {"drawing": drawing(report)}
-            doc["seconds"] = round(float(doc.get("seconds") or 0.0), 3)
-        finally:
-            self._slots.release()
-        with self._lock:
-            self._cache[key] = doc
-        return doc | {"cached": False}
+def report_view(report: Any) -> dict[str, Any]:
+    """The page's report: ``InspectionReport.to_dict()`` with the placement ``drawing`` and every norm ``sites``
+    of the first layer (with their arithmetic), ``seconds`` rounded (the inspector's own trace-and-read time)."""
+    doc = report.to_dict() | {"drawing": drawing(report), "sites": site_views(report)}
+    doc["seconds"] = round(float(doc.get("seconds") or 0.0), 3)
+    return doc
+
+
+def run_target(target: str) -> dict[str, Any]:
+    """Build and inspect a CLI target (a model type or a folder path), as :func:`report_view`; a target that does
+    not build or run raises :class:`Unreadable`."""
+    from ..inspect import inspect_target
+
+    try:
+        report = inspect_target(target)
+    except Exception as exc:  # building or tracing a model fails in many ways: one named line
+        first = next((line.strip() for line in str(exc).splitlines() if line.strip()), "")[:300]
+        raise Unreadable(f"cannot build or inspect {target}: {type(exc).__name__}: {first}") from exc
+    return report_view(report)

@@ -33,7 +33,8 @@ from urllib.parse import unquote, urlsplit
 
 from .axes_api import normalize_view, taxonomy_view
 from .catalog import NAME, experiments_view, models_view, papers_view, placements_view
-from .inspect_api import Busy, Forbidden, Inspector, Unreadable
+from .inspect_api import Busy, Forbidden, Unreadable
+from .inspect_jobs import Inspector
 
 __all__ = ["CSP", "MAX_BODY", "AtlasServer", "Config", "make_server", "static_files"]
 
@@ -51,6 +52,7 @@ _TYPES = {
     ".ico": "image/x-icon",
 }
 _FIGURE = re.compile(r"/experiments/([^/]+)/(figure\.(?:svg|png))")
+_JOB = re.compile(r"/api/inspect/job/([^/]+)")
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 # a Host header: a registered name or IPv4 address, or an IPv6 literal in brackets; then an optional :port
 _HOST = re.compile(
@@ -66,6 +68,15 @@ class Config:
 
     root: Path
     experiments: Path | None
+
+
+@dataclass(frozen=True)
+class Answer:
+    """A route's answer when it is not a plain 200: its status, JSON document and extra headers."""
+
+    status: HTTPStatus
+    doc: Any
+    headers: dict[str, str] | None = None
 
 
 class HTTPError(Exception):
@@ -116,6 +127,10 @@ class AtlasServer(ThreadingHTTPServer):
         self.inspector = Inspector(config.root)
         self._views: dict[str, Any] = {}
         self._slots = threading.BoundedSemaphore(self.max_threads)
+
+    def server_close(self) -> None:
+        self.inspector.close()
+        super().server_close()
 
     def process_request(self, request: Any, client_address: Any) -> None:
         """A thread for the connection while fewer than :attr:`max_threads` are busy; else a 503, closed at once."""
@@ -191,9 +206,20 @@ GET_ROUTES: dict[str, Callable[[AtlasServer], Any]] = {
     "/api/experiments": lambda s: experiments_view(s.config.experiments),
     "/api/inspect": lambda s: {"root": str(s.inspector.root), "folders": s.inspector.folders()},
 }
+
+
+def _inspect(server: AtlasServer, body: Any) -> Answer:
+    """``POST /api/inspect``: the job of the body's target, started or joined; 202 with its ``Location`` while it
+    runs, 200 once it is done (a cached report)."""
+    doc, finished = server.inspector.start(body)
+    if finished:
+        return Answer(HTTPStatus.OK, doc)
+    return Answer(HTTPStatus.ACCEPTED, doc, {"Location": f"/api/inspect/job/{doc['job']}"})
+
+
 POST_ROUTES: dict[str, Callable[[AtlasServer, Any], Any]] = {
     "/api/normalize": lambda s, body: normalize_view(body),
-    "/api/inspect": lambda s, body: s.inspector.inspect(body),
+    "/api/inspect": _inspect,
 }
 
 
@@ -301,6 +327,8 @@ class Handler(BaseHTTPRequestHandler):
             self._json(HTTPStatus.OK, GET_ROUTES[path](self.server))
         elif path in POST_ROUTES:
             raise HTTPError(HTTPStatus.METHOD_NOT_ALLOWED, f"{path} takes POST", {"Allow": "POST"})
+        elif (m := _JOB.fullmatch(path)) is not None:
+            self._json(HTTPStatus.OK, self.server.inspector.job(m.group(1)))
         elif path.startswith("/api/"):
             raise HTTPError(HTTPStatus.NOT_FOUND, f"no API route {path}; see docs/web.md")
         elif (m := _FIGURE.fullmatch(path)) is not None:
@@ -319,10 +347,14 @@ class Handler(BaseHTTPRequestHandler):
 
     def _post(self, path: str) -> None:
         if path not in POST_ROUTES:
-            if path in GET_ROUTES:
+            if path in GET_ROUTES or _JOB.fullmatch(path):
                 raise HTTPError(HTTPStatus.METHOD_NOT_ALLOWED, f"{path} takes GET", {"Allow": "GET, HEAD"})
             raise HTTPError(HTTPStatus.NOT_FOUND, f"no API route {path}; see docs/web.md")
-        self._json(HTTPStatus.OK, POST_ROUTES[path](self.server, self._body()))
+        answer = POST_ROUTES[path](self.server, self._body())
+        if isinstance(answer, Answer):
+            self._json(answer.status, answer.doc, answer.headers)
+        else:
+            self._json(HTTPStatus.OK, answer)
 
     def _body(self) -> Any:
         length = self.headers.get("Content-Length")

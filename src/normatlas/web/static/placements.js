@@ -3,67 +3,140 @@
 // drawPlacement is also what the Inspect view draws an inspected model with.
 import {fmt, h, mount, once, s, status, writeHash} from "./util.js";
 
-const BW = 46, BH = 26, GAP = 14, STREAM_Y = 34, ROW = 52;
+const BW = 46, BH = 26, GAP = 14, STREAM_Y = 34, ROW = 52, INNER = 38;
 
-/** A block diagram of one block from drawing data: {attn, ffn: {pre, post, after_add}, parallel, ...}. */
-export function drawPlacement(p, {label = "placement"} = {}) {
-  const items = [];
+/** A block diagram of one block from drawing data: {attn, ffn: {pre, post, after_add}, parallel, ...}.
+ * With `sites` (an inspected model's norm sites: {index, branch, slot, ...}) every norm is drawn from its own
+ * site, QK- and V-norms hang under the attention box, the embedding and final norms sit on the stream, and each
+ * is a button: a click (or Enter / Space) calls onSite(site, element). */
+export function drawPlacement(p, {label = "placement", sites = null, onSite = null, rope = null} = {}) {
+  const ctx = {p, at: siteMap(sites), onSite, rope, items: [], inner: false};
+  const items = ctx.items;
   let x = 16;
   items.push(s("text", {x: 4, y: STREAM_Y - 10, class: "d-label"}, "x"));
+  if (ctx.at) for (const site of ctx.at.stream.embedding) x = siteBox(ctx, x, STREAM_Y, site, "embedding") + 4;
   const subs = p.parallel ? [["A", "F"]] : [["A"], ["F"]];
+  ctx.inner = Boolean(ctx.at && (ctx.at.attn.qk.length || ctx.at.attn.v.length));
   let rows = 1;
   for (const names of subs) {
-    const r = sublayer(items, x, names, p);
+    const r = sublayer(ctx, x, names);
     x = r.x;
     rows = Math.max(rows, names.length);
   }
+  const blockEnd = x;
   items.push(arrowLine(x, STREAM_Y, x + 18, STREAM_Y), s("text", {x: x + 22, y: STREAM_Y + 4, class: "d-label"}, "x′"));
-  const width = x + 40, height = STREAM_Y + rows * ROW + 24;
+  x += 40;
+  if (ctx.at && ctx.at.stream.final.length) {  // the later layers elided, then the final norm
+    items.push(s("text", {x: x + 2, y: STREAM_Y + 4, class: "d-label"}, "⋯"));
+    x += 26;
+    for (const site of ctx.at.stream.final) {
+      items.push(arrowLine(x - 8, STREAM_Y, x, STREAM_Y));
+      x = siteBox(ctx, x, STREAM_Y, site, "final") + 8;
+    }
+  }
+  const width = x, height = rowY(ctx, rows - 1) + BH / 2 + (ctx.inner ? INNER : 0) + 12;
   const defs = s("defs", {}, s("marker", {id: "arr", viewBox: "0 0 8 8", refX: 7, refY: 4, markerWidth: 6, markerHeight: 6,
     orient: "auto"}, s("path", {d: "M0,0 L8,4 L0,8 z", class: "arrowhead"})));
-  return s("svg", {viewBox: `0 0 ${width} ${height}`, width, height, class: "diagram", role: "img", "aria-label": label}, defs,
-    s("line", {x1: 12, x2: x, y1: STREAM_Y, y2: STREAM_Y, class: "stream"}), ...items);
+  return s("svg", {viewBox: `0 0 ${width} ${height}`, width, height, class: "diagram",
+    role: ctx.at ? "group" : "img", "aria-label": label}, defs,
+    s("line", {x1: 12, x2: blockEnd, y1: STREAM_Y, y2: STREAM_Y, class: "stream"}), ...items);
 }
 
-function box(items, x, y, text, cls) {
+// the sites by branch and slot; null without sites (a preset: its booleans are drawn)
+function siteMap(sites) {
+  if (!sites) return null;
+  const at = {attn: {}, ffn: {}, stream: {embedding: [], final: []}};
+  for (const b of ["attn", "ffn"]) for (const slot of ["pre", "out", "post", "qk", "v"]) at[b][slot] = [];
+  for (const site of sites) at[site.branch]?.[site.slot]?.push(site);
+  return at;
+}
+
+function rowY(ctx, row) {
+  return STREAM_Y + ROW * (row + 1) + (ctx.inner ? INNER * row : 0);
+}
+
+function box(items, x, y, text, cls, caption = null) {
   const w = Math.max(BW, text.length * 7 + 12);
   items.push(s("rect", {x, y: y - BH / 2, width: w, height: BH, rx: 6, class: `d-box ${cls}`}),
     s("text", {x: x + w / 2, y: y + 4, class: "d-text", "text-anchor": "middle"}, text));
+  if (caption) items.push(s("text", {x: x + w / 2, y: y - BH / 2 - 4, class: "d-caption", "text-anchor": "middle"}, caption));
   return x + w;
+}
+
+const SLOT_WORDS = {pre: "on the branch input", out: "on the branch output", post: "on the stream after the add",
+  qk: "on queries or keys inside attention", v: "on values inside attention", embedding: "after the embedding",
+  final: "after the last layer"};
+
+/** One norm site as a focusable button: its box, its caption, its handlers. */
+function siteBox(ctx, x, y, site, caption = null, text = "N") {
+  const parts = [];
+  const end = box(parts, x, y, text, `norm${site.slot === "post" || site.branch === "stream" ? " on-stream" : ""}`, caption);
+  const where = {attn: "attention", ffn: "MLP", stream: "stream"}[site.branch];
+  const name = `${site.operator} ${SLOT_WORDS[site.slot]} (${where}, site ${site.index}): its arithmetic`;
+  const open = () => ctx.onSite && ctx.onSite(site);
+  const g = s("g", {class: "site", tabindex: 0, role: "button", "aria-label": name, "aria-pressed": "false",
+    "data-site": site.index, "data-slot": site.slot, onclick: open,
+    onkeydown: (e) => { if (e.key === "Enter" || e.key === " ") { e.preventDefault(); open(); } }},
+  s("title", {}, name), ...parts);
+  ctx.items.push(g);
+  return end;
 }
 
 function arrowLine(x1, y1, x2, y2, cls = "wire") {
   return s("line", {x1, y1, x2, y2, class: cls, "marker-end": "url(#arr)"});
 }
 
-function branchItems(p, name, slots) {
-  const out = [];
-  if (slots.pre) {
-    out.push(["N", "norm"]);
-    if (p.pre_norm_scale && p.pre_norm_scale !== "none") out.push([`×${p.pre_norm_scale}`, "scale"]);
-  }
-  out.push([name === "A" && p.qkv_norm ? "A (QKV-N)" : name, "fn"]);
-  if (slots.post) out.push([p.post_gain_init && p.post_gain_init !== "none" ? `N·c/√L` : "N", "norm"]);
-  if (p.gate === "scalar") out.push(["×α", "scale"]);
-  if (p.gate === "vector") out.push(["×diag(g)", "scale"]);
-  if (p.branch_scale !== undefined && p.branch_scale !== 1) out.push([`×${fmt(p.branch_scale)}`, "scale"]);
-  if (p.branch_label) out.push([`×${p.branch_label}`, "scale"]);  // an inspected model's branch scaling
+// the boxes of one branch, in order: [text, class, site or null]
+function branchItems(ctx, name, slots) {
+  const p = ctx.p, out = [];
+  const branch = name === "A" ? "attn" : "ffn";
+  // a parallel block's shared pre-norm is drawn on both branches (the attention's site)
+  const pre = ctx.at ? (ctx.at[branch].pre.length || !p.parallel ? ctx.at[branch].pre : ctx.at.attn.pre) : [];
+  if (ctx.at) for (const site of pre) out.push(["N", "norm", site]);
+  else if (slots.pre) out.push(["N", "norm", null]);
+  if (slots.pre && p.pre_norm_scale && p.pre_norm_scale !== "none") out.push([`×${p.pre_norm_scale}`, "scale", null]);
+  out.push([name === "A" && p.qkv_norm ? "A (QKV-N)" : name, "fn", null]);
+  if (ctx.at) for (const site of ctx.at[branch].out) out.push(["N", "norm", site]);
+  else if (slots.post) out.push([p.post_gain_init && p.post_gain_init !== "none" ? `N·c/√L` : "N", "norm", null]);
+  if (p.gate === "scalar") out.push(["×α", "scale", null]);
+  if (p.gate === "vector") out.push(["×diag(g)", "scale", null]);
+  if (p.branch_scale !== undefined && p.branch_scale !== 1) out.push([`×${fmt(p.branch_scale)}`, "scale", null]);
+  if (p.branch_label) out.push([`×${p.branch_label}`, "scale", null]);  // an inspected model's branch scaling
   return out;
 }
 
+// the QK- and V-norm sites under the attention box at (x, y), joined to it by a dashed line; the QK-norms' order
+// with RoPE (the report's typed field) beside them
+function innerSites(ctx, x, y) {
+  const {qk, v} = ctx.at.attn;
+  if (!qk.length && !v.length) return;
+  const y2 = y + INNER;
+  ctx.items.push(s("line", {x1: x + 12, x2: x + 12, y1: y + BH / 2, y2: y2 - BH / 2, class: "wire inner"}));
+  let cx = x;
+  for (const site of qk) cx = siteBox(ctx, cx, y2, site, null, "QK-N") + 6;
+  if (qk.length && ctx.rope && !["n/a", "mixed"].includes(ctx.rope)) {
+    const words = ctx.rope.replace("-rope", " RoPE");
+    ctx.items.push(s("text", {x: cx, y: y2 + 4, class: "d-label small"}, words));
+    cx += words.length * 6.6 + 10;
+  }
+  for (const site of v) cx = siteBox(ctx, cx, y2, site, null, "V-N") + 6;
+}
+
 /** One residual add: branches from a fork on the stream, joining at (+); the after-add norm on the stream. */
-function sublayer(items, x0, names, p) {
+function sublayer(ctx, x0, names) {
+  const {p, items} = ctx;
   const fork = x0 + 8;
   items.push(s("circle", {cx: fork, cy: STREAM_Y, r: 3, class: "dot"}));
   let end = fork;
   const ends = [];
   names.forEach((name, row) => {
     const slots = name === "A" ? p.attn : p.ffn;
-    const y = STREAM_Y + ROW * (row + 1);
+    const y = rowY(ctx, row);
     let x = fork + 16;
     items.push(s("polyline", {points: `${fork},${STREAM_Y} ${fork},${y} ${x},${y}`, class: "wire"}));
-    for (const [text, cls] of branchItems(p, name, slots)) {
-      const nx = box(items, x, y, text, cls);
+    for (const [text, cls, site] of branchItems(ctx, name, slots)) {
+      const nx = site ? siteBox(ctx, x, y, site) : box(items, x, y, text, cls);
+      if (ctx.at && name === "A" && cls === "fn") innerSites(ctx, x, y);
       items.push(arrowLine(nx, y, nx + GAP, y));
       x = nx + GAP;
     }
@@ -81,8 +154,12 @@ function sublayer(items, x0, names, p) {
   items.push(s("circle", {cx: add, cy: STREAM_Y, r: 10, class: "add"}),
     s("text", {x: add, y: STREAM_Y + 5, class: "d-text", "text-anchor": "middle"}, "+"));
   let x = add + 10;
-  const after = names.some((n) => (n === "A" ? p.attn : p.ffn).after_add);
-  if (after) x = box(items, x + 12, STREAM_Y, "N", "norm on-stream");
+  if (ctx.at) {
+    const after = names.flatMap((n) => ctx.at[n === "A" ? "attn" : "ffn"].post);
+    for (const site of after) x = siteBox(ctx, x + 12, STREAM_Y, site);
+  } else if (names.some((n) => (n === "A" ? p.attn : p.ffn).after_add)) {
+    x = box(items, x + 12, STREAM_Y, "N", "norm on-stream");
+  }
   return {x: x + 14};
 }
 
