@@ -179,7 +179,7 @@ def _read(folder: Path, key: dict[str, Any], ctx: RunContext, m: DepthMember, s:
     return Trained(m.label, model, trajectory, losses, log["diverged_at"], float(log["seconds"]), cached=True)
 
 
-def _atomic(path: Path, write: Callable[[str], None]) -> None:
+def _atomic(path: Path, write: Callable[[str], object]) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     os.close(fd)
     try:

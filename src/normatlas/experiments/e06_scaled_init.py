@@ -36,7 +36,7 @@ def growth(var: list[float]) -> float:
 def run(ctx: RunContext) -> Outcome:
     s = depth_set.setup(ctx)
     n_layers = s.n_layers
-    runs = {}
+    runs: dict[str, dict[str, Any]] = {}
     for kind in KINDS:
         t = depth_set.member(ctx, kind)
         runs[kind] = {"checkpoints": t.trajectory, "losses": t.losses, "diverged_at": t.diverged_at}
