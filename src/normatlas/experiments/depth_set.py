@@ -18,8 +18,6 @@ from __future__ import annotations
 import hashlib
 import inspect
 import json
-import os
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +41,7 @@ from ..presets import LayerNorm
 from ._shared import byte_data, stream_variance
 from .base import RunContext, Scale
 from .lm import TrainConfig, tiny_lm, train_lm
+from .runner import atomic_write
 
 __all__ = ["MEMBERS", "DepthMember", "DepthSetup", "Trained", "member", "setup"]
 
@@ -179,28 +178,17 @@ def _read(folder: Path, key: dict[str, Any], ctx: RunContext, m: DepthMember, s:
     return Trained(m.label, model, trajectory, losses, log["diverged_at"], float(log["seconds"]), cached=True)
 
 
-def _atomic(path: Path, write: Callable[[str], object]) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def _write(folder: Path, key: dict[str, Any], t: Trained) -> None:
     from safetensors.torch import save_model
 
     folder.mkdir(parents=True, exist_ok=True)
-    _atomic(folder / "model.safetensors", lambda p: save_model(t.model, p))
+    atomic_write(folder / "model.safetensors", lambda p: save_model(t.model, str(p)))
     log = {
         "key": key, "trajectory": t.trajectory, "losses": t.losses, "diverged_at": t.diverged_at,
         "seconds": round(t.seconds, 2),
     }  # fmt: skip
     text = json.dumps(log) + "\n"
-    _atomic(folder / "log.json", lambda p: Path(p).write_text(text))
+    atomic_write(folder / "log.json", lambda p: p.write_text(text))
 
 
 def member(ctx: RunContext, label: str) -> Trained:

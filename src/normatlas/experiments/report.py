@@ -11,13 +11,14 @@ the rest are shown. The HTML is self-contained apart from the figure files: inli
 
 from __future__ import annotations
 
+import functools
 import html
 import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .runner import load_result
+from .runner import atomic_write, load_result
 
 __all__ = ["find_results", "read_results", "render_html", "render_markdown", "write_report"]
 
@@ -217,8 +218,6 @@ def write_report(out: str | os.PathLike[str]) -> tuple[Path, Path, list[dict[str
     pages = (("report.md", render_markdown(records, problems)), ("report.html", render_html(records, problems)))
     for name, text in pages:
         path = root / name
-        tmp = path.with_name(f".{name}.tmp")
-        tmp.write_text(text, encoding="utf-8")
-        os.replace(tmp, path)
+        atomic_write(path, functools.partial(Path.write_text, data=text, encoding="utf-8"))
         paths.append(path)
     return paths[0], paths[1], records, problems

@@ -86,7 +86,9 @@ def _from_json_statistic(value: Any) -> Any:
     return value
 
 
-def _atomic_write(path: Path, write: Callable[[Path], object]) -> None:
+def atomic_write(path: Path, write: Callable[[Path], object]) -> None:
+    """``write(tmp)`` then rename ``tmp`` over ``path``: a reader sees the old file or the whole new one, never a
+    part; ``tmp`` is removed whatever happens. The experiments' one writer (records, CSVs, figures, the depth set)."""
     tmp = path.with_name(f".{path.name}.tmp")
     try:
         write(tmp)
@@ -187,10 +189,10 @@ def _run_seed(
     stats = {k: as_statistic(outcome.statistics[k], k) for k in exp.rule.statistics}
     files = []
     for name, series in outcome.series.items():
-        _atomic_write(path / f"{name}.csv", functools.partial(_write_csv, columns=series.columns, rows=series.rows))
+        atomic_write(path / f"{name}.csv", functools.partial(_write_csv, columns=series.columns, rows=series.rows))
         files.append(f"{name}.csv")
     for ext in ("png", "svg"):
-        _atomic_write(path / f"figure.{ext}", functools.partial(_save_figure, outcome.figure, ext))
+        atomic_write(path / f"figure.{ext}", functools.partial(_save_figure, outcome.figure, ext))
     plt.close(outcome.figure)
     rec = {
         "key": key, "statistics": _jsonable(stats), "measured": _jsonable(outcome.measured), "notes": outcome.notes,
@@ -198,7 +200,7 @@ def _run_seed(
         "csv": files,
     }  # fmt: skip
     text = json.dumps(rec, indent=2) + "\n"
-    _atomic_write(path / "outcome.json", lambda p: p.write_text(text))
+    atomic_write(path / "outcome.json", lambda p: p.write_text(text))
     return rec
 
 
@@ -231,7 +233,7 @@ def _stamp_png(src: Path, dst: Path, lines: list[str], verdict: Verdict) -> None
         y = 1 - (8 + line_px * (i + 0.5)) / (h + head)
         fig.text(6 / width, y, line, va="center", fontsize=10 if i == 0 else 7.5, color=color if i == 0 else "0.2",
                  weight="bold" if i == 0 else "normal", family="monospace" if i else None)  # fmt: skip
-    _atomic_write(dst, lambda p: fig.savefig(p, format="png", dpi=dpi))
+    atomic_write(dst, lambda p: fig.savefig(p, format="png", dpi=dpi))
     plt.close(fig)
 
 
@@ -281,10 +283,10 @@ def run_experiment(
     first = _seed_folder(folder, scale, seeds[0])
     files = []
     for name in per_seed[0]["csv"]:
-        _atomic_write(folder / name, functools.partial(shutil.copyfile, first / name))
+        atomic_write(folder / name, functools.partial(shutil.copyfile, first / name))
         files.append(name)
     _stamp_png(first / "figure.png", folder / "figure.png", _banner(verdict, clauses, seeds, scale), verdict)
-    _atomic_write(folder / "figure.svg", functools.partial(shutil.copyfile, first / "figure.svg"))
+    atomic_write(folder / "figure.svg", functools.partial(shutil.copyfile, first / "figure.svg"))
     files += ["figure.png", "figure.svg"]
     flags = "" if scale is Scale.DEFAULT else f" --scale {scale.value}"
     if seeds != DEFAULT_SEEDS:
@@ -309,7 +311,7 @@ def run_experiment(
         },
     }  # fmt: skip
     text = json.dumps(record, indent=2) + "\n"
-    _atomic_write(folder / "result.json", lambda p: p.write_text(text))
+    atomic_write(folder / "result.json", lambda p: p.write_text(text))
     return record
 
 
