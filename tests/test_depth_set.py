@@ -115,3 +115,22 @@ def test_post_ln_warmup_quick_record_matches_its_runs() -> None:
     assert 2.5 < m["unigram_entropy_nats"] < math.log(256)
     for kind in ("post_ln", "pre_ln"):
         assert math.isfinite(m[f"step0_grad_backward_slope_{kind}"])
+
+
+def test_warmup_title_says_what_the_deepest_runs_show() -> None:
+    def runs(post: tuple[float | None, float | None], pre: tuple[float, float]) -> dict[tuple[str, int, str], dict]:
+        out = {}
+        for kind, (cold, warm) in (("Post-LN", post), ("Pre-LN", pre)):
+            for arm, held in (("no warm-up", cold), ("warm-up", warm)):
+                out[(kind, 12, arm)] = {"held_out": held, "diverged_at": 9 if held is None else None}
+        return out
+
+    h1 = 3.14
+    assert "Post-LN stalls at the unigram level with and without warm-up" in e18._title(
+        runs((3.19, 3.19), (1.9, 1.95)), (3, 12), h1
+    )
+    assert "Post-LN stalls at the unigram level without warm-up only" in e18._title(
+        runs((3.1, 2.0), (1.9, 1.95)), (3, 12), h1
+    )
+    assert "Post-LN without warm-up diverges (step 9)" in e18._title(runs((None, 2.0), (1.9, 1.95)), (3, 12), h1)
+    assert "Pre-LN without warm-up ends 0.05 nats/byte better" in e18._title(runs((2.1, 2.0), (1.9, 1.95)), (3, 12), h1)

@@ -178,7 +178,11 @@ def run(ctx: RunContext) -> Outcome:
     return Outcome(statistics, measured, series, _figure(ctx, runs, depths, h1), notes)
 
 
-def _title(runs: dict[tuple[str, int, str], dict[str, Any]], depths: tuple[int, ...]) -> str:
+STALLED = 0.97  # a held-out loss above this share of the unigram entropy: the run learned (almost) no context
+
+
+def _title(runs: dict[tuple[str, int, str], dict[str, Any]], depths: tuple[int, ...], h1: float) -> str:
+    """What the first seed's deepest runs show: a divergence, a stall at the unigram level, or the warm-up's gap."""
     deep = depths[-1]
 
     def say(kind: str) -> str:
@@ -187,6 +191,11 @@ def _title(runs: dict[tuple[str, int, str], dict[str, Any]], depths: tuple[int, 
             return f"{kind} without warm-up diverges (step {cold['diverged_at']})"
         if warm["diverged_at"] is not None:
             return f"{kind} diverges even with warm-up (step {warm['diverged_at']})"
+        stalled = [arm for arm, r in (("without", cold), ("with", warm)) if r["held_out"] >= STALLED * h1]
+        if len(stalled) == 2:
+            return f"{kind} stalls at the unigram level with and without warm-up"
+        if stalled:
+            return f"{kind} stalls at the unigram level {stalled[0]} warm-up only"
         d = cold["held_out"] - warm["held_out"]
         return f"{kind} without warm-up ends {abs(d):.2f} nats/byte {'worse' if d > 0 else 'better'}"
 
@@ -199,7 +208,7 @@ def _figure(
     from matplotlib.ticker import NullFormatter  # matplotlib is optional (the demo extra)
 
     fig, (a, b, c) = figure(
-        3, _title(runs, depths), f"seed {ctx.seed}; normatlas experiments run post-ln-warmup{ctx.flag}"
+        3, _title(runs, depths, h1), f"seed {ctx.seed}; normatlas experiments run post-ln-warmup{ctx.flag}"
     )
     deep = depths[-1]
     for i, kind in enumerate(KINDS):
