@@ -35,10 +35,9 @@ export async function render(root, params) {
     h("header", {class: "view-head"}, h("h1", {}, "Inspect a model"),
       h("p", {class: "lede"}, "The model is built (tiny, random weights, offline) or loaded, traced, and its normalization ",
         "design read off the dataflow, never off parameter names. Its cost is measured, not promised: on a 2-core machine ",
-        "at load 2, the first inspection on a fresh server took 1.4 s (gpt2) to 2.8 s (qwen3) for a text model and 5.8 s ",
-        "for llava until the report was drawn (5–6 s and 9–12 s at load 5); qwen2_5_vl took 104 s at load 5 (its tower ",
-        "is fitted); a later text type 0.2–0.4 s; a type inspected before, nothing (cached). The phases and seconds show ",
-        "as they run.")),
+        "at load 2, the first inspection in a fresh process took 2.8 s until the report was drawn (qwen3; mostly importing ",
+        "transformers), then gpt2 1.4 s and llava 5.8 s (5–6 s and 9–12 s at load 5); qwen2_5_vl took 104 s at load 5 ",
+        "(its tower is fitted); a type inspected before, nothing (cached). The phases and seconds show as they run.")),
     form, out);
   if (typeInput.value || folderSel.value) run();
 
