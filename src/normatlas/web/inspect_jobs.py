@@ -78,6 +78,7 @@ class Job:
     created: float
     marks: list[tuple[Phase, float]] = field(default_factory=list)
     ended: float | None = None
+    runner: Callable[[str], dict[str, Any]] | None = None  # the job's own runner (a tool's); None: the inspector's
     result: dict[str, Any] | None = None
     error: str | None = None
     status: int | None = None
@@ -178,10 +179,14 @@ class Inspector:
     def folders(self) -> list[str]:
         return self.targets.folders()
 
-    def start(self, body: Any) -> tuple[dict[str, Any], bool]:
+    def start(
+        self, body: Any, targets: Any = None, runner: Callable[[str], dict[str, Any]] | None = None
+    ) -> tuple[dict[str, Any], bool]:
         """Start (or join) the inspection of a request body's target: (the job's view with ``joined`` and ``cached``,
-        whether it has finished). Validation errors are raised at once (400 / 403 / 404)."""
-        key, target, name = self.targets.target(body)
+        whether it has finished). Validation errors are raised at once (400 / 403 / 404). ``targets`` (an object
+        with the :meth:`.inspect_api.Targets.target` method) and ``runner`` replace the inspector's own for this
+        request: the page's tools (:mod:`.tools_api`) run as jobs of the same queue and worker this way."""
+        key, target, name = (targets or self.targets).target(body)
         now = time.monotonic()
         with self._lock:
             job = self._by_key.get(key)
@@ -190,7 +195,7 @@ class Inspector:
                 return job.view(now, self._ahead(job)) | {"joined": not finished, "cached": finished}, finished
             if len(self._queue) >= MAX_QUEUED:
                 raise Busy(f"{len(self._queue)} inspections are waiting already; try again in a few seconds")
-            job = Job(secrets.token_hex(_ID_HEX // 2), key, target, name, now, [(Phase.QUEUED, now)])
+            job = Job(secrets.token_hex(_ID_HEX // 2), key, target, name, now, [(Phase.QUEUED, now)], runner=runner)
             self._jobs[job.id] = job
             self._by_key[key] = job
             self._queue.append(job)
@@ -243,7 +248,7 @@ class Inspector:
                 job.enter(Phase.BUILDING, time.monotonic())
             try:
                 with _phases(functools.partial(self._enter, job)):
-                    result = self.runner(job.target)
+                    result = (job.runner or self.runner)(job.target)
             except Unreadable as exc:
                 self._fail(job, str(exc), 422)
             except Exception as exc:  # a bug of normatlas or of a model build: named, as a 500 would be
