@@ -155,14 +155,12 @@ def _outliers(model: Any, tok: Any, text: str | None) -> dict[str, Any]:
     try:
         ent = stream_entropy(model, ids)
         tables.append({"name": "entropy", "title": "matrix entropy of the residual stream by depth", "rows": ent})
-        cols = [k for k, v in ent[0].items() if isinstance(v, float)] if ent else []
-        if cols and all(isinstance(r.get("layer"), int) for r in ent):
-            chart = {
-                "title": "matrix entropy of the stream by depth",
-                "x": "layer",
-                "series": cols[:1],
-                "points": [[r["layer"], r[cols[0]]] for r in ent],
-            }
+        chart = {
+            "title": "matrix entropy of the stream by depth (0: entering layer 0)",
+            "x": "depth",
+            "series": ["entropy"],
+            "points": [[r["depth"], r["entropy"]] for r in ent],
+        }
     except ToolError as exc:
         meta["entropy"] = f"not measured: {exc}"
     return {"meta": meta, "tables": tables, "chart": chart}
