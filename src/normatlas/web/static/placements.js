@@ -172,7 +172,7 @@ function yDomain(ys) {
 
 // one chart per card; `domain` (the y range of every placement measured by the experiment) puts all cards on
 // one y scale, so their profiles compare
-function lineChart(points, columns, title, domain = null) {
+export function lineChart(points, columns, title, domain = null, xLabel = "layer") {
   const W = 260, H = 130 + 12 * columns.length, pad = {l: 40, r: 8, t: 18 + 12 * columns.length, b: 24};
   const xs = points.map((q) => q[0]);
   const ys = points.flatMap((q) => q.slice(1));
@@ -192,7 +192,7 @@ function lineChart(points, columns, title, domain = null) {
     s("text", {x: pad.l - 4, y: pad.t + 6, class: "tick end"}, fmt(top)),
     s("text", {x: pad.l - 4, y: H - pad.b, class: "tick end"}, fmt(bottom)),
     s("text", {x: pad.l, y: H - 6, class: "tick"}, fmt(x0)),
-    s("text", {x: W - pad.r, y: H - 6, class: "tick end"}, `${fmt(x1)} (layer)`));
+    s("text", {x: W - pad.r, y: H - 6, class: "tick end"}, `${fmt(x1)} (${xLabel})`));
 }
 
 // per profile experiment: the placements it measured, each by the column they all have, on one y scale
@@ -232,7 +232,7 @@ function compareChart({exp, col, series}) {
       points: q.points.map((p) => `${X(p[0])},${Y(p[1])}`).join(" ")})),
     s("line", {x1: pad.l, x2: W - pad.r, y1: H - pad.b, y2: H - pad.b, class: "axis"}),
     s("text", {x: pad.l, y: H - 12, class: "tick"}, fmt(x0)),
-    s("text", {x: W - pad.r, y: H - 12, class: "tick end"}, `${fmt(x1)} (layer)`));
+    s("text", {x: W - pad.r, y: H - 12, class: "tick end"}, `${fmt(x1)} (${xLabel})`));
 }
 
 function compareSection(found, params) {
