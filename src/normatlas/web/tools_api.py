@@ -107,6 +107,7 @@ def _lens(model: Any, tok: Any, text: str) -> dict[str, Any]:
     title = f"{text!r} -> final answer {res.answer!r}: per layer, the stream through the final norm and head"
     chart = {
         "title": "KL(final || layer), nats, mean over positions",
+        "short": "KL to the final layer",
         "x": "layer",
         "series": ["kl_mean", "kl_last"],
         "points": [[r["layer"], r["kl_mean"], r["kl_last"]] for r in res.rows],
@@ -157,6 +158,7 @@ def _outliers(model: Any, tok: Any, text: str | None) -> dict[str, Any]:
         tables.append({"name": "entropy", "title": "matrix entropy of the residual stream by depth", "rows": ent})
         chart = {
             "title": "matrix entropy of the stream by depth (0: entering layer 0)",
+            "short": "matrix entropy",
             "x": "depth",
             "series": ["entropy"],
             "points": [[r["depth"], r["entropy"]] for r in ent],
@@ -176,7 +178,8 @@ def _prune(model: Any, tok: Any) -> dict[str, Any]:
     scores = layer_scores(model, reading, score_ids)
     title = f"layer scores on {score_ids.numel()} held-out tokens (low angle / ratio: the layer turns the stream least)"
     chart = {
-        "title": "scores by depth",
+        "title": "layer scores by depth: angle (arccos of the cosine, / pi) and update-to-stream ratio",
+        "short": "scores by depth",
         "x": "layer",
         "series": ["angle", "ratio"],
         "points": [[r["layer"], r["angle"], r["ratio"]] for r in scores],
@@ -197,6 +200,7 @@ def _embeddings(model: Any, tok: Any) -> dict[str, Any]:
     picks = sorted({round(i * (n - 1) / (_CHART_POINTS - 1)) for i in range(_CHART_POINTS)})
     chart = {
         "title": "token norms, sorted (rank as a fraction of the vocabulary)",
+        "short": "token norms, sorted",
         "x": "rank",
         "series": ["norm"],
         "points": [[i / max(1, n - 1), float(norms[i])] for i in picks],

@@ -20,8 +20,9 @@ export async function render(root, params) {
     h("option", {value: ""}, where.folders.length ? "a folder under the root…" : "no checkpoint folder under the root"),
     where.folders.map((f) => h("option", {value: f}, f)));
   folderSel.value = where.folders.includes(params.get("folder")) ? params.get("folder") : "";
-  const textInput = h("input", {id: "tools-text", maxlength: tools.max_text, placeholder: "a prompt, e.g. import os",
-    "aria-label": "text (the prompt)", value: params.get("text") || ""});
+  const textInput = h("textarea", {id: "tools-text", maxlength: tools.max_text, rows: 2, placeholder: "a prompt, e.g. import os",
+    "aria-label": "text (the prompt)"});
+  textInput.value = params.get("text") || "";
   const textLabel = h("label", {class: "filter tools-text"}, h("span", {}, "text"), textInput);
   const about = h("p", {class: "muted small", id: "tools-about"});
   const out = h("div", {id: "tools-out"});
@@ -99,7 +100,7 @@ function result(res, job) {
   const meta = Object.entries(res.meta || {}).map(([k, v]) => h("tr", {}, h("th", {scope: "row"}, k.replaceAll("_", " ")), h("td", {}, cell(v))));
   const c = res.chart;
   const chart = c && c.points.length ? h("figure", {class: "tool-chart"},
-    lineChart(c.points, c.series, c.title, null, c.x), h("figcaption", {class: "muted small"}, `${c.title}; the table below holds every value`)) : null;
+    lineChart(c.points, c.series, c.short, null, c.x), h("figcaption", {class: "muted small"}, `${c.title}; the table below holds every value`)) : null;
   return h("div", {class: "report tools-report", "data-tool": res.tool},
     h("section", {class: "card"},
       h("div", {class: "panel-head"}, h("h2", {}, `${res.tool}: ${res.model}`), h("span", {class: "pill"}, job.target)),
