@@ -109,8 +109,7 @@ def test_bad_requests_are_refused_before_any_job(server: Any, body: Any, code: i
 
 def test_routes_and_methods(server: Any) -> None:
     assert call(server, "POST", "/api/tools", raw=b"{not json")[0] == 400
-    status, res, _ = call(server, "PUT", "/api/tools", {})
-    assert status == 405
+    assert call(server, "PUT", "/api/tools", {})[0] == 405
 
 
 def test_lens_answers_the_models_own_logits_at_the_last_layer(server: Any, root: Path) -> None:
@@ -163,7 +162,8 @@ def test_embeddings_and_outliers_run(server: Any, root: Path) -> None:
     want = scan_embeddings(model, tok, heldout_ids(tok))
     assert emb["tables"][0]["rows"] == [want.summary]
     assert emb["tables"][1]["rows"] == want.rows
-    assert len(emb["chart"]["points"]) == 101 and emb["chart"]["points"][-1][1] == pytest.approx(want.summary["norm_max"])
+    points = emb["chart"]["points"]
+    assert len(points) == 101 and points[-1][1] == pytest.approx(want.summary["norm_max"])
     out = finish(server, {"tool": "outliers", "folder": "byte", "text": "import os"})["result"]
     names = [t["name"] for t in out["tables"]]
     assert names[0] == "sites" and "entropy" in names
