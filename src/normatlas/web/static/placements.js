@@ -232,7 +232,7 @@ function compareChart({exp, col, series}) {
       points: q.points.map((p) => `${X(p[0])},${Y(p[1])}`).join(" ")})),
     s("line", {x1: pad.l, x2: W - pad.r, y1: H - pad.b, y2: H - pad.b, class: "axis"}),
     s("text", {x: pad.l, y: H - 12, class: "tick"}, fmt(x0)),
-    s("text", {x: W - pad.r, y: H - 12, class: "tick end"}, `${fmt(x1)} (${xLabel})`));
+    s("text", {x: W - pad.r, y: H - 12, class: "tick end"}, `${fmt(x1)} (layer)`));
 }
 
 function compareSection(found, params) {
