@@ -89,6 +89,7 @@ def test_tools_lists_the_fixed_set(server: Any) -> None:
         ({"tool": "lens", "folder": "byte", "text": "   "}, 400, "non-empty"),
         ({"tool": "lens", "folder": "byte", "text": "x" * (MAX_TEXT + 1)}, 400, f"at most {MAX_TEXT}"),
         ({"tool": "lens", "folder": "byte", "text": 7}, 400, "non-empty string"),
+        ({"tool": "lens", "folder": "byte", "text": "a\x00b"}, 400, "no NUL"),
         ({"tool": "prune", "folder": "byte", "text": "x"}, 400, "takes no text"),
         ({"tool": "prune", "folder": "byte", "output": "/tmp/x"}, 400, "the body must be"),
         ({"tool": "prune"}, 400, "the body must be"),
@@ -208,6 +209,12 @@ def test_the_view_runs_a_tool_and_shows_its_table_without_overflow_at_390(server
         assert page.locator("#tools-out svg.chart polyline").count() == 2
         assert "tool=lens" in page.url and "folder=byte" in page.url
         page.screenshot(path=str(ARTIFACTS / "tools-lens-1440.png"), full_page=True)
+        # a folder the tools cannot read: its job fails, named, with a Retry button
+        page.select_option("#tools-tool", "embeddings")
+        page.select_option("#tools-folder", "bare")
+        page.click("#tools-go")
+        page.wait_for_selector("#tools-retry", timeout=60_000)
+        assert "embeddings:" in page.inner_text("#tools-out .status.error")
         # a linked view runs its tool on load; at 390 px nothing but a table's own scroll box is wider than the screen
         page.set_viewport_size({"width": 390, "height": 844})
         page.goto(f"{server.url}#/tools?tool=prune&folder=byte")

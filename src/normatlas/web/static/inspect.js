@@ -134,7 +134,7 @@ export function progress(name, {verb = "Inspecting", words = PHASE_WORDS, id = "
       base = job.elapsed; at = performance.now();
       draw();
       el.dataset.state = state = job.state;
-      phase.textContent = job.state === "queued" && job.ahead ? `waiting for ${job.ahead} inspection(s) before it`
+      phase.textContent = job.state === "queued" && job.ahead ? `waiting for ${job.ahead} ${words.ahead || "inspection(s)"} before it`
         : words[job.state] || job.state;
       const secs = Object.fromEntries(job.phases.map((p) => [p.phase, p.seconds]));
       mount(steps, PHASES.map((p) => h("li", {class: p === state ? "current" : p in secs ? "passed" : "",

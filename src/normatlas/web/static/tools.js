@@ -7,7 +7,7 @@ import {lineChart} from "./placements.js";
 import {fmt, h, mount, once, status, writeHash} from "./util.js";
 
 const WORDS = {queued: "waiting for the jobs before it", building: "loading the checkpoint",
-  tracing: "tracing its forward pass", reading: "running the tool"};
+  tracing: "tracing its forward pass", reading: "running the tool", ahead: "job(s)"};
 const POLL_MS = 400;
 let runs = 0;  // a newer run (or leaving the view) stops an older run's polling
 
