@@ -173,7 +173,7 @@ function yDomain(ys) {
 // one chart per card; `domain` (the y range of every placement measured by the experiment) puts all cards on
 // one y scale, so their profiles compare
 export function lineChart(points, columns, title, domain = null, xLabel = "layer") {
-  const W = 260, H = 130 + 12 * columns.length, pad = {l: 40, r: 8, t: 18 + 12 * columns.length, b: 24};
+  const W = 260, H = 130 + 12 * columns.length, pad = {l: 48, r: 8, t: 18 + 12 * columns.length, b: 24};
   const xs = points.map((q) => q[0]);
   const ys = points.flatMap((q) => q.slice(1));
   const {log, lo: y0, hi: y1} = domain || yDomain(ys);

@@ -88,12 +88,15 @@ const cell = (v) => (v === null || v === undefined ? "–" : typeof v === "numbe
 
 function table(t) {
   const cols = [...new Set(t.rows.flatMap((r) => Object.keys(r)))];
-  return h("section", {class: "card tool-table", "data-table": t.name},
-    h("h2", {}, t.name.replaceAll("_", " ")), h("p", {class: "muted small"}, t.title),
-    h("div", {class: "table-wrap", tabindex: 0, role: "region", "aria-label": `${t.name} table (scrolls sideways)`},
+  const num = new Set(cols.filter((c) => t.rows.every((r) => r[c] === null || r[c] === undefined || typeof r[c] === "number")));
+  const body = t.rows.length === 1  // one row (a summary) reads as key / value lines
+    ? h("table", {class: "kv"}, h("tbody", {}, cols.map((c) => h("tr", {}, h("th", {scope: "row"}, c.replaceAll("_", " ")), h("td", {}, cell(t.rows[0][c]))))))
+    : h("div", {class: "table-wrap", tabindex: 0, role: "region", "aria-label": `${t.name} table (scrolls sideways)`},
       h("table", {class: "grid"},
-        h("thead", {}, h("tr", {}, cols.map((c) => h("th", {scope: "col"}, c.replaceAll("_", " "))))),
-        h("tbody", {}, t.rows.map((r) => h("tr", {}, cols.map((c) => h("td", {class: typeof r[c] === "number" ? "num" : null}, cell(r[c])))))))));
+        h("thead", {}, h("tr", {}, cols.map((c) => h("th", {scope: "col", class: num.has(c) ? "num" : null}, c.replaceAll("_", " "))))),
+        h("tbody", {}, t.rows.map((r) => h("tr", {}, cols.map((c) => h("td", {class: num.has(c) ? "num" : null}, cell(r[c]))))))));
+  return h("section", {class: "card tool-table", "data-table": t.name},
+    h("h2", {}, t.name.replaceAll("_", " ")), h("p", {class: "muted small"}, t.title), body);
 }
 
 function result(res, job) {
