@@ -130,6 +130,12 @@ def test_lens_answers_the_models_own_logits_at_the_last_layer(server: Any, root:
     assert _files(root) == before  # nothing written
 
 
+def test_a_prompt_longer_than_the_context_is_cut_to_it(server: Any) -> None:
+    doc = finish(server, {"tool": "lens", "folder": "byte", "text": "x = 1\n" * 80})  # 480 bytes; context 64
+    assert doc["state"] == "done", doc
+    assert doc["result"]["meta"]["tokens"] == 64
+
+
 def test_a_second_request_is_the_cached_job(server: Any) -> None:
     body = {"tool": "lens", "folder": "byte", "text": "import os\nimport sy"}
     first = finish(server, body)

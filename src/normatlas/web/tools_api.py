@@ -88,9 +88,9 @@ def tools_view() -> dict[str, Any]:
 
 
 def _lens(model: Any, tok: Any, text: str) -> dict[str, Any]:
-    from ..tools import NoHead, check_ids, logit_lens, read_model
+    from ..tools import NoHead, check_ids, logit_lens, read_model, window_len
 
-    ids = tok(text, return_tensors="pt")["input_ids"][:, :256]
+    ids = tok(text, return_tensors="pt")["input_ids"][:, : window_len(model, 256)]  # the model's context at most
     check_ids(model, ids, "the text")
     try:
         reading = read_model(model, ids)
