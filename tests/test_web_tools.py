@@ -236,3 +236,29 @@ def test_the_view_runs_a_tool_and_shows_its_table_without_overflow_at_390(server
     assert width <= 390, f"the Tools view is {width} px wide at 390: {wide}"
     assert errors == []
     assert hosts <= {"127.0.0.1"}
+
+
+def test_only_the_last_tool_results_stay_cached(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tool jobs are keyed by a free text: the oldest finished ones are forgotten past ``MAX_DONE_OWN``."""
+    from normatlas.web import inspect_jobs
+    from normatlas.web.tools_api import ToolTargets
+
+    monkeypatch.setattr(inspect_jobs, "MAX_DONE_OWN", 2)
+    inspector = inspect_jobs.Inspector(root, runner=lambda target: {"inspected": target})
+    targets = ToolTargets(root)
+    try:
+        ids = []
+        for text in ("a", "b", "c"):
+            doc, _ = inspector.start({"tool": "lens", "folder": "byte", "text": text}, targets, json.loads)
+            ids.append(doc["job"])
+            end = time.monotonic() + 10
+            while inspector.pending():
+                assert time.monotonic() < end
+                time.sleep(0.01)
+        with pytest.raises(FileNotFoundError):
+            inspector.job(ids[0])
+        assert inspector.job(ids[2])["result"]["text"] == "c"  # the tool's own runner ran, not the inspector's
+        again, finished = inspector.start({"tool": "lens", "folder": "byte", "text": "a"}, targets, json.loads)
+        assert not finished and again["job"] != ids[0]  # forgotten: run afresh
+    finally:
+        inspector.close()

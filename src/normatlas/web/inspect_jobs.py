@@ -38,10 +38,11 @@ from torch.nn.modules import module as nn_module
 
 from .inspect_api import Busy, Targets, Unreadable, run_target
 
-__all__ = ["MAX_FAILED", "MAX_QUEUED", "Inspector", "Job", "Phase", "job_id"]
+__all__ = ["MAX_DONE_OWN", "MAX_FAILED", "MAX_QUEUED", "Inspector", "Job", "Phase", "job_id"]
 
 MAX_QUEUED = 4  # jobs waiting for the worker; one more distinct target is refused (503)
 MAX_FAILED = 32  # failed jobs kept for reading; the oldest go first
+MAX_DONE_OWN = 64  # finished jobs with their own runner (the page's tools, keyed by free text) kept cached
 _ID_HEX = 16
 
 
@@ -172,6 +173,7 @@ class Inspector:
         self._by_key: dict[str, Job] = {}  # the latest job of each target
         self._queue: collections.deque[Job] = collections.deque()
         self._failed: collections.deque[str] = collections.deque()
+        self._done_own: collections.deque[str] = collections.deque()  # finished jobs with their own runner
         self._closed = False
         self._worker = threading.Thread(target=self._work, name="normatlas-inspect", daemon=True)
         self._worker.start()
@@ -258,6 +260,12 @@ class Inspector:
                     job.enter(Phase.READING, time.monotonic())  # a probe-only report has no tracing phase
                     job.result = result
                     job.enter(Phase.DONE, time.monotonic())
+                    if job.runner is not None:  # a tool's result: keyed by a free text, so only the last few stay
+                        self._done_own.append(job.id)
+                        while len(self._done_own) > MAX_DONE_OWN:
+                            old = self._jobs.pop(self._done_own.popleft(), None)
+                            if old is not None and self._by_key.get(old.key) is old:
+                                del self._by_key[old.key]
 
     def _fail(self, job: Job, message: str, status: int) -> None:
         with self._lock:
