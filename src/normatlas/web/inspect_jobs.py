@@ -38,10 +38,11 @@ from torch.nn.modules import module as nn_module
 
 from .inspect_api import Busy, Targets, Unreadable, run_target
 
-__all__ = ["MAX_FAILED", "MAX_QUEUED", "Inspector", "Job", "Phase", "job_id"]
+__all__ = ["MAX_DONE_OWN", "MAX_FAILED", "MAX_QUEUED", "Inspector", "Job", "Phase", "job_id"]
 
 MAX_QUEUED = 4  # jobs waiting for the worker; one more distinct target is refused (503)
 MAX_FAILED = 32  # failed jobs kept for reading; the oldest go first
+MAX_DONE_OWN = 64  # finished jobs with their own runner (the page's tools, keyed by free text) kept cached
 _ID_HEX = 16
 
 
@@ -78,6 +79,7 @@ class Job:
     created: float
     marks: list[tuple[Phase, float]] = field(default_factory=list)
     ended: float | None = None
+    runner: Callable[[str], dict[str, Any]] | None = None  # the job's own runner (a tool's); None: the inspector's
     result: dict[str, Any] | None = None
     error: str | None = None
     status: int | None = None
@@ -171,6 +173,7 @@ class Inspector:
         self._by_key: dict[str, Job] = {}  # the latest job of each target
         self._queue: collections.deque[Job] = collections.deque()
         self._failed: collections.deque[str] = collections.deque()
+        self._done_own: collections.deque[str] = collections.deque()  # finished jobs with their own runner
         self._closed = False
         self._worker = threading.Thread(target=self._work, name="normatlas-inspect", daemon=True)
         self._worker.start()
@@ -178,10 +181,14 @@ class Inspector:
     def folders(self) -> list[str]:
         return self.targets.folders()
 
-    def start(self, body: Any) -> tuple[dict[str, Any], bool]:
+    def start(
+        self, body: Any, targets: Any = None, runner: Callable[[str], dict[str, Any]] | None = None
+    ) -> tuple[dict[str, Any], bool]:
         """Start (or join) the inspection of a request body's target: (the job's view with ``joined`` and ``cached``,
-        whether it has finished). Validation errors are raised at once (400 / 403 / 404)."""
-        key, target, name = self.targets.target(body)
+        whether it has finished). Validation errors are raised at once (400 / 403 / 404). ``targets`` (an object
+        with the :meth:`.inspect_api.Targets.target` method) and ``runner`` replace the inspector's own for this
+        request: the page's tools (:mod:`.tools_api`) run as jobs of the same queue and worker this way."""
+        key, target, name = (targets or self.targets).target(body)
         now = time.monotonic()
         with self._lock:
             job = self._by_key.get(key)
@@ -190,7 +197,7 @@ class Inspector:
                 return job.view(now, self._ahead(job)) | {"joined": not finished, "cached": finished}, finished
             if len(self._queue) >= MAX_QUEUED:
                 raise Busy(f"{len(self._queue)} inspections are waiting already; try again in a few seconds")
-            job = Job(secrets.token_hex(_ID_HEX // 2), key, target, name, now, [(Phase.QUEUED, now)])
+            job = Job(secrets.token_hex(_ID_HEX // 2), key, target, name, now, [(Phase.QUEUED, now)], runner=runner)
             self._jobs[job.id] = job
             self._by_key[key] = job
             self._queue.append(job)
@@ -243,7 +250,7 @@ class Inspector:
                 job.enter(Phase.BUILDING, time.monotonic())
             try:
                 with _phases(functools.partial(self._enter, job)):
-                    result = self.runner(job.target)
+                    result = (job.runner or self.runner)(job.target)
             except Unreadable as exc:
                 self._fail(job, str(exc), 422)
             except Exception as exc:  # a bug of normatlas or of a model build: named, as a 500 would be
@@ -253,6 +260,12 @@ class Inspector:
                     job.enter(Phase.READING, time.monotonic())  # a probe-only report has no tracing phase
                     job.result = result
                     job.enter(Phase.DONE, time.monotonic())
+                    if job.runner is not None:  # a tool's result: keyed by a free text, so only the last few stay
+                        self._done_own.append(job.id)
+                        while len(self._done_own) > MAX_DONE_OWN:
+                            old = self._jobs.pop(self._done_own.popleft(), None)
+                            if old is not None and self._by_key.get(old.key) is old:
+                                del self._by_key[old.key]
 
     def _fail(self, job: Job, message: str, status: int) -> None:
         with self._lock:

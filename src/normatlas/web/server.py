@@ -35,6 +35,7 @@ from .axes_api import normalize_view, taxonomy_view
 from .catalog import NAME, experiments_view, models_view, papers_view, placements_view
 from .inspect_api import Busy, Forbidden, Unreadable
 from .inspect_jobs import Inspector
+from .tools_api import ToolTargets, run_tool, tools_view
 
 __all__ = ["CSP", "MAX_BODY", "AtlasServer", "Config", "make_server", "static_files"]
 
@@ -125,6 +126,7 @@ class AtlasServer(ThreadingHTTPServer):
         self.quiet = quiet
         self.files = static_files()
         self.inspector = Inspector(config.root)
+        self.tool_targets = ToolTargets(config.root)
         self._views: dict[str, Any] = {}
         self._slots = threading.BoundedSemaphore(self.max_threads)
 
@@ -205,6 +207,7 @@ GET_ROUTES: dict[str, Callable[[AtlasServer], Any]] = {
     "/api/papers": lambda s: s.view("papers", papers_view),
     "/api/experiments": lambda s: experiments_view(s.config.experiments),
     "/api/inspect": lambda s: {"root": str(s.inspector.root), "folders": s.inspector.folders()},
+    "/api/tools": lambda s: tools_view(),
 }
 
 
@@ -217,9 +220,19 @@ def _inspect(server: AtlasServer, body: Any) -> Answer:
     return Answer(HTTPStatus.ACCEPTED, doc, {"Location": f"/api/inspect/job/{doc['job']}"})
 
 
+def _tools(server: AtlasServer, body: Any) -> Answer:
+    """``POST /api/tools``: a tool's job on a folder under the root, in the inspection queue (polled at
+    ``GET /api/inspect/job/ID``); 202 while it runs, 200 once its result is cached."""
+    doc, finished = server.inspector.start(body, server.tool_targets, run_tool)
+    if finished:
+        return Answer(HTTPStatus.OK, doc)
+    return Answer(HTTPStatus.ACCEPTED, doc, {"Location": f"/api/inspect/job/{doc['job']}"})
+
+
 POST_ROUTES: dict[str, Callable[[AtlasServer, Any], Any]] = {
     "/api/normalize": lambda s, body: normalize_view(body),
     "/api/inspect": _inspect,
+    "/api/tools": _tools,
 }
 
 

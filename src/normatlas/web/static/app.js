@@ -7,9 +7,10 @@ import * as inspect from "./inspect.js";
 import * as matrix from "./matrix.js";
 import * as papers from "./papers.js";
 import * as placements from "./placements.js";
+import * as tools from "./tools.js";
 import {mount, readHash, status} from "./util.js";
 
-const VIEWS = {axes, placements, matrix, papers, inspect, experiments, geometry};
+const VIEWS = {axes, placements, matrix, papers, inspect, tools, experiments, geometry};
 
 // views rewrite their own parameters with history.replaceState, which fires no hashchange: a hashchange
 // is always the reader navigating (a link, back / forward), so it always renders

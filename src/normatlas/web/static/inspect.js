@@ -76,12 +76,12 @@ export async function render(root, params) {
   }
 }
 
-class HttpError extends Error {
+export class HttpError extends Error {
   constructor(message, status, retryAfter) { super(message); this.status = status; this.retryAfter = retryAfter; }
 }
 
 /** One API call: the JSON answer of a 2xx, else an HttpError with the status (0: the server is unreachable). */
-async function request(path, body) {
+export async function request(path, body) {
   const init = body === undefined ? {} : {
     method: "POST", headers: {"Content-Type": "application/json"}, body: JSON.stringify(body),
   };
@@ -97,10 +97,10 @@ async function request(path, body) {
   return doc;
 }
 
-const sleep = (ms) => new Promise((r) => setTimeout(r, ms));
+export const sleep = (ms) => new Promise((r) => setTimeout(r, ms));
 
 /** call() again after a 503 or a network error, waiting Retry-After or 0.5, 1, 2, 4 … 8 s, at most RETRIES times. */
-async function retrying(call, view, live) {
+export async function retrying(call, view, live) {
   for (let attempt = 1; ; attempt++) {
     try {
       const doc = await call();
@@ -116,13 +116,13 @@ async function retrying(call, view, live) {
 }
 
 /** The job's progress: its phase in words, the seconds so far (the server's, ticking between polls), each phase. */
-function progress(name) {
+export function progress(name, {verb = "Inspecting", words = PHASE_WORDS, id = "inspect-job"} = {}) {
   const phase = h("span", {class: "phase"}, "asking the server");
   const elapsed = h("span", {class: "elapsed"}, "0.0 s");
   const steps = h("ol", {class: "phases", "aria-label": "phases"});
   const retry = h("p", {class: "retry-note", hidden: true});
-  const el = h("section", {class: "card job", id: "inspect-job", "aria-busy": "true"},
-    h("p", {class: "job-line", role: "status", "aria-live": "polite"}, `Inspecting ${name}: `, phase),
+  const el = h("section", {class: "card job", id, "aria-busy": "true"},
+    h("p", {class: "job-line", role: "status", "aria-live": "polite"}, `${verb} ${name}: `, phase),
     h("p", {class: "job-line muted"}, "elapsed ", elapsed, " (measured by the server)"), steps, retry);
   let base = 0, at = performance.now(), state = "queued";
   const draw = () => { elapsed.textContent = `${(base + (performance.now() - at) / 1000).toFixed(1)} s`; };
@@ -133,8 +133,8 @@ function progress(name) {
       base = job.elapsed; at = performance.now();
       draw();
       el.dataset.state = state = job.state;
-      phase.textContent = job.state === "queued" && job.ahead ? `waiting for ${job.ahead} inspection(s) before it`
-        : PHASE_WORDS[job.state] || job.state;
+      phase.textContent = job.state === "queued" && job.ahead ? `waiting for ${job.ahead} ${words.ahead || "inspection(s)"} before it`
+        : words[job.state] || job.state;
       const secs = Object.fromEntries(job.phases.map((p) => [p.phase, p.seconds]));
       mount(steps, PHASES.map((p) => h("li", {class: p === state ? "current" : p in secs ? "passed" : "",
         "aria-current": p === state ? "step" : null}, p, p in secs && p !== state ? h("span", {class: "secs"}, `${fmt(secs[p])} s`) : null)));
@@ -146,12 +146,12 @@ function progress(name) {
   };
 }
 
-function failure(message, again) {
+export function failure(message, again, id = "inspect-retry") {
   return h("div", {class: "failure"}, status(message, "error"),
-    h("button", {type: "button", id: "inspect-retry", onclick: again}, "Retry"));
+    h("button", {type: "button", id, onclick: again}, "Retry"));
 }
 
-function timing(job) {
+export function timing(job) {
   const parts = job.phases.filter((p) => p.phase !== "queued" || p.seconds >= 0.05).map((p) => `${p.phase} ${fmt(p.seconds)} s`);
   return `measured by the server: ${fmt(job.elapsed)} s in all (${parts.join(", ")})` +
     (job.cached ? "; this report was cached, so it cost nothing now" : "");

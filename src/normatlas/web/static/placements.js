@@ -172,8 +172,8 @@ function yDomain(ys) {
 
 // one chart per card; `domain` (the y range of every placement measured by the experiment) puts all cards on
 // one y scale, so their profiles compare
-function lineChart(points, columns, title, domain = null) {
-  const W = 260, H = 130 + 12 * columns.length, pad = {l: 40, r: 8, t: 18 + 12 * columns.length, b: 24};
+export function lineChart(points, columns, title, domain = null, xLabel = "layer") {
+  const W = 260, H = 130 + 12 * columns.length, pad = {l: 48, r: 8, t: 18 + 12 * columns.length, b: 24};
   const xs = points.map((q) => q[0]);
   const ys = points.flatMap((q) => q.slice(1));
   const {log, lo: y0, hi: y1} = domain || yDomain(ys);
@@ -192,7 +192,7 @@ function lineChart(points, columns, title, domain = null) {
     s("text", {x: pad.l - 4, y: pad.t + 6, class: "tick end"}, fmt(top)),
     s("text", {x: pad.l - 4, y: H - pad.b, class: "tick end"}, fmt(bottom)),
     s("text", {x: pad.l, y: H - 6, class: "tick"}, fmt(x0)),
-    s("text", {x: W - pad.r, y: H - 6, class: "tick end"}, `${fmt(x1)} (layer)`));
+    s("text", {x: W - pad.r, y: H - 6, class: "tick end"}, `${fmt(x1)} (${xLabel})`));
 }
 
 // per profile experiment: the placements it measured, each by the column they all have, on one y scale
