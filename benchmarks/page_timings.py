@@ -26,7 +26,7 @@ from normatlas.web.server import Config, make_server
 CHROMIUM = "/usr/bin/chromium"
 ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
         "--disable-sync"]  # fmt: skip
-VIEWS = ("axes", "placements", "matrix", "papers", "inspect", "experiments", "geometry")
+VIEWS = ("axes", "placements", "matrix", "papers", "inspect", "tools", "experiments", "geometry")
 WIDTHS = (1440, 390)
 
 

@@ -27,7 +27,7 @@ ARGS = [
     "--disable-sync",
 ]
 ARTIFACTS = Path(__file__).resolve().parent / "artifacts" / "web"
-VIEWS = ("axes", "placements", "matrix", "papers", "inspect", "experiments", "geometry")
+VIEWS = ("axes", "placements", "matrix", "papers", "inspect", "tools", "experiments", "geometry")
 
 pytestmark = pytest.mark.skipif(not Path(CHROMIUM).exists(), reason=f"{CHROMIUM} is absent (make test installs it)")
 
