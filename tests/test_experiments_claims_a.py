@@ -12,6 +12,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import pytest
+
 from .experiment_runs import quick_run
 
 
@@ -73,6 +75,18 @@ def test_curse_of_depth_quick() -> None:
         deltas = m[f"loss_increase_per_layer_{key}"]
         assert all(math.isfinite(d) for d in deltas) and sum(deltas) > 0
         assert 0 < m[f"held_out_loss_{key}"] < math.log(256)
+
+
+def test_curse_of_depth_rule_reads_layers_two_on() -> None:
+    """The late / early ratio skips layer 1 by default (it dominates every model); first=1 reads all layers."""
+    from normatlas.experiments.e05_curse_of_depth import late_over_early
+
+    deltas = [5.0, 1.0, 1.0, 0.5, 0.5]  # layer 1 dominates; layers 2..5: early mean 1.0, late 0.5
+    assert late_over_early(deltas) == 0.5
+    assert late_over_early(deltas, first=1) == (1.0 + 0.5 + 0.5) / 3 / ((5.0 + 1.0) / 2)
+    assert math.isnan(late_over_early([1.0, -0.1, 0.2]))  # shallower half not positive: no ratio
+    with pytest.raises(ValueError, match="first=3"):
+        late_over_early([1.0, 2.0, 3.0], first=3)
 
 
 def test_scaled_init_quick() -> None:
