@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -184,6 +185,27 @@ def test_report_names_a_truncated_result_and_shows_the_rest(tmp_path: Path) -> N
     assert "broken-claim/result.json" in html.read_text()
     (bad / "result.json").write_text(json.dumps({"name": "broken-claim"}))
     assert "lacks the fields" in read_results(tmp_path)[1][0][1]
+
+
+def test_each_scale_keeps_its_own_result_and_report(tmp_path: Path) -> None:
+    """A run at another scale replaces the top-level result.json but not the first scale's kept copy; the report
+    for a scale reads each experiment's kept result and links its figure."""
+    quick = run_experiment(TOY, tmp_path, scale="quick", seeds=(0, 1))
+    paper = run_experiment(TOY, tmp_path, scale="paper", seeds=(0,))
+    folder = tmp_path / "toy-claim"
+    assert load_result(folder) == paper and load_result(folder / "scales" / "paper") == paper
+    assert load_result(folder / "scales" / "quick") == quick and quick["measured"] == {"n": 1}
+    for name in ("figure.png", "figure.svg", "s.csv"):
+        assert (folder / "scales" / "quick" / name).is_file()
+    md, html, records, _ = write_report(tmp_path, "quick")
+    assert md.name == "report-quick.md" and html.name == "report-quick.html"
+    assert [r["scale"] for r in records] == ["quick"] and "toy-claim/scales/quick/figure.png" in md.read_text()
+    assert "toy-claim/scales/quick/figure.png" in html.read_text()
+    assert write_report(tmp_path)[2][0]["scale"] == "paper"  # no scale: the latest run
+    with pytest.raises(ValueError, match=re.escape("scales/default/result.json")):
+        write_report(tmp_path, "default")
+    with pytest.raises(ValueError, match="scale"):
+        write_report(tmp_path, "huge")
 
 
 def test_scales_pick_sizes() -> None:

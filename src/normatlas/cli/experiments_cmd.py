@@ -47,6 +47,10 @@ def configure_experiments(p: argparse.ArgumentParser) -> None:
     rep.add_argument(
         "--out", type=Path, default=DEFAULT_OUT, help=f"the folder of the results (default: ./{DEFAULT_OUT})"
     )
+    rep.add_argument(
+        "--scale", choices=("quick", "default", "paper"), default=None,
+        help="report each experiment's latest result at this scale (DIR/report-SCALE.md); default: the latest run",
+    )  # fmt: skip
     add_format_option(rep)
 
 
@@ -142,7 +146,7 @@ def _report(args: argparse.Namespace) -> int:
     if not args.out.is_dir():
         raise CliError(f"--out {args.out}: no such folder (run `normatlas experiments run ... --out DIR` first)")
     try:
-        md, html, records, problems = write_report(args.out)
+        md, html, records, problems = write_report(args.out, args.scale)
     except ValueError as exc:
         raise CliError(str(exc)) from None
     rows = [{"name": r["name"], "verdict": r["verdict"], "scale": r["scale"], "seconds": r["seconds"]} for r in records]

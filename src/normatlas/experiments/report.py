@@ -18,19 +18,23 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .runner import atomic_write, load_result
+from .base import Scale
+from .runner import atomic_write, load_result, scale_folder
 
 __all__ = ["find_results", "read_results", "render_html", "render_markdown", "write_report"]
 
 
-def read_results(out: str | os.PathLike[str]) -> tuple[list[dict[str, Any]], list[tuple[Path, str]]]:
+def read_results(
+    out: str | os.PathLike[str], scale: Scale | str | None = None
+) -> tuple[list[dict[str, Any]], list[tuple[Path, str]]]:
     """Every ``out/*/result.json`` read back (ordered by experiment number), and each file that could not be read
-    with the reason."""
+    with the reason. With ``scale``, each experiment's latest result at that scale (``out/*/scales/<scale>/``)."""
     root = Path(out)
     if not root.is_dir():
         raise FileNotFoundError(f"out={str(root)!r} is not a folder")
+    pattern = "*/result.json" if scale is None else f"*/{scale_folder('', scale).as_posix()}/result.json"
     records, problems = [], []
-    for p in sorted(root.glob("*/result.json")):
+    for p in sorted(root.glob(pattern)):
         try:
             records.append(load_result(p.parent))
         except (OSError, ValueError) as exc:
@@ -109,8 +113,16 @@ def _run_line(rec: dict[str, Any]) -> str:
     )
 
 
-def render_markdown(records: list[dict[str, Any]], problems: Sequence[tuple[Path, str]] = ()) -> str:
-    """The Markdown page: a summary table, the unreadable files, then one section per result."""
+def _figure_src(r: dict[str, Any], scale: Scale | None) -> str:
+    """The figure's path relative to the report: the latest run's, or the one kept for ``scale``."""
+    return f"{r['name']}/figure.png" if scale is None else f"{r['name']}/scales/{scale.value}/figure.png"
+
+
+def render_markdown(
+    records: list[dict[str, Any]], problems: Sequence[tuple[Path, str]] = (), scale: Scale | None = None
+) -> str:
+    """The Markdown page: a summary table, the unreadable files, then one section per result (figures of
+    ``scale``'s kept results when given)."""
     lines = ["# normatlas experiments", "", _summary(records), ""]
     lines += ["| # | experiment | verdict | deciding clause: median [min, max] vs threshold | margin (min .. max) |"]
     lines += ["|---|---|---|---|---|"]
@@ -139,7 +151,7 @@ def render_markdown(records: list[dict[str, Any]], problems: Sequence[tuple[Path
         ]
         lines += ["", f"| measured (seed {r['seeds'][0]}) | value |", "|---|---|"]
         lines += [f"| {_cell(k)} | {_cell(_value(v))} |" for k, v in r["measured"].items()]
-        lines += ["", f"![{r['name']}]({r['name']}/figure.png)", ""]
+        lines += ["", f"![{r['name']}]({_figure_src(r, scale)})", ""]
         if r["notes"]:
             lines += [f"*Notes.* {r['notes']}", ""]
         lines += ["```", r["command"], "```", _run_line(r)]
@@ -157,7 +169,7 @@ def _cls(verdict: str) -> str:
     return {"holds": "holds", "does not hold": "no"}.get(verdict, "inconclusive")
 
 
-def _html_section(r: dict[str, Any]) -> list[str]:
+def _html_section(r: dict[str, Any], scale: Scale | None = None) -> list[str]:
     e = html.escape
     rows = "".join(f"<tr><td>{e(str(k))}</td><td>{e(_value(v))}</td></tr>" for k, v in r["measured"].items())
     crow = "".join(
@@ -175,14 +187,16 @@ def _html_section(r: dict[str, Any]) -> list[str]:
     out += ["<table><tr><th>clause</th><th>verdict</th><th>median [min, max] vs threshold</th><th>margin</th></tr>"]
     out[-1] += crow + "</table>"
     out += [f"<table><tr><th>measured (seed {r['seeds'][0]})</th><th>value</th></tr>{rows}</table>"]
-    out += [f'<img src="{e(r["name"])}/figure.png" alt="{e(r["title"])}">']
+    out += [f'<img src="{e(_figure_src(r, scale))}" alt="{e(r["title"])}">']
     if r["notes"]:
         out += [f"<p><i>Notes.</i> {e(r['notes'])}</p>"]
     out += [f"<pre>{e(r['command'])}</pre><p>{e(_run_line(r))}</p></section>"]
     return out
 
 
-def render_html(records: list[dict[str, Any]], problems: Sequence[tuple[Path, str]] = ()) -> str:
+def render_html(
+    records: list[dict[str, Any]], problems: Sequence[tuple[Path, str]] = (), scale: Scale | None = None
+) -> str:
     """The HTML page: the same content as :func:`render_markdown`, with inline CSS and no script."""
     e = html.escape
     head = ["<!doctype html>", '<html lang="en"><head><meta charset="utf-8">', "<title>normatlas experiments</title>"]
@@ -199,23 +213,32 @@ def render_html(records: list[dict[str, Any]], problems: Sequence[tuple[Path, st
     if problems:
         head += ['<p class="bad">Results that could not be read:</p><ul>']
         head += [f"<li><code>{e(str(p))}</code>: {e(why)}</li>" for p, why in problems] + ["</ul>"]
-    body = [line for r in records for line in _html_section(r)]
+    body = [line for r in records for line in _html_section(r, scale)]
     return "\n".join([*head, *body, "</body></html>"]) + "\n"
 
 
-def write_report(out: str | os.PathLike[str]) -> tuple[Path, Path, list[dict[str, Any]], list[tuple[Path, str]]]:
-    """Write ``out/report.md`` and ``out/report.html``; returns their paths, the records used and the files that
-    could not be read. A ValueError when ``out`` holds no readable result."""
+def write_report(
+    out: str | os.PathLike[str], scale: Scale | str | None = None
+) -> tuple[Path, Path, list[dict[str, Any]], list[tuple[Path, str]]]:
+    """Write ``out/report.md`` and ``out/report.html`` (``report-<scale>.*`` from each experiment's latest result at
+    ``scale`` when given); returns their paths, the records used and the files that could not be read. A ValueError
+    when ``out`` holds no readable result."""
     root = Path(out)
-    records, problems = read_results(root)
+    scale = None if scale is None else Scale.parse(scale)
+    records, problems = read_results(root, scale)
     if not records:
         bad = "; ".join(f"{p}: {why}" for p, why in problems)
+        where = "*/result.json" if scale is None else f"*/scales/{scale.value}/result.json"
         raise ValueError(
-            f"out={str(root)!r} holds no readable */result.json (run `normatlas experiments run` first)"
+            f"out={str(root)!r} holds no readable {where} (run `normatlas experiments run` first)"
             + (f"; unreadable: {bad}" if bad else "")
         )
     paths = []
-    pages = (("report.md", render_markdown(records, problems)), ("report.html", render_html(records, problems)))
+    stem = "report" if scale is None else f"report-{scale.value}"
+    pages = (
+        (f"{stem}.md", render_markdown(records, problems, scale)),
+        (f"{stem}.html", render_html(records, problems, scale)),
+    )
     for name, text in pages:
         path = root / name
         atomic_write(path, functools.partial(Path.write_text, data=text, encoding="utf-8"))

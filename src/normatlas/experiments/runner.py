@@ -38,7 +38,9 @@ import torch
 from .base import Experiment, Outcome, RunContext, Scale
 from .verdict import Diverged, Untested, Verdict, as_statistic, decide
 
-__all__ = ["DEFAULT_SEEDS", "RESULT_FIELDS", "load_result", "machine_info", "run_experiment", "use_agg"]
+__all__ = [
+    "DEFAULT_SEEDS", "RESULT_FIELDS", "load_result", "machine_info", "run_experiment", "scale_folder", "use_agg",
+]  # fmt: skip
 
 DEFAULT_SEEDS = (0, 1, 2)
 RESULT_FIELDS = (
@@ -311,8 +313,19 @@ def run_experiment(
         },
     }  # fmt: skip
     text = json.dumps(record, indent=2) + "\n"
+    at_scale = scale_folder(folder, scale)  # this scale's own copy: a later run at another scale keeps it
+    at_scale.mkdir(parents=True, exist_ok=True)
+    for name in files:
+        atomic_write(at_scale / name, functools.partial(shutil.copyfile, folder / name))
+    atomic_write(at_scale / "result.json", lambda p: p.write_text(text))
     atomic_write(folder / "result.json", lambda p: p.write_text(text))
     return record
+
+
+def scale_folder(folder: str | os.PathLike[str], scale: Scale | str) -> Path:
+    """Where an experiment's result at one scale is kept (``DIR/NAME/scales/<scale>/``): ``DIR/NAME/result.json``
+    is the latest run at any scale, this folder the latest at ``scale``."""
+    return Path(folder) / "scales" / Scale.parse(scale).value
 
 
 _TEXT = ((str,), None, "a string")
