@@ -15,6 +15,7 @@ import enum
 import json
 from typing import Any
 
+from .._io import dumps
 from .inspect_api import Targets, Unreadable
 
 __all__ = ["MAX_TEXT", "Tool", "ToolTargets", "run_tool", "tools_view"]
@@ -70,8 +71,8 @@ class ToolTargets(Targets):
         path = self.resolve_folder(body["folder"])
         name = path.relative_to(self.root).as_posix()
         spec = {"tool": tool.value, "path": str(path), "text": text}
-        key = "tool:" + json.dumps(spec, sort_keys=True)
-        return key, json.dumps(spec), f"{tool.value} on {name}"
+        key = "tool:" + dumps(spec, sort_keys=True)
+        return key, dumps(spec), f"{tool.value} on {name}"
 
 
 def tools_view() -> dict[str, Any]:
