@@ -51,6 +51,7 @@ from pathlib import Path
 
 import torch
 
+from normatlas._io import atomic_write
 from normatlas.cli._format import format_rows
 from normatlas.kernels import build_info
 from normatlas.kernels.bench import cache_resident, reuse_freed_memory, run_bench
@@ -187,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
                               providers=providers, repeats=args.repeats, min_time=args.min_time, warm=warm,
                               progress=lambda s: print(f"# {s}", file=sys.stderr))  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(format_rows(rows, "csv") + "\n")
+    atomic_write(args.out, format_rows(rows, "csv") + "\n")
     print(
         format_rows(rows, "table", "== fused norms vs peers (median ms, GB/s, time over a copy of the same bytes) ==")
     )

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from normatlas._io import atomic_write
 from normatlas.cli._format import format_rows
 from normatlas.kernels import fused_rms_norm, qk_rms_norm
 from normatlas.kernels.bench import reuse_freed_memory
@@ -88,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
                              "median_us": round(med * 1e6, 2), "min_us": round(min(ts) * 1e6, 2),
                              "vs_qk_rms_norm": round(med / ours, 2), "rounds": rounds})  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(format_rows(rows, "csv") + "\n")
+    atomic_write(args.out, format_rows(rows, "csv") + "\n")
     print(format_rows(rows, "table", "== QK-norm, inference: median microseconds, ratio to qk_rms_norm =="))
     print(f"\nload average at end: {os.getloadavg()}\nwrote {args.out}")
     return 0

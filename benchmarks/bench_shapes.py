@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from normatlas._io import atomic_write
 from normatlas.cli._format import format_rows
 from normatlas.kernels import build_info
 from normatlas.kernels.bench import run_bench
@@ -52,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
                 table.append({"op": op, "shape": shape, "dtype": dtype, "ours_ms": ours, "torch_ms": peer,
                               "torch/ours": round(peer / ours, 2), "ours_faster": faster})  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(format_rows(rows, "csv") + "\n")
+    atomic_write(args.out, format_rows(rows, "csv") + "\n")
     title = "== fused forward vs torch's op (F.layer_norm / F.rms_norm), medians of interleaved calls =="
     print(format_rows(table, "table", title))
     print(f"wrote {args.out}")

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from normatlas._io import atomic_write
 from normatlas.cli._format import format_rows
 from normatlas.kernels import build_info, fused_add_rms_norm, fused_layer_norm, fused_rms_norm
 from normatlas.kernels.bench import reuse_freed_memory
@@ -93,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(row)
             print(f"# {dname} {n}: worst {worst:.2f}x a copy", flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(format_rows(rows, "csv") + "\n")
+    atomic_write(args.out, format_rows(rows, "csv") + "\n")
     title = f"== time over x.clone() from memory ({args.elements:,} elements), medians; <<< over {args.flag}x =="
     print(format_rows(rows, "table", title))
     print(f"wrote {args.out}")

@@ -223,6 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         print("gpu_bench: triton is not installed; the kernels cannot run", file=sys.stderr)
         return 2
+    from normatlas._io import atomic_write
     from normatlas.cli._format import format_rows
     from normatlas.kernels import backend
 
@@ -243,10 +244,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.check:
         return 1 if failures else 0
     rows = speed(args, start)
-    (args.out / "gpu_bench.csv").write_text(format_rows(rows, "csv") + "\n")
+    atomic_write(args.out / "gpu_bench.csv", format_rows(rows, "csv") + "\n")
     print(format_rows(rows, "table", f"== {torch.cuda.get_device_name()}: median ms, GB/s, share of copy bandwidth =="))
     tg = targets(rows)
-    (args.out / "gpu_targets.csv").write_text(format_rows(tg, "csv") + "\n")
+    atomic_write(args.out / "gpu_targets.csv", format_rows(tg, "csv") + "\n")
     print()
     print(format_rows(tg, "table", "== issue 8 GPU targets, this run =="))
     print(f"\ncorrectness: {checks}; wrote {args.out}/gpu_bench.csv and gpu_targets.csv "

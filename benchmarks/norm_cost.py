@@ -55,8 +55,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from normatlas import RMSNorm
+from normatlas._io import atomic_write
 from normatlas.blocks import ModelConfig, QKNorm, QKNormConfig, TransformerLM, peri_ln, post_ln, pre_ln
-from normatlas.cli._format import FORMATS, Section, emit, render, write_text_atomic
+from normatlas.cli._format import FORMATS, Section, emit, render
 
 SOFTCAP = 50.0  # Gemma 2's attn_logit_softcapping
 # (B, T, H, Dh): LLM-like heads of 64, sized so the whole run stays near a minute and a half on 2 cores
@@ -435,7 +436,7 @@ def figure(result: Mapping[str, Any], path: Path, command: str) -> Path:
 
 def write_outputs(result: Mapping[str, Any], out: Path) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
-    paths = [write_text_atomic(out / "norm_cost.json", render(sections(result), "json", meta={"meta": result["meta"]}))]
+    paths = [atomic_write(out / "norm_cost.json", render(sections(result), "json", meta={"meta": result["meta"]}))]
     with (out / "norm_cost.csv").open("w", newline="") as fh:
         w = csv.writer(fh, lineterminator="\n")
         w.writerow(("part", "shape_or_placement", "mode", "variant", "median_ms", "min_ms", "ratio"))

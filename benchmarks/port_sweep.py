@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import argparse
 import csv
-import json
 import time
 import warnings
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from normatlas._io import atomic_write, dumps
 from normatlas.inspect.sweep import run_isolated
 
 COLUMNS = ["model", "status", "attention", "placement", "max_abs_diff", "reason", "seconds"]
@@ -101,7 +101,7 @@ def main() -> None:
               flush=True)  # fmt: skip
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "port_sweep.json").write_text(json.dumps(rows, indent=1, default=str))
+    atomic_write(out / "port_sweep.json", dumps(rows, indent=1))
     with (out / "port_sweep.csv").open("w", newline="") as fh:
         w = csv.DictWriter(fh, fieldnames=COLUMNS, extrasaction="ignore")
         w.writeheader()

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import json
 import re
 import time
 import warnings
@@ -28,6 +27,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from normatlas._io import atomic_write, dumps
 from normatlas.inspect.sweep import run_isolated
 
 COLUMNS = ["model", "status", "tower", "connector", "connector_norm", "injection", "lm", "reason", "seconds"]
@@ -179,7 +179,7 @@ def run(
         detail = " | ".join(str(row[c]) for c in columns[2:-2]) if ok else row["reason"][:160]
         print(f"[{i + 1}/{len(types)}] {mt}: {row['status']}  {detail}  ({row['seconds']} s)", flush=True)
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"{name}.json").write_text(json.dumps(rows, indent=1, default=str))
+    atomic_write(out / f"{name}.json", dumps(rows, indent=1))
     with (out / f"{name}.csv").open("w", newline="") as fh:
         w = csv.DictWriter(fh, fieldnames=columns, extrasaction="ignore", lineterminator="\n")
         w.writeheader()

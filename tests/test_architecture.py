@@ -15,7 +15,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "normatlas"
 
 # top-level module or package -> its layer (docs/architecture.md, "The layers")
 LAYER = {
-    "spec": 0, "vocabulary": 0, "capacity": 0, "_exports": 0,
+    "spec": 0, "vocabulary": 0, "capacity": 0, "_exports": 0, "_io": 0,
     "backend": 1, "reference": 1, "functional": 1, "modules": 1, "presets": 1, "taxonomy": 1, "kernels": 1,
     "analysis": 2,
     "longtail": 3, "blocks": 3,

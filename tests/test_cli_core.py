@@ -144,17 +144,43 @@ def _wait_for(proc: subprocess.Popen[bytes], marker: bytes, limit: float = 120.0
 
 _DRIVER = """
 import sys
-import torch  # (the package's top level is lazy: import what the command needs, so "ready" means inside the command)
+import torch
+import normatlas.inspect as inspect_package
 from normatlas.cli import main
+
+real = inspect_package.inspect_target
+
+def forever(*args, **kwargs):  # the command's own work (build and trace), again and again: a signal sent after
+    sys.stderr.write("inside the command\\n")  # this line (one write: the signal cannot split it) always finds
+    sys.stderr.flush()  # the command running
+    while True:
+        real(*args, **kwargs)
+
+inspect_package.inspect_target = forever
 print("ready", file=sys.stderr, flush=True)
 sys.exit(main(sys.argv[2:] or ["inspect", "llama"]))
 """
 
 
+def _left_running(marker: bytes, limit: float = 60.0) -> list[str]:
+    """The processes whose command line holds ``marker``, polled until there are none (``limit`` bounds a hang)."""
+    deadline = time.monotonic() + limit
+    while True:
+        left = []
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                if marker in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    left.append(pid)
+            except OSError:
+                pass
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.05)
+
+
 def test_ctrl_c_exits_130_without_traceback(tmp_path: Path) -> None:
     proc = _start(_DRIVER, tmp_path)
-    seen = _wait_for(proc, b"ready")
-    time.sleep(1.0)  # importing transformers / building the tiny llama
+    seen = _wait_for(proc, b"inside the command\n")
     os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C does: the process and its workers
     _, err = proc.communicate(timeout=60)
     err = (seen + err).decode()
@@ -169,23 +195,14 @@ def test_ctrl_c_during_the_sweep_leaves_nothing_behind(tmp_path: Path) -> None:
     code = _DRIVER.replace('sys.argv[2:] or ["inspect", "llama"]', '["inspect", "--all-transformers", '
                            '"--only", "gpt2,llama,qwen3,gemma2", "--out", sys.argv[1] + "/sweep-out"]')  # fmt: skip
     proc = _start(code, tmp_path, NORMATLAS_PROGRESS="1")
-    seen = _wait_for(proc, b"ready")
-    time.sleep(6.0)  # inside the sweep: a forked worker is building an architecture
+    seen = _wait_for(proc, b"inside the command\n")  # inside the sweep: a forked worker is building an architecture
     os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C does: the process and its workers
     _, err = proc.communicate(timeout=60)
     err = (seen + err).decode()
     assert proc.returncode == 130, err
     assert "Traceback" not in err and "KeyboardInterrupt" not in err
     assert not out_dir.exists() or not any(out_dir.iterdir())
-    time.sleep(1.0)
-    marker = str(tmp_path).encode()
-    left = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            if marker in Path(f"/proc/{pid}/cmdline").read_bytes():
-                left.append(pid)
-        except OSError:
-            pass
+    left = _left_running(str(tmp_path).encode())
     assert not left, f"worker processes left running: {left}"
 
 
@@ -225,16 +242,17 @@ def test_progress_phases_show_and_clear_on_a_terminal(monkeypatch: pytest.Monkey
 
     monkeypatch.delenv("NORMATLAS_PROGRESS", raising=False)
     monkeypatch.setattr(_progress, "DELAY", 0.0)
+    monkeypatch.setattr(_progress.time, "monotonic", lambda: 100.0)  # a clock that stands still: 0 s elapsed
     stream = Tty()
     with _progress.phase("loading checkpoint", stream=stream) as ph:
-        time.sleep(0.4)  # the ticker redraws the line
+        _progress._status.redraw()  # what the ticker does every 0.25 s
         ph.update("model.safetensors")
     text = stream.getvalue()
     assert "\rloading checkpoint ... 0 s" in text and "loading checkpoint: model.safetensors" in text
     assert text.endswith("\r\x1b[K")  # erased: the result is what stays on the screen
     quiet = io.StringIO()  # not a terminal
     with _progress.phase("loading", stream=quiet):
-        time.sleep(0.3)
+        _progress._status.redraw()  # the ticker's turn: still nothing on a stream that is not a terminal
     assert quiet.getvalue() == ""
     monkeypatch.setenv("NORMATLAS_PROGRESS", "1")
     assert _progress.enabled(quiet)

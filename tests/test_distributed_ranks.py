@@ -228,8 +228,17 @@ def test_syncbn_ddp_uneven_batches(ranks: list[dict[str, Any]]) -> None:
         assert s["replicas"] == []
 
 
-def test_print_worker_cpu_seconds(ranks: list[dict[str, Any]]) -> None:
-    print("worker CPU seconds:", ranks[0]["seconds"])
+def test_every_check_is_timed_on_both_ranks(ranks: list[dict[str, Any]]) -> None:
+    # each rank ran every check of two_rank_checks and timed it: a finite, non-negative CPU time per check, the
+    # same checks on both ranks, and real work in all (building and stepping the models costs CPU time)
+    checks = set(ranks[0]) - {"seconds"}
+    assert len(checks) == 10, sorted(checks)
+    for rank in (0, 1):
+        seconds = ranks[rank]["seconds"]
+        assert set(ranks[rank]) - {"seconds"} == checks and set(seconds) == checks, (rank, sorted(seconds))
+        assert all(isinstance(s, float) and math.isfinite(s) and s >= 0 for s in seconds.values()), seconds
+        assert sum(seconds.values()) > 0, seconds
+    print("worker CPU seconds:", ranks[0]["seconds"])  # shown with -s
 
 
 def test_fused_kernels_run_on_sequence_shards(ranks: list[dict[str, Any]]) -> None:

@@ -17,7 +17,6 @@ that do not fit in the memory available.
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -27,6 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ._io import read_json
 from .capacity import check_memory, human_bytes
 
 __all__ = [
@@ -97,12 +97,7 @@ def read_config(root: Path) -> dict[str, Any]:
     cfg = root / "config.json"
     if not cfg.is_file():
         raise FileNotFoundError(f"{root} has no config.json (a checkpoint folder needs config.json + *.safetensors)")
-    try:
-        data = json.loads(cfg.read_text(encoding="utf-8"))
-    except UnicodeDecodeError as exc:
-        raise ValueError(f"{cfg} is not a JSON text file ({exc.reason})") from exc
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{cfg} is not valid JSON (line {exc.lineno} column {exc.colno}: {exc.msg})") from exc
+    data = read_json(cfg)
     if not isinstance(data, dict):
         raise ValueError(f"{cfg} must hold a JSON object, not a JSON {type(data).__name__}")
     return data
@@ -116,10 +111,7 @@ def _refuse_file(path: Path) -> None:
 
 def _read_index(root: Path) -> dict[str, str]:
     file = root / INDEX
-    try:
-        data = json.loads(file.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"{file} is not valid JSON ({exc})") from exc
+    data = read_json(file)
     weight_map = data.get("weight_map") if isinstance(data, dict) else None
     if not isinstance(weight_map, dict) or not all(
         isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()

@@ -15,9 +15,9 @@ from collections.abc import Callable, Iterator
 import torch
 
 from .graph import Graph, Node, Ref
-from .ops import CASTS, SHAPE_ONLY
+from .ops import CASTS, SHAPE_ONLY, SPLITS
 
-__all__ = ["components", "learned_mul", "scalar_mul", "scalar_of", "strip", "upstream"]
+__all__ = ["components", "learned_mul", "scalar_mul", "scalar_of", "scale_back", "strip", "upstream"]
 
 
 def strip(g: Graph, idx: int, ops: frozenset[str] = CASTS) -> int:
@@ -66,6 +66,22 @@ def scalar_mul(g: Graph, n: Node) -> tuple[int, float] | None:
     if c is None or c == 0:
         return None
     return n.args[0].idx, (c if n.op == "mul" else 1.0 / c)
+
+
+def scale_back(g: Graph, start: int, reached: Callable[[int], bool]) -> tuple[float, bool]:
+    """The product of the constant multipliers met walking back from ``start`` through views, casts and splits
+    until ``reached(node)``: ``(scale, True)``, or ``(scale so far, False)`` where another op stops the walk."""
+    cur, scale = start, 1.0
+    while not reached(cur):
+        n = g.nodes[cur]
+        sm = scalar_mul(g, n)
+        if sm is not None:
+            scale, cur = scale * sm[1], sm[0]
+        elif (n.op in SHAPE_ONLY or n.op in CASTS or n.op in SPLITS) and n.inputs:
+            cur = n.inputs[0]
+        else:
+            return scale, False
+    return scale, True
 
 
 def components(g: Graph, idx: int, limit: int = 48) -> list[int]:

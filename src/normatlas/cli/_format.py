@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import csv
 import io
-import json
 import math
 import os
 import re
@@ -24,8 +23,9 @@ import shutil
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import IO, Any
+from typing import IO
+
+from .._io import dumps, jsonable
 
 __all__ = [
     "DEFAULT_WIDTH",
@@ -37,7 +37,6 @@ __all__ = [
     "format_table",
     "output_width",
     "render",
-    "write_text_atomic",
 ]
 
 FORMATS = ("table", "json", "csv")
@@ -115,28 +114,6 @@ def _cell(value: object) -> str:
     if isinstance(enum_value, (str, int)) and not isinstance(value, (str, int)):
         return str(enum_value)
     return " ".join(str(value).split("\n")).replace("\t", " ")
-
-
-def _jsonable(value: Any) -> Any:
-    """Typed JSON values: non-finite floats become null (JSON has no NaN), enums their value, paths str."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, Mapping):
-        return {str(k): _jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple, set, frozenset)):
-        return [_jsonable(v) for v in value]
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    enum_value = getattr(value, "value", None)
-    if isinstance(enum_value, (str, int)):
-        return enum_value
-    item = getattr(value, "item", None)  # a 0-d tensor or numpy scalar
-    if callable(item):
-        try:
-            return _jsonable(item())
-        except (TypeError, ValueError, RuntimeError):
-            pass
-    return str(value)
 
 
 # ---------------------------------------------------------------------------------------------- wrapping
@@ -350,7 +327,7 @@ def render(
             doc[s.key] = [dict(r) for r in s.rows]
         if notes:
             doc["notes"] = list(notes)
-        return json.dumps(_jsonable(doc), indent=2, allow_nan=False)
+        return dumps(doc, indent=2)
     if fmt == "csv":
         buf = io.StringIO()
         several = len(sections) > 1
@@ -392,7 +369,7 @@ def _csv_value(value: object) -> object:
         return value
     if isinstance(value, float):
         return str(value)  # nan, inf: what a spreadsheet reads back
-    return _jsonable(value)
+    return jsonable(value)
 
 
 def emit(
@@ -415,7 +392,7 @@ def emit(
 def format_rows(rows: Sequence[Mapping[str, object]], fmt: str = "table", title: str | None = None) -> str:
     """Render one section's rows as ``table``, ``json`` (a list) or ``csv``."""
     if fmt == "json":
-        return json.dumps(_jsonable([dict(r) for r in rows]), indent=2, allow_nan=False)
+        return dumps([dict(r) for r in rows], indent=2)
     return render([Section("rows", rows, title)], fmt)
 
 
@@ -427,17 +404,3 @@ def add_format_option(parser: object) -> None:
     parser.add_argument(  # type: ignore[attr-defined]
         "--json", dest="format", action="store_const", const="json", help="the same as --format json"
     )
-
-
-def write_text_atomic(path: str | Path, text: str) -> Path:
-    """Write ``text`` to ``path`` through a temporary file in the same folder, renamed into place: an
-    interrupted or failed write leaves the old file (or none), never a partial one."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        tmp.write_text(text, encoding="utf-8")
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return path

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 from typing import Any
 
+from .._io import read_json
 from . import CliError, one_of
 from . import _progress as progress
 from ._format import Section, add_format_option, emit
@@ -115,8 +115,8 @@ def _read_sweep(name: str) -> dict[str, dict[str, Any]]:
     if not path.is_file():
         raise CliError(f"--from {name}: no such file")
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        data = read_json(path)
+    except ValueError as exc:
         raise CliError(f"--from {name}: not JSON ({exc}); {_SWEEP_SHAPE}") from exc
     if not isinstance(data, list):
         raise CliError(f"--from {name}: holds a JSON {_json_type(data)}; {_SWEEP_SHAPE}")

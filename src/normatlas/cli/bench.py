@@ -5,9 +5,10 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from .._io import atomic_write
 from . import CliError, nonnegative_float, positive_int
 from . import _progress as progress
-from ._format import Section, add_format_option, emit, render, write_text_atomic
+from ._format import Section, add_format_option, emit, render
 
 _OPS = ("rms", "layer", "add_rms", "add_layer", "qk")
 _DTYPES = ("float32", "bfloat16", "float16")
@@ -94,6 +95,6 @@ def bench(args: argparse.Namespace) -> int:
         table = [{"case": f"{r['shape']} {r['dtype']} {r['mode']} ({r['state']})", **r} for r in rows]
         section = Section("results", table, title, _TABLE, group="case")
     if args.csv:
-        write_text_atomic(args.csv, render([Section("results", rows)], "csv") + "\n")
+        atomic_write(args.csv, render([Section("results", rows)], "csv") + "\n")
     emit([section], args.format, meta=meta)
     return 0

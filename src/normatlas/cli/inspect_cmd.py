@@ -3,16 +3,16 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import time
 from pathlib import Path
 from typing import Any
 
+from .._io import dumps
 from . import CliError, add_attention_option, positive_float
 from . import _progress as progress
-from ._format import Section, _jsonable, add_format_option, emit
+from ._format import Section, add_format_option, emit
 
 DEFAULT_TIMEOUT = 60.0
 DEFAULT_OUT = "inspect-matrix"
@@ -108,7 +108,7 @@ def inspect_cmd(args: argparse.Namespace) -> int:
     if args.format == "json":  # the whole report, typed
         doc = rep.to_dict()
         doc["seconds"] = round(float(doc.get("seconds") or 0.0), 3)
-        print(json.dumps(_jsonable(doc), indent=2, allow_nan=False))
+        print(dumps(doc, indent=2))
         return 0
     summary = rep.summary_row()
     skip = ("model", "notes", "stack")
@@ -336,7 +336,7 @@ def _one_vlm(args: argparse.Namespace, target: str) -> int:
             f"cannot build or trace {target}: {type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}"
         ) from exc
     if args.format == "json":
-        print(json.dumps(_jsonable(rep.to_dict(detail=True)), indent=2, allow_nan=False))
+        print(dumps(rep.to_dict(detail=True), indent=2))
         return 0
     parts = rep.part_rows()
     title = f"{rep.model}: %s (one image + text run, {rep.image_tokens} image tokens)"

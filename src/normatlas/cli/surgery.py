@@ -28,6 +28,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from .._io import read_json
 from . import CliError, HelpFormatter, positive_int
 from . import _progress as progress
 from ._format import Section, add_format_option, emit
@@ -157,12 +158,10 @@ def _located(path: str, what: str = "checkpoint") -> Any:
 def _refuse_swapped_input(root: Path) -> None:
     """An earlier output that is not stock-equivalent (gain, eps) computes its function only with the manifest's
     swaps; transforming its stock structure would start from a different model."""
-    import json
-
     from normatlas.surgery import MANIFEST
 
     try:
-        manifest = json.loads((root / MANIFEST).read_text())
+        manifest = read_json(root / MANIFEST)
     except (OSError, ValueError):
         return
     if isinstance(manifest, dict) and manifest.get("swaps") and manifest.get("stock_equivalent") is False:

@@ -14,15 +14,15 @@ from __future__ import annotations
 import argparse
 import csv
 import io
-import os
 import shlex
 import sys
 from pathlib import Path
 from typing import Any
 
+from .._io import atomic_write
 from . import CliError, nonnegative_int, one_of, positive_float, positive_int
 from . import _progress as progress
-from ._format import Section, add_format_option, emit, write_text_atomic
+from ._format import Section, add_format_option, emit
 
 EXIT_VERIFY_FAILED = 1
 EXIT_NOTHING_TO_CHANGE = 3
@@ -38,19 +38,12 @@ def _write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
     w = csv.DictWriter(buf, cols)
     w.writeheader()
     w.writerows(rows)
-    write_text_atomic(path, buf.getvalue())
+    atomic_write(path, buf.getvalue())
 
 
 def _figure(path: Path, draw: Any) -> Path:
     """Draw to a temporary file beside ``path``, renamed into place."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp.png")
-    try:
-        draw(tmp)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return path
+    return atomic_write(path, draw)
 
 
 def _load(path: str) -> tuple[Any, Any]:

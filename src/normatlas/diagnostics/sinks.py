@@ -7,11 +7,11 @@ A record is a flat ``{key: number}`` dict with a ``step`` key; keys look like
 from __future__ import annotations
 
 import csv
-import json
-import math
 import os
 from collections.abc import Mapping
 from typing import Any
+
+from .._io import dumps
 
 __all__ = ["CSVSink", "JSONLSink", "MemorySink", "Sink", "TensorBoardSink"]
 
@@ -41,18 +41,14 @@ class MemorySink(Sink):
         return sorted({k for r in self.records for k in r if k != "step"})
 
 
-def _clean(v: Any) -> Any:
-    return None if isinstance(v, float) and not math.isfinite(v) else v
-
-
 class JSONLSink(Sink):
-    """One JSON object per record (non-finite floats written as null)."""
+    """One JSON object per record (non-finite floats written as null: :func:`normatlas._io.dumps`)."""
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.fh = open(path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
 
     def write(self, record: Mapping[str, Any]) -> None:
-        self.fh.write(json.dumps({k: _clean(v) for k, v in record.items()}) + "\n")
+        self.fh.write(dumps(record) + "\n")
         self.fh.flush()
 
     def close(self) -> None:

@@ -11,15 +11,15 @@ the rest are shown. The HTML is self-contained apart from the figure files: inli
 
 from __future__ import annotations
 
-import functools
 import html
 import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from .._io import atomic_write
 from .base import Scale
-from .runner import atomic_write, load_result, scale_folder
+from .runner import load_result, scale_folder
 
 __all__ = ["find_results", "read_results", "render_html", "render_markdown", "write_report"]
 
@@ -48,6 +48,8 @@ def find_results(out: str | os.PathLike[str]) -> list[dict[str, Any]]:
 
 
 def _value(v: Any) -> str:
+    if v is None:  # a NaN or inf measured is written as null (normatlas._io)
+        return "n/a"
     if isinstance(v, float):
         return f"{v:.4g}"
     if isinstance(v, list):
@@ -241,6 +243,6 @@ def write_report(
     )
     for name, text in pages:
         path = root / name
-        atomic_write(path, functools.partial(Path.write_text, data=text, encoding="utf-8"))
+        atomic_write(path, text)
         paths.append(path)
     return paths[0], paths[1], records, problems

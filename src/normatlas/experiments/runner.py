@@ -23,7 +23,6 @@ import hashlib
 import importlib
 import inspect
 import json
-import math
 import os
 import platform
 import shutil
@@ -35,6 +34,7 @@ from typing import Any
 
 import torch
 
+from .._io import atomic_write, dumps, jsonable, read_json
 from .base import Experiment, Outcome, RunContext, Scale
 from .verdict import Diverged, Untested, Verdict, as_statistic, decide
 
@@ -62,41 +62,12 @@ def use_agg() -> Any:
     return plt
 
 
-def _jsonable(value: Any) -> Any:
-    if isinstance(value, (Diverged, Untested)):
-        return value.to_json()
-    if isinstance(value, dict):
-        return {str(k): _jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
-    if isinstance(value, torch.Tensor):
-        return _jsonable(value.tolist())
-    if isinstance(value, float):
-        return value if math.isfinite(value) else str(value)
-    if isinstance(value, (bool, int, str)) or value is None:
-        return value
-    if hasattr(value, "item"):
-        return _jsonable(value.item())
-    raise TypeError(f"measured value {value!r} of type {type(value).__name__} is not a JSON scalar or list")
-
-
 def _from_json_statistic(value: Any) -> Any:
     if isinstance(value, dict) and "diverged" in value:
         return Diverged(value["diverged"], value.get("step"))
     if isinstance(value, dict) and "untested" in value:
         return Untested(value["untested"])
     return value
-
-
-def atomic_write(path: Path, write: Callable[[Path], object]) -> None:
-    """``write(tmp)`` then rename ``tmp`` over ``path``: a reader sees the old file or the whole new one, never a
-    part; ``tmp`` is removed whatever happens. The experiments' one writer (records, CSVs, figures, the depth set)."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 def _save_figure(figure: Any, ext: str, path: Path) -> None:
@@ -197,12 +168,11 @@ def _run_seed(
         atomic_write(path / f"figure.{ext}", functools.partial(_save_figure, outcome.figure, ext))
     plt.close(outcome.figure)
     rec = {
-        "key": key, "statistics": _jsonable(stats), "measured": _jsonable(outcome.measured), "notes": outcome.notes,
-        "seconds": round(seconds, 2), "peak_rss_mib": peak_rss_mib(), "threads": torch.get_num_threads(),
-        "csv": files,
+        "key": key, "statistics": jsonable(stats, strict=True), "measured": jsonable(outcome.measured, strict=True),
+        "notes": outcome.notes, "seconds": round(seconds, 2), "peak_rss_mib": peak_rss_mib(),
+        "threads": torch.get_num_threads(), "csv": files,
     }  # fmt: skip
-    text = json.dumps(rec, indent=2) + "\n"
-    atomic_write(path / "outcome.json", lambda p: p.write_text(text))
+    atomic_write(path / "outcome.json", dumps(rec, indent=2) + "\n")
     return rec
 
 
@@ -312,13 +282,13 @@ def run_experiment(
             "peak_rss_mib_per_seed": {str(s): r.get("peak_rss_mib") for s, r in zip(seeds, per_seed, strict=True)},
         },
     }  # fmt: skip
-    text = json.dumps(record, indent=2) + "\n"
+    text = dumps(record, indent=2) + "\n"
     at_scale = scale_folder(folder, scale)  # this scale's own copy: a later run at another scale keeps it
     at_scale.mkdir(parents=True, exist_ok=True)
     for name in files:
-        atomic_write(at_scale / name, functools.partial(shutil.copyfile, folder / name))
-    atomic_write(at_scale / "result.json", lambda p: p.write_text(text))
-    atomic_write(folder / "result.json", lambda p: p.write_text(text))
+        atomic_write(at_scale / name, (folder / name).read_bytes())
+    atomic_write(at_scale / "result.json", text)
+    atomic_write(folder / "result.json", text)
     return record
 
 
@@ -373,17 +343,14 @@ def _check_types(path: Path, where: str, record: Any, table: dict[str, Any]) -> 
 
 
 def _short(value: Any) -> str:
-    text = json.dumps(value)
+    text = dumps(value)
     return text if len(text) <= 40 else text[:37] + "..."
 
 
 def load_result(folder: str | os.PathLike[str]) -> dict[str, Any]:
     """A ``result.json`` read back, checked to have every field; a ValueError names the file otherwise."""
     path = Path(folder) / "result.json"
-    try:
-        record = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"{path} is not valid JSON (truncated or malformed?): {exc}") from None
+    record = read_json(path)
     if not isinstance(record, dict):
         raise ValueError(f"{path} holds a {type(record).__name__}, not a result object")
     missing = [f for f in RESULT_FIELDS if f not in record]

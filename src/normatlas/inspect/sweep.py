@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import csv
 import functools
-import json
+import io
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
+
+from .._io import atomic_write, dumps
 
 __all__ = [
     "ENCODER_DECODER_COLUMNS",
@@ -203,9 +205,10 @@ def write_sweep(rows: list[dict[str, Any]], out_dir: str | Path, columns: list[s
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     jp, cp = out / "transformers_matrix.json", out / "transformers_matrix.csv"
-    jp.write_text(json.dumps(rows, indent=1, default=str))
-    with cp.open("w", newline="") as fh:
-        w = csv.DictWriter(fh, fieldnames=columns, lineterminator="\n")
-        w.writeheader()
-        w.writerows(rows)
+    atomic_write(jp, dumps(rows, indent=1))
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=columns, lineterminator="\n")
+    w.writeheader()
+    w.writerows(rows)
+    atomic_write(cp, buf.getvalue())
     return jp, cp

@@ -33,7 +33,6 @@ import contextlib
 import functools
 import hashlib
 import importlib.util
-import json
 import logging
 import os
 import platform
@@ -51,6 +50,8 @@ from types import ModuleType
 from typing import Any
 
 import torch
+
+from .._io import atomic_write, dumps, read_json
 
 __all__ = ["SOURCES", "build", "build_info", "cache_dir", "damage", "ensure_built", "extension", "loaded"]
 
@@ -148,7 +149,7 @@ def _import(name: str, path: Path) -> ModuleType:
 
 def _read_meta(folder: Path) -> dict[str, Any]:
     try:
-        meta = json.loads((folder / "build.json").read_text())
+        meta = read_json(folder / "build.json")
         return meta if isinstance(meta, dict) else {}
     except (OSError, ValueError):
         return {}
@@ -288,13 +289,12 @@ def _build_into_cache() -> ModuleType:
             module = build(name, tmp)
             seconds = time.perf_counter() - start
             folder.mkdir(parents=True, exist_ok=True)
-            staged = folder / f".{name}.so.tmp-{os.getpid()}"
-            shutil.copyfile(tmp / f"{name}.so", staged)
+            built = tmp / f"{name}.so"
             meta = {"key": _key(), "seconds": round(seconds, 1), "built_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                     "torch": torch.__version__, "compiler": _compiler(), "cflags": list(_CFLAGS),
-                    "size": staged.stat().st_size, "sha256": _digest(staged)}  # fmt: skip
-            (folder / "build.json").write_text(json.dumps(meta, indent=2))
-            os.replace(staged, folder / f"{name}.so")
+                    "size": built.stat().st_size, "sha256": _digest(built)}  # fmt: skip
+            atomic_write(folder / "build.json", dumps(meta, indent=2))
+            atomic_write(folder / f"{name}.so", functools.partial(shutil.copyfile, built))
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     _state["info"] = {

@@ -18,7 +18,7 @@ from torch import Tensor
 from ..analysis.attention_calls import FusedCall, fused_call
 from ..analysis.graph import Graph
 from ..analysis.ops import CASTS, SHAPE_ONLY, SPLITS
-from ..analysis.walk import learned_mul, scalar_mul, strip
+from ..analysis.walk import learned_mul, scalar_mul, scale_back, strip
 from ..blocks.mlp import Activation
 from ..inspect.attention import Core
 from .errors import PortError
@@ -322,16 +322,7 @@ def head_input_scale(g: Graph, head: Proj, stop: int | None = None) -> float:
     """The constant multipliers on the head's input after the last stream value (``stop``: MiniCPM3's
     ``hidden / logits_scaling``), walking back through views and casts. Through a linear head without bias it is
     a scale on the logits; with a bias it is refused by name."""
-    cur, scale = head.input, 1.0
-    while cur != stop:
-        n = g.nodes[cur]
-        sm = scalar_mul(g, n)
-        if sm is not None:
-            scale, cur = scale * sm[1], sm[0]
-        elif (n.op in SHAPE_ONLY or n.op in CASTS or n.op in SPLITS) and n.inputs:
-            cur = n.inputs[0]
-        else:
-            break
+    scale, _ = scale_back(g, head.input, lambda cur: cur == stop)
     if scale != 1.0 and head.bias() is not None:
         raise PortError([f"a constant scale ({scale:g}) on the input of a head projection with a bias"])
     return scale

@@ -159,33 +159,33 @@ def read_moe(g: Graph, sub: Sublayer, branch: int, out: int, projs: list[Proj], 
             scale = float((r * (y - s_val)).sum() / (r * r).sum().clamp_min(1e-300))
             scale = 1.0 if abs(scale - 1) < 1e-6 else float(f"{scale:.6g}")
             if scale > 0 and _close(scale * r + s_val, y):
-                cfg = replace(
-                    base, d_expert=int(experts["up"].value().shape[1]), routed_scale=scale,
-                    shared_width=0 if shared is None else int(g.tensors[shared[2].input].shape[-1]),
-                    shared_gate=bool(shared_gate),
-                )  # fmt: skip
-                return MoeReading(
-                    cfg, act, gated, router, experts, sel_bias, shared, shared_gate[0] if shared_gate else None
-                )
+                return _reading(g, replace(base, routed_scale=scale), act, gated, router, experts, sel_bias,
+                                shared, shared_gate)  # fmt: skip
     if _scales_input(g, own, t, x_node):  # the weights on the experts' input: sum_j expert_j(w_j * x)
         for experts, act, gated in _experts(stacked, d):
             for base, idx, w in routes:
                 rows = torch.arange(x.shape[0])
                 parts = [_run(experts, act, x * w[:, j : j + 1])[idx[:, j], rows] for j in range(k)]
                 if _close(torch.stack(parts).sum(0) + s_val, y):
-                    cfg = replace(
-                        base, d_expert=int(experts["up"].value().shape[1]), weight_input=True,
-                        shared_width=0 if shared is None else int(g.tensors[shared[2].input].shape[-1]),
-                        shared_gate=bool(shared_gate),
-                    )  # fmt: skip
-                    return MoeReading(
-                        cfg, act, gated, router, experts, sel_bias, shared, shared_gate[0] if shared_gate else None
-                    )
+                    return _reading(g, replace(base, weight_input=True), act, gated, router, experts, sel_bias,
+                                    shared, shared_gate)  # fmt: skip
         raise PortError([f"layer {layer}: router weights that scale the experts' input, with experts or a "
                          "combination none of ours computes"])  # fmt: skip
     raise PortError(
         [f"layer {layer}: experts or a combination of their outputs that none of ours computes (the output differs)"]
     )
+
+
+def _reading(
+    g: Graph, base: MoEConfig, act: Activation, gated: bool, router: Tensor, experts: dict[str, Stacked],
+    sel_bias: Tensor | None, shared: tuple[Proj | None, Proj, Proj] | None, shared_gate: list[Proj],
+) -> MoeReading:  # fmt: skip
+    """The reading once the experts and the way their weights enter are found: the widths read off the tensors."""
+    cfg = replace(
+        base, d_expert=int(experts["up"].value().shape[1]),
+        shared_width=0 if shared is None else int(g.tensors[shared[2].input].shape[-1]), shared_gate=bool(shared_gate),
+    )  # fmt: skip
+    return MoeReading(cfg, act, gated, router, experts, sel_bias, shared, shared_gate[0] if shared_gate else None)
 
 
 def _scales_input(g: Graph, own: int, t: Node, x: int) -> bool:

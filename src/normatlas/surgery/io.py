@@ -24,7 +24,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import errno
-import json
 import os
 import shutil
 import tempfile
@@ -36,6 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .._io import dumps, read_json
 from ..capacity import check_disk, human_bytes
 from ..checkpoint import (
     INDEX,
@@ -156,10 +156,7 @@ def load_transformed(path: str | os.PathLike[str]) -> tuple[nn.Module, nn.Module
     manifest_file = root / MANIFEST
     if not manifest_file.is_file():
         raise ValueError(f"{root} has no {MANIFEST}; it was not written by normatlas surgery")
-    try:
-        manifest = json.loads(manifest_file.read_text())
-    except ValueError as exc:
-        raise ValueError(f"{manifest_file} is not valid JSON ({exc})") from exc
+    manifest = read_json(manifest_file)
     stock = load_checkpoint(root)
     swaps = [Swap.from_dict(s) for s in manifest.get("swaps", [])]
     runtime = apply_swaps(copy.deepcopy(stock), swaps)
@@ -271,7 +268,7 @@ def _write_state(tmp: Path, shards: dict[str, dict[str, torch.Tensor]], indexed:
         total = sum(t.numel() * t.element_size() for part in shards.values() for t in part.values())
         weight_map = {k: f for f, part in shards.items() for k in sorted(part)}
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-        (tmp / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+        (tmp / INDEX).write_text(dumps(index, indent=2) + "\n")
         names.append(INDEX)
     return names
 
@@ -336,7 +333,7 @@ def _write_folder(tmp: Path, surgery: Surgery, shards: dict[str, dict[str, torch
     manifest["files"] = {"weights": [f for f in written_files if f != "config.json"], "copied": copied}
     if skipped:
         manifest["files"]["not_copied"] = skipped
-    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, default=str))
+    (tmp / MANIFEST).write_text(dumps(manifest, indent=2))
     for f in [*written_files, MANIFEST]:
         os.chmod(tmp / f, file_mode())
     return list(shards)
@@ -412,7 +409,7 @@ def save_surgery(
         tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
         try:
             os.chmod(tmp, dir_mode())
-            (tmp / WRITING).write_text(json.dumps({"pid": os.getpid()}))
+            (tmp / WRITING).write_text(dumps({"pid": os.getpid()}))
             shard_files = _write_folder(tmp, surgery, shards, src)
             _verify_folder(tmp, surgery, shard_files, ref, inputs)
             _publish(tmp, target)

@@ -16,7 +16,6 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import shutil
 import signal
@@ -26,6 +25,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
+
+from .._io import read_json
 
 __all__ = ["MANIFEST", "WRITING", "OutputPlan", "check_output", "dir_mode", "file_mode", "interruptible"]
 
@@ -60,7 +61,7 @@ class OutputPlan:
 def is_normatlas_output(folder: Path) -> bool:
     """True when ``folder`` holds the marker an earlier normatlas write leaves."""
     try:
-        data = json.loads((folder / MANIFEST).read_text(encoding="utf-8"))
+        data = read_json(folder / MANIFEST)
     except (OSError, ValueError):
         return False
     return isinstance(data, dict) and str(data.get("format", "")).startswith("normatlas-surgery/")
@@ -78,7 +79,7 @@ def _alive(pid: int) -> bool:
 
 def _writer_pid(folder: Path) -> int | None:
     try:
-        pid = json.loads((folder / WRITING).read_text())["pid"]
+        pid = read_json(folder / WRITING)["pid"]
     except (OSError, ValueError, KeyError, TypeError):
         return None
     return pid if isinstance(pid, int) else None

@@ -26,6 +26,7 @@ __all__ = [
     "analysis_copy",
     "compare",
     "model_dtype",
+    "model_inputs",
     "model_output",
     "probe_inputs",
     "run_checks",
@@ -107,7 +108,11 @@ def probe_inputs(model: nn.Module, *, batch: int = 2, length: int = 12, seed: in
     vocab = getattr(config, "vocab_size", None) if config is not None else None
     if vocab is None:
         raise ValueError("probe inputs need a transformers config with vocab_size; pass example inputs instead")
-    ids = torch.randint(0, vocab, (batch, length), generator=gen)
+    return model_inputs(model, torch.randint(0, vocab, (batch, length), generator=gen))
+
+
+def model_inputs(model: nn.Module, ids: Tensor) -> dict[str, Any]:
+    """``input_ids`` (with an all-ones attention mask and ``use_cache=False`` where the forward takes them)."""
     inputs: dict[str, Any] = {"input_ids": ids}
     params = inspect.signature(model.forward).parameters
     if "attention_mask" in params:

@@ -11,7 +11,6 @@ vocabulary). The summary adds the anisotropy of the table, ``||mean row|| / mean
 from __future__ import annotations
 
 import os
-import textwrap
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,7 +21,7 @@ from ..analysis.graph import record
 from ..analysis.ops import SHAPE_ONLY
 from ..analysis.walk import strip
 from .lens import token_text
-from .reading import ToolError, model_inputs
+from .reading import ToolError, finish_figure, model_inputs
 
 __all__ = ["EmbeddingScan", "embedding_figure", "scan_embeddings", "token_table"]
 
@@ -137,10 +136,5 @@ def embedding_figure(scan: EmbeddingScan, path: str | os.PathLike[str], title: s
     ax.set_xlabel("token rank by embedding norm")
     ax.set_ylabel("||embedding row|| (L2)")
     ax.legend(fontsize=8)
-    fig.suptitle("\n".join(textwrap.wrap(title, 90)), fontsize=9)
-    if caption:
-        fig.text(0.01, 0.005, "\n".join(textwrap.wrap(caption, 160)), fontsize=6.5, va="bottom")
-    fig.tight_layout(rect=(0, 0.05 if caption else 0, 1, 0.95))
-    fig.savefig(os.fspath(path), dpi=110)
-    plt.close(fig)
+    finish_figure(fig, path, caption, title=title, bottom=0.05)
     return path

@@ -14,7 +14,6 @@ for layer ``l`` (the norm's gain becomes ``g_l * w``), fitted to minimise the sa
 from __future__ import annotations
 
 import os
-import textwrap
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .reading import Reading, ToolError, capture_stream, model_inputs, read_model
+from .reading import Reading, ToolError, capture_stream, finish_figure, model_inputs, read_model
 
 __all__ = ["LensResult", "TunedFit", "fit_tuned_gains", "lens_figure", "logit_lens", "token_text", "windows"]
 
@@ -233,11 +232,7 @@ def lens_figure(result: LensResult, path: str | os.PathLike[str], caption: str =
         else f"{result.model}: the logit lens through the final norm",
         fontsize=9,
     )
-    if caption:
-        fig.text(0.01, 0.005, "\n".join(textwrap.wrap(caption, 160)), fontsize=6.5, va="bottom")
-    fig.tight_layout(rect=(0, 0.04 if caption else 0, 1, 0.95))
-    fig.savefig(os.fspath(path), dpi=110)
-    plt.close(fig)
+    finish_figure(fig, path, caption)
     return path
 
 

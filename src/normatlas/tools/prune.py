@@ -32,7 +32,7 @@ from torch import Tensor, nn
 from ..surgery.io import _load_into
 from ..surgery.report import Change, Surgery
 from ..surgery.verify import Tolerance, compare, model_dtype
-from .reading import Reading, ToolError, capture_stream, model_inputs, skipping
+from .reading import Reading, ToolError, capture_stream, finish_figure, model_inputs, skipping
 
 __all__ = [
     "SCORES",
@@ -272,10 +272,5 @@ def prune_figure(
         mx.set_ylabel("\n".join(textwrap.wrap(what, 34)))
         mx.set_xticks(layers)
         mx.legend(fontsize=8)
-    fig.suptitle("\n".join(textwrap.wrap(title, 90)), fontsize=9)
-    if caption:
-        fig.text(0.01, 0.005, "\n".join(textwrap.wrap(caption, 140)), fontsize=6.5, va="bottom")
-    fig.tight_layout(rect=(0, 0.04 if caption else 0, 1, 0.94))
-    fig.savefig(os.fspath(path), dpi=110)
-    plt.close(fig)
+    finish_figure(fig, path, caption, title=title, wrap=140, top=0.94)
     return path

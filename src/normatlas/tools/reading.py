@@ -17,8 +17,9 @@ Module paths are used as handles (to hook a module the dataflow pointed at), nev
 
 from __future__ import annotations
 
-import inspect as pyinspect
 import math
+import os
+import textwrap
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -30,10 +31,11 @@ from torch.utils._pytree import tree_flatten
 
 from ..analysis.graph import Graph, Span, record
 from ..analysis.ops import CASTS, SHAPE_ONLY, SPLITS
-from ..analysis.walk import scalar_mul, strip
+from ..analysis.walk import scalar_mul, scale_back, strip
 from ..inspect.attention import find_cores, trig_bits
 from ..inspect.norms import Site, find_sites
 from ..inspect.residual import final_norm, find_stream, place_norms
+from ..surgery.verify import model_inputs
 
 __all__ = [
     "Layer",
@@ -41,6 +43,7 @@ __all__ = [
     "Reading",
     "ToolError",
     "capture_stream",
+    "finish_figure",
     "model_inputs",
     "read_model",
     "skipping",
@@ -108,17 +111,6 @@ class Reading:
         return x
 
 
-def model_inputs(model: nn.Module, ids: Tensor) -> dict[str, Any]:
-    """``input_ids`` (with an all-ones attention mask and ``use_cache=False`` where the forward takes them)."""
-    inputs: dict[str, Any] = {"input_ids": ids}
-    params = pyinspect.signature(model.forward).parameters
-    if "attention_mask" in params:
-        inputs["attention_mask"] = torch.ones_like(ids)
-    if "use_cache" in params:
-        inputs["use_cache"] = False
-    return inputs
-
-
 def _same(g: Graph, a: int, b: int) -> bool:
     return a == b or strip(g, a, SHAPE_ONLY) == strip(g, b, SHAPE_ONLY)
 
@@ -154,19 +146,34 @@ def _layers(g: Graph, subs: Sequence[Any]) -> list[Layer]:
     return layers
 
 
+def finish_figure(
+    fig: Any,
+    path: str | os.PathLike[str],
+    caption: str,
+    *,
+    title: str | None = None,
+    wrap: int = 160,
+    bottom: float = 0.04,
+    top: float = 0.95,
+) -> None:
+    """The tools' figures' one ending: ``title`` (wrapped at 90 characters) on top, ``caption`` (wrapped at
+    ``wrap``) at the foot with ``bottom`` of the height kept for it, laid out below ``top``; saved at 110 dpi and
+    closed."""
+    import matplotlib.pyplot as plt
+
+    if title is not None:
+        fig.suptitle("\n".join(textwrap.wrap(title, 90)), fontsize=9)
+    if caption:
+        fig.text(0.01, 0.005, "\n".join(textwrap.wrap(caption, wrap)), fontsize=6.5, va="bottom")
+    fig.tight_layout(rect=(0, bottom if caption else 0, 1, top))
+    fig.savefig(os.fspath(path), dpi=110)
+    plt.close(fig)
+
+
 def _walk_back(g: Graph, start: int, stop: int) -> float | None:
     """The constant multiplying ``stop`` on its way to ``start`` (through views and casts); None: other ops."""
-    cur, scale = start, 1.0
-    while not _same(g, cur, stop):
-        n = g.nodes[cur]
-        sm = scalar_mul(g, n)
-        if sm is not None:
-            scale, cur = scale * sm[1], sm[0]
-        elif (n.op in SHAPE_ONLY or n.op in CASTS or n.op in SPLITS) and n.inputs:
-            cur = n.inputs[0]
-        else:
-            return None
-    return scale
+    scale, reached = scale_back(g, start, lambda cur: _same(g, cur, stop))
+    return scale if reached else None
 
 
 def _logit_ends(g: Graph, cur: int, out: int) -> tuple[float, float | None]:

@@ -10,7 +10,6 @@ a ``tokenizers`` BPE without merges over the GPT-2 byte alphabet). The last 10% 
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from collections.abc import Callable
@@ -21,6 +20,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from .._io import atomic_write, dumps
 
 __all__ = [
     "CORPUS_BYTES",
@@ -191,5 +192,5 @@ def train_byte_llama(
         "heldout_loss": heldout,
         "heldout_bits_per_byte": heldout / math.log(2),
     }
-    (target / TRAINING_FILE).write_text(json.dumps(record, indent=2))
+    atomic_write(target / TRAINING_FILE, dumps(record, indent=2))
     return record

@@ -16,7 +16,6 @@ gets a 503 and is closed), and a client that hangs up mid-answer is dropped quie
 from __future__ import annotations
 
 import json
-import math
 import re
 import socket
 import sys
@@ -31,6 +30,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
+from .._io import dumps
 from .axes_api import normalize_view, taxonomy_view
 from .catalog import NAME, experiments_view, models_view, papers_view, placements_view
 from .inspect_api import Busy, Forbidden, Unreadable
@@ -93,16 +93,6 @@ def static_files() -> dict[str, bytes]:
     """Every file of the page (name -> bytes), read once from the package."""
     folder = resources.files("normatlas.web").joinpath("static")
     return {f.name: f.read_bytes() for f in folder.iterdir() if f.is_file() and Path(f.name).suffix in _TYPES}
-
-
-def _jsonable(value: Any) -> Any:
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)
-    if isinstance(value, dict):
-        return {str(k): _jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
-    return value
 
 
 class AtlasServer(ThreadingHTTPServer):
@@ -173,7 +163,7 @@ class AtlasServer(ThreadingHTTPServer):
 
 def _refuse_busy(sock: socket.socket, limit: int) -> None:
     """The 503 a connection over the limit gets, written without reading its request (never blocking long)."""
-    body = json.dumps({"error": f"the server is serving {limit} connections already; retry", "status": 503}).encode()
+    body = dumps({"error": f"the server is serving {limit} connections already; retry", "status": 503}).encode()
     head = (
         "HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json; charset=utf-8\r\n"
         f"Content-Length: {len(body)}\r\nRetry-After: 1\r\nConnection: close\r\n"
@@ -266,7 +256,7 @@ class Handler(BaseHTTPRequestHandler):
             self.wfile.write(body)
 
     def _json(self, status: HTTPStatus, doc: Any, extra: dict[str, str] | None = None) -> None:
-        body = json.dumps(_jsonable(doc), allow_nan=False).encode()
+        body = dumps(doc).encode()
         self._send(status, body, "application/json; charset=utf-8", extra)
 
     def _error(self, status: HTTPStatus, message: str, extra: dict[str, str] | None = None) -> None:

@@ -15,6 +15,7 @@ import enum
 import json
 from typing import Any
 
+from .._io import dumps
 from .inspect_api import Targets, Unreadable
 
 __all__ = ["MAX_TEXT", "Tool", "ToolTargets", "run_tool", "tools_view"]
@@ -70,8 +71,14 @@ class ToolTargets(Targets):
         path = self.resolve_folder(body["folder"])
         name = path.relative_to(self.root).as_posix()
         spec = {"tool": tool.value, "path": str(path), "text": text}
-        key = "tool:" + json.dumps(spec, sort_keys=True)
-        return key, json.dumps(spec), f"{tool.value} on {name}"
+        key = "tool:" + dumps(spec, sort_keys=True)
+        return key, dumps(spec), f"{tool.value} on {name}"
+
+
+def _chart(title: str, short: str, x: str, series: list[str], rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The page's line chart of ``series`` over ``x``: one point ``[x, *series]`` per row."""
+    return {"title": title, "short": short, "x": x, "series": series,
+            "points": [[r[x], *(r[k] for k in series)] for r in rows]}  # fmt: skip
 
 
 def tools_view() -> dict[str, Any]:
@@ -105,13 +112,8 @@ def _lens(model: Any, tok: Any, text: str) -> dict[str, Any]:
         "tokens": len(res.tokens),
     }
     title = f"{text!r} -> final answer {res.answer!r}: per layer, the stream through the final norm and head"
-    chart = {
-        "title": "KL(final || layer), nats, mean over positions",
-        "short": "KL to the final layer",
-        "x": "layer",
-        "series": ["kl_mean", "kl_last"],
-        "points": [[r["layer"], r["kl_mean"], r["kl_last"]] for r in res.rows],
-    }
+    chart = _chart("KL(final || layer), nats, mean over positions", "KL to the final layer", "layer",
+                   ["kl_mean", "kl_last"], res.rows)  # fmt: skip
     return {"meta": meta, "tables": [{"name": "lens", "title": title, "rows": res.rows}], "chart": chart}
 
 
@@ -156,13 +158,8 @@ def _outliers(model: Any, tok: Any, text: str | None) -> dict[str, Any]:
     try:
         ent = stream_entropy(model, ids)
         tables.append({"name": "entropy", "title": "matrix entropy of the residual stream by depth", "rows": ent})
-        chart = {
-            "title": "matrix entropy of the stream by depth (0: entering layer 0)",
-            "short": "matrix entropy",
-            "x": "depth",
-            "series": ["entropy"],
-            "points": [[r["depth"], r["entropy"]] for r in ent],
-        }
+        chart = _chart("matrix entropy of the stream by depth (0: entering layer 0)", "matrix entropy", "depth",
+                       ["entropy"], ent)  # fmt: skip
     except ToolError as exc:
         meta["entropy"] = f"not measured: {exc}"
     return {"meta": meta, "tables": tables, "chart": chart}
@@ -177,13 +174,8 @@ def _prune(model: Any, tok: Any) -> dict[str, Any]:
     reading = read_model(model, score_ids[:1], head=False)
     scores = layer_scores(model, reading, score_ids)
     title = f"layer scores on {score_ids.numel()} held-out tokens (low angle / ratio: the layer turns the stream least)"
-    chart = {
-        "title": "layer scores by depth: angle (arccos of the cosine, / pi) and update-to-stream ratio",
-        "short": "scores by depth",
-        "x": "layer",
-        "series": ["angle", "ratio"],
-        "points": [[r["layer"], r["angle"], r["ratio"]] for r in scores],
-    }
+    chart = _chart("layer scores by depth: angle (arccos of the cosine, / pi) and update-to-stream ratio",
+                   "scores by depth", "layer", ["angle", "ratio"], scores)  # fmt: skip
     meta = {"layers": len(scores), "score_tokens": score_ids.numel(), "written": False}
     return {"meta": meta, "tables": [{"name": "scores", "title": title, "rows": scores}], "chart": chart}
 
@@ -198,13 +190,9 @@ def _embeddings(model: Any, tok: Any) -> dict[str, Any]:
     norms = torch.sort(scan.norms.double()).values
     n = len(norms)
     picks = sorted({round(i * (n - 1) / (_CHART_POINTS - 1)) for i in range(_CHART_POINTS)})
-    chart = {
-        "title": "token norms, sorted (rank as a fraction of the vocabulary)",
-        "short": "token norms, sorted",
-        "x": "rank",
-        "series": ["norm"],
-        "points": [[i / max(1, n - 1), float(norms[i])] for i in picks],
-    }
+    points = [{"rank": i / max(1, n - 1), "norm": float(norms[i])} for i in picks]
+    chart = _chart("token norms, sorted (rank as a fraction of the vocabulary)", "token norms, sorted", "rank",
+                   ["norm"], points)  # fmt: skip
     tables = [
         {"name": "summary", "title": f"token table {scan.name}: {s['vocab']} x {s['width']}", "rows": [s]},
         {

@@ -53,19 +53,8 @@ export async function render(root, params) {
     const view = progress(name);
     mount(out, view.el);
     try {
-      let job = await retrying(() => request("/api/inspect", body), view, live);
-      while (live() && !["done", "failed"].includes(job.state)) {
-        view.show(job);
-        await sleep(job.elapsed > 10 ? 4 * POLL_MS : POLL_MS);  // a long build is polled less often
-        if (!live()) return;
-        try {
-          job = await retrying(() => request(`/api/inspect/job/${job.job}`), view, live);
-        } catch (e) {
-          if (e.status !== 404) throw e;
-          job = await retrying(() => request("/api/inspect", body), view, live);  // the server forgot it: ask again
-        }
-      }
-      if (!live()) return;
+      const job = await runJob("/api/inspect", body, view, live);
+      if (!job) return;
       if (job.state === "failed") mount(out, failure(`${job.error} (after ${fmt(job.elapsed)} s)`, run));
       else mount(out, report(job.result, job));
     } catch (e) {
@@ -100,6 +89,24 @@ export async function request(path, body) {
 export const sleep = (ms) => new Promise((r) => setTimeout(r, ms));
 
 /** call() again after a 503 or a network error, waiting Retry-After or 0.5, 1, 2, 4 … 8 s, at most RETRIES times. */
+// POST `body` to `path` (a job-starting endpoint), then poll the job until it is done or failed, showing each state
+// in `view`: the finished job, or null once the view is no longer live (another run began, the page moved on)
+export async function runJob(path, body, view, live) {
+  let job = await retrying(() => request(path, body), view, live);
+  while (live() && !["done", "failed"].includes(job.state)) {
+    view.show(job);
+    await sleep(job.elapsed > 10 ? 4 * POLL_MS : POLL_MS);  // a long build is polled less often
+    if (!live()) return null;
+    try {
+      job = await retrying(() => request(`/api/inspect/job/${job.job}`), view, live);
+    } catch (e) {
+      if (e.status !== 404) throw e;
+      job = await retrying(() => request(path, body), view, live);  // the server forgot it: ask again
+    }
+  }
+  return live() ? job : null;
+}
+
 export async function retrying(call, view, live) {
   for (let attempt = 1; ; attempt++) {
     try {

@@ -2,13 +2,12 @@
 // server's --root. POST /api/tools starts (or joins) a job in the inspection queue; the page polls
 // GET /api/inspect/job/ID with the Inspect view's client (progress, backoff, retry) and then shows the tool's
 // tables, and its chart drawn with the Placements view's line chart. The page never writes a checkpoint.
-import {failure, progress, request, retrying, sleep, timing} from "./inspect.js";
+import {failure, progress, runJob, timing} from "./inspect.js";
 import {lineChart} from "./placements.js";
 import {fmt, h, mount, once, status, writeHash} from "./util.js";
 
 const WORDS = {queued: "waiting for the jobs before it", building: "loading the checkpoint",
   tracing: "tracing its forward pass", reading: "running the tool", ahead: "job(s)"};
-const POLL_MS = 400;
 let runs = 0;  // a newer run (or leaving the view) stops an older run's polling
 
 export async function render(root, params) {
@@ -61,19 +60,8 @@ export async function render(root, params) {
     const view = progress(`${tool} on ${folder}`, {verb: "Running", words: WORDS, id: "tools-job"});
     mount(out, view.el);
     try {
-      let job = await retrying(() => request("/api/tools", body), view, live);
-      while (live() && !["done", "failed"].includes(job.state)) {
-        view.show(job);
-        await sleep(job.elapsed > 10 ? 4 * POLL_MS : POLL_MS);
-        if (!live()) return;
-        try {
-          job = await retrying(() => request(`/api/inspect/job/${job.job}`), view, live);
-        } catch (e) {
-          if (e.status !== 404) throw e;
-          job = await retrying(() => request("/api/tools", body), view, live);  // the server forgot it: ask again
-        }
-      }
-      if (!live()) return;
+      const job = await runJob("/api/tools", body, view, live);
+      if (!job) return;
       if (job.state === "failed") mount(out, failure(`${job.error} (after ${fmt(job.elapsed)} s)`, run, "tools-retry"));
       else mount(out, result(job.result, job));
     } catch (e) {
