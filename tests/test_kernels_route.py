@@ -27,8 +27,8 @@ from normatlas.functional import normalize
 from normatlas.kernels import (
     FusedAddRMSNorm,
     FusedNorm,
-    api,
     cpu,
+    dispatch,
     fused_add_layer_norm,
     fused_add_rms_norm,
     fused_layer_norm,
@@ -37,6 +37,7 @@ from normatlas.kernels import (
     ops,
     qk_rms_norm,
 )
+from normatlas.kernels.dispatch import Kernel, Mode, Route, qk_route, route
 from normatlas.spec import CastOrder, EpsPlacement, Gain, GainConvention, Layout, NormSpec, Scale
 
 TABLE = Path(__file__).parent / "data" / "kernel_routes.json"
@@ -118,9 +119,9 @@ def observe(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
         return eager_fwd(*a)
 
     monkeypatch.setattr(ops, "eager_fwd", recorded_eager)
-    api._PLANS.clear()
+    dispatch._PLANS.clear()
     yield log
-    api._PLANS.clear()
+    dispatch._PLANS.clear()
 
 
 def _unbuilt(log: list[str]) -> bool:
@@ -202,7 +203,7 @@ def routes(log: list[str]) -> dict[str, str]:
             x = torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype)
             x = (x.t() if case.split("/")[3].endswith(".T") else x).requires_grad_(grad)
             log[:] = [""] if built == "unbuilt" else []
-            api._PLANS.clear()
+            dispatch._PLANS.clear()
             try:
                 call(x)
             except (ValueError, TypeError, RuntimeError) as e:
@@ -227,3 +228,70 @@ def test_the_grid_reaches_every_path(observe: list[str]) -> None:
     values = set(json.loads(TABLE.read_text()).values())
     for part in ("plan", "plan.pair", "plan-declined", "reference", "error:ValueError"):
         assert any(part in v.split("+") for v in values), part
+
+
+MODES = {"normalize_auto": Mode.AUTO, "normalize_fused": Mode.FUSED, "fused_normalize": Mode.DIRECT}
+
+
+def test_the_route_predicts_what_runs(observe: list[str]) -> None:
+    """The dispatch point's typed answer, asked before the call, names what the call then runs: ``Kernel.PLAN``
+    where the plan ran or declined, ``Kernel.REFERENCE`` where no kernel ran (the reference's own checks may then
+    raise), a ValueError where the call raised one; after a declined plan, ``route(..., declined=True)``."""
+    want = json.loads(TABLE.read_text())
+    gen = torch.Generator().manual_seed(1)
+    seen: set[Kernel] = set()
+    for case, entry, _call, dtype, shape, grad in _cases():
+        if entry not in MODES or case + "/built" not in want:
+            continue
+        spec = SPECS[case.split("/")[1]]
+        x = torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype)
+        x = (x.t() if case.split("/")[3].endswith(".T") else x).requires_grad_(grad)
+        w, b = _params(spec, tuple(x.shape[max(0, x.dim() - spec.feature_ndim) :]), dtype)
+        ran = want[case + "/built"].split("+")
+        try:
+            r = route(spec, x, w, b, mode=MODES[entry])
+        except ValueError:
+            assert ran[-1] == "error:ValueError", case
+            continue
+        assert isinstance(r, Route) and isinstance(r.kernel, Kernel) and isinstance(r.reason, str), case
+        seen.add(r.kernel)
+        if r.kernel is Kernel.REFERENCE:
+            assert ran in (["reference"], ["error:ValueError"]), (case, r)  # no kernel ran (the reference may refuse)
+            continue
+        assert r.kernel is Kernel.PLAN and ran[0] in ("plan", "plan-declined"), (case, r, ran)
+        if ran[0] == "plan-declined":
+            try:
+                after = route(spec, x, w, b, mode=MODES[entry], declined=True)
+            except ValueError:
+                assert ran[-1] == "error:ValueError", case
+                continue
+            seen.add(after.kernel)
+            if after.kernel is Kernel.REFERENCE:
+                assert ran in (["plan-declined"], ["plan-declined", "error:ValueError"]), (case, after, ran)
+    assert {Kernel.PLAN, Kernel.REFERENCE} <= seen, seen
+
+
+def test_the_route_under_auto_never_compiles_and_says_why(observe: list[str]) -> None:
+    """Without a built extension AUTO routes to the reference (naming why) and builds nothing; FUSED refuses what
+    the kernels cannot serve with a ValueError naming the reason and the backends allowed."""
+    x = torch.randn(3, 8)
+    observe[:] = [""]  # not built
+    r = route(SPECS["rmsnorm"], x, torch.ones(8), mode=Mode.AUTO)
+    assert r.kernel is Kernel.REFERENCE and "not ready" in r.reason, r
+    observe[:] = []
+    with pytest.raises(ValueError, match=r"backend='fused' cannot run this norm: gain=Gain.SCALAR .*'auto' or"):
+        route(SPECS["scalar_gain"], x, torch.ones(()), mode=Mode.FUSED)
+    r = route(SPECS["scalar_gain"], x, torch.ones(()), mode=Mode.DIRECT)
+    assert r == Route(Kernel.REFERENCE, "gain=Gain.SCALAR is not served"), r
+    with reference_only():
+        assert route(SPECS["rmsnorm"], x, torch.ones(8), mode=Mode.AUTO).kernel is Kernel.REFERENCE
+        assert route(SPECS["rmsnorm"], x, torch.ones(8), mode=Mode.FUSED).kernel is Kernel.PLAN
+
+
+def test_qk_route_pairs_only_inference_on_one_head_dim(observe: list[str]) -> None:
+    q, k, w = torch.randn(2, 3, 4, 16), torch.randn(2, 3, 2, 16), torch.ones(16)
+    assert qk_route(q, k, w, w, 1e-6, CastOrder.AFTER_GAIN).kernel is Kernel.PAIR
+    r = qk_route(q.requires_grad_(), k, w, w, 1e-6, CastOrder.AFTER_GAIN)
+    assert r.kernel is Kernel.SPLIT and "autograd" in r.reason, r
+    r = qk_route(q.detach(), torch.randn(2, 3, 2, 8), w, torch.ones(8), 1e-6, CastOrder.AFTER_GAIN)
+    assert r.kernel is Kernel.SPLIT and "head dim" in r.reason, r
