@@ -158,7 +158,7 @@ def _check(preset: str, norm: str, qk: str, final: bool) -> None:
     assert r.v_norm == any(exp.qkv)
     # the QK / V norms themselves: operator and eps of what wrote them
     qk_sites = [(n.layer, n.operator, n.eps) for n in r.norms if n.role is SiteRole.QK]
-    qk_op = {"rms": Operator.RMSNORM}[qk_cfg.operator.value] if qk_cfg is not None else op
+    qk_op = qk_cfg.operator if qk_cfg is not None else op  # QK-norm speaks the one Operator vocabulary
     want_qk = [
         (i, qk_op, QK_EPS if qk_cfg is not None else eps) for i, k in enumerate(per_layer) if k is not QKNormKind.NONE
     ]
