@@ -257,3 +257,44 @@ def test_the_check_can_fail() -> None:
     old = {build: {vlm_build}, vlm_build: {build}}
     assert cycles(old) == [frozenset(old)]
     assert cycles({"a": {"b"}, "b": {"c"}}) == []
+
+
+# The compiled kernels' entry points (the C++ extension's loader, the Triton kernels) are reached only through the one
+# dispatch point, which decides which of them runs (normatlas.kernels.dispatch.route); the fused op asks it too
+# (dispatch.implementation). triton_aot compiles the Triton kernels ahead of time for a GPU target and runs no norm.
+KERNEL_ENTRY_POINTS = {"normatlas.kernels.cpu", "normatlas.kernels.triton_kernels"}
+KERNEL_DISPATCH = "normatlas.kernels.dispatch"
+KERNEL_ENTRY_ALLOWED = {("normatlas.kernels.triton_aot", "normatlas.kernels.triton_kernels")}
+
+
+def _past_the_dispatch_point(imports: list[Import]) -> list[Import]:
+    return [
+        i
+        for i in imports
+        if i.target in KERNEL_ENTRY_POINTS
+        and i.source not in KERNEL_ENTRY_POINTS | {KERNEL_DISPATCH}
+        and (i.source, i.target) not in KERNEL_ENTRY_ALLOWED
+    ]
+
+
+def test_only_the_dispatch_point_imports_the_kernel_entry_points() -> None:
+    """No module but normatlas.kernels.dispatch imports the C++ extension's loader or the Triton kernels (at module
+    level or inside a function): every way into the kernels goes through its route."""
+    offenders = _past_the_dispatch_point(IMPORTS)
+    assert not offenders, [(i.where, i.target) for i in offenders]
+    assert any(i.source == KERNEL_DISPATCH and i.target == "normatlas.kernels.cpu" for i in IMPORTS)
+
+
+def test_the_dispatch_point_check_can_fail() -> None:
+    """Each spelling of a way around the dispatch point is caught: a lazy import, a from-import of a name, a plain
+    import of the module."""
+    sources = {
+        SRC / "functional.py": "def f():\n    from .kernels import cpu\n",
+        SRC / "kernels" / "api.py": "from .cpu import extension\n",
+        SRC / "kernels" / "ops.py": "import normatlas.kernels.triton_kernels as t\n",
+    }
+    for here, source in sources.items():
+        (imp,) = imports_of(here, source, MODULES)
+        assert _past_the_dispatch_point([imp]) == [imp], source
+    (ok,) = imports_of(SRC / "kernels" / "dispatch.py", "from . import cpu\n", MODULES)
+    assert _past_the_dispatch_point([ok]) == []

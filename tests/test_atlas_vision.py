@@ -12,7 +12,7 @@ pytest.importorskip("transformers")
 
 import normatlas.atlas as atlas
 from normatlas.inspect import inspect_vision_target
-from normatlas.vocabulary import Operator
+from normatlas.vocabulary import Operator, branch_scale_word
 
 RECORDS = {r["name"]: r for r in atlas.models()}
 TOWERS = {  # record -> the transformers vision model type its source names
@@ -29,7 +29,7 @@ def test_vision_record_is_what_inspect_vision_reads(name: str, model_type: str) 
     assert rec["status"] == "code" and model_type in rec["source"]
     assert (rec["operator"], rec["placement"], rec["qk_norm"]) == (r.operator.value, r.placement.value, r.qk_norm.value)
     if rec["residual"] == "LayerScale":
-        assert r.branch_scale == "per-channel"
+        assert branch_scale_word(r.branch_scale) == "per-channel"
 
 
 def test_sam_neck_normalises_with_layernorm_not_batch_statistics() -> None:

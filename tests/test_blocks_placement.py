@@ -23,7 +23,6 @@ from normatlas.blocks import (
     QKGain,
     QKNorm,
     QKNormConfig,
-    QKOperator,
     QKScope,
     Rope,
     RopeStyle,
@@ -40,7 +39,7 @@ from normatlas.blocks import (
     rope_tables,
     scaled_residual,
 )
-from normatlas.vocabulary import RopeOrder
+from normatlas.vocabulary import Operator, RopeOrder
 
 D = 48
 
@@ -122,7 +121,7 @@ def _rope(x, style=RopeStyle.HALF, fraction=1.0):
 @settings(max_examples=25, deadline=None)
 @given(
     seed=st.integers(0, 2**16),
-    op=st.sampled_from([QKOperator.RMS, QKOperator.L2]),
+    op=st.sampled_from([Operator.RMSNORM, Operator.L2]),
     style=st.sampled_from(list(RopeStyle)),
     fraction=st.sampled_from([1.0, 0.5]),
 )
@@ -136,7 +135,7 @@ def test_gain_free_qk_norm_commutes_with_rope(seed, op, style, fraction):
 def test_per_dim_gain_qk_norm_does_not_commute_with_rope():
     torch.manual_seed(0)
     x = torch.randn(2, 3, 7, 16, dtype=torch.float64)
-    norm = QKNorm(QKNormConfig(QKOperator.RMS, gain=QKGain.SHARED), 3, 16).double()
+    norm = QKNorm(QKNormConfig(Operator.RMSNORM, gain=QKGain.SHARED), 3, 16).double()
     with torch.no_grad():
         norm.weight.copy_(torch.linspace(0.5, 2.0, 16))
     assert (norm(_rope(x)) - _rope(norm(x))).abs().max() > 1e-2
@@ -163,7 +162,7 @@ def test_attention_qk_norm_before_or_after_rope():
 
 def test_qk_norm_variants_shapes_and_zero_centred_gain():
     x = torch.randn(2, 5, 4, 8)
-    per_head = QKNorm(QKNormConfig(QKOperator.LAYERNORM, gain=QKGain.PER_HEAD), 4, 8)
+    per_head = QKNorm(QKNormConfig(Operator.LAYERNORM, gain=QKGain.PER_HEAD), 4, 8)
     assert per_head.weight.shape == (4, 8)
     flat = QKNorm(QKNormConfig(scope=QKScope.FLAT, gain=QKGain.PER_HEAD), 4, 8)
     assert flat.weight.shape == (32,)

@@ -91,3 +91,44 @@ def test_block_refuses_a_layer_outside_its_depth(kwargs, message):
     args = {"n_heads": 4, "d_ff": 16} | kwargs
     with pytest.raises(ValueError, match=message):
         Block(32, pre_ln(), RMSNorm, **args)
+
+
+# --------------------------------------------------------------------------- QK-norm speaks the core's Operator
+def test_qk_norm_takes_the_operators_of_the_design_vocabulary():
+    """QKNormConfig.operator is a normatlas.Operator: the three a QK-norm computes build their spec; another
+    Operator is a ValueError naming the parameter, the value and the allowed ones; a string a TypeError."""
+    from normatlas.blocks import QK_OPERATORS, QKNorm, QKNormConfig
+    from normatlas.spec import EpsPlacement, Scale
+    from normatlas.vocabulary import Operator
+
+    assert QK_OPERATORS == (Operator.RMSNORM, Operator.L2, Operator.LAYERNORM)
+    specs = {op: QKNormConfig(operator=op).spec() for op in QK_OPERATORS}
+    assert [(s.center, s.scale) for s in specs.values()] == [(False, Scale.RMS), (False, Scale.L2), (True, Scale.RMS)]
+    assert specs[Operator.L2].eps_placement is EpsPlacement.CLAMP
+    assert QKNormConfig().operator is Operator.RMSNORM
+    assert repr(QKNorm(QKNormConfig(Operator.LAYERNORM, bias=True), 2, 4)).startswith("QKNorm(layernorm, scope=head")
+    for op in set(Operator) - set(QK_OPERATORS):
+        with pytest.raises(ValueError, match=rf"operator={op!r} is not a QK-norm operator; allowed: Operator\.RMSNORM, "
+                                             r"Operator\.L2, Operator\.LAYERNORM"):  # fmt: skip
+            QKNormConfig(operator=op)
+    with pytest.raises(
+        TypeError, match=r"operator='rms' must be one of Operator\.RMSNORM, Operator\.L2, Operator\.LAYERNORM"
+    ):
+        QKNormConfig(operator="rms")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"bias=True is a LayerNorm option; operator='rmsnorm'"):
+        QKNormConfig(bias=True)
+
+
+def test_qk_operator_is_a_deprecated_alias_of_operator():
+    """``QKOperator`` (still imported by old code) warns and names the same Operator members."""
+    import normatlas.blocks as blocks
+    from normatlas.blocks import QKNormConfig
+    from normatlas.vocabulary import Operator
+
+    assert "QKOperator" not in blocks.__all__
+    with pytest.warns(DeprecationWarning, match=r"QKOperator is deprecated: .*QKOperator\.RMS is Operator\.RMSNORM"):
+        from normatlas.blocks import QKOperator
+    assert (QKOperator.RMS, QKOperator.L2, QKOperator.LAYERNORM) == (Operator.RMSNORM, Operator.L2, Operator.LAYERNORM)
+    assert QKNormConfig(operator=QKOperator.LAYERNORM) == QKNormConfig(operator=Operator.LAYERNORM)
+    with pytest.raises(AttributeError, match="QKOperators"):
+        blocks.QKOperators  # noqa: B018

@@ -13,7 +13,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from normatlas.inspect import inspect_model
-from normatlas.vocabulary import EpsPlacement, GainConvention, QKNormKind, RopeOrder, SiteRole, SublayerKind
+from normatlas.vocabulary import (
+    EpsPlacement,
+    GainConvention,
+    QKNormKind,
+    RopeOrder,
+    SiteRole,
+    SublayerKind,
+    branch_scale_word,
+)
 from normatlas.vocabulary import PlacementKind as Placement
 
 D, H, V, T = 32, 4, 50, 6
@@ -236,7 +244,7 @@ def test_mix_ln_is_a_per_layer_mix() -> None:
 
 def test_hybridnorm_qkv_norm_and_post_ffn() -> None:
     r = report("hybridnorm")
-    assert (r.placement_attention, r.placement_mlp) == ("none", "post")
+    assert (r.placement_attention.value, r.placement_mlp.value) == ("none", "post")
     assert r.placement is Placement.MIX
     assert r.qk_norm is QKNormKind.PER_HEAD and r.qk_norm_rope is RopeOrder.BEFORE_ROPE and r.v_norm
 
@@ -244,12 +252,12 @@ def test_hybridnorm_qkv_norm_and_post_ffn() -> None:
 def test_rezero_has_no_norm_and_a_learned_scalar() -> None:
     r = report("rezero")
     assert r.placement is Placement.NONE and r.operator.value == "none"
-    assert r.branch_scale == "learned scalar"
+    assert branch_scale_word(r.branch_scale) == "learned scalar"
 
 
 def test_layerscale_with_peri_norms() -> None:
     r = report("layerscale_peri")
-    assert r.placement is Placement.PERI and r.branch_scale == "per-channel"
+    assert r.placement is Placement.PERI and branch_scale_word(r.branch_scale) == "per-channel"
     assert r.gain_convention is GainConvention.W and r.cast_order is None
 
 
@@ -270,7 +278,7 @@ def test_flattened_layernorm_qk_softcap_res_post() -> None:
     r = report("flat_ln_qk_softcap")
     assert r.placement is Placement.RES_POST and r.qk_norm is QKNormKind.FLATTENED
     assert r.attn_softcap == pytest.approx(20.0)
-    assert r.branch_scale == "0.25"
+    assert branch_scale_word(r.branch_scale) == "0.25"
 
 
 def test_eps_outside_the_root() -> None:

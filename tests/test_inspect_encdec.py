@@ -118,8 +118,8 @@ def test_hand_written_encoder_decoder(pre: bool, final: bool, embedding_norm: bo
         assert stack.operator is op
         assert stack.bias is (not rms)
         assert stack.placement is kind
-        assert stack.placement_attention == kind.value
-        assert stack.placement_mlp == kind.value
+        assert stack.placement_attention.value == kind.value
+        assert stack.placement_mlp.value == kind.value
         assert stack.placement_by_layer == ["/".join([kind.value] * subs)] * 2
         assert stack.final_norm is (op if final else Operator.NONE)
         assert stack.embedding_norm is (op if embedding_norm else Operator.NONE)
@@ -129,7 +129,7 @@ def test_hand_written_encoder_decoder(pre: bool, final: bool, embedding_norm: bo
         SublayerKind.CROSS_ATTENTION,
         SublayerKind.MLP,
     ] * 2
-    assert rep.placement_cross_attention == kind.value and enc.placement_cross_attention == "n/a"
+    assert rep.placement_cross_attention.value == kind.value and enc.placement_cross_attention.value == "n/a"
     assert [a.cross for a in rep.attention] == [False, True] * 2
     assert [a.cross for a in enc.attention] == [False] * 2
     assert {n.role for n in enc.norms} <= {SiteRole.PRE, SiteRole.POST, SiteRole.FINAL, SiteRole.EMBEDDING}
@@ -160,7 +160,7 @@ def test_one_stack_reads_as_before() -> None:
 
     rep = inspect_model(Decoder().eval(), torch.randint(0, V, (1, 8)), probe=False)
     assert rep.encoder is None and rep.stack is None and rep.placement is PlacementKind.PRE
-    assert rep.placement_cross_attention == "n/a" and "stack" not in rep.summary_row()
+    assert rep.placement_cross_attention.value == "n/a" and "stack" not in rep.summary_row()
 
 
 # ----------------------------------------------------------------------------- transformers, tiny
@@ -211,7 +211,7 @@ def test_transformers_encoder_decoder(model_type: str) -> None:
         assert (row["placement"], row["final_norm"], row["embedding_norm"]) == (place, final, emb)
         assert stack.layers == 2 and stack.placement_by_layer == ["/".join([place] * subs)] * 2
     assert rep.embedding_scale == scale
-    assert rep.placement_cross_attention == place
+    assert rep.placement_cross_attention.value == place
     kinds = [s.kind for s in rep.sublayers]
     assert kinds == [SublayerKind.ATTENTION, SublayerKind.CROSS_ATTENTION, SublayerKind.MLP] * 2
     assert SublayerKind.CROSS_ATTENTION not in {s.kind for s in rep.encoder.sublayers}

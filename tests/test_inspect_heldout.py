@@ -137,8 +137,8 @@ def test_a_token_mixer_is_its_own_branch_kind(parallel: bool) -> None:
     rep = read(LM([HybridLayer(parallel) for _ in range(2)], None, RMS(D)))
     first = SublayerKind.ATTENTION_MIXER if parallel else SublayerKind.MIXER
     assert [s.kind for s in rep.sublayers] == [first, SublayerKind.MLP] * 2
-    assert rep.placement_mlp == "pre"
-    assert rep.placement_mixer == ("n/a" if parallel else "pre")
+    assert rep.placement_mlp.value == "pre"
+    assert rep.placement_mixer.value == ("n/a" if parallel else "pre")
     assert rep.placement is (PlacementKind.MIX if parallel else PlacementKind.PRE)  # parallel mixer, then Pre-LN MLP
 
 
@@ -254,7 +254,7 @@ def test_one_norm_module_before_the_layers_and_as_the_final_norm(shared_layers: 
 def test_layer0_fed_by_the_embedding_norm_keeps_the_scheme_of_the_other_layers() -> None:
     torch.manual_seed(0)
     rep = read(LM([Layer(None, RMS(D)), Layer(RMS(D), RMS(D))], RMS(D), RMS(D)))
-    assert rep.placement is PlacementKind.PRE and rep.placement_attention == "pre"
+    assert rep.placement is PlacementKind.PRE and rep.placement_attention.value == "pre"
     assert rep.embedding_norm_as_pre and rep.embedding_norm is Operator.RMSNORM
     assert rep.sublayers[0].placement is PlacementKind.NONE  # the per-sublayer record keeps what the graph shows
     assert any("embedding norm feeds it" in n for n in rep.notes)

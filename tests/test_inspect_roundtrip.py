@@ -23,7 +23,7 @@ import normatlas
 from normatlas import blocks
 from normatlas.blocks import ModelConfig, QKGain, QKNormConfig, QKScope, TransformerLM
 from normatlas.inspect import InspectionReport, inspect
-from normatlas.vocabulary import Operator, QKNormKind, RopeOrder, SiteRole, SublayerKind
+from normatlas.vocabulary import Operator, QKNormKind, RopeOrder, SiteRole, SublayerKind, branch_scale_word
 from normatlas.vocabulary import PlacementKind as Placement
 
 L, D, H, V, T = 2, 32, 2, 64, 6
@@ -145,7 +145,7 @@ def _check(preset: str, norm: str, qk: str, final: bool) -> None:
     assert r.embedding_norm == Operator.NONE
     # scalings
     assert r.residual_scale == exp.residual_scale
-    assert r.branch_scale == exp.branch_scale
+    assert branch_scale_word(r.branch_scale) == exp.branch_scale
     assert r.depth_scaling == exp.depth_scaling
     # QK-norm per layer: the config wins over HybridNorm's own q/k norms; V is normed only by HybridNorm
     per_layer = [qk_kind if qk_cfg is not None else QKNormKind.PER_HEAD if qkv else QKNormKind.NONE for qkv in exp.qkv]
@@ -158,7 +158,7 @@ def _check(preset: str, norm: str, qk: str, final: bool) -> None:
     assert r.v_norm == any(exp.qkv)
     # the QK / V norms themselves: operator and eps of what wrote them
     qk_sites = [(n.layer, n.operator, n.eps) for n in r.norms if n.role is SiteRole.QK]
-    qk_op = {"rms": Operator.RMSNORM}[qk_cfg.operator.value] if qk_cfg is not None else op
+    qk_op = qk_cfg.operator if qk_cfg is not None else op  # QK-norm speaks the one Operator vocabulary
     want_qk = [
         (i, qk_op, QK_EPS if qk_cfg is not None else eps) for i, k in enumerate(per_layer) if k is not QKNormKind.NONE
     ]
@@ -259,6 +259,6 @@ def test_vit_encoder_round_trip(preset: str, norm: str) -> None:
     assert r.placement_by_layer == ["/".join(p.value for p in lay) for lay in exp.layers]
     assert r.operator is op and r.eps == pytest.approx(eps)
     assert r.final_norm is op and r.tokens == 1 + cfg.n_patches
-    assert (r.residual_scale, r.branch_scale, r.depth_scaling) == (
+    assert (r.residual_scale, branch_scale_word(r.branch_scale), r.depth_scaling) == (
         exp.residual_scale, exp.branch_scale, exp.depth_scaling,
     )  # fmt: skip

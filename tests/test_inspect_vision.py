@@ -22,7 +22,7 @@ transformers = pytest.importorskip("transformers")
 
 from normatlas.inspect import UntraceableModel  # noqa: E402
 from normatlas.inspect.vision import VisionReport, default_pixel_values, inspect_vision  # noqa: E402
-from normatlas.vocabulary import GainConvention, Operator, QKNormKind  # noqa: E402
+from normatlas.vocabulary import GainConvention, Operator, QKNormKind, branch_scale_word  # noqa: E402
 from normatlas.vocabulary import PlacementKind as Placement  # noqa: E402
 
 TINY = dict(
@@ -98,7 +98,7 @@ def test_vit_and_dinov2_pre_blocks_final_ln(kind: str) -> None:
     assert report.tokens == PATCHES + 1
     assert report.final_norm is Operator.LAYERNORM
     assert report.embedding_norm is report.pooled_norm is report.head_norm is Operator.NONE
-    assert report.branch_scale == ("per-channel" if kind == "dinov2" else None)  # DINOv2 LayerScale
+    assert branch_scale_word(report.branch_scale) == ("per-channel" if kind == "dinov2" else None)  # DINOv2 LayerScale
 
 
 def test_qwen2_vl_tower_merger_norm() -> None:
@@ -204,12 +204,12 @@ def test_convnext_every_stage_layer_scale_and_downsampling_norms() -> None:
         assert stage.placement is Placement.NONE  # the LayerNorm follows the depthwise conv: inside the branch
         assert stage.placement_by_layer == ("none",) * depth
         assert stage.inner_norms == depth
-        assert stage.branch_scale == "per-channel" and stage.layer_scale_init == 0.25
+        assert branch_scale_word(stage.branch_scale) == "per-channel" and stage.layer_scale_init == 0.25
         assert stage.downsample_norms == (Operator.LAYERNORM,)  # stage 0: the stem's; then the downsampling layer's
         assert stage.batch_stat_norms == stage.weight_standardization == stage.response_norms == 0
     assert report.operator is Operator.LAYERNORM and report.eps == pytest.approx(1e-6)
     assert report.placement is Placement.NONE
-    assert report.branch_scale == "per-channel" and report.layer_scale_init == 0.25
+    assert branch_scale_word(report.branch_scale) == "per-channel" and report.layer_scale_init == 0.25
     assert report.embedding_norm is Operator.LAYERNORM and report.downsample_norm is Operator.LAYERNORM
     assert report.pooled_norm is Operator.LAYERNORM  # LayerNorm of the global average
     assert report.final_norm is report.head_norm is Operator.NONE
@@ -219,8 +219,8 @@ def test_convnext_every_stage_layer_scale_and_downsampling_norms() -> None:
 def test_convnext_without_layer_scale() -> None:
     report = inspect_vision(_convnext(layer_scale_init_value=0.0), probe=False)
     assert len(report.stages) == 4
-    assert report.branch_scale is None and report.layer_scale_init is None
-    assert all(s.branch_scale is None for s in report.stages)
+    assert branch_scale_word(report.branch_scale) is None and report.layer_scale_init is None
+    assert all(branch_scale_word(s.branch_scale) is None for s in report.stages)
 
 
 def test_convnext_reading_ignores_names() -> None:
@@ -251,7 +251,7 @@ def test_convnextv2_grn_is_an_other_norm() -> None:
     assert sorted(n.size for n in grn) == sorted(4 * c for c, d in zip(WIDTHS, DEPTHS, strict=True) for _ in range(d))
     assert all(n.eps == pytest.approx(1e-6) for n in grn)
     assert any("GRN" in note for note in report.notes)
-    assert report.branch_scale is None  # no LayerScale in V2
+    assert branch_scale_word(report.branch_scale) is None  # no LayerScale in V2
     assert all(s.operator is Operator.LAYERNORM for s in report.stages)  # GRN is not the blocks' operator
 
 
@@ -273,7 +273,7 @@ def test_swin_every_stage_patch_merging_norms(version: int) -> None:
     for stage, depth in zip(report.stages, [1, 2, 1], strict=True):
         assert stage.operator is Operator.LAYERNORM
         assert stage.placement_by_layer == (f"{scheme}/{scheme}",) * depth
-        assert stage.branch_scale is None
+        assert branch_scale_word(stage.branch_scale) is None
     assert report.placement is Placement(scheme)
     assert [s.downsample_norms for s in report.stages[1:]] == [(Operator.LAYERNORM,)] * 2  # the patch mergings
     assert report.embedding_norm is report.final_norm is Operator.LAYERNORM
@@ -313,7 +313,7 @@ def test_dinov2_layer_scale_init_read_from_the_parameter() -> None:
     model = transformers.Dinov2Model(transformers.Dinov2Config(**TINY, layerscale_value=0.5)).eval()
     report = inspect_vision(model, probe=False)
     assert len(report.stages) == 1 and report.stages[0].layers == 2
-    assert report.branch_scale == "per-channel" and report.layer_scale_init == 0.5
+    assert branch_scale_word(report.branch_scale) == "per-channel" and report.layer_scale_init == 0.5
 
 
 def test_pooling_head_is_not_a_stage() -> None:

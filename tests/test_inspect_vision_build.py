@@ -36,7 +36,7 @@ def test_bridgetower_tower_reads_its_image_argument() -> None:
     model = build_vision("bridgetower_vision_model")
     assert type(model).__name__ == "BridgeTowerVisionModel"  # forward(image, ...): not named pixel_values
     rep = _read("bridgetower_vision_model")
-    assert rep.operator is Operator.LAYERNORM and rep.placement_mlp == "pre"
+    assert rep.operator is Operator.LAYERNORM and rep.placement_mlp.value == "pre"
     assert rep.head_norm is Operator.LAYERNORM  # ln_post on the stacked hidden states of every layer
 
 
@@ -47,7 +47,7 @@ def test_bridgetower_tower_reads_its_image_argument() -> None:
 )
 def test_bridgetower_attention_side_is_read() -> None:
     rep = _read("bridgetower_vision_model")
-    assert rep.embedding_norm is Operator.LAYERNORM and rep.placement_attention == "pre"
+    assert rep.embedding_norm is Operator.LAYERNORM and rep.placement_attention.value == "pre"
 
 
 def test_idefics_tower_is_a_plain_module_of_its_package() -> None:

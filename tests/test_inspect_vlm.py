@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from normatlas.factory import is_vlm_type
 from normatlas.inspect import UntraceableModel
 from normatlas.inspect.vlm import ConnectorKind, Injection, inspect_vlm, inspect_vlm_target
-from normatlas.vocabulary import Operator, PlacementKind, QKNormKind
+from normatlas.vocabulary import Operator, PlacementKind, QKNormKind, branch_scale_word
 from tests.renamer import old_names, renamed
 from tests.test_rename_invariance import lying_scheme, relabel
 
@@ -371,7 +371,7 @@ def test_transformers_vlm_specifics(hf_reports: dict[str, Any]) -> None:
     assert pali.connector.scale is None  # transformers 5 no longer divides the features by sqrt(hidden_size)
     assert pali.language.embedding_scale == pytest.approx(math.sqrt(64))  # Gemma's sqrt(hidden_size)
     assert gemma.language.placement is PlacementKind.PERI and gemma.language.qk_norm is QKNormKind.PER_HEAD
-    assert intern.vision.branch_scale == "per-channel"
+    assert branch_scale_word(intern.vision.branch_scale) == "per-channel"
     assert hf_reports["qwen2_vl"].connector.row_merge == 4
     kimi = hf_reports["kimi_k25"].connector
     assert (kimi.norm_widths, kimi.row_merge) == ([64], 4)  # the LayerNorm runs at the tower width, before the merge

@@ -15,9 +15,9 @@ from normatlas.functional import normalize
 from normatlas.kernels import (
     FusedAddLayerNorm,
     FusedRMSNorm,
-    api,
     build_info,
     cpu,
+    dispatch,
     fused_add_layer_norm,
     fused_layer_norm,
     fused_normalize,
@@ -40,7 +40,7 @@ def backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> 
     if request.param == "eager":
         monkeypatch.setattr(cpu, "extension", lambda build=True: None)
         monkeypatch.setattr(cpu, "loaded", lambda: None)
-        monkeypatch.setattr(api, "_PLANS", {})  # plans bound to the extension, cached by earlier calls
+        monkeypatch.setattr(dispatch, "_PLANS", {})  # plans bound to the extension, cached by earlier calls
     elif cpu.extension() is None:
         pytest.skip("the C++ extension is not available here")
     return request.param

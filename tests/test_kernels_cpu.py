@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -22,6 +23,7 @@ from normatlas.kernels import (
     FusedRMSNorm,
     build_info,
     cpu,
+    dispatch,
     fused_add_layer_norm,
     fused_add_rms_norm,
     fused_layer_norm,
@@ -31,7 +33,7 @@ from normatlas.kernels import (
     qk_rms_norm,
     unsupported,
 )
-from normatlas.kernels.api import _qk_pair
+from normatlas.kernels.dispatch import Kernel, qk_route
 
 TOL = {
     torch.float64: {"atol": 1e-10, "rtol": 1e-10},
@@ -206,7 +208,7 @@ def test_qk_norm_many_short_rows(dtype: torch.dtype, cast_order: CastOrder) -> N
     wq, wk = (torch.randn(64, generator=gen).to(dtype) for _ in range(2))
     with torch.no_grad():
         qo, ko = qk_rms_norm(q, k, wq, wk, 1e-6, cast_order=cast_order)
-        assert cpu.extension() is None or _qk_pair(q, k, wq, wk, 1e-6, cast_order) is not None  # one launch
+        assert cpu.extension() is None or qk_route(q, k, wq, wk, 1e-6, cast_order).kernel is Kernel.PAIR  # one launch
     two = (
         fused_rms_norm(q, 64, wq, 1e-6, cast_order=cast_order),
         fused_rms_norm(k, 64, wk, 1e-6, cast_order=cast_order),
@@ -343,6 +345,12 @@ def test_layer_norm_gradient_is_orthogonal_to_ones_and_xhat() -> None:
     torch.testing.assert_close((dx * xhat).sum(-1), torch.zeros(6, dtype=torch.float64), atol=1e-7, rtol=0)
 
 
+def _fast(spec: NormSpec, x: torch.Tensor, r: Any, w: Any, b: Any, fshape: Any) -> Any:
+    """The cached C++ plan's answer (``Kernel.PLAN``'s handle): ``[y, h]``, or None where it declines."""
+    plan = dispatch.plan(spec, x.dtype)
+    return None if plan is None else plan(x, r, w, b, fshape)
+
+
 def test_fast_path_equals_checked_path_and_keeps_autograd() -> None:
     """The cached C++ plan (eager hot path) and the checked custom-op path agree, values and gradients."""
     from normatlas.kernels import api
@@ -355,7 +363,7 @@ def test_fast_path_equals_checked_path_and_keeps_autograd() -> None:
         w, b = _params(spec, shape, torch.float64, gen)
         gy = torch.randn(shape, generator=gen, dtype=torch.float64)
         xs, rs, ws, bs = _leaves(x, r, w, b)
-        fast = api._fast(spec, xs, rs, ws, bs, None)
+        fast = _fast(spec, xs, rs, ws, bs, None)
         assert fast is not None
         xc, rc, wc, bc = _leaves(x, r, w, b)
         # the checked path on the custom op (what torch.compile traces), with the trailing dims flattened
@@ -381,7 +389,6 @@ def test_fast_path_equals_checked_path_and_keeps_autograd() -> None:
 def test_fast_path_declines_what_the_checked_path_must_see() -> None:
     """The C++ plan's checks: anything off the CPU or shaped / typed unlike what the plan serves returns None, so
     the checked path raises its informative error or falls back; what it serves runs."""
-    from normatlas.kernels import api
 
     if cpu.extension() is None:
         pytest.skip("no compiled kernels")
@@ -392,7 +399,7 @@ def test_fast_path_declines_what_the_checked_path_must_see() -> None:
               (SPECS["rms_before_gain"], x.bfloat16(), None, w.bfloat16(), None, None),
               (rms, x.bfloat16(), None, w, None, None)]  # fmt: skip
     for spec, xi, ri, wi, bi, fs in served:
-        out = api._fast(spec, xi, ri, wi, bi, fs)
+        out = _fast(spec, xi, ri, wi, bi, fs)
         assert out is not None and out[0].shape == xi.shape
     declined = {
         "trailing dims unlike normalized_shape": (ln, x, None, w, b, (16,)),
@@ -410,7 +417,7 @@ def test_fast_path_declines_what_the_checked_path_must_see() -> None:
         "residual off the CPU": (ln, x, torch.empty(3, 8, device="meta"), w, b, None),
     }
     for what, (spec, xi, ri, wi, bi, fs) in declined.items():
-        assert api._fast(spec, xi, ri, wi, bi, fs) is None, what
+        assert _fast(spec, xi, ri, wi, bi, fs) is None, what
 
 
 def test_fast_path_gradients_only_where_needed() -> None:

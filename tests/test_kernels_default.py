@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 import normatlas as na
 from normatlas import Backend, NormSpec
-from normatlas.kernels import FusedLayerNorm, FusedRMSNorm, api, cpu
+from normatlas.kernels import FusedLayerNorm, FusedRMSNorm, api, cpu, dispatch
 
 TOL = {
     torch.float64: {"rtol": 1e-12, "atol": 1e-12},
@@ -42,8 +42,8 @@ def _count_calls(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
         return real(*args, **kwargs)
 
     monkeypatch.setattr(api, "_run", run)
-    monkeypatch.setattr(api, "_PLANS", {})  # no C++ plan: every fused forward goes through _run
-    monkeypatch.setattr(api, "_plan", lambda spec, dtype, build=True: None)
+    monkeypatch.setattr(dispatch, "_PLANS", {})  # no C++ plan: every fused forward goes through _run
+    monkeypatch.setattr(dispatch, "plan", lambda spec, dtype, build=True: None)
     return calls
 
 

@@ -21,6 +21,7 @@ transformers = pytest.importorskip("transformers")
 from normatlas import Norm  # noqa: E402
 from normatlas.blocks import QKNorm, TransformerLM, layernorm_scaling, peri_ln  # noqa: E402
 from normatlas.port import PortError, from_hf, port, to_hf_state_dict  # noqa: E402
+from normatlas.vocabulary import Operator  # noqa: E402
 
 from .renamer import old_names, renamed  # noqa: E402
 from .tiny_hf import randomise_, tiny_model  # noqa: E402
@@ -59,6 +60,8 @@ CASES = {
 
 MODEL_CLASS = {"bert": "BertForMaskedLM"}
 OLD = json.loads((Path(__file__).parent / "data" / "port_keymaps.json").read_text())
+# the record spells QK-norm's operator in the words of its old enum (QKOperator); QKNormConfig takes Operator now
+RECORDED_QK_OPERATOR = {"rms": Operator.RMSNORM, "l2": Operator.L2, "layernorm": Operator.LAYERNORM}
 
 
 def _type(name: str) -> str:
@@ -196,7 +199,8 @@ def test_matches_the_old_key_map(name):
     assert [[k.value for k in cfg.plan(i)[0].kinds] for i in range(cfg.n_layers)] == exp["placement_kinds"]
     assert cfg.plan(0)[1](8).spec.to_dict() == exp["norm_spec"]
     qk = None if cfg.qk_norm is None else {k: getattr(cfg.qk_norm, k) for k in exp["qk_norm"] or {}}
-    assert (qk and {k: getattr(v, "value", v) for k, v in qk.items()}) == exp["qk_norm"]
+    want_qk = exp["qk_norm"] and {**exp["qk_norm"], "operator": RECORDED_QK_OPERATOR[exp["qk_norm"]["operator"]].value}
+    assert (qk and {k: getattr(v, "value", v) for k, v in qk.items()}) == want_qk
     rope = cfg.rope and {"theta": cfg.rope.theta, "style": cfg.rope.style.value, "fraction": cfg.rope.fraction}
     assert rope == exp["rope"]
     links = {link.ours: link for link in p.links}

@@ -300,26 +300,9 @@ class Norm(nn.Module):
         if self._fused is None:
             why = "running statistics" if self.track_running_stats and self.backend is not Backend.REFERENCE else ""
             return f"{name}" + (f": reference ({why})" if why else "")
-        from .kernels import cpu
-        from .kernels.dispatch import spec_unsupported
+        from .kernels.dispatch import describe
 
         p = self.weight if self.weight is not None else self.bias
         device = p.device if p is not None else torch.device("cpu")
         dtype = p.dtype if p is not None else torch.float32
-        reason = spec_unsupported(self.spec, dtype)
-        if reason is not None:
-            return f"{name}: reference ({reason})"
-        if device.type == "cpu":
-            ext = cpu.extension(build=False)
-            info = cpu.build_info()
-            if ext is not None:
-                return f"{name}: fused (cpp, {'from cache' if info.get('source') == 'cache' else 'built now'})"
-            if self._fused and info.get("reason", "").startswith("the C++ kernels are not built"):
-                return f"{name}: fused (cpp, compiled on the first call)"
-            return (
-                f"{name}: "
-                + ("fused (eager transcription: " if self._fused else "reference (")
-                + f"{info.get('reason', 'kernels unavailable')})"
-            )
-        ready = fused_kernels().ready(device)
-        return f"{name}: " + ("fused (triton)" if ready else "reference (no kernels for this device)")
+        return f"{name}: {describe(self.spec, device, dtype, self._fused)}"

@@ -13,10 +13,16 @@ spelling at the CLI, the JSON reports and the data files (parse with :func:`norm
 from __future__ import annotations
 
 import enum
+import math
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass
 
 from .spec import CastOrder, EpsPlacement, GainConvention
 
 __all__ = [
+    "BranchScale",
+    "BranchScaling",
     "CastOrder",
     "ConnectorKind",
     "EmbeddingScale",
@@ -25,10 +31,12 @@ __all__ = [
     "Injection",
     "Operator",
     "PlacementKind",
+    "PlacementMix",
     "QKNormKind",
     "RopeOrder",
     "SiteRole",
     "SublayerKind",
+    "branch_scale_word",
 ]
 
 
@@ -159,3 +167,113 @@ class Injection(enum.Enum):
     CROSS_ATTENTION = "cross-attention"
     GATED_CROSS_ATTENTION = "gated-cross-attention"  # a tanh(parameter) gate on the cross-attention branch
     TOKENS = "tokens"  # discrete ids, embedded by the language model's own table
+
+
+@dataclass(frozen=True)
+class PlacementMix:
+    """The placements of one kind of sublayer (attention, MLP, ...) over a stack, in layer order.
+
+    :attr:`value` is its spelling in the reports: ``n/a`` where the stack has no such sublayer, the one kind where
+    they all agree (``pre``), else ``mix(...)`` naming the sequence (``mix(post,pre,pre)``; counts past 8 sublayers:
+    ``mix(post x2, pre x10)``).
+    """
+
+    kinds: tuple[PlacementKind, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.kinds, tuple) or not all(isinstance(k, PlacementKind) for k in self.kinds):
+            allowed = ", ".join(f"PlacementKind.{m.name}" for m in PlacementKind)
+            raise TypeError(f"kinds={self.kinds!r} must be a tuple of {allowed}")
+
+    @property
+    def value(self) -> str:
+        uniq = list(dict.fromkeys(p.value for p in self.kinds))
+        if not uniq:
+            return "n/a"
+        if len(uniq) == 1:
+            return uniq[0]
+        if len(self.kinds) > 8:
+            return "mix(" + ", ".join(f"{k} x{v}" for k, v in Counter(p.value for p in self.kinds).items()) + ")"
+        return "mix(" + ",".join(p.value for p in self.kinds) + ")"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class BranchScaling(enum.Enum):
+    """A learned multiplier on a residual branch on its way to the add (a constant one is a number)."""
+
+    LEARNED_SCALAR = "learned scalar"  # one learned number (ReZero's alpha, SkipInit)
+    PER_CHANNEL = "per-channel"  # one learned number per channel (LayerScale)
+
+
+@dataclass(frozen=True)
+class BranchScale:
+    """What multiplies one residual branch on its way to the add: constants and learned multipliers.
+
+    Constants are kept to the 6 significant digits the reports print. :attr:`value` is the report's spelling: the
+    parts' spellings sorted and joined by ``", "`` (``"0.5, learned scalar"``); a branch without a scale is
+    ``BranchScale()``, which is falsy (``None`` in the JSON).
+    """
+
+    constants: frozenset[float] = frozenset()
+    learned: frozenset[BranchScaling] = frozenset()
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.constants, frozenset) or not all(isinstance(c, float) for c in self.constants):
+            raise TypeError(f"constants={self.constants!r} must be a frozenset of floats")
+        if not isinstance(self.learned, frozenset) or not all(isinstance(k, BranchScaling) for k in self.learned):
+            allowed = ", ".join(f"BranchScaling.{m.name}" for m in BranchScaling)
+            raise TypeError(f"learned={self.learned!r} must be a frozenset of {allowed}")
+
+    @classmethod
+    def of(cls, parts: Iterable[float | BranchScaling]) -> BranchScale:
+        """The scale made of ``parts``: numbers (rounded to 6 significant digits) and learned multipliers."""
+        items = list(parts)
+        learned = frozenset(p for p in items if isinstance(p, BranchScaling))
+        constants = frozenset(float(f"{p:.6g}") for p in items if not isinstance(p, BranchScaling))
+        return cls(constants, learned)
+
+    @classmethod
+    def parse(cls, text: str, name: str = "branch_scale") -> BranchScale:
+        """A report's spelling back as a value (the JSON / CLI edge): each comma-separated part a number or one of
+        :class:`BranchScaling`'s values; anything else is a ValueError naming ``name``, the part and what is allowed."""
+        if not isinstance(text, str):
+            raise TypeError(f"{name}={text!r} must be a str")
+        parts: list[float | BranchScaling] = []
+        for part in filter(None, (p.strip() for p in text.split(","))):
+            try:
+                parts.append(BranchScaling(part))
+                continue
+            except ValueError:
+                pass
+            try:
+                number = float(part)
+            except ValueError:
+                number = math.nan
+            if not math.isfinite(number):
+                allowed = ", ".join(repr(m.value) for m in BranchScaling)
+                raise ValueError(f"{name}={text!r}: part {part!r} is neither a finite number nor one of {allowed}")
+            parts.append(number)
+        return cls.of(parts)
+
+    @property
+    def value(self) -> str:
+        return ", ".join(sorted({f"{c:.6g}" for c in self.constants} | {k.value for k in self.learned}))
+
+    def __bool__(self) -> bool:
+        return bool(self.constants or self.learned)
+
+    def __or__(self, other: BranchScale) -> BranchScale:
+        return BranchScale(self.constants | other.constants, self.learned | other.learned)
+
+    def __str__(self) -> str:
+        return self.value
+
+
+def branch_scale_word(scale: BranchScale | frozenset[BranchScale]) -> str | None:
+    """A branch scale, or the distinct ones of several sublayers, as the reports spell it: the spellings sorted and
+    joined by ``", "``; None where there is none."""
+    if isinstance(scale, BranchScale):
+        return scale.value or None
+    return ", ".join(sorted({s.value for s in scale if s})) or None

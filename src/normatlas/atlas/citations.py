@@ -70,7 +70,7 @@ CITATIONS: dict[str, tuple[str, ...]] = _table(
         (("rezero2020", "skipinit2020", "cait2021"), _B, ("Gate",)),
         (("fixup2019", "rezero2020"), _B, ("norm_free",)),
         (("deepnet2022",), _B, ("scaled_residual",)),
-        (("henry2020", "vit22b2023"), _B, ("QKNorm", "QKNormConfig", "QKOperator", "QKScope", "QKGain")),
+        (("henry2020", "vit22b2023"), _B, ("QKNorm", "QKNormConfig", "QK_OPERATORS", "QKScope", "QKGain")),
         (("roformer2021",), _B, ("Rope", "RopeStyle", "apply_rope", "rope_tables")),
         (("glu_variants2020",), _B, ("MLP",)),
         (("vit2020",), _B, ("ViTConfig", "ViTEncoder", "ViTPool")),

@@ -5,6 +5,9 @@
 (``from_hf``, ``to_hf_state_dict``) is :mod:`normatlas.port`'s, a layer above this one.
 """
 
+from typing import Any
+
+from . import qknorm as _qknorm
 from .alibi import Alibi, geometric_slopes
 from .attention import Attention, Rope, RopeStyle, apply_rope, rope_tables
 from .block import Block
@@ -38,7 +41,7 @@ from .placement import (
     scaled_residual,
     skipinit,
 )
-from .qknorm import QKGain, QKNorm, QKNormConfig, QKOperator, QKScope
+from .qknorm import QK_OPERATORS, QKGain, QKNorm, QKNormConfig, QKScope
 from .residual import DeepNormArch, DeepNormConstants, LayerScale, ResidualAdd, ReZero, SkipInit, deepnorm_constants
 
 PRESETS = {
@@ -51,9 +54,9 @@ PRESETS = {
 """Presets that take no required argument (deepnorm, scaled_residual, mix_ln, hybridnorm_star take depth/values)."""
 
 __all__ = [
-    "MLP", "PRESETS", "Activation", "Alibi", "Attention", "Block", "DeepNormArch", "DeepNormConstants",
+    "MLP", "PRESETS", "QK_OPERATORS", "Activation", "Alibi", "Attention", "Block", "DeepNormArch", "DeepNormConstants",
     "DepthScale", "Gate", "LayerPlan", "LayerScale", "MoE", "MoEConfig", "ModelConfig", "NormFactory",
-    "Placement", "QKGain", "QKNorm", "QKNormConfig", "QKOperator", "QKScope", "ReZero", "ResidualAdd", "Rope",
+    "Placement", "QKGain", "QKNorm", "QKNormConfig", "QKScope", "ReZero", "ResidualAdd", "Rope",
     "RopeStyle", "RouterScore", "Schedule", "SkipInit", "Sublayer", "TransformerLM", "ViTConfig", "ViTEncoder",
     "ViTPool",
     "apply_rope", "as_factory", "deepnorm", "deepnorm_constants", "depth_scaled_sandwich",
@@ -61,3 +64,10 @@ __all__ = [
     "parallel", "peri_ln", "post_ln", "pre_ln", "reordered_norm", "res_post_norm", "rezero", "rope_tables",
     "sandwich_ln", "scaled_residual", "skipinit",
 ]  # fmt: skip
+
+
+def __getattr__(name: str) -> Any:
+    """``QKOperator``, deprecated (a DeprecationWarning): QK-norm's operators are :class:`~normatlas.Operator`'s."""
+    if name == "QKOperator":
+        return _qknorm.__getattr__(name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

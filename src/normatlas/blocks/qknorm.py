@@ -5,8 +5,9 @@ bounds the attention logits ``q.k / sqrt(d)`` by normalizing ``q`` and ``k`` ove
 the head dim. The variants real models ship differ in four orthogonal choices,
 each a field of :class:`QKNormConfig`:
 
-* operator: RMS (Qwen 3, Gemma 3, OLMo 2), L2 (unit vectors, cosine attention) or
-  LayerNorm (Cohere, ViT-22B);
+* operator, in the design vocabulary's :class:`~normatlas.vocabulary.Operator`: ``Operator.RMSNORM``
+  (Qwen 3, Gemma 3, OLMo 2), ``Operator.L2`` (unit vectors, cosine attention) or ``Operator.LAYERNORM``
+  (Cohere, ViT-22B) (:data:`QK_OPERATORS`);
 * scope: per head over ``head_dim`` (Qwen 3, Gemma 3, Cohere) or over the flattened
   heads ``n_heads * head_dim`` before the split (OLMo 2);
 * gain: none, one shared across heads (Qwen 3), or one per head (Cohere); stored as
@@ -24,7 +25,9 @@ from __future__ import annotations
 
 import enum
 import math
+import warnings
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -32,15 +35,33 @@ from torch import Tensor, nn
 from ..backend import Backend, as_backend
 from ..functional import normalize
 from ..spec import CastOrder, EpsPlacement, Gain, NormSpec, Scale
-from ..vocabulary import QKNormKind, RopeOrder
+from ..vocabulary import Operator, QKNormKind, RopeOrder
 
-__all__ = ["QKGain", "QKNorm", "QKNormConfig", "QKOperator", "QKScope"]
+__all__ = ["QK_OPERATORS", "QKGain", "QKNorm", "QKNormConfig", "QKScope"]
+
+QK_OPERATORS = (Operator.RMSNORM, Operator.L2, Operator.LAYERNORM)
+"""The operators a QK-norm computes (:attr:`QKNormConfig.operator`)."""
 
 
-class QKOperator(enum.Enum):
-    RMS = "rms"
-    L2 = "l2"
-    LAYERNORM = "layernorm"
+class _QKOperator:
+    """Deprecated: the operators are :class:`~normatlas.vocabulary.Operator`'s (``QKOperator.RMS`` is
+    ``Operator.RMSNORM``); kept so that old code importing it keeps working."""
+
+    RMS = Operator.RMSNORM
+    L2 = Operator.L2
+    LAYERNORM = Operator.LAYERNORM
+
+
+def __getattr__(name: str) -> Any:
+    if name == "QKOperator":
+        warnings.warn(
+            "normatlas.blocks.QKOperator is deprecated: QKNormConfig.operator takes normatlas.Operator "
+            "(RMSNORM, L2, LAYERNORM); QKOperator.RMS is Operator.RMSNORM",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return _QKOperator
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class QKScope(enum.Enum):
@@ -58,7 +79,7 @@ class QKGain(enum.Enum):
 class QKNormConfig:
     """QK-norm as a value; see the module docstring. Validated at construction."""
 
-    operator: QKOperator = QKOperator.RMS
+    operator: Operator = Operator.RMSNORM
     scope: QKScope = QKScope.HEAD
     gain: QKGain = QKGain.SHARED
     zero_centred: bool = False
@@ -67,10 +88,15 @@ class QKNormConfig:
     bias: bool = False
 
     def __post_init__(self) -> None:
-        for name, t in (("operator", QKOperator), ("scope", QKScope), ("gain", QKGain), ("order", RopeOrder)):
+        allowed_by_field = (("operator", Operator, QK_OPERATORS), ("scope", QKScope, tuple(QKScope)),
+                            ("gain", QKGain, tuple(QKGain)), ("order", RopeOrder, tuple(RopeOrder)))  # fmt: skip
+        for name, t, members in allowed_by_field:
             if not isinstance(getattr(self, name), t):
-                allowed = ", ".join(f"{t.__name__}.{m.name}" for m in t)
+                allowed = ", ".join(f"{t.__name__}.{m.name}" for m in members)
                 raise TypeError(f"{name}={getattr(self, name)!r} must be one of {allowed}")
+        if self.operator not in QK_OPERATORS:
+            allowed = ", ".join(f"Operator.{m.name}" for m in QK_OPERATORS)
+            raise ValueError(f"operator={self.operator!r} is not a QK-norm operator; allowed: {allowed}")
         if not isinstance(self.zero_centred, bool) or not isinstance(self.bias, bool):
             raise TypeError(f"zero_centred={self.zero_centred!r} and bias={self.bias!r} must be bool")
         if (
@@ -90,7 +116,7 @@ class QKNormConfig:
             raise ValueError("scope=QKScope.FLAT normalizes the projection before the head split, so before RoPE")
         if self.zero_centred and self.gain is QKGain.NONE:
             raise ValueError("zero_centred=True needs a gain (gain is QKGain.NONE)")
-        if self.bias and self.operator is not QKOperator.LAYERNORM:
+        if self.bias and self.operator is not Operator.LAYERNORM:
             raise ValueError(f"bias=True is a LayerNorm option; operator={self.operator.value!r}")
 
     @property
@@ -102,9 +128,9 @@ class QKNormConfig:
 
     def spec(self) -> NormSpec:
         """The gain-free core spec of the statistics."""
-        center = self.operator is QKOperator.LAYERNORM
-        scale = Scale.L2 if self.operator is QKOperator.L2 else Scale.RMS
-        eps_placement = EpsPlacement.CLAMP if self.operator is QKOperator.L2 else EpsPlacement.INSIDE_SQRT
+        center = self.operator is Operator.LAYERNORM
+        scale = Scale.L2 if self.operator is Operator.L2 else Scale.RMS
+        eps_placement = EpsPlacement.CLAMP if self.operator is Operator.L2 else EpsPlacement.INSIDE_SQRT
         return NormSpec(
             center=center, scale=scale, eps=self.eps, eps_placement=eps_placement,
             cast_order=CastOrder.AFTER_GAIN, gain=Gain.NONE, bias=False,

@@ -58,8 +58,8 @@ _TABLE = ("case", "provider", "ms", "GB/s", "vs_copy", "vs_ours", "rounds")
 def bench(args: argparse.Namespace) -> int:
     import torch
 
-    from ..kernels import build_info
     from ..kernels.bench import cache_resident, check_bench_memory, provider_names, run_bench
+    from ..kernels.dispatch import build_info
 
     if args.device == "cuda" and not torch.cuda.is_available():
         raise CliError("--device=cuda but CUDA is not available here")

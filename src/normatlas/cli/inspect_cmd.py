@@ -125,6 +125,8 @@ def inspect_cmd(args: argparse.Namespace) -> int:
             for k, v in summary.items()
             if k not in skip and not k.startswith("encoder_")
         ]
+    from ..vocabulary import branch_scale_word
+
     stacks = [rep] if rep.encoder is None else [rep.encoder, rep]
     subs = [
         {
@@ -136,7 +138,7 @@ def inspect_cmd(args: argparse.Namespace) -> int:
             "out": len(s.out),
             "post": len(s.post),
             "residual x": s.skip_scale,
-            "branch x": s.branch_scale,
+            "branch x": branch_scale_word(s.branch_scale),
         }
         for r in stacks
         for s in r.sublayers

@@ -19,15 +19,15 @@ def configure_kernels(p: argparse.ArgumentParser) -> None:
 
 
 def kernels(args: argparse.Namespace) -> int:
-    from ..kernels import cpu
+    from ..kernels import dispatch
 
     if args.action == "build":
         try:
-            info = cpu.ensure_built()
+            info = dispatch.ensure_built()
         except RuntimeError as exc:
             raise CliError(str(exc)) from None
     else:
-        info = cpu.build_info()
+        info = dispatch.build_info()
     rows = [{"field": k, "value": v} for k, v in info.items()]
     emit([Section("kernels", rows, title=f"C++ CPU kernels ({args.action})")], args.format, meta=None)
     return 0

@@ -23,7 +23,16 @@ from typing import Any, TypeVar
 from ..analysis.graph import Graph
 from ..analysis.ops import SHAPE_ONLY
 from ..analysis.walk import scalar_mul, strip
-from ..vocabulary import Operator, PlacementKind, QKNormKind, RopeOrder, SiteRole, SublayerKind
+from ..vocabulary import (
+    BranchScale,
+    Operator,
+    PlacementKind,
+    PlacementMix,
+    QKNormKind,
+    RopeOrder,
+    SiteRole,
+    SublayerKind,
+)
 from .attention import Core, find_cores, qk_kind, rope_order, trig_bits
 from .norms import Site, find_sites
 from .report import AttentionInfo, InspectionReport, NormInfo, SublayerInfo
@@ -217,7 +226,7 @@ def _sublayer_info(sub: Sublayer) -> SublayerInfo:
     return SublayerInfo(
         sub.layer, sub.kind, kind,
         tuple(s.node for s in sub.pre), tuple(s.node for s in sub.out), tuple(s.node for s in sub.post),
-        sub.skip_scale if sub.skip_scale != 1.0 else None, ", ".join(sorted(set(sub.branch_scales))) or None,
+        sub.skip_scale if sub.skip_scale != 1.0 else None, BranchScale.of(sub.branch_scales),
     )  # fmt: skip
 
 
@@ -277,16 +286,6 @@ def _norm_summary(sites: list[Site], roles: _Roles, notes: list[str]) -> dict[st
     }
 
 
-def _mix(kinds: list[PlacementKind]) -> str:
-    """One placement, or ``mix(...)`` naming the sequence (counts for long stacks)."""
-    uniq = list(dict.fromkeys(p.value for p in kinds))
-    if len(uniq) == 1:
-        return uniq[0]
-    if len(kinds) > 8:
-        return "mix(" + ", ".join(f"{k} x{v}" for k, v in Counter(p.value for p in kinds).items()) + ")"
-    return "mix(" + ",".join(p.value for p in kinds) + ")"
-
-
 def _placement_summary(stream: Stream, subs: list[SublayerInfo]) -> dict[str, Any]:
     per_kind: dict[SublayerKind, list[PlacementKind]] = {}
     by_layer: dict[int, list[str]] = {}
@@ -297,13 +296,13 @@ def _placement_summary(stream: Stream, subs: list[SublayerInfo]) -> dict[str, An
     learned = {f"{s.skip_learned} (learned)" for s in stream.sublayers if s.skip_learned}
     return {
         "placement": _summary_of(kinds, PlacementKind.UNKNOWN, PlacementKind.MIX),
-        "placement_attention": _mix(per_kind[SublayerKind.ATTENTION]) if SublayerKind.ATTENTION in per_kind else "n/a",
-        "placement_mlp": _mix(per_kind[SublayerKind.MLP]) if SublayerKind.MLP in per_kind else "n/a",
-        "placement_cross_attention": _mix(cross) if (cross := per_kind.get(SublayerKind.CROSS_ATTENTION)) else "n/a",
-        "placement_mixer": _mix(mixers) if (mixers := per_kind.get(SublayerKind.MIXER)) else "n/a",
+        "placement_attention": PlacementMix(tuple(per_kind.get(SublayerKind.ATTENTION, ()))),
+        "placement_mlp": PlacementMix(tuple(per_kind.get(SublayerKind.MLP, ()))),
+        "placement_cross_attention": PlacementMix(tuple(per_kind.get(SublayerKind.CROSS_ATTENTION, ()))),
+        "placement_mixer": PlacementMix(tuple(per_kind.get(SublayerKind.MIXER, ()))),
         "placement_by_layer": ["/".join(v) for _, v in sorted(by_layer.items())],
         "residual_scale": ", ".join(sorted({f"{s.skip_scale:.6g}" for s in subs if s.skip_scale} | learned)) or None,
-        "branch_scale": ", ".join(sorted({s.branch_scale for s in subs if s.branch_scale})) or None,
+        "branch_scale": frozenset(s.branch_scale for s in subs if s.branch_scale),
         "depth_scaling": _depth_scaling(stream.sublayers),
     }
 

@@ -13,7 +13,17 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ..spec import CastOrder, EpsPlacement, GainConvention
-from ..vocabulary import Operator, PlacementKind, QKNormKind, RopeOrder, SiteRole, SublayerKind
+from ..vocabulary import (
+    BranchScale,
+    Operator,
+    PlacementKind,
+    PlacementMix,
+    QKNormKind,
+    RopeOrder,
+    SiteRole,
+    SublayerKind,
+    branch_scale_word,
+)
 
 __all__ = [
     "ENCODER_COLUMNS",
@@ -26,6 +36,7 @@ __all__ = [
     "gain_word",
 ]
 
+NO_SUBLAYERS = PlacementMix()  # the placement of a kind of sublayer the stack does not have ("n/a")
 NO_GAIN = "none"  # the gain convention of a norm without a gain (GainConvention names the conventions of a gain)
 
 
@@ -69,7 +80,7 @@ class SublayerInfo:
     out: tuple[int, ...]
     post: tuple[int, ...]
     skip_scale: float | None  # constant multiplying the residual (DeepNorm alpha)
-    branch_scale: str | None  # constant, learned scalar or per-channel (LayerScale) on the branch
+    branch_scale: BranchScale  # constants, a learned scalar or per-channel (LayerScale) on the branch; falsy: none
 
 
 @dataclass(frozen=True)
@@ -97,11 +108,11 @@ class InspectionReport:
     bias: bool
     cast_order: CastOrder | None
     placement: PlacementKind
-    placement_attention: str
-    placement_mlp: str
+    placement_attention: PlacementMix
+    placement_mlp: PlacementMix
     placement_by_layer: list[str]
     residual_scale: str | None
-    branch_scale: str | None
+    branch_scale: frozenset[BranchScale]  # the sublayers' distinct branch scales (empty: none)
     depth_scaling: str | None
     qk_norm: QKNormKind
     qk_norm_rope: RopeOrder
@@ -111,9 +122,9 @@ class InspectionReport:
     final_logit_softcap: float | None
     embedding_scale: float | None
     embedding_norm: Operator
-    placement_mixer: str = "n/a"  # the placement of the mixer sublayers (an SSM, a convolution, linear attention)
+    placement_mixer: PlacementMix = NO_SUBLAYERS  # the placement of the mixer sublayers (an SSM, a convolution, ...)
     embedding_norm_as_pre: bool = False  # layer 0 has no pre-norm of its own: the embedding norm is it (a note)
-    placement_cross_attention: str = "n/a"  # the placement of the cross-attention sublayers (a decoder's)
+    placement_cross_attention: PlacementMix = NO_SUBLAYERS  # the placement of the cross-attention sublayers
     stack: str | None = None  # "decoder" / "encoder" for a stack of an encoder-decoder; None: one stack
     encoder: InspectionReport | None = None  # the encoder stack's own report (the decoder is the headline)
     norms: list[NormInfo] = field(default_factory=list)
@@ -129,6 +140,11 @@ class InspectionReport:
         d["gain_convention"] = gain_word(self.gain_convention)
         for n, info in zip(d["norms"], self.norms, strict=True):
             n["gain_convention"] = gain_word(info.gain_convention)
+        for key in PLACEMENT_MIXES:
+            d[key] = getattr(self, key).value
+        d["branch_scale"] = branch_scale_word(self.branch_scale)
+        for sd, sub in zip(d["sublayers"], self.sublayers, strict=True):
+            sd["branch_scale"] = branch_scale_word(sub.branch_scale)
         if not detail:
             for k in ("norms", "sublayers", "attention"):
                 d.pop(k)
@@ -147,6 +163,9 @@ class InspectionReport:
             d.pop("stack")
         return d
 
+
+PLACEMENT_MIXES = ("placement_attention", "placement_mlp", "placement_mixer", "placement_cross_attention")
+"""The report's :class:`~normatlas.vocabulary.PlacementMix` fields (each its ``value`` in the JSON)."""
 
 ENCODER_COLUMNS = (
     "layers",

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from ..analysis.graph import Graph, Node, Ref
 from ..analysis.ops import CASTS, PROJECTIONS, SHAPE_ONLY, TOKEN_MIXING
 from ..analysis.walk import components, learned_mul, scalar_mul, strip, upstream
-from ..vocabulary import SublayerKind
+from ..vocabulary import BranchScaling, SublayerKind
 from .norms import Site
 
 __all__ = [
@@ -62,7 +62,7 @@ class Sublayer:
     adds: list[int]
     branches: list[int]
     skip_scale: float = 1.0
-    branch_scales: list[str] = field(default_factory=list)
+    branch_scales: list[float | BranchScaling] = field(default_factory=list)  # constants and learned multipliers
     pre: list[Site] = field(default_factory=list)
     out: list[Site] = field(default_factory=list)
     post: list[Site] = field(default_factory=list)
@@ -131,8 +131,8 @@ def residual_adds(g: Graph, shape: tuple[int, ...], norms: int = 0) -> list[tupl
     return found
 
 
-def _walk_branch(g: Graph, b: int, ends: dict[int, Site]) -> tuple[int, list[str]]:
-    scales: list[str] = []
+def _walk_branch(g: Graph, b: int, ends: dict[int, Site]) -> tuple[int, list[float | BranchScaling]]:
+    scales: list[float | BranchScaling] = []
     while True:
         n = g.nodes[b]
         if b in ends:
@@ -144,12 +144,12 @@ def _walk_branch(g: Graph, b: int, ends: dict[int, Site]) -> tuple[int, list[str
         sm = scalar_mul(g, n)
         if sm is not None:
             if sm[1] != 1.0:
-                scales.append(f"{sm[1]:.6g}")
+                scales.append(float(sm[1]))
             b = sm[0]
             continue
         lm = learned_mul(g, n)
         if lm is not None:
-            scales.append(lm[1])
+            scales.append(BranchScaling(lm[1]))  # the walker's word for the parameter's shape
             b = lm[0]
             continue
         return b, scales
@@ -337,7 +337,7 @@ def _branch_norms(g: Graph, sub: Sublayer, by_output: dict[int, Site]) -> None:
         if node in by_output:
             sub.out.append(by_output[node])
             if by_output[node].output_scale != 1.0:  # a constant after the branch's last norm scales the branch
-                sub.branch_scales.append(f"{by_output[node].output_scale:.6g}")
+                sub.branch_scales.append(by_output[node].output_scale)
 
 
 def _mixes_tokens(g: Graph, source: int, own: int) -> bool:

@@ -50,7 +50,7 @@ from ..analysis.ops import CASTS, SHAPE_ONLY
 from ..analysis.walk import scalar_of, strip
 from ..factory import tower_inputs
 from ..spec import EpsPlacement
-from ..vocabulary import Operator, PlacementKind, SiteRole
+from ..vocabulary import BranchScale, BranchScaling, Operator, PlacementKind, SiteRole, branch_scale_word
 from .norms import Site, find_sites
 from .report import InspectionReport, NormInfo, SublayerInfo, UntraceableModel
 from .stages import (
@@ -90,7 +90,9 @@ class StageInfo:
     operator: Operator
     placement: PlacementKind
     placement_by_layer: tuple[str, ...]
-    branch_scale: str | None  # LayerScale (per-channel), a learned scalar, constants
+    branch_scale: frozenset[
+        BranchScale
+    ]  # its sublayers' distinct scales: LayerScale (per-channel), a learned scalar, constants
     layer_scale_init: float | None  # the value every LayerScale entry holds (a fresh init), else None
     downsample_norms: tuple[Operator, ...]
     inner_norms: int  # norms inside a branch, neither on its input nor on its output
@@ -122,6 +124,8 @@ class VisionReport(InspectionReport):
     def to_dict(self, detail: bool = True) -> dict[str, Any]:
         """As :meth:`InspectionReport.to_dict`; without ``detail`` the stages become one list per field."""
         d = super().to_dict(detail)
+        for sd, stage in zip(d["stages"], self.stages, strict=True):
+            sd["branch_scale"] = branch_scale_word(stage.branch_scale)
         if not detail:
             stages = d.pop("stages")
             d["stages"] = len(stages)
@@ -284,22 +288,20 @@ def _width(shape: tuple[int, ...], sizes: list[int]) -> int:
 
 def _scales(
     g: Graph, stage: Stage, infos: list[SublayerInfo], norm_nodes: frozenset[int]
-) -> tuple[list[str], list[float | None]]:
+) -> tuple[list[BranchScale], list[float | None]]:
     """Each sublayer's branch scale (the reader's constants and learned scalings, plus LayerScale found behind a
     view or permute; a norm's own gain is not one) and the init values of the per-channel gains."""
     scales, inits = [], []
     for sub, info in zip(stage.sublayers, infos, strict=True):
         gains = branch_gains(g, sub, norm_nodes)
-        parts = set(info.branch_scale.split(", ")) if info.branch_scale else set()
-        parts |= {kind for kind, _ in gains}
-        scales.append(", ".join(sorted(parts)))
-        inits += [init_value(g, p) for kind, p in gains if kind == "per-channel"]
+        scales.append(info.branch_scale | BranchScale.of(BranchScaling(kind) for kind, _ in gains))
+        inits += [init_value(g, p) for kind, p in gains if BranchScaling(kind) is BranchScaling.PER_CHANNEL]
     return scales, inits
 
 
 def _stage_info(
     g: Graph, i: int, stage: Stage, infos: list[SublayerInfo], norms: dict[int, NormInfo], grn: list[int]
-) -> tuple[StageInfo, list[str]]:
+) -> tuple[StageInfo, list[BranchScale]]:
     own = branch_bits(g, stage.sublayers)
     block = [norms[j] for s in infos for j in (*s.pre, *s.out, *s.post) if j in norms]
     inner = [  # norm layers (a learned gain or bias) inside a branch: not an attention's unit-length q / k
@@ -325,7 +327,7 @@ def _stage_info(
         operator=_summary([n.operator for n in block + inner]),
         placement=_placement(infos),
         placement_by_layer=tuple("/".join(v) for _, v in sorted(by_layer.items())),
-        branch_scale=", ".join(sorted({s for s in scales if s})) or None,
+        branch_scale=frozenset(s for s in scales if s),
         layer_scale_init=init_set.pop() if len(init_set) == 1 else None,
         downsample_norms=tuple(n.operator for j, n in sorted(norms.items()) if stage.boundary >> j & 1),
         inner_norms=len(inner),
@@ -347,7 +349,7 @@ def _stage_infos(
         k += len(stage.sublayers)
         info, scales = _stage_info(g, i, stage, infos, norms, grn)
         out.append(info)
-        subs += [dataclasses.replace(s, branch_scale=sc or None) for s, sc in zip(infos, scales, strict=True)]
+        subs += [dataclasses.replace(s, branch_scale=sc) for s, sc in zip(infos, scales, strict=True)]
     return out, subs
 
 
@@ -436,7 +438,9 @@ def vision_report(model: nn.Module, graph: Graph, label: str, *, probe: bool = T
     calls = [n.idx for n in g.nodes if n.op in _BATCH_STAT]
     ws = sum(1 for c in calls if _weight_standardization(g, c))
     downsample = [op for st in infos[1:] for op in st.downsample_norms]
-    inits = {st.layer_scale_init for st in infos if st.branch_scale and "per-channel" in st.branch_scale}
+    inits = {
+        st.layer_scale_init for st in infos if any(BranchScaling.PER_CHANNEL in s.learned for s in st.branch_scale)
+    }
     return VisionReport(
         **fields,
         tokens=infos[-1].positions if infos else None,
@@ -458,8 +462,10 @@ def _summarise_stages(
     """The report-wide fields the stages change: the width handed on, the branch scales the branch walk adds,
     and the operator over the norms inside the branches too (ConvNeXt's only block norm is one)."""
     fields["hidden_size"] = infos[-1].width
-    fields["branch_scale"] = ", ".join(sorted({p for s in subs if s.branch_scale for p in s.branch_scale.split(", ")}))
-    fields["branch_scale"] = fields["branch_scale"] or None
+    union = BranchScale()
+    for s in subs:
+        union |= s.branch_scale
+    fields["branch_scale"] = frozenset({union}) if union else frozenset()  # the parts of every sublayer's, as one
     ops = [st.operator for st in infos if st.operator is not Operator.NONE]
     if fields["final_norm"] is not Operator.NONE:
         ops.append(fields["final_norm"])

@@ -46,7 +46,7 @@ from torch import nn
 
 from ..analysis.graph import record
 from ..factory import build_vlm, vlm_inputs
-from ..vocabulary import Operator, QKNormKind
+from ..vocabulary import Operator, QKNormKind, branch_scale_word
 from . import vlm_graph as vg
 from .report import InspectionReport, UntraceableModel, _plain, gain_word
 from .vision import VisionReport, vision_report
@@ -96,7 +96,7 @@ class VLMReport:
             "operator": v.operator.value,
             "placement": v.placement.value,
             "layers (run / built)": f"{self.tower_layers_run} / {v.layers}",
-            "layer scale": v.branch_scale,
+            "layer scale": branch_scale_word(v.branch_scale),
             "batch-statistics norms": self.batch_stat_norms,
             "embedding norm": v.embedding_norm.value,
             "final norm": v.final_norm.value,
@@ -138,7 +138,7 @@ class VLMReport:
             "model": self.model,
             "tower": f"{v.operator.value} {v.placement.value}",
             "tower final": v.final_norm.value,
-            "layer scale": v.branch_scale,
+            "layer scale": branch_scale_word(v.branch_scale),
             "batch-stat": self.batch_stat_norms,
             "connector": c.kind.value,
             "connector norm": _runs(c.norms),

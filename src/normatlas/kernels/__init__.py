@@ -17,8 +17,7 @@ from .api import (
     fused_rms_norm,
     qk_rms_norm,
 )
-from .cpu import build_info
-from .dispatch import backend, kernel_args, unsupported
+from .dispatch import Kernel, Mode, Route, backend, build_info, kernel_args, route, unsupported
 from .modules import FusedAddLayerNorm, FusedAddRMSNorm, FusedLayerNorm, FusedNorm, FusedRMSNorm
 
 __all__ = [
@@ -27,6 +26,9 @@ __all__ = [
     "FusedLayerNorm",
     "FusedNorm",
     "FusedRMSNorm",
+    "Kernel",
+    "Mode",
+    "Route",
     "backend",
     "build_info",
     "fused_add_layer_norm",
@@ -36,5 +38,6 @@ __all__ = [
     "fused_rms_norm",
     "kernel_args",
     "qk_rms_norm",
+    "route",
     "unsupported",
 ]

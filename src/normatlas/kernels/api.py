@@ -1,27 +1,25 @@
 """Fused normalization entry points: spec-driven, torch.nn-named, and residual-add variants.
 
-``fused_normalize(input, spec, weight, bias, residual=None)`` runs any spec through the fused
-kernels when :func:`~normatlas.kernels.dispatch.unsupported` allows it and through the core's reference arithmetic
-(:mod:`normatlas.reference`, what :func:`normatlas.functional.normalize` computes there) otherwise, so it always
-computes the spec's function. The engine sits below :mod:`normatlas.functional`, which dispatches to it.
-With ``residual`` it returns ``(normalize(input + residual), input + residual)``: the pre-norm
+``fused_normalize(input, spec, weight, bias, residual=None)`` runs any spec through the fused kernels when
+:func:`~normatlas.kernels.dispatch.route` (the one dispatch point) finds a kernel for it, and through the core's
+reference arithmetic (:mod:`normatlas.reference`, what :func:`normatlas.functional.normalize` computes there)
+otherwise, so it always computes the spec's function. The engine sits below :mod:`normatlas.functional`, which
+dispatches to it. With ``residual`` it returns ``(normalize(input + residual), input + residual)``: the pre-norm
 transformer's add & norm in one pass (Xiong et al., 2020 place the norm on the residual branch).
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from ..backend import _REFERENCE_ONLY
-from ..reference import check_float_params, check_spec_params, reference_normalize
+from ..reference import check_float_params, reference_normalize
 from ..spec import CastOrder, EpsPlacement, Gain, GainConvention, NormSpec, Scale
-from . import cpu
-from .dispatch import kernel_args, spec_unsupported, unsupported
+from .dispatch import Kernel, Mode, Route, kernel_args, qk_route, route, subclass_refusal
 from .ops import fused_norm
 
 __all__ = [
@@ -34,69 +32,6 @@ __all__ = [
 ]
 
 Shape = int | Sequence[int]
-
-
-# One C++ plan (csrc/norm_ops.h) per (spec, input dtype): the kernel's scalar arguments bound once, so an eager call
-# costs a dict lookup and one pybind11 call, whose checks (device, shapes, dtypes) return None for anything unusual; the
-# caller then takes the fully checked path, which raises the informative error or falls back.
-_PLANS: dict[Any, Any] = {}
-
-
-def _plan(spec: NormSpec, dtype: torch.dtype, build: bool = True) -> Any:
-    """The cached plan, or None. With ``build=False`` (``Backend.AUTO``) nothing is compiled: without a built
-    extension the answer is None and not cached, so a later build is picked up."""
-    key = (spec, dtype)
-    try:
-        return _PLANS[key]
-    except KeyError:
-        pass
-    ext = cpu.extension() if build else cpu.loaded()
-    if ext is None and not build:
-        return None
-    plan = None
-    if ext is not None and spec_unsupported(spec, dtype) is None:
-        a = kernel_args(spec, dtype)
-        plan = ext.Plan(
-            spec.feature_ndim, spec.gain is not Gain.NONE, spec.gain_convention is GainConvention.ONE_PLUS_W,
-            spec.cast_order is CastOrder.BEFORE_GAIN, a.eps, a.center, a.eps_mode, a.before_gain, a.one_plus_w, a.l2,
-        )  # fmt: skip
-    if len(_PLANS) > 1024:
-        _PLANS.clear()
-    _PLANS[key] = plan
-    return plan
-
-
-def _fast(
-    spec: NormSpec, input: Tensor, residual: Tensor | None, weight: Tensor | None, bias: Tensor | None, fshape: Any,
-    build: bool = True,
-) -> list[Tensor] | None:  # fmt: skip
-    """``[y, h]`` from the cached C++ plan, or None (compiling, not CPU, or anything the checked path must see)."""
-    if torch.compiler.is_compiling():
-        return None
-    plan = _plan(spec, input.dtype, build)
-    return None if plan is None else plan(input, residual, weight, bias, fshape)
-
-
-def _refuse_absent_params(spec: NormSpec, weight: Tensor | None, bias: Tensor | None) -> None:
-    """A weight for a spec without a gain, or a bias for one without a bias, raises (the C++ plan would drop it)."""
-    if (weight is not None and spec.gain is Gain.NONE) or (bias is not None and not spec.bias):
-        check_float_params(("weight", weight), ("bias", bias))
-        check_spec_params(spec, weight, bias)
-
-
-def ready(device: torch.device) -> bool:
-    """Whether the fused kernels run natively on ``device`` without compiling anything: the built C++ extension
-    on CPU, Triton on CUDA. (Otherwise the fused ops run their eager transcription.)"""
-    if device.type == "cpu":
-        return cpu.loaded() is not None
-    if device.type == "cuda":
-        from . import triton_kernels
-
-        return triton_kernels.available()
-    return False
-
-
-_functorch_active = getattr(torch._C, "_are_functorch_transforms_active", lambda: False)
 
 
 def _waited(t: Tensor) -> Tensor:
@@ -123,7 +58,8 @@ def _on_local_shards(
     input: Tensor, spec: NormSpec, weight: Tensor | None, bias: Tensor | None, fshape: tuple[int, ...] | None,
     fused: bool,
 ) -> Tensor | None:  # fmt: skip
-    """The kernels on a DTensor's local shard, or None (not a DTensor, or one they cannot serve locally).
+    """The kernels on a DTensor's local shard (:data:`Kernel.LOCAL_SHARDS <.dispatch.Kernel>`), or None where the
+    local shard is not a plain tensor or the kernels decline it there.
 
     A norm reduces over its trailing (feature) dims only, so on a DTensor sharded on leading dims (batch,
     sequence: the sequence-parallel regions of :mod:`normatlas.distributed`) with replicated weight and bias the
@@ -131,27 +67,11 @@ def _on_local_shards(
     views whose gradients are ``Partial`` over the mesh dims the input is sharded on (each rank saw its own rows)
     and ``Replicate`` elsewhere: the gradients DTensor's reference path would give. Nothing communicates here.
     """
-    if not torch.distributed.is_available():
-        return None
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-    if not isinstance(input, DTensor):
-        return None
-    lead = input.dim() - spec.feature_ndim
-    for p in input.placements:
-        if not (isinstance(p, Replicate) or (isinstance(p, Shard) and p.dim % input.dim() < lead)):
-            return None  # a Partial input, or one sharded on the normalized dims: the statistics need the engine
+    assert isinstance(input, DTensor)
     grad_placements = [Partial() if isinstance(p, Shard) else Replicate() for p in input.placements]
-    local: list[Tensor | None] = []
-    for t in (weight, bias):
-        if t is None:
-            local.append(None)
-            continue
-        if not isinstance(t, DTensor) or t.device_mesh != input.device_mesh:
-            return None
-        if not all(isinstance(p, Replicate) for p in t.placements):
-            return None
-        local.append(t.to_local(grad_placements=grad_placements))
+    local = [t.to_local(grad_placements=grad_placements) if isinstance(t, DTensor) else None for t in (weight, bias)]
     x = input.to_local()
     if type(x) is not Tensor:
         x = _Plain.apply(x)
@@ -171,45 +91,32 @@ def drop_in(
     fused: bool,
 ) -> Tensor | None:  # fmt: skip
     """The forward of a core module or :func:`normalize` on the fused kernels, or None where the reference path
-    runs: ``fused=False`` is ``Backend.AUTO`` (kernels that are ready, outside ``torch.compile``, torch.func
-    transforms and :func:`normatlas.backend.reference_only`),
+    runs, as :func:`~.dispatch.route` decides: ``fused=False`` is ``Backend.AUTO`` (kernels that are ready, outside
+    ``torch.compile``, torch.func transforms and :func:`normatlas.backend.reference_only`),
     ``fused=True`` ``Backend.FUSED`` (compile the kernels if needed; a spec or input they cannot serve raises)."""
-    if type(input) is not Tensor and torch._C._dispatch_keys(input).has(torch._C.DispatchKey.Python):
-        # a subclass with its own dispatch (DTensor, FakeTensor) has no storage for the C++ plan: a DTensor sharded
-        # only on the leading dims runs the kernels on its local shard, anything else the reference path
+    r = route(spec, input, weight, bias, mode=Mode.FUSED if fused else Mode.AUTO, fshape=fshape)
+    if r.kernel is Kernel.LOCAL_SHARDS:
         local = _on_local_shards(input, spec, weight, bias, fshape, fused)
         if local is None and fused:
-            raise ValueError(
-                f"backend='fused' cannot run on this {type(input).__name__} (the kernels take a DTensor sharded only "
-                "on its leading dims, with replicated weight and bias); use backend='auto' or 'reference'"
-            )
+            raise ValueError(subclass_refusal(input))
         return local
-    if not fused and (torch.compiler.is_compiling() or _REFERENCE_ONLY[0] or _functorch_active()):
-        # AUTO traces the reference path (the compiler fuses it), shows its ops to the recorder, and under
-        # torch.func transforms (vmap, grad, jacrev) runs the ops they have rules for (a C++ autograd Function has none)
-        return None
-    _refuse_absent_params(spec, weight, bias)
-    out = _fast(spec, input, None, weight, bias, fshape, fused)  # the C++ plan checks shapes, dtypes, devices
-    if out is not None:
-        return out[0]
-    if fshape is not None and tuple(input.shape[max(0, input.dim() - len(fshape)) :]) != fshape:
-        return None  # the module's own check raises, in its own words
-    reason = unsupported(spec, input, weight, bias)
-    if reason is not None:
-        if fused:
-            raise ValueError(f"backend='fused' cannot run this norm: {reason}; use backend='auto' or 'reference'")
-        return None
-    if not fused and not ready(input.device):
+    if r.kernel is Kernel.PLAN:
+        out = r.handle(input, None, weight, bias, fshape)  # the C++ plan checks shapes, dtypes, devices
+        if out is not None:
+            return out[0]
+        r = route(spec, input, weight, bias, mode=Mode.FUSED if fused else Mode.AUTO, fshape=fshape, declined=True)
+    if r.kernel is Kernel.REFERENCE:
         return None
     if fshape is not None:
         _check_shape(input, fshape)
     _check_params(input, spec, weight, bias)
-    return _run(input, spec, weight, bias, None)[0]
+    return _run(r, input, spec, weight, bias, None)[0]
 
 
 def _run(
-    input: Tensor, spec: NormSpec, weight: Tensor | None, bias: Tensor | None, residual: Tensor | None
+    r: Route, input: Tensor, spec: NormSpec, weight: Tensor | None, bias: Tensor | None, residual: Tensor | None
 ) -> tuple[Tensor, Tensor]:
+    """Run a ``Kernel.CPP`` or ``Kernel.OP`` route."""
     compiling = torch.compiler.is_compiling()
     a = (kernel_args.__wrapped__ if compiling else kernel_args)(spec, input.dtype)  # dynamo: no lru_cache to trace
     k = a.feature_ndim
@@ -219,14 +126,13 @@ def _run(
         n *= d
     w = weight.reshape(-1) if weight is not None else None
     b = bias.reshape(-1) if bias is not None else None
-    ext = cpu.extension() if input.is_cpu and not compiling else None
-    if ext is not None:
-        y, h = ext.norm(input, residual, w, b, a.eps, a.center, a.eps_mode, a.before_gain, a.one_plus_w, a.l2, n)
+    if r.kernel is Kernel.CPP:
+        y, h = r.handle.norm(input, residual, w, b, a.eps, a.center, a.eps_mode, a.before_gain, a.one_plus_w, a.l2, n)
         return y, h
     flat = (*lead, n)
     x = input.reshape(flat)
-    r = residual.reshape(flat) if residual is not None else None
-    y, h, _ = fused_norm(x, r, w, b, a.eps, a.center, a.eps_mode, a.before_gain, a.one_plus_w, a.l2)
+    res = residual.reshape(flat) if residual is not None else None
+    y, h, _ = fused_norm(x, res, w, b, a.eps, a.center, a.eps_mode, a.before_gain, a.one_plus_w, a.l2)
     return y.reshape(input.shape), (h.reshape(input.shape) if residual is not None else h)
 
 
@@ -238,26 +144,35 @@ def fused_normalize(
     residual: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """``normalize(input, spec, weight, bias)`` on the fused path; with ``residual``, ``(y, input + residual)``."""
-    _refuse_absent_params(spec, weight, bias)
-    out = _fast(spec, input, residual, weight, bias, None)
-    if out is not None:
-        return (out[0], out[1]) if residual is not None else out[0]
-    return _checked(input, spec, weight, bias, residual)
+    y, h = direct(spec, input, residual, weight, bias, None, None)
+    return (y, h) if residual is not None else y
 
 
-def _checked(
-    input: Tensor, spec: NormSpec, weight: Tensor | None, bias: Tensor | None, residual: Tensor | None
-) -> Tensor | tuple[Tensor, Tensor]:
+def direct(
+    spec: NormSpec, input: Tensor, residual: Tensor | None, weight: Tensor | None, bias: Tensor | None,
+    fshape: tuple[int, ...] | None, check_shape: Callable[[Tensor], None] | None,
+) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """The kernels' own functions and modules (``Mode.DIRECT``): ``(y, h)``, ``h = input + residual`` (an empty
+    tensor without a residual). ``fshape`` goes to the plan's checks; ``check_shape`` (the caller's, in its words)
+    runs where the plan declines."""
+    r = route(spec, input, weight, bias, mode=Mode.DIRECT)
+    if r.kernel is Kernel.PLAN:
+        out = r.handle(input, residual, weight, bias, fshape)
+        if out is not None:
+            return out[0], out[1]
+    if check_shape is not None:
+        check_shape(input)
     if residual is not None and residual.shape != input.shape:
         raise ValueError(f"residual has shape {tuple(residual.shape)}; input has {tuple(input.shape)}")
     if residual is not None and residual.dtype != input.dtype:
         raise TypeError(f"residual has dtype {residual.dtype}; input has {input.dtype}")
-    if unsupported(spec, input, weight, bias) is None:
+    if r.kernel is Kernel.PLAN:
+        r = route(spec, input, weight, bias, mode=Mode.DIRECT, declined=True)
+    if r.kernel is not Kernel.REFERENCE:
         _check_params(input, spec, weight, bias)
-        y, h = _run(input, spec, weight, bias, residual)
-        return (y, h) if residual is not None else y
+        return _run(r, input, spec, weight, bias, residual)
     if residual is None:
-        return reference_normalize(input, spec, weight, bias)
+        return reference_normalize(input, spec, weight, bias), input.new_empty(0)
     h = input + residual
     return reference_normalize(h, spec, weight, bias), h
 
@@ -307,22 +222,14 @@ def _ln_spec(k: int, eps: float, cast_order: CastOrder, eps_placement: EpsPlacem
 def _call(
     make: Any, key: tuple[Any, ...], fshape: tuple[int, ...], input: Tensor, residual: Tensor | None,
     weight: Tensor | None, bias: Tensor | None,
-) -> list[Tensor] | tuple[Tensor, Tensor] | Tensor:  # fmt: skip
-    """Run the spec ``make(*key)`` (an lru_cache'd builder) on the cached C++ plan, else on the checked path.
+) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """Run the spec ``make(*key)`` (an lru_cache'd builder) through :func:`direct`.
 
     Under torch.compile the builder's body is traced instead of its cache (dynamo warns on each cached call it
     traces, and a compiled graph builds the spec once anyway), so eager calls keep the cache and one compile check.
     """
-    if torch.compiler.is_compiling():
-        spec = make.__wrapped__(*key)
-    else:
-        spec = make(*key)
-        plan = _plan(spec, input.dtype)
-        out = None if plan is None else plan(input, residual, weight, bias, fshape)
-        if out is not None:
-            return out
-    _check_shape(input, fshape)
-    return _checked(input, spec, weight, bias, residual)
+    spec = make.__wrapped__(*key) if torch.compiler.is_compiling() else make(*key)
+    return direct(spec, input, residual, weight, bias, fshape, lambda x: _check_shape(x, fshape))
 
 
 def fused_rms_norm(
@@ -338,8 +245,7 @@ def fused_rms_norm(
     """``F.rms_norm`` (same arguments and defaults) on the fused path, plus the spec's knobs."""
     fshape = _shape(normalized_shape)
     key = (len(fshape), eps, cast_order, gain_convention, eps_placement, weight is not None)
-    out = _call(_rms_spec, key, fshape, input, None, weight, None)
-    return out if isinstance(out, Tensor) else out[0]
+    return _call(_rms_spec, key, fshape, input, None, weight, None)[0]
 
 
 def fused_layer_norm(
@@ -355,8 +261,7 @@ def fused_layer_norm(
     """``F.layer_norm`` (same arguments and defaults) on the fused path."""
     fshape = _shape(normalized_shape)
     key = (len(fshape), eps, cast_order, eps_placement, weight is not None, bias is not None)
-    out = _call(_ln_spec, key, fshape, input, None, weight, bias)
-    return out if isinstance(out, Tensor) else out[0]
+    return _call(_ln_spec, key, fshape, input, None, weight, bias)[0]
 
 
 def fused_add_rms_norm(
@@ -413,9 +318,10 @@ def qk_rms_norm(
     ``q_weight`` has shape ``(q.shape[-1],)`` and ``k_weight`` ``(k.shape[-1],)``.
     """
     d = q.shape[-1]
-    pair = _qk_pair(q, k, q_weight, k_weight, eps, cast_order)
-    if pair is not None:
-        return pair
+    r = qk_route(q, k, q_weight, k_weight, eps, cast_order)
+    if r.kernel is Kernel.PAIR:
+        yq, yk = r.handle.pair(q, k, q_weight, k_weight, d)
+        return yq, yk
     check_float_params(("q_weight", q_weight), ("k_weight", k_weight))  # the C++ pair names them; so do two calls
     for name, w, t, what in (("q_weight", q_weight, q, "q"), ("k_weight", k_weight, k, "k")):
         if w is not None and tuple(w.shape) != (t.shape[-1],):
@@ -425,35 +331,3 @@ def qk_rms_norm(
         fused_rms_norm(q, d, q_weight, eps, cast_order=cast_order),
         fused_rms_norm(k, k.shape[-1], k_weight, eps, cast_order=cast_order),
     )
-
-
-# Above this the launch overhead saved (~3 us) is noise and two calls stream each tensor on its own.
-_PAIR_MAX_ELEMENTS = 1 << 21
-
-
-def _qk_pair(
-    q: Tensor, k: Tensor, q_weight: Tensor | None, k_weight: Tensor | None, eps: float | None, cast_order: CastOrder
-) -> tuple[Tensor, Tensor] | None:
-    """The single-launch inference path, or None where its preconditions do not hold."""
-    d = q.shape[-1]
-    tensors = [t for t in (q, k, q_weight, k_weight) if t is not None]
-    if (
-        torch.compiler.is_compiling()
-        or k.shape[-1] != d
-        or d == 0
-        or k.dtype != q.dtype
-        or (q_weight is None) != (k_weight is None)
-        or not all(t.is_cpu for t in tensors)
-        or (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
-        or q.numel() + k.numel() > _PAIR_MAX_ELEMENTS
-    ):
-        return None
-    for w in (q_weight, k_weight):
-        if w is not None and (w.shape != (d,) or (cast_order is CastOrder.BEFORE_GAIN and w.dtype != q.dtype)):
-            return None
-    spec = _rms_spec(1, eps, cast_order, GainConvention.W, EpsPlacement.INSIDE_SQRT, q_weight is not None)
-    plan = _plan(spec, q.dtype)
-    if plan is None:
-        return None
-    yq, yk = plan.pair(q, k, q_weight, k_weight, d)
-    return yq, yk

@@ -126,10 +126,10 @@ def _providers(op: str, device: str) -> dict[str, Fn]:
     if op in ("rms", "layer"):
         out["module"] = _module_provider(op, eps)
     if device == "cpu" and op in ("rms", "layer"):
-        from .cpu import extension
+        from .dispatch import Impl, implementation
 
-        ext = extension()
-        if ext is not None:
+        impl, ext = implementation(torch.device("cpu"))
+        if impl is Impl.CPP:
             out["floor"] = lambda x, r, w, b: ext.affine_floor(x, w, 0.5)
     if device == "cuda":
         liger = _liger(op)

@@ -16,7 +16,7 @@ from torch import Tensor
 from ..backend import Backend
 from ..modules import Norm
 from ..presets import LayerNorm, RMSNorm
-from .api import _fast, fused_normalize
+from .api import direct
 
 __all__ = ["FusedAddLayerNorm", "FusedAddRMSNorm", "FusedLayerNorm", "FusedNorm", "FusedRMSNorm"]
 
@@ -42,13 +42,8 @@ class FusedLayerNorm(_FusedDefault, LayerNorm):
 
 class _FusedAdd(_FusedDefault, Norm):
     def forward(self, input: Tensor, residual: Tensor) -> tuple[Tensor, Tensor]:  # type: ignore[override]
-        fast = _fast(self.spec, input, residual, self.weight, self.bias, self.shape)
-        if fast is not None:
-            return fast[0], fast[1]
-        if self.shape is not None:
-            self._check_shape(input)
-        y, h = fused_normalize(input, self.spec, self.weight, self.bias, residual=residual)
-        return y, h
+        check = self._check_shape if self.shape is not None else None
+        return direct(self.spec, input, residual, self.weight, self.bias, self.shape, check)
 
 
 class FusedAddRMSNorm(_FusedAdd, RMSNorm):

@@ -22,12 +22,11 @@ extension on CPU, Triton on CUDA, and an eager torch fallback everywhere else.
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import torch
 from torch import Tensor
 
-from . import cpu
+from .dispatch import Impl, implementation
 
 __all__ = ["bwd_impl", "eager_bwd", "eager_fwd", "fused_norm", "fused_norm_bwd", "fused_norm_fwd", "fwd_impl"]
 
@@ -128,23 +127,15 @@ def fwd_impl(
     x: Tensor, residual: Tensor | None, weight: Tensor | None, bias: Tensor | None, eps: float,
     center: bool, eps_mode: int, before_gain: bool, one_plus_w: bool, l2: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
-    """The forward on this device's fastest implementation (C++, Triton or eager)."""
-    ext = cpu.extension() if x.device.type == "cpu" else None
-    if ext is None:
-        return _without_cpp("fwd", x, (x, residual, weight, bias, eps, center, eps_mode, before_gain, one_plus_w, l2))
-    y, h, stats = ext.norm_fwd(x, residual, weight, bias, float(eps), center, eps_mode, before_gain, one_plus_w, l2,
-                               x.shape[-1])  # fmt: skip
-    return y, h, stats
-
-
-def _without_cpp(op: str, x: Tensor, args: tuple[Any, ...]) -> tuple[Tensor, Tensor, Tensor]:
-    """``op`` ("fwd" / "bwd") where the C++ extension does not run: Triton on CUDA when available, else eager."""
-    if x.device.type == "cuda":
-        from . import triton_kernels
-
-        if triton_kernels.available():
-            return triton_kernels.norm_fwd(*args) if op == "fwd" else triton_kernels.norm_bwd(*args)
-    return eager_fwd(*args) if op == "fwd" else eager_bwd(*args)
+    """The forward on this device's implementation (:func:`~.dispatch.implementation`: C++, Triton or eager)."""
+    impl, handle = implementation(x.device)
+    if impl is Impl.CPP:
+        y, h, stats = handle.norm_fwd(x, residual, weight, bias, float(eps), center, eps_mode, before_gain,
+                                      one_plus_w, l2, x.shape[-1])  # fmt: skip
+        return y, h, stats
+    if impl is Impl.TRITON:
+        return handle.norm_fwd(x, residual, weight, bias, eps, center, eps_mode, before_gain, one_plus_w, l2)
+    return eager_fwd(x, residual, weight, bias, eps, center, eps_mode, before_gain, one_plus_w, l2)
 
 
 @torch.library.custom_op("normatlas::fused_norm_fwd", mutates_args=())
@@ -168,15 +159,14 @@ def bwd_impl(
     dy: Tensor, x: Tensor, weight: Tensor | None, stats: Tensor, dres: Tensor | None,
     center: bool, before_gain: bool, one_plus_w: bool, l2: bool, need_dg: bool, need_db: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
-    """The backward on this device's fastest implementation (C++, Triton or eager)."""
-    ext = cpu.extension() if x.device.type == "cpu" else None
-    if ext is None:
-        return _without_cpp(
-            "bwd", x, (dy, x, weight, stats, dres, center, before_gain, one_plus_w, l2, need_dg, need_db)
-        )
-    dx, dg, db = ext.norm_bwd(dy, x, weight, stats, dres, center, before_gain, one_plus_w, l2, need_dg, need_db,
-                              x.shape[-1])  # fmt: skip
-    return dx, dg, db
+    """The backward on this device's implementation (:func:`~.dispatch.implementation`: C++, Triton or eager)."""
+    impl, handle = implementation(x.device)
+    if impl is Impl.CPP:
+        dx, dg, db = handle.norm_bwd(dy, x, weight, stats, dres, center, before_gain, one_plus_w, l2, need_dg,
+                                     need_db, x.shape[-1])  # fmt: skip
+        return dx, dg, db
+    args = (dy, x, weight, stats, dres, center, before_gain, one_plus_w, l2, need_dg, need_db)
+    return handle.norm_bwd(*args) if impl is Impl.TRITON else eager_bwd(*args)
 
 
 @torch.library.custom_op("normatlas::fused_norm_bwd", mutates_args=())

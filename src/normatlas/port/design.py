@@ -22,12 +22,12 @@ from ..blocks.attn_gate import OutputGate
 from ..blocks.mla import MLAConfig
 from ..blocks.model import ModelConfig
 from ..blocks.placement import Gate, Placement, Schedule, Sublayer
-from ..blocks.qknorm import QKGain, QKNormConfig, QKOperator, QKScope
+from ..blocks.qknorm import QK_OPERATORS, QKGain, QKNormConfig, QKScope
 from ..inspect.attention import Core
 from ..inspect.norms import Site
 from ..inspect.residual import Sublayer as InspSub
 from ..spec import GainConvention, NormSpec
-from ..vocabulary import Operator, RopeOrder, SublayerKind
+from ..vocabulary import RopeOrder, SublayerKind
 from .errors import PortError
 from .measure import Mlp, RopeReading, Scores, branch_scale, mlp_design, rope_of, scores_of
 from .mla import mla_parts, read_mla
@@ -425,15 +425,11 @@ def v_config(layers: list[LayerReading]) -> QKNormConfig | None:
     return configs.pop()
 
 
-_QK_OPS = {Operator.RMSNORM: QKOperator.RMS, Operator.L2: QKOperator.L2, Operator.LAYERNORM: QKOperator.LAYERNORM}
-
-
 def _qk_one(r: LayerReading, sites: tuple[Site, ...] | None = None, what: str = "QK-norm") -> QKNormConfig:
     sites = r.qk if sites is None else sites
     q = sites[0]
     hd = r.heads[2]
-    ops = _QK_OPS
-    if any(s.operator not in ops or s.operator is not q.operator for s in sites):
+    if any(s.operator not in QK_OPERATORS or s.operator is not q.operator for s in sites):
         raise PortError([f"layer {r.index}: a {what} operator ({q.operator.value}) our QKNorm does not compute"])
     scope = QKScope.HEAD if q.size == hd else QKScope.FLAT
     if not q.gain:
@@ -445,7 +441,7 @@ def _qk_one(r: LayerReading, sites: tuple[Site, ...] | None = None, what: str = 
     after = r.qk_order is RopeOrder.AFTER_ROPE and what == "QK-norm"
     order = RopeOrder.AFTER_ROPE if after else RopeOrder.BEFORE_ROPE
     return QKNormConfig(
-        ops[q.operator], scope, gain, zero_centred=q.gain_convention is GainConvention.ONE_PLUS_W, order=order,
+        q.operator, scope, gain, zero_centred=q.gain_convention is GainConvention.ONE_PLUS_W, order=order,
         eps=q.eps or 1e-6, bias=q.bias,
     )  # fmt: skip
 

@@ -13,7 +13,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from ..vocabulary import PlacementKind, SublayerKind
+from ..vocabulary import PlacementKind, SublayerKind, branch_scale_word
 from .sites import site_views
 
 __all__ = ["Busy", "Forbidden", "Targets", "Unreadable", "drawing", "report_view", "run_target"]
@@ -58,8 +58,8 @@ def drawing(report: Any) -> dict[str, Any] | None:
         "residual_alpha": attn.skip_scale if attn.skip_scale is not None else 1.0,
         "branch_scale": 1.0,
         "gate": "none",
-        "branch_label": attn.branch_scale
-        or report.branch_scale,  # the inspector's words: a constant, "learned scalar", "per-channel"
+        "branch_label": branch_scale_word(attn.branch_scale)
+        or branch_scale_word(report.branch_scale),  # the inspector's words: a constant, "learned scalar", "per-channel"
         "pre_norm_scale": "none",
         "name": report.model,
         "kind": report.placement.value,
