@@ -14,9 +14,10 @@ from typing import Any
 
 from torch import nn
 
-from ..blocks import QKNormConfig, QKOperator, pre_ln
+from ..blocks import QKNormConfig, pre_ln
 from ..diagnostics import Metric, Monitor
 from ..presets import LayerNorm
+from ..vocabulary import Operator
 from ._shared import byte_data, figure, finish
 from .base import Experiment, Outcome, RunContext, Series, estimates
 from .lm import TrainConfig, tiny_lm, train_lm
@@ -66,7 +67,7 @@ def one_run(ctx: RunContext, qk: bool, lr: float, sizes: dict[str, int]) -> dict
     )
     lm = tiny_lm(
         pre_ln(), LayerNorm, n_layers=sizes["layers"], d_model=sizes["d_model"], seed=ctx.seed,
-        qk_norm=QKNormConfig(operator=QKOperator.LAYERNORM) if qk else None,
+        qk_norm=QKNormConfig(operator=Operator.LAYERNORM) if qk else None,
     )  # fmt: skip
     mon = Monitor(
         lm, every=sizes["every"], metrics=[Metric.ATTENTION, Metric.OUTPUT_NORM], print_alarms=False,
