@@ -230,3 +230,18 @@ def test_cost_runs_at_the_sizes_asked_with_same_run_ratios(server: Any, root: Pa
     assert tables["check"] == nc.check(nc.QUICK_SHAPES[-1], 0)  # the float64 check, as the library computes it
     assert all(r["max_abs_err"] < 1e-4 for r in tables["check"])
     assert _files(root) == before
+
+
+def test_the_timing_scripts_jobs_are_valid_requests(root: Path) -> None:
+    """benchmarks/tools_timings.py POSTs these bodies; each must pass the server's checks (else it times a 400)."""
+    from normatlas.web.tools_api import ToolTargets
+    from tests.scripts import load_benchmark
+
+    bench = load_benchmark("tools_timings")
+    targets = ToolTargets(root)
+    tools = set()
+    for folder, body in bench.JOBS:
+        full = body if folder is None else {**body, "folder": "byte"}  # a folder under this test's root
+        _, spec, _ = targets.target(full)
+        tools.add(json.loads(spec)["tool"])
+    assert tools == {"lens", "outliers", "prune", "embeddings", "absorb", "cost"}
