@@ -53,7 +53,7 @@ export async function render(root, params) {
   });
   sync(params);
   const form = h("form", {class: "controls wrap", onsubmit: (e) => { e.preventDefault(); run(); }},
-    h("label", {class: "filter"}, h("span", {}, "tool"), toolSel), folderLabel, textLabel, go);
+    h("label", {class: "filter"}, h("span", {}, "tool"), toolSel), folderLabel, textLabel, opts, go);
   mount(root,
     h("header", {class: "view-head"}, h("h1", {}, "Tools on a checkpoint"),
       h("p", {class: "lede"}, "The library's practitioner tools on a checkpoint folder under the server's root ",
@@ -61,7 +61,7 @@ export async function render(root, params) {
         "prune, embeddings and absorb (in memory: the page never writes a checkpoint), and what normalization ",
         "costs around attention (no checkpoint), run as a job in the inspection queue, one at a time. The server ",
         "checks every option against its bounds before a job starts.")),
-    form, opts, about, out);
+    form, about, out);
   const linked = tools.tools.find((x) => x.tool === params.get("tool"));
   if (linked && (folderSel.value || !linked.folder)) run();
 
@@ -132,7 +132,8 @@ function optionLabel(o, el) {
   return h("label", {class: "filter", title: tip}, h("span", {}, o.name.replaceAll("_", " ")), el);
 }
 
-const cell = (v) => (v === null || v === undefined ? "–" : typeof v === "number" ? fmt(v) : String(v));
+const cell = (v) => (v === null || v === undefined ? "–" : typeof v === "number" ? fmt(v)
+  : Array.isArray(v) ? (v.length ? v.join(", ") : "none") : String(v));
 
 function table(t) {
   const cols = [...new Set(t.rows.flatMap((r) => Object.keys(r)))];
