@@ -20,6 +20,7 @@ from urllib.parse import urlsplit
 import pytest
 
 from normatlas.web.tools_api import MAX_TEXT
+from tests.test_absorb import _checkpoint, olmo2
 from tests.test_web_api import call
 from tests.tools_fixtures import byte_llama
 from tests.web_helpers import running
@@ -34,6 +35,7 @@ ARTIFACTS = Path(__file__).resolve().parent / "artifacts" / "web"
 def root(tmp_path_factory: pytest.TempPathFactory, byte_llama: Path) -> Path:
     base = tmp_path_factory.mktemp("tools-web")
     shutil.copytree(byte_llama, base / "root" / "byte")
+    _checkpoint(olmo2(), base / "root" / "olmo2")  # post-branch RMSNorms to absorb (2 layers x 32, random weights)
     (base / "root" / "bare").mkdir()
     (base / "root" / "bare" / "config.json").write_text(json.dumps({"model_type": "gpt2"}))  # no weights, no tokenizer
     (base / "secret").mkdir()
@@ -69,15 +71,26 @@ def finish(srv: Any, body: dict[str, Any], timeout: float = 120.0) -> dict[str, 
 def test_tools_lists_the_fixed_set(server: Any) -> None:
     status, _, doc = call(server, "GET", "/api/tools")
     assert status == 200
-    assert [t["tool"] for t in doc["tools"]] == ["lens", "outliers", "prune", "embeddings"]
+    assert [t["tool"] for t in doc["tools"]] == ["lens", "outliers", "prune", "embeddings", "absorb", "cost"]
     assert {t["tool"]: t["text"] for t in doc["tools"]} == {
         "lens": "needed",
         "outliers": "optional",
         "prune": "none",
         "embeddings": "none",
+        "absorb": "optional",
+        "cost": "none",
     }
+    assert {t["tool"]: t["folder"] for t in doc["tools"]} == {t["tool"]: t["tool"] != "cost" for t in doc["tools"]}
     assert doc["max_text"] == MAX_TEXT
-    assert call(server, "GET", "/api/inspect")[2]["folders"] == ["bare", "byte"]
+    # every option is listed from the server's table, typed, with its default inside its bounds
+    for t in doc["tools"]:
+        for o in t["options"]:
+            assert o["kind"] in ("int", "float", "bool", "choice"), o
+            if o["kind"] in ("int", "float"):
+                assert o["min"] <= o["default"] <= o["max"], o
+            if o["kind"] == "choice":
+                assert o["default"] in o["choices"], o
+    assert call(server, "GET", "/api/inspect")[2]["folders"] == ["bare", "byte", "olmo2"]
 
 
 @pytest.mark.parametrize(
@@ -85,13 +98,13 @@ def test_tools_lists_the_fixed_set(server: Any) -> None:
     [
         ({"tool": "fold", "folder": "byte"}, 400, "not one of"),
         ({"tool": ["lens"], "folder": "byte", "text": "x"}, 400, "not one of"),
-        ({"tool": "lens", "folder": "byte"}, 400, "needs a text"),
+        ({"tool": "lens", "folder": "byte"}, 400, "lens needs text"),
         ({"tool": "lens", "folder": "byte", "text": "   "}, 400, "non-empty"),
         ({"tool": "lens", "folder": "byte", "text": "x" * (MAX_TEXT + 1)}, 400, f"at most {MAX_TEXT}"),
         ({"tool": "lens", "folder": "byte", "text": 7}, 400, "non-empty string"),
         ({"tool": "lens", "folder": "byte", "text": "a\x00b"}, 400, "no NUL"),
-        ({"tool": "prune", "folder": "byte", "text": "x"}, 400, "takes no text"),
-        ({"tool": "prune", "folder": "byte", "output": "/tmp/x"}, 400, "the body must be"),
+        ({"tool": "prune", "folder": "byte", "text": "x"}, 400, "unknown field(s) ['text']"),
+        ({"tool": "prune", "folder": "byte", "output": "/tmp/x"}, 400, "unknown field(s) ['output']"),
         ({"tool": "prune"}, 400, "the body must be"),
         (["prune", "byte"], 400, "the body must be"),
         ({"tool": "prune", "folder": ""}, 400, "non-empty path"),
@@ -155,7 +168,8 @@ def test_prune_scores_only_and_they_are_the_librarys(server: Any, root: Path) ->
     model, tok = load(root / "byte")
     ids = windows(heldout_ids(tok), window_len(model), 8)
     want = layer_scores(model, read_model(model, ids[:1], head=False), ids)
-    assert res["tables"][0]["rows"] == want
+    assert [{k: v for k, v in r.items() if k != "dropped"} for r in res["tables"][0]["rows"]] == want
+    assert not any(r["dropped"] for r in res["tables"][0]["rows"]) and res["meta"]["drop"] == []
     assert res["meta"]["written"] is False
     assert [p[0] for p in res["chart"]["points"]] == [0, 1, 2]
     assert _files(root) == before
@@ -215,6 +229,36 @@ def test_the_view_runs_a_tool_and_shows_its_table_without_overflow_at_390(server
         assert page.locator("#tools-out svg.chart polyline").count() == 2
         assert "tool=lens" in page.url and "folder=byte" in page.url
         page.screenshot(path=str(ARTIFACTS / "tools-lens-1440.png"), full_page=True)
+        # options come from the server's table; one out of bounds is refused by the server, named
+        assert page.input_value("#tools-opt-k") == "5" and not page.is_checked("#tools-opt-tuned")
+        page.fill("#tools-opt-k", "0")
+        page.click("#tools-go")
+        page.wait_for_selector("#tools-retry", timeout=30_000)
+        assert "k=0 is not allowed" in page.inner_text("#tools-out .status.error")
+        page.fill("#tools-opt-k", "3")
+        page.click("#tools-go")
+        page.wait_for_selector("#tools-out .tools-report[data-tool='lens']", timeout=60_000)
+        assert "k=3" in page.url and "(k 3)" in page.inner_text("#tools-out .pill")
+        # absorb, report only: the tables of normatlas absorb --dry-run
+        page.select_option("#tools-tool", "absorb")
+        page.select_option("#tools-folder", "olmo2")
+        page.fill("#tools-opt-windows", "1")
+        page.click("#tools-go")
+        page.wait_for_selector("#tools-out .tools-report[data-tool='absorb']", timeout=120_000)
+        names = page.eval_on_selector_all("#tools-out [data-table]", "els => els.map(e => e.dataset.table)")
+        assert names[:4] == ["changes", "calibration", "approximation", "checks"]
+        page.screenshot(path=str(ARTIFACTS / "tools-absorb-1440.png"), full_page=True)
+        # the cost of normalization: no folder; sizes from the form
+        page.select_option("#tools-tool", "cost")
+        assert page.is_hidden("#tools-folder") and page.is_hidden("#tools-text")
+        sizes = {"seq": "32", "heads": "2", "head_dim": "16", "width": "64", "layers": "1", "block_seq": "32"}
+        for name, value in {**sizes, "rounds": "2"}.items():
+            page.fill(f"#tools-opt-{name}", value)
+        page.click("#tools-go")
+        page.wait_for_selector("#tools-out .tools-report[data-tool='cost']", timeout=120_000)
+        assert page.locator("#tools-out [data-table='attention'] tbody tr").count() == 8
+        assert page.locator("#tools-out [data-table='blocks'] tbody tr").count() == 6
+        page.screenshot(path=str(ARTIFACTS / "tools-cost-1440.png"), full_page=True)
         # a folder the tools cannot read: its job fails, named, with a Retry button
         page.select_option("#tools-tool", "embeddings")
         page.select_option("#tools-folder", "bare")
@@ -232,9 +276,16 @@ def test_the_view_runs_a_tool_and_shows_its_table_without_overflow_at_390(server
             " && !e.closest('.table-wrap')).slice(0, 5).map(e => e.tagName + '.' + e.className)"
         )
         page.screenshot(path=str(ARTIFACTS / "tools-prune-390.png"), full_page=True)
+        page.goto(f"{server.url}#/tools?tool=cost&seq=32&heads=2&head_dim=16&width=64&layers=1&block_seq=32&rounds=2")
+        page.reload()
+        page.wait_for_selector("#tools-out .tools-report[data-tool='cost']", timeout=60_000)
+        cost_width = page.evaluate("document.scrollingElement.scrollWidth")
+        page.screenshot(path=str(ARTIFACTS / "tools-cost-390.png"), full_page=True)
         browser.close()
     assert width <= 390, f"the Tools view is {width} px wide at 390: {wide}"
-    assert errors == []
+    assert cost_width <= 390, f"the cost report is {cost_width} px wide at 390"
+    refused = [e for e in errors if "status of 400 (Bad Request)" in e]
+    assert len(refused) == 1 and len(errors) == 1, errors  # the k=0 request, refused by the server as it should be
     assert hosts <= {"127.0.0.1"}
 
 
@@ -257,7 +308,8 @@ def test_only_the_last_tool_results_stay_cached(root: Path, monkeypatch: pytest.
                 time.sleep(0.01)
         with pytest.raises(FileNotFoundError):
             inspector.job(ids[0])
-        assert inspector.job(ids[2])["result"]["text"] == "c"  # the tool's own runner ran, not the inspector's
+        # the tool's own runner ran, not the inspector's
+        assert inspector.job(ids[2])["result"]["options"]["text"] == "c"
         again, finished = inspector.start({"tool": "lens", "folder": "byte", "text": "a"}, targets, json.loads)
         assert not finished and again["job"] != ids[0]  # forgotten: run afresh
     finally:

@@ -24,7 +24,6 @@ import argparse
 import math
 import sys
 from collections.abc import Callable
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -381,10 +380,8 @@ def verify(args: argparse.Namespace) -> int:
 # *frozen-statistic* model (each norm dividing by its calibration mean rms): exact, to rounding. Against the original
 # it is an approximation, and the command says how far: the max logit difference and the next-token loss on held-out
 # text the calibration did not see. Calibration: ``--calibration-text`` (repeatable), else the first 8 windows of the
-# held-out standard-library text; the measure: ``--windows`` windows after those 8.
-CALIBRATION_WINDOWS = 8
-
-
+# held-out standard-library text; the measure: ``--windows`` windows after those 8 (:mod:`normatlas.tools.absorbing`,
+# which the page's absorb tool runs too).
 def configure_absorb(p: argparse.ArgumentParser) -> None:
     _common(p)
     p.add_argument(
@@ -398,50 +395,30 @@ def configure_absorb(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _calibration(args: argparse.Namespace, model: Any, tok: Any, ids: list[int], seq: int) -> tuple[list[Any], str]:
-    from normatlas.tools import check_ids, windows
-
-    if not args.calibration_text:
-        cal = windows(ids, seq, CALIBRATION_WINDOWS)
-        return [{"input_ids": cal}], f"{cal.numel()} tokens of held-out stdlib source"
-    out = []
-    for text in args.calibration_text:
-        if not text.strip():
-            raise CliError(f"--calibration-text must hold text, got {text!r}")
-        t = tok(text, return_tensors="pt", add_special_tokens=False)["input_ids"][:, :seq]
-        if t.numel() == 0:
-            raise CliError(f"--calibration-text {text!r} has no tokens")
-        check_ids(model, t, f"--calibration-text {text!r}")
-        out.append({"input_ids": t})
-    return out, f"{sum(x['input_ids'].numel() for x in out)} tokens of --calibration-text"
-
-
 def absorb(args: argparse.Namespace) -> int:
-    from normatlas.surgery import absorb_post_norms, analysis_copy, approximation, probe_inputs
-    from normatlas.tools import check_ids, heldout_ids, load, window_len, windows
+    from normatlas.tools import load
+    from normatlas.tools.absorbing import absorb_checkpoint
 
     notes = _prepare(args)
+    for text in args.calibration_text or []:
+        if not text.strip():
+            raise CliError(f"--calibration-text must hold text, got {text!r}")
     with progress.phase(f"loading {args.checkpoint}"):
         model, tok = load(args.checkpoint)
-        work, dtypes = analysis_copy(model)
-        inputs = probe_inputs(model, seed=args.seed)
-    ids = heldout_ids(tok)
-    check_ids(model, ids, "the held-out text")
-    seq = window_len(model)
-    calibration, source = _calibration(args, model, tok, ids, seq)
-    try:
-        held = windows(ids, seq, args.windows, offset=CALIBRATION_WINDOWS * seq)
-    except ValueError as exc:
-        raise CliError(f"the held-out text is too short for --windows {args.windows}: {exc}") from exc
-    with progress.phase("inspecting, calibrating each post-branch norm and absorbing it"):
-        surgery = absorb_post_norms(work, inputs, calibration, strict=False)
-    extra = [Section("calibration", [asdict(s) for s in surgery.stats], f"frozen rms per norm ({source})")]
+    phase = "inspecting, calibrating each post-branch norm, absorbing it and measuring the approximation"
+    with progress.phase(phase):
+        try:
+            run = absorb_checkpoint(
+                model, tok, texts=args.calibration_text, windows=args.windows, seed=args.seed,
+                label="--calibration-text",
+            )  # fmt: skip
+        except ValueError as exc:
+            raise CliError(str(exc).replace(f"for {args.windows} windows", f"for --windows {args.windows}")) from exc
+    surgery = run.surgery
+    extra = [Section("calibration", run.calibration_rows(), f"frozen rms per norm ({run.source})")]
     if surgery.changed:
-        surgery.restore_dtypes(dtypes)  # measured as it will be written
-        with progress.phase(f"measuring the approximation on {held.numel()} held-out tokens"):
-            surgery.approximation = approximation(model, surgery.runtime(), held)
-        title = f"approximation: absorbed vs the original on {held.numel()} held-out tokens (loss in nats/token)"
+        title = f"approximation: absorbed vs the original on {run.held_tokens} held-out tokens (loss in nats/token)"
         extra.append(Section("approximation", [surgery.approximation], title))
     reference = surgery.reference(model)
     proof = "proof: absorbed vs the frozen-statistic model (exact claim), probe inputs"
-    return _finish(args, model, surgery, dtypes, inputs, notes, reference=reference, extra=extra, proof=proof)
+    return _finish(args, model, surgery, run.dtypes, run.inputs, notes, reference=reference, extra=extra, proof=proof)

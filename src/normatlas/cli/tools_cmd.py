@@ -66,17 +66,7 @@ def configure_lens(p: argparse.ArgumentParser) -> None:
 
 
 def lens(args: argparse.Namespace) -> int:
-    from ..tools import (
-        NoHead,
-        check_ids,
-        fit_tuned_gains,
-        heldout_ids,
-        lens_figure,
-        logit_lens,
-        read_model,
-        window_len,
-        windows,
-    )
+    from ..tools import NoHead, check_ids, lens_figure, logit_lens, read_model
 
     for t in args.text:
         if not t.strip():
@@ -105,20 +95,12 @@ def lens(args: argparse.Namespace) -> int:
     }
     gains = None
     if args.tuned:
-        ids = heldout_ids(tok)
-        check_ids(model, ids, "the held-out text")
-        seq = window_len(model)
-        fit_ids, eval_ids = windows(ids, seq, 16), windows(ids, seq, 16, offset=16 * seq)
-        with progress.phase(f"fitting one gain per layer on {fit_ids.numel()} held-out tokens"):
-            fit = fit_tuned_gains(model, reading, fit_ids, eval_ids, steps=args.tuned_steps, seed=args.seed)
+        from ..tools.lens import fit_on_heldout, tuned_rows, tuned_title
+
+        with progress.phase("fitting one gain per layer on held-out tokens"):
+            fit = fit_on_heldout(model, tok, reading, steps=args.tuned_steps, seed=args.seed)
         gains = fit.gains
-        pairs = enumerate(zip(fit.kl_before, fit.kl_after, strict=True))
-        rows = [{"layer": i, "kl_lens": b, "kl_tuned": a} for i, (b, a) in pairs]
-        title = (
-            f"tuned gain: mean KL(final || layer) on {fit.eval_tokens} other held-out tokens "
-            f"(fit on {fit.fit_tokens}, {fit.steps} steps)"
-        )
-        sections.append(Section("tuned_fit", rows, title))
+        sections.append(Section("tuned_fit", tuned_rows(fit), tuned_title(fit)))
     for i, (text, ids) in enumerate(zip(args.text, prompts, strict=True)):
         with progress.phase(f"prompt {i + 1}/{len(prompts)}"):
             res = logit_lens(model, ids, tok, k=args.k, reading=reading, gains=gains, name=type(model).__name__)

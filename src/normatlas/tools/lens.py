@@ -24,7 +24,20 @@ from torch import Tensor, nn
 
 from .reading import Reading, ToolError, capture_stream, finish_figure, model_inputs, read_model
 
-__all__ = ["LensResult", "TunedFit", "fit_tuned_gains", "lens_figure", "logit_lens", "token_text", "windows"]
+__all__ = [
+    "LensResult",
+    "TunedFit",
+    "fit_on_heldout",
+    "fit_tuned_gains",
+    "lens_figure",
+    "logit_lens",
+    "token_text",
+    "tuned_rows",
+    "tuned_title",
+    "windows",
+]
+
+TUNED_WINDOWS = 16  # held-out windows the tuned gains are fit on, and as many after them they are evaluated on
 
 
 def token_text(tokenizer: Any, i: int) -> str:
@@ -180,6 +193,32 @@ def fit_tuned_gains(
         before = [float(_kl(efinal, reading.decode(model, h)).mean()) for h in ehs]
         after = [float(_kl(efinal, reading.decode(model, h, g)).mean()) for h, g in zip(ehs, full, strict=True)]
     return TunedFit(full, before, after, steps, fit_ids.numel(), eval_ids.numel())
+
+
+def fit_on_heldout(model: nn.Module, tok: Any, reading: Reading, steps: int = 200, seed: int = 0) -> TunedFit:
+    """:func:`fit_tuned_gains` on the held-out standard-library text: fit on :data:`TUNED_WINDOWS` windows, evaluated
+    on as many after them (``normatlas lens --tuned`` and the page's lens)."""
+    from . import check_ids, heldout_ids, window_len
+
+    ids = heldout_ids(tok)
+    check_ids(model, ids, "the held-out text")
+    seq = window_len(model)
+    fit_ids = windows(ids, seq, TUNED_WINDOWS)
+    eval_ids = windows(ids, seq, TUNED_WINDOWS, offset=TUNED_WINDOWS * seq)
+    return fit_tuned_gains(model, reading, fit_ids, eval_ids, steps=steps, seed=seed)
+
+
+def tuned_rows(fit: TunedFit) -> list[dict[str, Any]]:
+    """One row per layer: the mean KL to the final layer through the plain lens and through the refit gain."""
+    pairs = enumerate(zip(fit.kl_before, fit.kl_after, strict=True))
+    return [{"layer": i, "kl_lens": b, "kl_tuned": a} for i, (b, a) in pairs]
+
+
+def tuned_title(fit: TunedFit) -> str:
+    return (
+        f"tuned gain: mean KL(final || layer) on {fit.eval_tokens} other held-out tokens "
+        f"(fit on {fit.fit_tokens}, {fit.steps} steps)"
+    )
 
 
 def lens_figure(result: LensResult, path: str | os.PathLike[str], caption: str = "", max_positions: int = 24) -> Any:

@@ -74,8 +74,10 @@ def quant_error(x: Tensor, fmt: str, scale: str) -> float:
     return float((quantize(x, fmt, scale) - x).norm() / x.norm().clamp_min(1e-300))
 
 
-def _errors(x: Tensor, prefix: str) -> dict[str, float]:
-    return {f"{prefix}_{f.split('_')[0]}_{s}": quant_error(x, f, s) for f in FORMATS for s in SCALES}
+def _errors(
+    x: Tensor, prefix: str, formats: Sequence[str] = FORMATS, scales: Sequence[str] = SCALES
+) -> dict[str, float]:
+    return {f"{prefix}_{f.split('_')[0]}_{s}": quant_error(x, f, s) for f in formats for s in scales}
 
 
 def norm_sites(model: nn.Module, ids: Tensor) -> tuple[Dataflow, dict[str, NormFacts]]:
@@ -116,9 +118,19 @@ def _capture(model: nn.Module, names: Sequence[str], ids: Tensor) -> dict[str, t
     return {n: (torch.cat([x for x, _ in v], 1), torch.cat([y for _, y in v], 1)) for n, v in seen.items() if v}
 
 
-def site_report(model: nn.Module, ids: Tensor, tokens: Sequence[str] | None = None) -> list[dict[str, Any]]:
+def site_report(
+    model: nn.Module,
+    ids: Tensor,
+    tokens: Sequence[str] | None = None,
+    formats: Sequence[str] = FORMATS,
+    scales: Sequence[str] = SCALES,
+) -> list[dict[str, Any]]:
     """One row per norm site (call order): the input's largest activation (value, channel, token, ratio to the
-    median |x|, count above 100 x median) and the relative int8 / fp8 quantization errors of input and output."""
+    median |x|, count above 100 x median) and the relative quantization errors of input and output in each of
+    ``formats`` (of :data:`FORMATS`) with each of ``scales`` (of :data:`SCALES`), columns ``in_int8_tensor`` ..."""
+    for name, got, allowed in (("formats", formats, FORMATS), ("scales", scales, SCALES)):
+        if isinstance(got, str) or not got or any(g not in allowed for g in got):
+            raise ValueError(f"{name} must be a non-empty sequence of {allowed}, got {got!r}")
     model = model.eval()
     _, norms = norm_sites(model, ids)
     rows = []
@@ -137,8 +149,8 @@ def site_report(model: nn.Module, ids: Tensor, tokens: Sequence[str] | None = No
             "n_massive": ma["massive"],
             "out_x_median": massive_activations(y, median_sample=None)["max_ratio"],
         }
-        row.update(_errors(x, "in"))
-        row.update(_errors(y, "out"))
+        row.update(_errors(x, "in", formats, scales))
+        row.update(_errors(y, "out", formats, scales))
         rows.append(row)
     return rows
 

@@ -1,7 +1,9 @@
-// Tools: the practitioner tools (normatlas lens / outliers / prune / embeddings) on a checkpoint folder under the
-// server's --root. POST /api/tools starts (or joins) a job in the inspection queue; the page polls
-// GET /api/inspect/job/ID with the Inspect view's client (progress, backoff, retry) and then shows the tool's
-// tables, and its chart drawn with the Placements view's line chart. The page never writes a checkpoint.
+// Tools: the practitioner tools (normatlas lens / outliers / prune / embeddings / absorb) on a checkpoint folder under
+// the server's --root, and the cost of normalization around attention (no folder). Each tool's options are drawn
+// from GET /api/tools (kind, default, bounds), never typed here. POST /api/tools starts (or joins) a job in the
+// inspection queue; the page polls GET /api/inspect/job/ID with the Inspect view's client (progress, backoff, retry)
+// and then shows the tool's tables, and its chart drawn with the Placements view's line chart. The page never writes
+// a checkpoint.
 import {failure, progress, runJob, timing} from "./inspect.js";
 import {lineChart} from "./placements.js";
 import {fmt, h, mount, once, status, writeHash} from "./util.js";
@@ -19,40 +21,60 @@ export async function render(root, params) {
     h("option", {value: ""}, where.folders.length ? "a folder under the root…" : "no checkpoint folder under the root"),
     where.folders.map((f) => h("option", {value: f}, f)));
   folderSel.value = where.folders.includes(params.get("folder")) ? params.get("folder") : "";
+  const folderLabel = h("label", {class: "filter"}, h("span", {}, `folder in ${where.root}`), folderSel);
   const textInput = h("textarea", {id: "tools-text", maxlength: tools.max_text, rows: 2, placeholder: "a prompt, e.g. import os",
     "aria-label": "text (the prompt)"});
   textInput.value = params.get("text") || "";
   const textLabel = h("label", {class: "filter tools-text"}, h("span", {}, "text"), textInput);
+  const opts = h("fieldset", {class: "tools-options", id: "tools-options"});
   const about = h("p", {class: "muted small", id: "tools-about"});
   const out = h("div", {id: "tools-out"});
   const go = h("button", {type: "button", class: "primary", id: "tools-go", onclick: run}, "Run");
-  const sync = () => {
+  let fields = [];  // [option spec, its input] of the chosen tool, drawn from GET /api/tools
+  const sync = (from = null) => {
     const t = tools.tools.find((x) => x.tool === toolSel.value);
     about.textContent = t.about;
+    folderLabel.hidden = !t.folder;
     textLabel.hidden = t.text === "none";
-    textInput.placeholder = t.text === "needed" ? "a prompt, e.g. import os" : "optional: held-out text when empty";
+    textInput.placeholder = t.text === "needed" ? "a prompt, e.g. import os"
+      : t.tool === "absorb" ? "optional: calibration text (else held-out text)" : "optional: held-out text when empty";
+    fields = t.options.map((o) => [o, optionInput(o, from && from.has(o.name) ? from.get(o.name) : null)]);
+    mount(opts, h("legend", {}, `options of ${t.tool}`), fields.map(([o, el]) => optionLabel(o, el)));
+    opts.hidden = !fields.length;
   };
-  toolSel.addEventListener("change", sync);
-  sync();
+  const texts = {[toolSel.value]: textInput.value};  // each tool keeps its own text: a prompt is not a calibration text
+  let shownTool = toolSel.value;
+  toolSel.addEventListener("change", () => {
+    texts[shownTool] = textInput.value;
+    shownTool = toolSel.value;
+    textInput.value = texts[shownTool] || "";
+    sync();
+  });
+  sync(params);
   const form = h("form", {class: "controls wrap", onsubmit: (e) => { e.preventDefault(); run(); }},
-    h("label", {class: "filter"}, h("span", {}, "tool"), toolSel),
-    h("label", {class: "filter"}, h("span", {}, `folder in ${where.root}`), folderSel), textLabel, go);
+    h("label", {class: "filter"}, h("span", {}, "tool"), toolSel), folderLabel, textLabel, opts, go);
   mount(root,
     h("header", {class: "view-head"}, h("h1", {}, "Tools on a checkpoint"),
       h("p", {class: "lede"}, "The library's practitioner tools on a checkpoint folder under the server's root ",
         "(config.json, safetensors, the tokenizer's files): the same functions as normatlas lens, outliers, ",
-        "prune (scores only: the page never writes a checkpoint) and embeddings, run as a job in the inspection ",
-        "queue, one at a time.")),
+        "prune, embeddings and absorb (in memory: the page never writes a checkpoint), and what normalization ",
+        "costs around attention (no checkpoint), run as a job in the inspection queue, one at a time. The server ",
+        "checks every option against its bounds before a job starts.")),
     form, about, out);
-  if (folderSel.value && params.get("tool")) run();
+  const linked = tools.tools.find((x) => x.tool === params.get("tool"));
+  if (linked && (folderSel.value || !linked.folder)) run();
 
   async function run() {
     const tool = toolSel.value, folder = folderSel.value, text = textInput.value;
     const spec = tools.tools.find((x) => x.tool === tool);
-    if (!folder) { mount(out, status("choose a checkpoint folder", "error")); return; }
+    if (spec.folder && !folder) { mount(out, status("choose a checkpoint folder", "error")); return; }
     if (spec.text === "needed" && !text.trim()) { mount(out, status("this tool needs a text (the prompt)", "error")); return; }
-    const body = {tool, folder};
+    const body = spec.folder ? {tool, folder} : {tool};
     if (spec.text !== "none" && text.trim()) body.text = text;
+    for (const [o, el] of fields) {  // only what differs from the default travels (and lands in the link)
+      const v = o.kind === "bool" ? el.checked : o.kind === "choice" ? el.value : Number(el.value);
+      if (v !== o.default) body[o.name] = o.kind === "int" || o.kind === "float" ? (el.value.trim() === "" ? el.value : v) : v;
+    }
     writeHash("tools", body);
     const me = ++runs;
     const live = () => me === runs && out.isConnected;
@@ -72,7 +94,34 @@ export async function render(root, params) {
   }
 }
 
-const cell = (v) => (v === null || v === undefined ? "–" : typeof v === "number" ? fmt(v) : String(v));
+// one input per option, typed from the server's table; the server checks the value again (a 400 names the field)
+function optionInput(o, given) {
+  const id = `tools-opt-${o.name}`;
+  if (o.kind === "bool") {
+    const el = h("input", {type: "checkbox", id});
+    el.checked = given === null ? o.default : given === "true";
+    return el;
+  }
+  if (o.kind === "choice") {
+    const el = h("select", {id}, o.choices.map((c) => h("option", {value: c}, c)));
+    el.value = given !== null && o.choices.includes(given) ? given : o.default;
+    return el;
+  }
+  const el = h("input", {type: "number", id, min: o.min, max: o.max, step: o.kind === "int" ? o.step : "any",
+    inputmode: o.kind === "int" ? "numeric" : "decimal"});
+  el.value = given !== null ? given : String(o.default);
+  return el;
+}
+
+function optionLabel(o, el) {
+  const range = o.kind === "int" || o.kind === "float" ? ` (${o.min}–${o.max})` : "";
+  const tip = `${o.about}${range}; default ${o.default}`;
+  if (o.kind === "bool") return h("label", {class: "filter tools-check", title: tip}, h("span", {}, o.name.replaceAll("_", " ")), el);
+  return h("label", {class: "filter", title: tip}, h("span", {}, o.name.replaceAll("_", " ")), el);
+}
+
+const cell = (v) => (v === null || v === undefined ? "–" : typeof v === "number" ? fmt(v)
+  : Array.isArray(v) ? (v.length ? v.join(", ") : "none") : String(v));
 
 function table(t) {
   const cols = [...new Set(t.rows.flatMap((r) => Object.keys(r)))];
@@ -94,7 +143,7 @@ function result(res, job) {
     lineChart(c.points, c.series, c.short, null, c.x), h("figcaption", {class: "muted small"}, `${c.title}; the table below holds every value`)) : null;
   return h("div", {class: "report tools-report", "data-tool": res.tool},
     h("section", {class: "card"},
-      h("div", {class: "panel-head"}, h("h2", {}, `${res.tool}: ${res.model}`), h("span", {class: "pill"}, job.target)),
+      h("div", {class: "panel-head"}, h("h2", {}, res.model ? `${res.tool}: ${res.model}` : res.tool), h("span", {class: "pill"}, job.target)),
       h("div", {class: "two"}, h("table", {class: "kv"}, h("tbody", {}, meta)), chart),
       h("p", {class: "muted small", id: "tools-timing"}, timing(job))),
     res.tables.map(table));
