@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .reading import Reading, ToolError, capture_stream, finish_figure, model_inputs, read_model
+from .text import check_ids, heldout_ids, window_len
 
 __all__ = [
     "LensResult",
@@ -198,8 +199,6 @@ def fit_tuned_gains(
 def fit_on_heldout(model: nn.Module, tok: Any, reading: Reading, steps: int = 200, seed: int = 0) -> TunedFit:
     """:func:`fit_tuned_gains` on the held-out standard-library text: fit on :data:`TUNED_WINDOWS` windows, evaluated
     on as many after them (``normatlas lens --tuned`` and the page's lens)."""
-    from . import check_ids, heldout_ids, window_len
-
     ids = heldout_ids(tok)
     check_ids(model, ids, "the held-out text")
     seq = window_len(model)
