@@ -194,11 +194,17 @@ def _figure(
     ctx: RunContext, runs: dict[str, Any], sizes: dict[str, int], stats: dict[str, float], exponents: list[float]
 ) -> Any:
     err = stats["angle_over_theory_error"]
+    r = stats["drift_no_decay_over_decay"]
+    drift = (
+        f"their ||W|| moves {r:.1f}x less than the no-decay run's"
+        if r >= 1
+        else f"the most-moving decayed run's ||W|| moves {1 / r:.1f}x more than the no-decay run's"
+    )
     fig, (a, b, c) = figure(
         3,
         f"Decayed runs turn within {100 * err:.0f}% of the derived sqrt(2*eta*lambda) per step and ||W|| ~ "
-        f"(eta/lambda)^{st.median(exponents):.3f} (derived 0.25);\nover the last quarter their ||W|| moves "
-        f"{stats['drift_no_decay_over_decay']:.1f}x less than the no-decay run's (whose eta/||W||^2 keeps falling)",
+        f"(eta/lambda)^{st.median(exponents):.3f} (derived 0.25);\nover the last quarter {drift} (whose "
+        "eta/||W||^2 keeps falling)",
         f"seed {ctx.seed}; middle normalised layer; normatlas experiments run decay-equilibrium{ctx.flag}",
     )
     layer = sizes["depth"] // 2
