@@ -50,6 +50,7 @@ import torch
 
 from normatlas._io import atomic_write
 from normatlas.cli._format import FORMATS, Section, emit, render
+from normatlas.cli.tools_cmd import cost_sections
 from normatlas.tools.cost import (
     BLOCK,
     MODES,
@@ -76,15 +77,8 @@ __all__ = ["BLOCK", "MODES", "PEER", "PLACEMENTS", "QUICK_BLOCK", "QUICK_SHAPES"
 
 
 def sections(result: Mapping[str, Any]) -> list[Section]:
-    att_cols = ("shape", "mode", "variant", "median_ms", "min_ms", "ratio", "ratio_min", "rounds")
-    block_cols = ("placement", "qk_norm", "median_ms", "min_ms", "ratio", "ratio_min", "qk_cost", "rounds")
-    att_title = f"Attention core, fp32 causal: ratio to fused {PEER} in the same run (medians; ratio_min: best calls)"
-    block_title = "Whole model fwd+bwd: ratio to pre_ln without QK-norm; qk_cost = with / without QK-norm there"
-    return [
-        Section("attention", result["attention"], att_title, columns=att_cols, group="shape"),
-        Section("blocks", result["blocks"], block_title, columns=block_cols),
-        Section("check", result["check"], "fp32 forward vs float64 reference"),
-    ]
+    """The tables ``normatlas cost`` prints (one definition, the CLI's)."""
+    return cost_sections(dict(result))
 
 
 def _median_ratio(rows: Sequence[Mapping[str, Any]], variant: str, mode: str) -> float:

@@ -18,7 +18,7 @@ from torch import nn
 from normatlas.factory import build_vlm
 from normatlas.factory.vlm_inputs import _count_tokens, _feature_arguments
 from normatlas.inspect.vlm import ConnectorKind, Injection, inspect_vlm_target
-from normatlas.vocabulary import Operator, PlacementKind, QKNormKind
+from normatlas.vocabulary import Operator, PlacementKind, QKNormKind, branch_scale_word
 
 L, R = Operator.LAYERNORM, Operator.RMSNORM
 
@@ -73,7 +73,7 @@ def test_three_parts(row: tuple[Any, ...], reports: dict[str, Any]) -> None:
     model_type, (tower, final, scale), (kind, norms, widths, tokens), (lm, qk, gain) = row
     rep = reports[model_type]
     v, c, lang = rep.vision, rep.connector, rep.language
-    assert (v.operator, v.final_norm, v.branch_scale) == (tower, final, scale)
+    assert (v.operator, v.final_norm, branch_scale_word(v.branch_scale)) == (tower, final, scale)
     assert (c.kind, c.norms, c.norm_widths, c.tokens_out, rep.image_tokens) == (kind, norms, widths, tokens, tokens)
     assert rep.injection is Injection.EMBEDDING_STREAM
     assert (lang.operator, lang.placement, lang.qk_norm) == (lm, PlacementKind.PRE, qk)

@@ -138,3 +138,21 @@ def test_the_variants_differ_where_they_should() -> None:
     assert (out["eager_softcap"] - out["eager"]).abs().max() > 1e-2
     assert (out["qknorm_sdpa"] - out["sdpa"]).abs().max() > 1e-2
     torch.testing.assert_close(out["eager"], out["sdpa"], atol=5e-5, rtol=1e-5)
+
+
+def test_the_cli_command_prints_the_same_tables(capsys: pytest.CaptureFixture[str]) -> None:
+    """``normatlas cost`` (listed in ``normatlas --help``) runs the library's measurement and prints the benchmark's
+    tables: every variant's ratio to sdpa from its own run (sdpa's own is 1), the blocks, the float64 check."""
+    from normatlas.cli import main
+
+    assert main(["cost", "--quick", "--rounds", "1", "--format", "json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert {"meta", "attention", "blocks", "check"} <= set(doc)
+    assert doc["attention"] and all(r["ratio"] == 1 for r in doc["attention"] if r["variant"] == "sdpa")
+    assert {r["placement"] for r in doc["blocks"]} == {"pre_ln", "post_ln", "peri_ln"}
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert "cost" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as bad:
+        main(["cost", "--rounds", "0"])
+    assert bad.value.code == 2 and "--rounds" in capsys.readouterr().err

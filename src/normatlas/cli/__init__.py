@@ -176,6 +176,13 @@ TABLE: tuple[Entry, ...] = (
         "massive activations and int8/fp8 error at each norm's input and output; SmoothQuant-style fold proven",
     ),
     Entry(
+        "cost",
+        "tools_cmd",
+        "cost",
+        "configure_cost",
+        "what normalization costs: QK-norm vs soft-capping vs neither around sdpa, and each placement, as ratios",
+    ),
+    Entry(
         "zoo",
         "tools_cmd",
         "zoo",

@@ -1,5 +1,6 @@
 """``normatlas lens``, ``prune``, ``embeddings``, ``outliers`` and ``zoo``: the practitioner tools
-(:mod:`normatlas.tools`) on a checkpoint folder (config.json, safetensors, tokenizer files).
+(:mod:`normatlas.tools`) on a checkpoint folder (config.json, safetensors, tokenizer files); ``normatlas cost``: what
+normalization costs around attention and per block (:mod:`normatlas.tools.cost`), on freshly built modules.
 
 Real text is the Python standard library's own sources: the held-out tail of the zoo corpus
 (:func:`normatlas.tools.heldout_bytes`), which no zoo model was trained on. Figures are written with matplotlib's
@@ -388,4 +389,46 @@ def outliers(args: argparse.Namespace) -> int:
         except ToolError as exc:
             notes.append(f"no entropy by depth: {exc}")
     emit(sections, args.format, meta=meta, notes=notes)
+    return 0
+
+
+# ----------------------------------------------------------------------------- cost
+def configure_cost(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--quick", action="store_true", help="tiny shapes and model: seconds (the tests' sizes)")
+    p.add_argument("--rounds", type=positive_int, default=None, help="timed rounds per provider (default: >= 5)")
+    p.add_argument("--threads", type=positive_int, default=None, help="torch.set_num_threads (default: torch's)")
+    p.add_argument("--device", type=one_of(("cpu", "cuda")), default="cpu", help="where the timed calls run (cpu)")
+    p.add_argument("--seed", type=nonnegative_int, default=0, help="seed of the inputs and the timing order (0)")
+    add_format_option(p)
+
+
+def cost_sections(result: dict[str, Any]) -> list[Section]:
+    """The cost measurement's tables: the attention core and the blocks as ratios to their peers, and the check."""
+    from ..tools.cost import PEER
+
+    att_cols = ("shape", "mode", "variant", "median_ms", "min_ms", "ratio", "ratio_min", "rounds")
+    block_cols = ("placement", "qk_norm", "median_ms", "min_ms", "ratio", "ratio_min", "qk_cost", "rounds")
+    att_title = f"Attention core, fp32 causal: ratio to fused {PEER} in the same run (medians; ratio_min: best calls)"
+    block_title = "Whole model fwd+bwd: ratio to pre_ln without QK-norm; qk_cost = with / without QK-norm there"
+    return [
+        Section("attention", result["attention"], att_title, columns=att_cols, group="shape"),
+        Section("blocks", result["blocks"], block_title, columns=block_cols),
+        Section("check", result["check"], "fp32 forward vs float64 reference"),
+    ]
+
+
+def cost(args: argparse.Namespace) -> int:
+    import torch
+
+    from ..tools.cost import run
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise CliError("--device cuda: no CUDA device here (the timed calls run on the CPU by default)")
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    with progress.phase("timing QK-norm, soft-capping and neither around sdpa, then each placement per block"):
+        result = run(quick=args.quick, rounds=args.rounds, seed=args.seed, device=args.device)
+    table = args.format == "table"
+    notes = [f"{k}: {v}" for k, v in result["meta"].items()] if table else []
+    emit(cost_sections(result), args.format, meta=None if table else {"meta": result["meta"]}, notes=notes)
     return 0
