@@ -19,7 +19,8 @@ import pytest
 
 from normatlas.atlas.papers import paper
 from normatlas.cli import main
-from normatlas.experiments import experiment, experiments
+from normatlas.experiments import base, experiment, experiments
+from normatlas.experiments.base import CLAIM_FIELDS, Claim, claim, claims
 from normatlas.experiments.report import find_results, render_html, write_report
 from normatlas.experiments.runner import RESULT_FIELDS, run_experiment
 
@@ -79,6 +80,39 @@ def test_csv_match_the_series(name: str) -> None:
         [f"{k}.csv" for k in run.outcome.series] + ["figure.png", "figure.svg"]
     )
     assert (run.folder / "seeds" / "quick-seed0" / "outcome.json").is_file()
+
+
+def test_claims_file_and_modules_match() -> None:
+    """Every claim in claims.json has its experiment module and every module its claim, with the same words."""
+    assert [c.name for c in claims()] == NAMES
+    for c in claims():
+        exp = experiment(c.name)
+        assert isinstance(exp, Claim) and Claim(**{f: getattr(exp, f) for f in CLAIM_FIELDS}) == c
+
+
+def test_claim_lookup_and_malformed_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(ValueError, match=r"claim='no-such-claim' is not in normatlas/data/claims.json"):
+        claim("no-such-claim")
+    good = json.loads((Path(base.__file__).parents[1] / "data" / "claims.json").read_text())
+    bad_rows = [
+        ({"claims": "x"}, "expected an object with a list 'claims'"),
+        ({"claims": [{"name": "a"}]}, r"claims\[0\] must have exactly the fields"),
+        ({"claims": [{**good["claims"][0], "number": "1"}]}, r"wrong type for \['number'\]"),
+        ({"claims": [good["claims"][0], good["claims"][0]]}, "names and numbers must be unique"),
+    ]
+    for data, message in bad_rows:
+        root = tmp_path / str(len(message))
+        (root / "data").mkdir(parents=True)
+        (root / "data" / "claims.json").write_text(json.dumps(data))
+        monkeypatch.setattr(base.resources, "files", lambda _pkg, root=root: root)
+        base.claims.cache_clear()
+        try:
+            with pytest.raises(ValueError, match=message):
+                base.claims()
+        finally:
+            monkeypatch.undo()
+            base.claims.cache_clear()
+    assert [c.name for c in base.claims()] == NAMES
 
 
 @pytest.mark.parametrize("name", NAMES)

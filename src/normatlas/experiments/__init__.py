@@ -28,7 +28,7 @@ def experiments() -> tuple[Experiment, ...]:
             module = importlib.import_module(f"{__name__}.{info.name}")
             exp = getattr(module, "EXPERIMENT", None)
             if not isinstance(exp, Experiment):
-                raise TypeError(f"{module.__name__} must define EXPERIMENT = Experiment(...)")
+                raise TypeError(f"{module.__name__} must define EXPERIMENT = Experiment.declare(...)")
             found.append(exp)
     names = [e.name for e in found]
     if len(set(names)) != len(names):

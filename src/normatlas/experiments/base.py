@@ -9,6 +9,10 @@ figure). :func:`normatlas.experiments.runner.run_experiment` runs it at every se
 disk, applies the rule over the seeds and writes ``result.json``, ``figure.png`` / ``figure.svg`` and one CSV
 per series.
 
+The words of every claim (its number, title, one-line claim, the guide's words, the anchor and what the anchor
+reports) are data, ``normatlas/data/claims.json`` (read by :func:`claim`); an experiment's file names its claim
+with :meth:`Experiment.declare` and holds the rule and the measurement.
+
 An experiment never retries or tunes until its claim holds: the rule is data, and the runner applies it.
 :class:`Scale` sizes the work: ``quick`` (seconds: the test suite), ``default`` (a minute or so per seed on
 2 cores) and ``paper`` (the deep models and long runs the claims are about; an estimate per experiment).
@@ -18,16 +22,19 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from enum import Enum
+from functools import cache
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from .._io import read_json
 from .verdict import Diverged, Statistic, VerdictRule
 
-__all__ = ["Experiment", "Outcome", "RunContext", "Scale", "Series"]
+__all__ = ["Claim", "Experiment", "Outcome", "RunContext", "Scale", "Series", "claim", "claims"]
 
 Scalar = float | int | str | bool | None
 
@@ -142,10 +149,8 @@ def diverged_or(value: float, log_diverged_at: int | None, what: str) -> Statist
 
 
 @dataclass(frozen=True)
-class Experiment:
-    """One claim of the guide and how it is measured and decided (see the module docstring).
-
-    ``estimates_s``: seconds per seed at each scale, measured on an idle 2-core CPU (paper scale: an estimate)."""
+class Claim:
+    """A claim's words, as ``normatlas/data/claims.json`` holds them."""
 
     name: str
     number: int
@@ -154,6 +159,48 @@ class Experiment:
     guide_words: str
     anchor: str
     anchor_reports: str
+
+
+CLAIM_FIELDS = ("name", "number", "title", "claim", "guide_words", "anchor", "anchor_reports")
+
+
+@cache
+def claims() -> tuple[Claim, ...]:
+    """Every claim of ``normatlas/data/claims.json``, in its number order; a ValueError names a malformed entry."""
+    path = resources.files("normatlas").joinpath("data").joinpath("claims.json")
+    data = read_json(path)
+    rows = data.get("claims") if isinstance(data, dict) else None
+    if not isinstance(rows, list):
+        raise ValueError(f"{path}: expected an object with a list 'claims'")
+    out = []
+    for i, row in enumerate(rows):
+        if not isinstance(row, dict) or sorted(row) != sorted(CLAIM_FIELDS):
+            raise ValueError(f"{path}: claims[{i}] must have exactly the fields {list(CLAIM_FIELDS)}")
+        bad = [k for k in CLAIM_FIELDS if not isinstance(row[k], int if k == "number" else str)]
+        if bad:
+            raise ValueError(f"{path}: claims[{i}] ({row.get('name')!r}): wrong type for {bad}")
+        out.append(Claim(**row))
+    names, numbers = [c.name for c in out], [c.number for c in out]
+    if len(set(names)) != len(names) or len(set(numbers)) != len(numbers):
+        raise ValueError(f"{path}: claim names and numbers must be unique")
+    return tuple(sorted(out, key=lambda c: c.number))
+
+
+def claim(name: str) -> Claim:
+    """The claim called ``name``; a ValueError lists the known names otherwise."""
+    found = {c.name: c for c in claims()}.get(name)
+    if found is None:
+        raise ValueError(f"claim={name!r} is not in normatlas/data/claims.json: {[c.name for c in claims()]}")
+    return found
+
+
+@dataclass(frozen=True)
+class Experiment(Claim):
+    """One claim of the guide (its words, as :class:`Claim`) and how it is measured and decided (see the module
+    docstring).
+
+    ``estimates_s``: seconds per seed at each scale, measured on an idle 2-core CPU (paper scale: an estimate)."""
+
     rule: VerdictRule
     estimates_s: Mapping[Scale, float]
     run: Callable[[RunContext], Outcome]
@@ -177,6 +224,20 @@ class Experiment:
     def expected(self) -> str:
         """The rule in words: what must hold at every seed."""
         return self.rule.describe()
+
+    @classmethod
+    def declare(
+        cls,
+        name: str,
+        *,
+        rule: VerdictRule,
+        estimates_s: Mapping[Scale, float],
+        run: Callable[[RunContext], Outcome],
+        depends: tuple[str, ...] = (),
+    ) -> Experiment:
+        """The experiment measuring the claim ``name`` of ``normatlas/data/claims.json`` (its words come from
+        there) with ``rule``, ``estimates_s``, ``run`` and ``depends`` as in the constructor."""
+        return cls(**asdict(claim(name)), rule=rule, estimates_s=estimates_s, run=run, depends=depends)
 
     def estimate_s(self, scale: Scale) -> float:
         return float(self.estimates_s[scale])

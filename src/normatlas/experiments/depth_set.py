@@ -39,11 +39,12 @@ from ..blocks import (
 )
 from ..presets import LayerNorm
 from ._shared import byte_data, stream_variance
-from .base import RunContext, Scale
+from .base import Experiment, Outcome, RunContext, Scale, estimates
 from .lm import TrainConfig, tiny_lm, train_lm
 from .runner import atomic_write
+from .verdict import VerdictRule
 
-__all__ = ["MEMBERS", "DepthMember", "DepthSetup", "Trained", "member", "setup"]
+__all__ = ["MEMBERS", "DepthMember", "DepthSetup", "Trained", "declare", "growth", "member", "setup"]
 
 
 @dataclass(frozen=True)
@@ -228,3 +229,18 @@ def _train(ctx: RunContext, m: DepthMember, s: DepthSetup) -> tuple[TransformerL
 
     log = train_lm(model, data, s.train, on_step=on_step, progress=lambda msg: ctx.progress(f"{m.label}: {msg}"))
     return model, trajectory, log
+
+
+def growth(var: list[float]) -> float:
+    """The stream's variance leaving the last block over that leaving the first (``var[0]`` is the embedding)."""
+    return var[-1] / var[1]
+
+
+def declare(
+    name: str, *, rule: VerdictRule, run: Callable[[RunContext], Outcome], default: float, quick: float, paper: float
+) -> Experiment:
+    """The experiment ``name`` (claims.json's words) reading this shared set: its seed cache is keyed on this
+    module's source too, so a change to the set reruns it. ``default`` / ``quick`` / ``paper``: seconds per seed."""
+    return Experiment.declare(
+        name, rule=rule, estimates_s=estimates(default=default, quick=quick, paper=paper), run=run, depends=(__name__,)
+    )

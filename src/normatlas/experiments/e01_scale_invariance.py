@@ -206,23 +206,6 @@ def _figure(ctx: RunContext, flat: dict[str, list[float]], decay: dict[str, list
     return finish(fig, (a, b, c))
 
 
-EXPERIMENT = Experiment(
-    name="scale-invariance",
-    number=1,
-    title="Scale invariance and the implicit learning rate",
-    claim="A norm after a linear layer makes ||W|| an LR control: eta/||W||^2; decay raises it, growth lowers it",
-    guide_words=(
-        "So the weight's magnitude is a free parameter that the forward pass ignores but the gradient sees. The "
-        "effective step size in angular terms is η / ‖W‖². [...] Weight decay becomes a learning-rate control. "
-        "Decay shrinks ‖W‖, which raises the effective LR. [...] Weight norms drift up during training, effective "
-        'LR drifts down, and you get the "automatic LR decay" that normalized nets exhibit even with a flat schedule.'
-    ),
-    anchor="vanlaarhoven2017",
-    anchor_reports=(
-        "qualitatively: with a normalisation layer, L2 regularisation has no regularising effect on the function; "
-        "it only shrinks the weight scale and so raises the effective learning rate, which scales as 1/||W||^2"
-    ),
-    rule=RULE,
-    estimates_s=estimates(default=5.0, quick=2.5, paper=PAPER_S),
-    run=run,
+EXPERIMENT = Experiment.declare(
+    "scale-invariance", rule=RULE, estimates_s=estimates(default=5.0, quick=2.5, paper=PAPER_S), run=run
 )

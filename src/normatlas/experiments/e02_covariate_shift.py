@@ -206,23 +206,6 @@ def _figure(ctx: RunContext, logs: dict[str, Any], steps: int) -> Any:
     return finish(fig, (a, b, c))
 
 
-EXPERIMENT = Experiment(
-    name="covariate-shift",
-    number=2,
-    title="Internal covariate shift is not the mechanism",
-    claim="Noise injected after BatchNorm trains about as well; BN makes the loss and its gradient smoother",
-    guide_words=(
-        "Santurkar et al. (2018) tested this directly by injecting deliberate, time-varying non-zero-mean noise "
-        "after the BatchNorm layer — recreating covariate shift on purpose. The network trained just as well. [...] "
-        "normalization improves the Lipschitzness of the loss and of its gradients. Gradients become more "
-        "predictive — the direction you compute at your current point stays useful over a longer step."
-    ),
-    anchor="santurkar2018",
-    anchor_reports=(
-        "VGG on CIFAR-10: the 'noisy BN' network reaches about the same accuracy as standard BN; along the gradient "
-        "BN shrinks the variation of the loss, of the gradient (predictiveness) and the effective beta-smoothness"
-    ),
-    rule=RULE,
-    estimates_s=estimates(default=10.0, quick=1.0, paper=PAPER_S),
-    run=run,
+EXPERIMENT = Experiment.declare(
+    "covariate-shift", rule=RULE, estimates_s=estimates(default=10.0, quick=1.0, paper=PAPER_S), run=run
 )

@@ -11,7 +11,7 @@ from typing import Any
 
 from . import depth_set
 from ._shared import figure, finish
-from .base import Experiment, Outcome, RunContext, Series, estimates
+from .base import Outcome, RunContext, Series
 from .verdict import Clause, Direction, Diverged, Statistic, VerdictRule
 
 PLACEMENTS = ("Pre-LN", "Post-LN", "Peri-LN", "LNS", "DeepNorm", "Mix-LN")
@@ -24,11 +24,6 @@ RULE = VerdictRule(tuple(
 ))  # fmt: skip
 
 
-def growth(var: list[float]) -> float:
-    """The stream's variance leaving the last block over that leaving the first (``var[0]`` is the embedding)."""
-    return var[-1] / var[1]
-
-
 def run(ctx: RunContext) -> Outcome:
     s = depth_set.setup(ctx)
     n_layers = s.n_layers
@@ -37,12 +32,12 @@ def run(ctx: RunContext) -> Outcome:
     measured: dict[str, Any] = {}
     for name, t in members.items():
         key = name.lower().replace("-", "_")
-        measured[f"growth_init_{key}"] = growth(var[name]["init"])
-        measured[f"growth_trained_{key}"] = growth(var[name]["trained"])
+        measured[f"growth_init_{key}"] = depth_set.growth(var[name]["init"])
+        measured[f"growth_trained_{key}"] = depth_set.growth(var[name]["trained"])
         measured[f"first_block_variance_trained_{key}"] = var[name]["trained"][1]
         measured[f"last_block_variance_trained_{key}"] = var[name]["trained"][-1]
         measured[f"final_train_loss_{key}"] = sum(t.losses[-10:]) / len(t.losses[-10:])
-    g = {n: growth(var[n]["trained"]) for n in members}
+    g = {n: depth_set.growth(var[n]["trained"]) for n in members}
     statistics: dict[str, Statistic] = {}
     for other in OTHERS:
         key = f"growth_pre_ln_over_{other.lower().replace('-', '_')}"
@@ -67,7 +62,7 @@ def run(ctx: RunContext) -> Outcome:
 
 def _title(var: dict[str, dict[str, list[float]]]) -> str:
     """What the first seed's trained profiles show, from their growth (last block's variance / first block's)."""
-    g = {n: growth(var[n]["trained"]) for n in var}
+    g = {n: depth_set.growth(var[n]["trained"]) for n in var}
     others = [n for n in var if n != "Pre-LN"]
     less = [n for n in others if g[n] < g["Pre-LN"]]
     more = [n for n in others if g[n] >= g["Pre-LN"]]
@@ -89,23 +84,4 @@ def _figure(ctx: RunContext, var: dict[str, dict[str, list[float]]], n_layers: i
     return finish(fig, (a, b), ncol=2)
 
 
-EXPERIMENT = Experiment(
-    name="variance-depth",
-    number=3,
-    title="Variance with depth",
-    claim="Pre-LN's residual variance grows with depth; LNS and Peri-LN grow less; Post-LN and DeepNorm stay flat",
-    guide_words=(
-        "and as Var[x_ℓ] grows, Norm(x_ℓ) becomes ever less sensitive to the branch's contribution, so the block's "
-        "Jacobian drifts toward the identity. The deep layers stop doing anything. [...] it lands between Pre-LN's "
-        "exponential variance growth and Post-LN's vanishing gradients"
-    ),
-    anchor="lns2025",
-    anchor_reports=(
-        "Figure 1 (qualitatively): in Pre-LN LLMs the output variance grows with depth; with LayerNorm Scaling it "
-        "stays much smaller in the deep layers"
-    ),
-    rule=RULE,
-    estimates_s=estimates(default=70.0, quick=1.5, paper=PAPER_S),
-    run=run,
-    depends=(depth_set.__name__,),
-)
+EXPERIMENT = depth_set.declare("variance-depth", rule=RULE, run=run, default=70.0, quick=1.5, paper=PAPER_S)

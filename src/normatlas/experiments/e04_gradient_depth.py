@@ -185,24 +185,6 @@ def _figure(
     return finish(fig, (a, b))
 
 
-EXPERIMENT = Experiment(
-    name="gradient-depth",
-    number=4,
-    title="Gradients with depth",
-    claim="At init, at the paper's width, Post-LN's gradients shrink going back from the output at about the guide's "
-    "O(1/sqrt(l)); Pre-LN's are nearer level, and its last layer's falls with depth while Post-LN's does not",
-    guide_words=(
-        "Post-LN puts a normalization in the gradient's way at every single block. Gradient magnitude at layer ℓ "
-        "decays roughly as O(1/√ℓ) going backwards, which is why the original transformer needed a learning-rate "
-        "warmup and why deep Post-LN models are notoriously fragile."
-    ),
-    anchor="xiong2020",
-    anchor_reports=(
-        "Theorem 1 (at init): the last FFN layer's gradient is O(d sqrt(ln d)) for Post-LN, independent of depth L, "
-        "and O(d sqrt(ln d / L)) for Pre-LN; Figure 3: Post-LN's gradient norm grows with the layer index, Pre-LN's "
-        "stays about level"
-    ),
-    rule=RULE,
-    estimates_s=estimates(default=40.0, quick=1.5, paper=PAPER_S),
-    run=run,
+EXPERIMENT = Experiment.declare(
+    "gradient-depth", rule=RULE, estimates_s=estimates(default=40.0, quick=1.5, paper=PAPER_S), run=run
 )

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from . import depth_set
 from ._shared import byte_data, figure, finish, without_layer
-from .base import Experiment, Outcome, RunContext, Series, estimates
+from .base import Outcome, RunContext, Series
 from .lm import evaluate_lm
 from .verdict import Clause, Direction, Diverged, Statistic, VerdictRule
 
@@ -125,22 +125,4 @@ def _figure(ctx: RunContext, deltas: dict[str, list[float]], n_layers: int) -> A
     return finish(fig, (a, b))
 
 
-EXPERIMENT = Experiment(
-    name="curse-of-depth",
-    number=5,
-    title="The curse of depth",
-    claim="Removing a deep Pre-LN layer costs less than removing an early one; LayerNorm Scaling narrows the gap",
-    guide_words=(
-        "and as Var[x_ℓ] grows, Norm(x_ℓ) becomes ever less sensitive to the branch's contribution, so the block's "
-        "Jacobian drifts toward the identity. The deep layers stop doing anything. This is the Curse of Depth"
-    ),
-    anchor="lns2025",
-    anchor_reports=(
-        "qualitatively: pruning a single deep layer of a Pre-LN LLM barely changes its performance while pruning an "
-        "early one hurts; with LayerNorm Scaling the deep layers contribute more"
-    ),
-    rule=RULE,
-    estimates_s=estimates(default=50.0, quick=1.0, paper=PAPER_S),
-    run=run,
-    depends=(depth_set.__name__,),
-)
+EXPERIMENT = depth_set.declare("curse-of-depth", rule=RULE, run=run, default=50.0, quick=1.0, paper=PAPER_S)

@@ -13,7 +13,7 @@ from typing import Any
 
 from . import depth_set
 from ._shared import figure, finish
-from .base import Experiment, Outcome, RunContext, Series, estimates
+from .base import Outcome, RunContext, Series
 from .verdict import Clause, Direction, Diverged, Statistic, VerdictRule
 
 KINDS = ("Pre-LN", "Pre-LN + scaled init", "LNS")  # members of the shared depth set
@@ -28,11 +28,6 @@ RULE = VerdictRule((
 ))  # fmt: skip
 
 
-def growth(var: list[float]) -> float:
-    """Variance leaving the last block over that leaving the first (``var[0]`` is the embedding)."""
-    return var[-1] / var[1]
-
-
 def run(ctx: RunContext) -> Outcome:
     s = depth_set.setup(ctx)
     n_layers = s.n_layers
@@ -44,8 +39,8 @@ def run(ctx: RunContext) -> Outcome:
     for kind in KINDS:
         key = kind.lower().replace("-", "_").replace(" + ", "_").replace(" ", "_")
         cps = runs[kind]["checkpoints"]
-        measured[f"growth_init_{key}"] = growth(cps[0][1])
-        measured[f"growth_end_{key}"] = growth(cps[-1][1])
+        measured[f"growth_init_{key}"] = depth_set.growth(cps[0][1])
+        measured[f"growth_end_{key}"] = depth_set.growth(cps[-1][1])
         measured[f"last_block_variance_init_{key}"] = cps[0][1][-1]
         measured[f"last_block_variance_end_{key}"] = cps[-1][1][-1]
     m = measured
@@ -76,7 +71,10 @@ def run(ctx: RunContext) -> Outcome:
 
 def _title(runs: dict[str, Any]) -> str:
     """What the first seed's runs show, from their growth (last block's variance / first block's)."""
-    g = {k: (growth(runs[k]["checkpoints"][0][1]), growth(runs[k]["checkpoints"][-1][1])) for k in KINDS}
+    g = {
+        k: (depth_set.growth(runs[k]["checkpoints"][0][1]), depth_set.growth(runs[k]["checkpoints"][-1][1]))
+        for k in KINDS
+    }
     end = runs["Pre-LN + scaled init"]["checkpoints"][-1][0]
     scaled, lns = g["Pre-LN + scaled init"], g["LNS"]
     lower = "lower" if lns[1] < scaled[1] else "not lower"
@@ -88,7 +86,7 @@ def _figure(ctx: RunContext, runs: dict[str, Any], n_layers: int) -> Any:
     fig, (a, b) = figure(2, _title(runs), f"seed {ctx.seed}; normatlas experiments run scaled-init{ctx.flag}")
     for i, kind in enumerate(KINDS):
         cps = runs[kind]["checkpoints"]
-        a.plot([s for s, _ in cps], [growth(v) for _, v in cps], "o-", ms=3, color=f"C{i}", label=kind)
+        a.plot([s for s, _ in cps], [depth_set.growth(v) for _, v in cps], "o-", ms=3, color=f"C{i}", label=kind)
         b.plot(range(1, n_layers + 1), cps[0][1][1:], ":", color=f"C{i}", label=f"{kind}, init")
         b.plot(range(1, n_layers + 1), cps[-1][1][1:], "-", color=f"C{i}", label=f"{kind}, step {cps[-1][0]}")
     a.set(xlabel="training step", ylabel="variance last block / first block", title="growth over depth", yscale="log")
@@ -96,23 +94,4 @@ def _figure(ctx: RunContext, runs: dict[str, Any], n_layers: int) -> Any:
     return finish(fig, (a, b), legend_size=7)
 
 
-EXPERIMENT = Experiment(
-    name="scaled-init",
-    number=6,
-    title="Scaled init is not enough",
-    claim="GPT-2's 1/sqrt(2L) init only sets the start: deep-layer variance regrows in training; LNS keeps it lower",
-    guide_words=(
-        "Why scaled init isn't enough. Scaling initialization by 1/√(2L) (GPT-2's trick) only sets the starting "
-        "point. The variance explosion is a training-time phenomenon; by 2k steps the deep layers have grown their "
-        "variance back. LayerNorm Scaling works because it is applied at every forward pass, not once."
-    ),
-    anchor="lns2025",
-    anchor_reports=(
-        "qualitatively: scaled initialisation lowers the variance at the start, but the deep layers' output variance "
-        "grows back during training; LayerNorm Scaling keeps it bounded throughout"
-    ),
-    rule=RULE,
-    estimates_s=estimates(default=50.0, quick=1.0, paper=PAPER_S),
-    run=run,
-    depends=(depth_set.__name__,),
-)
+EXPERIMENT = depth_set.declare("scaled-init", rule=RULE, run=run, default=50.0, quick=1.0, paper=PAPER_S)

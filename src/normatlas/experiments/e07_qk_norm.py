@@ -184,22 +184,6 @@ def _figure(ctx: RunContext, runs: dict[str, list[dict[str, Any]]], lrs: list[fl
     return finish(fig, (a, b, c), legend_size=7)
 
 
-EXPERIMENT = Experiment(
-    name="qk-norm",
-    number=7,
-    title="QK-norm against attention entropy collapse",
-    claim="Without QK-norm high LRs grow attention logits and collapse entropy; QK-norm lowers LR sensitivity",
-    guide_words=(
-        "Attention logits are qᵀk/√d. Nothing bounds them. As ‖q‖ and ‖k‖ grow during training — and in a Pre-LN "
-        "model, they grow, because the residual stream grows — the logits grow quadratically, the softmax "
-        "saturates, and attention entropy collapses to a one-hot."
-    ),
-    anchor="wortsman2023",
-    anchor_reports=(
-        "qualitatively: in small models at high learning rates, attention logits grow and the loss diverges "
-        "(reproducing the large-scale instability); qk-layernorm removes it and lowers the LR sensitivity"
-    ),
-    rule=RULE,
-    estimates_s=estimates(default=65.0, quick=1.5, paper=PAPER_S),
-    run=run,
+EXPERIMENT = Experiment.declare(
+    "qk-norm", rule=RULE, estimates_s=estimates(default=65.0, quick=1.5, paper=PAPER_S), run=run
 )

@@ -219,19 +219,6 @@ def run(ctx: RunContext) -> Outcome:
     )  # fmt: skip
 
 
-EXPERIMENT = Experiment(
-    name="output-norm-warning",
-    number=8,
-    title="Output norm as the early warning",
-    claim="Under a slow instability (a learning-rate ramp) the last block's output norm climbs before the loss "
-    "diverges, so an alarm on it fires ahead of the spike, and stays silent in a stable control",
-    guide_words="monitoring the L2 norm of the final transformer layer's output predicted loss divergence 20–30% of "
-    "training in advance. The loss curve looked fine; the output norm was already climbing.",
-    anchor="chameleon2024",
-    anchor_reports="Chameleon reports that monitoring the L2 norm of the last transformer layer's "
-    "output predicted training divergence, and that divergence can appear after 20-30% of training (7B/34B "
-    "mixed-modal runs); the guide reads the 20-30% as how far ahead the norm warned, which the paper does not say.",
-    rule=RULE,
-    estimates_s=estimates(default=40.0, quick=10.0, paper=PAPER_S),
-    run=run,
+EXPERIMENT = Experiment.declare(
+    "output-norm-warning", rule=RULE, estimates_s=estimates(default=40.0, quick=10.0, paper=PAPER_S), run=run
 )

@@ -301,21 +301,6 @@ def run(ctx: RunContext) -> Outcome:
     )  # fmt: skip
 
 
-EXPERIMENT = Experiment(
-    name="dyt-s-curve",
-    number=9,
-    title="DyT's S-curve",
-    claim="A trained LayerNorm's input-output map in deep layers is an S-curve fitted by tanh(alpha x), and the "
-    "pointwise replacements DyT and Derf, with DyT's per-site alpha_0 for LLMs swept, train a tiny LM to within 5% "
-    "of LayerNorm's loss",
-    guide_words="if you plot input-vs-output for a trained LayerNorm in a deep transformer, you get an S-curve. So "
-    "replace the layer with an S-curve",
-    anchor="dyt2025",
-    anchor_reports="Zhu et al. show tanh-like input-output curves of LayerNorms in trained ViT, wav2vec 2.0 and DiT "
-    "models, and DyT matching normalized baselines; alpha tracks 1/std of the activations. For LLaMA they set "
-    "alpha_0 per site (7B: 0.8 before attention, 0.2 before the FFN and at the final norm; smaller for wider "
-    "models). Derf (derf2025) reports erf(alpha x + s) beating LayerNorm, RMSNorm and DyT.",
-    rule=RULE,
-    estimates_s=estimates(default=200.0, quick=15.0, paper=PAPER_S),
-    run=run,
+EXPERIMENT = Experiment.declare(
+    "dyt-s-curve", rule=RULE, estimates_s=estimates(default=200.0, quick=15.0, paper=PAPER_S), run=run
 )

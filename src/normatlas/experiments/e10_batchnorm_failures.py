@@ -278,20 +278,6 @@ def run(ctx: RunContext) -> Outcome:
     )  # fmt: skip
 
 
-EXPERIMENT = Experiment(
-    name="batchnorm-failures",
-    number=10,
-    title="BatchNorm's failure modes",
-    claim="BatchNorm degrades at small batches, because its estimate's variance goes as 1/N, and under a mild "
-    "train/eval distribution shift; GroupNorm and LayerNorm do not; Frozen BN protects a small-batch fine-tune",
-    guide_words="1. Small batches. Estimator variance goes as 1/N. Detection and segmentation at batch 2 per GPU is "
-    "where GroupNorm was born. [...] 3. Train/eval mismatch. Any distribution shift between training batches and "
-    "inference inputs corrupts running stats.",
-    anchor="groupnorm2018",
-    anchor_reports="Wu & He report ResNet-50 ImageNet error with BN rising from 23.6% at 32 images per GPU to "
-    "34.7% at 2, while GN stays near 24% across batch sizes; Ghost BN (ghostbn2017) keeps small-batch noise "
-    "inside large batches.",
-    rule=RULE,
-    estimates_s=estimates(default=100.0, quick=8.0, paper=PAPER_S),
-    run=run,
+EXPERIMENT = Experiment.declare(
+    "batchnorm-failures", rule=RULE, estimates_s=estimates(default=100.0, quick=8.0, paper=PAPER_S), run=run
 )

@@ -151,17 +151,6 @@ def run(ctx: RunContext) -> Outcome:
     )  # fmt: skip
 
 
-EXPERIMENT = Experiment(
-    name="rmsnorm-vs-layernorm",
-    number=11,
-    title="RMSNorm against LayerNorm",
-    claim="RMSNorm's forward + backward costs less than LayerNorm's, and at equal steps it reaches about the same loss",
-    guide_words="RMSNorm needs one reduction (∑x²) instead of two, and drops a term from the backward. Zhang & "
-    "Sennrich measured 7–64% speedups on the norm op depending on architecture and framework.",
-    anchor="rmsnorm2019",
-    anchor_reports="Zhang & Sennrich report RMSNorm reduces running time by 7%-64% across models and frameworks, "
-    "with quality comparable to LayerNorm; the figure is whole-model running time, not the norm op alone.",
-    rule=RULE,
-    estimates_s=estimates(default=10.0, quick=4.5, paper=PAPER_S),
-    run=run,
+EXPERIMENT = Experiment.declare(
+    "rmsnorm-vs-layernorm", rule=RULE, estimates_s=estimates(default=10.0, quick=4.5, paper=PAPER_S), run=run
 )

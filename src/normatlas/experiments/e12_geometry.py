@@ -158,21 +158,6 @@ def run(ctx: RunContext) -> Outcome:
     )  # fmt: skip
 
 
-EXPERIMENT = Experiment(
-    name="geometry",
-    number=12,
-    title="The geometry of LayerNorm and RMSNorm",
-    claim="LayerNorm's image is a sphere of radius sqrt(D) in the hyperplane orthogonal to 1, RMSNorm's the full "
-    "sphere; the input gradient is the upstream gradient projected off 1 and x-hat (RMSNorm: off x-hat only)",
-    guide_words="So LayerNorm's image is a sphere of dimension D−2 living inside the hyperplane 1ᵀx = 0; "
-    "RMSNorm's image is the full (D−1)-sphere. [...] the incoming gradient gets projected orthogonally to two "
-    "directions — the all-ones vector 1 (that is the − mean(g) term, removing the component that would only shift "
-    "the mean) and the current normalized activation x̂",
-    anchor="riechers2024",
-    anchor_reports="The geometric reading of LayerNorm (layernorm2016 defines the operator): centring projects onto "
-    "the hyperplane orthogonal to 1, scaling onto a sphere of radius sqrt(D); a qualitative result, no figure to "
-    "match (the record is not yet verified).",
-    rule=RULE,
-    estimates_s=estimates(default=5.0, quick=0.5, paper=PAPER_S),
-    run=run,
+EXPERIMENT = Experiment.declare(
+    "geometry", rule=RULE, estimates_s=estimates(default=5.0, quick=0.5, paper=PAPER_S), run=run
 )

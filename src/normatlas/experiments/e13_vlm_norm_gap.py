@@ -168,20 +168,6 @@ def run(ctx: RunContext) -> Outcome:
     )  # fmt: skip
 
 
-EXPERIMENT = Experiment(
-    name="vlm-norm-gap",
-    number=13,
-    title="The VLM norm gap",
-    claim="Pre-LN blocks give every token an update of about the same size, so vision tokens 30-70x longer than "
-    "text rotate far less per layer; a connector LayerNorm at gain T/sqrt(D) balances them, and its 1/g backward "
-    "rescale keeps the encoder's gradient",
-    guide_words="So every token gets an update of roughly the same size, but tokens have wildly different lengths. "
-    "A fixed-length update rotates a short vector a lot and a long vector barely at all",
-    anchor="vlm_norm_gap2025",
-    anchor_reports="The study measured vision tokens after the connector at ~40 (LLaVA-1.5) and ~57 (Qwen2.5-VL) "
-    "against text at ~0.8-1.1, slower per-layer rotation of vision tokens, and proposed one LayerNorm after the "
-    "projector at gain T/sqrt(D) with a 1/g backward rescale (as the guide reports it).",
-    rule=RULE,
-    estimates_s=estimates(default=5.0, quick=1.0, paper=PAPER_S),
-    run=run,
+EXPERIMENT = Experiment.declare(
+    "vlm-norm-gap", rule=RULE, estimates_s=estimates(default=5.0, quick=1.0, paper=PAPER_S), run=run
 )

@@ -165,18 +165,6 @@ def run(ctx: RunContext) -> Outcome:
     )  # fmt: skip
 
 
-EXPERIMENT = Experiment(
-    name="bf16-headroom",
-    number=14,
-    title="bf16 headroom and fp32 statistics",
-    claim="Norms keep activations inside bf16's range, and a bf16 RMSNorm must compute its statistics in fp32: "
-    "without the upcast the op is less exact and the training loss drifts further from fp32",
-    guide_words="Every serious implementation upcasts to fp32 inside the norm and downcasts on the way out. If you "
-    "write your own RMSNorm kernel and skip this, you will see a loss curve that is almost right and drifts.",
-    anchor="micikevicius2018",
-    anchor_reports="Mixed-precision training keeps an fp32 master copy of the weights and accumulates reductions "
-    "in fp32 to match fp32 accuracy (qualitative; the record is not yet verified, no figure is matched).",
-    rule=RULE,
-    estimates_s=estimates(default=15.0, quick=1.5, paper=PAPER_S),
-    run=run,
+EXPERIMENT = Experiment.declare(
+    "bf16-headroom", rule=RULE, estimates_s=estimates(default=15.0, quick=1.5, paper=PAPER_S), run=run
 )

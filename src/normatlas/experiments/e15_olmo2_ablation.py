@@ -172,21 +172,6 @@ def _figure(ctx: RunContext, runs: dict[str, dict[str, Any]], sizes: dict[str, i
     return finish(fig, (a, b), legend_size=7)
 
 
-EXPERIMENT = Experiment(
-    name="olmo2-ablation",
-    number=15,
-    title="OLMo 2's 2x2: norm reordering x QK-norm on gradient spikes",
-    claim="Reordered norm and QK-norm together tame gradient-norm spikes; neither alone does (OLMo 2's ablation)",
-    guide_words=(
-        "OLMo 2 needed it (together with QK-Norm) to tame gradient-norm spikes. OLMo 2 is explicit that neither "
-        "change worked alone — reordering and QK-Norm only helped in combination."
-    ),
-    anchor="olmo2_2024",
-    anchor_reports=(
-        "qualitatively (as the guide reads it): at 1B-7B, reordered norm and QK-norm together removed the growing "
-        "gradient-norm spikes of OLMo-0424; neither change alone did"
-    ),
-    rule=RULE,
-    estimates_s=estimates(default=240.0, quick=10.0, paper=PAPER_S),
-    run=run,
+EXPERIMENT = Experiment.declare(
+    "olmo2-ablation", rule=RULE, estimates_s=estimates(default=240.0, quick=10.0, paper=PAPER_S), run=run
 )

@@ -235,24 +235,6 @@ def _figure(ctx: RunContext, m: dict[str, Any], ratios: list[float], bos: list[f
     return finish(fig, (a, b, c), legend_size=7)
 
 
-EXPERIMENT = Experiment(
-    name="massive-activations",
-    number=16,
-    title="Massive activations as gradient regulators",
-    claim="A trained Pre-LN LM grows massive activations on its sink token; removing them hurts and un-attenuates "
-    "the gradient RMSNorm's 1/sigma damps",
-    guide_words=(
-        "In every Pre-LN LLM, a small number of channels on a small number of tokens (usually BOS) carry activations "
-        "orders of magnitude above everything else, and those tokens absorb enormous attention mass. [...] massive "
-        "activations act as gradient regulators, exploiting the 1/σ factor in RMSNorm's backward to attenuate "
-        "gradient pressure created by attention sinks"
-    ),
-    anchor="massive_regulators2025",
-    anchor_reports=(
-        "qualitatively: the RMSNorm Jacobian attenuates gradients roughly in inverse proportion to the input norm, so "
-        f"massive activations regulate the gradient pressure on attention-sink tokens; Sun et al. 2024: {SUN_ZERO_PPL}"
-    ),
-    rule=RULE,
-    estimates_s=estimates(default=120.0, quick=3.0, paper=PAPER_S),
-    run=run,
+EXPERIMENT = Experiment.declare(
+    "massive-activations", rule=RULE, estimates_s=estimates(default=120.0, quick=3.0, paper=PAPER_S), run=run
 )

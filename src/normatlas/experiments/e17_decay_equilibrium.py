@@ -225,26 +225,6 @@ def _figure(
     return finish(fig, (a, b, c), legend_size=7)
 
 
-EXPERIMENT = Experiment(
-    name="decay-equilibrium",
-    number=17,
-    title="Weight decay's equilibrium: the effective LR depends on eta*lambda",
-    claim=(
-        "With a norm after a Linear, decay settles ||W|| where W turns sqrt(2*eta*lambda) per step; ||W|| ~ "
-        "(eta/lambda)^(1/4), so eta and lambda set the effective LR only through their product; without decay it falls"
-    ),
-    guide_words=(
-        "Weight decay becomes a learning-rate control. Decay shrinks ‖W‖, which raises the effective LR. [...] "
-        'Weight norms drift up during training, effective LR drifts down, and you get the "automatic LR decay" that '
-        "normalized nets exhibit even with a flat schedule."
-    ),
-    anchor="vanlaarhoven2017",
-    anchor_reports=(
-        "qualitatively: with normalisation, L2 regularisation only changes the weight scale and the effective LR of "
-        "a scale-invariant weight is eta/||w||^2; the equilibrium numbers (angle sqrt(2*eta*lambda) per step, "
-        "||W|| ~ (eta/lambda)^(1/4)) are derived in this file from SGD's update"
-    ),
-    rule=RULE,
-    estimates_s=estimates(default=90.0, quick=2.5, paper=PAPER_S),
-    run=run,
+EXPERIMENT = Experiment.declare(
+    "decay-equilibrium", rule=RULE, estimates_s=estimates(default=90.0, quick=2.5, paper=PAPER_S), run=run
 )

@@ -248,24 +248,6 @@ def _figure(
     return finish(fig, (a, b, c), legend_size=7)
 
 
-EXPERIMENT = Experiment(
-    name="post-ln-warmup",
-    number=18,
-    title="Post-LN needs warm-up",
-    claim="Post-LN without a learning-rate warm-up trains worse, the more so the deeper it is; with warm-up it "
-    "trains; Pre-LN needs no warm-up",
-    guide_words=(
-        "Gradient magnitude at layer ℓ decays roughly as O(1/√ℓ) going backwards, which is why the original "
-        "transformer needed a learning-rate warmup and why deep Post-LN models are notoriously fragile. Pre-LN gives "
-        "the gradient an uninterrupted identity path from the loss to the embedding. It trains without warmup"
-    ),
-    anchor="xiong2020",
-    anchor_reports=(
-        "Section 3.1 and Figure 1 (IWSLT14 De-En, 6-layer Post-LN, Adam): without warm-up (lr_max 5e-4 or 1e-3) "
-        "the validation loss and BLEU are clearly worse than with a warm-up of 500 or 4,000 steps; Section 4: "
-        "Pre-LN trained without warm-up reaches comparable results"
-    ),
-    rule=RULE,
-    estimates_s=estimates(default=400.0, quick=2.0, paper=PAPER_S),
-    run=run,
+EXPERIMENT = Experiment.declare(
+    "post-ln-warmup", rule=RULE, estimates_s=estimates(default=400.0, quick=2.0, paper=PAPER_S), run=run
 )

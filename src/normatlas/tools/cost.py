@@ -21,6 +21,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +42,7 @@ __all__ = [
     "SHAPES",
     "SOFTCAP",
     "VARIANTS",
+    "Timing",
     "attention_rows",
     "block_model",
     "block_rows",
@@ -224,15 +226,23 @@ def _stats(seconds: list[float], peer: list[float]) -> dict[str, object]:
             "rounds": len(seconds)}  # fmt: skip
 
 
-def attention_rows(
-    shapes: Sequence[Sequence[int]],
-    rounds: int,
-    warmup: int,
-    seed: int,
-    progress: bool,
-    budget_s: float = 0.0,
-    device: torch.device = CPU,
-) -> list[dict[str, object]]:
+@dataclass(frozen=True)
+class Timing:
+    """How a table is timed: at least ``rounds`` interleaved rounds after ``warmup`` (more to fill ``budget_s``
+    seconds when it is > 0), inputs and order seeded by ``seed``, on ``device``; ``progress`` prints a line per
+    finished part to stderr."""
+
+    rounds: int
+    warmup: int
+    seed: int = 0
+    progress: bool = False
+    budget_s: float = 0.0
+    device: torch.device = CPU
+
+
+def attention_rows(shapes: Sequence[Sequence[int]], timing: Timing) -> list[dict[str, object]]:
+    """The attention table: every variant against the peer, forward and forward + backward, at each shape."""
+    rounds, warmup, seed, budget_s, device = timing.rounds, timing.warmup, timing.seed, timing.budget_s, timing.device
     rows: list[dict[str, object]] = []
     rng = random.Random(seed)
     for shape in shapes:
@@ -251,7 +261,7 @@ def attention_rows(
             for name in VARIANTS:
                 rows.append({"shape": shape_name(shape), "mode": mode, "variant": name,
                              **_stats(times[name], times[PEER])})  # fmt: skip
-            if progress:
+            if timing.progress:
                 print(f"# attention {shape_name(shape)} {mode} done", file=sys.stderr, flush=True)
     return rows
 
@@ -265,15 +275,9 @@ def block_model(placement: str, qk: bool, size: Mapping[str, int], seed: int = 0
     return TransformerLM(cfg)
 
 
-def block_rows(
-    size: Mapping[str, int],
-    rounds: int,
-    warmup: int,
-    seed: int,
-    progress: bool,
-    budget_s: float = 0.0,
-    device: torch.device = CPU,
-) -> list[dict[str, object]]:
+def block_rows(size: Mapping[str, int], timing: Timing) -> list[dict[str, object]]:
+    """The block table: one training step of a small LM per placement, with and without QK-norm."""
+    seed, device = timing.seed, timing.device
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, 256, (size["batch"], size["seq"]), generator=g).to(device)
     targets = torch.randint(0, 256, (size["batch"], size["seq"]), generator=g).to(device)
@@ -291,13 +295,13 @@ def block_rows(
 
             name = f"{placement}{'+qk' if qk else ''}"
             calls[name], keys[name] = step, (placement, qk)
-    times = time_interleaved(calls, rounds, warmup, random.Random(seed), budget_s, _sync(device))
+    times = time_interleaved(calls, timing.rounds, timing.warmup, random.Random(seed), timing.budget_s, _sync(device))
     rows: list[dict[str, object]] = []
     for name, (placement, qk) in keys.items():
         same = statistics.median(times[placement])
         rows.append({"placement": placement, "qk_norm": qk, **_stats(times[name], times["pre_ln"]),
                      "qk_cost": statistics.median(times[name]) / same})  # fmt: skip
-    if progress:
+    if timing.progress:
         print("# blocks done", file=sys.stderr, flush=True)
     return rows
 
@@ -355,7 +359,8 @@ def run(
     }  # fmt: skip
     checks = check(QUICK_SHAPES[-1], seed)
     warm = 1 if quick else 2
-    attention = attention_rows(shapes, n, warm, seed, progress, ATTENTION_BUDGET_S if budget else 0.0, dev)
-    blocks = block_rows(size, n, warm, seed, progress, BLOCK_BUDGET_S if budget else 0.0, dev)
+    timing = Timing(rounds=n, warmup=warm, seed=seed, progress=progress, device=dev)
+    attention = attention_rows(shapes, replace(timing, budget_s=ATTENTION_BUDGET_S if budget else 0.0))
+    blocks = block_rows(size, replace(timing, budget_s=BLOCK_BUDGET_S if budget else 0.0))
     meta["loadavg_after"] = _load()
     return {"meta": meta, "check": checks, "attention": attention, "blocks": blocks}
