@@ -141,38 +141,20 @@ def configure_prune(p: argparse.ArgumentParser) -> None:
 
 def prune(args: argparse.Namespace) -> int:
     from ..surgery import NothingToChange, probe_inputs, save_surgery
-    from ..tools import (
-        block_scores,
-        check_ids,
-        choose,
-        choose_block,
-        heldout_ids,
-        layer_scores,
-        prune_figure,
-        prune_surgery,
-        quality,
-        read_model,
-        skipping,
-        window_len,
-        windows,
-    )
+    from ..tools import plan_prune, prune_figure, quality, run_prune, skipping
     from .surgery import _prepare
 
     removed = _prepare(args)
     model, tok = _load(args.checkpoint)
-    ids = heldout_ids(tok)
-    check_ids(model, ids, "the held-out text")
-    seq = window_len(model)
-    score_ids = windows(ids, seq, 8)
-    eval_ids = windows(ids, seq, args.windows, offset=8 * seq)
-    with progress.phase("reading the layers from the dataflow and scoring them"):
-        reading = read_model(model, score_ids[:1], head=False)
-        scores = layer_scores(model, reading, score_ids)
-    if args.drop >= len(scores):
-        raise CliError(f"--drop {args.drop} would leave no layer of the {len(scores)}")
-    blocks = block_scores(model, reading, score_ids, args.drop) if args.by == "block" and args.drop else []
-    drop = choose_block(blocks) if blocks else choose(scores, args.drop, "angle" if args.by == "block" else args.by)
-    rows = [dict(r, dropped=r["layer"] in drop) for r in scores]
+    try:
+        plan = plan_prune(model, tok, args.drop, args.by, args.windows, phase=progress.phase)
+    except ValueError as exc:  # the library names its parameter (drop=...); the CLI names its flag
+        msg = str(exc)
+        for flag in ("drop", "by"):
+            msg = f"--{flag} {msg.removeprefix(f'{flag}=')}" if msg.startswith(f"{flag}=") else msg
+        raise CliError(msg) from exc
+    reading, scores, blocks, drop, rows = plan.reading, plan.scores, plan.blocks, plan.drop, plan.rows
+    score_ids, eval_ids = plan.score_ids, plan.eval_ids
     meta: dict[str, Any] = {
         "model": type(model).__name__,
         "checkpoint": args.checkpoint,
@@ -187,12 +169,8 @@ def prune(args: argparse.Namespace) -> int:
         brows = [{"layers": " ".join(map(str, b["layers"])), "angle": b["angle"]} for b in blocks]
         sections.append(Section("blocks", brows, f"angle across each block of {args.drop} consecutive layers"))
     notes = list(removed)
-    with progress.phase("pruning and proving (against the original with the dropped layers skipped)"):
-        surgery = prune_surgery(model, reading, drop, probe_inputs(model), scores=scores)
-    with progress.phase(f"measuring on {eval_ids.numel()} other held-out tokens"):
-        before = quality(model, reading, eval_ids)
-        pruned_reading = read_model(surgery.stock, eval_ids[:1], head=False) if drop else reading
-        after = quality(surgery.stock, pruned_reading, eval_ids, reference=before.get("pooled"))
+    done = run_prune(model, plan, probe_inputs(model), phase=progress.phase)
+    surgery, before, after = done.surgery, done.before, done.after
     meta.update(measure=before["measure"], before=before["value"], after=after["value"])
     if args.sweep:
         for row in progress.steps(rows, "measuring each layer alone skipped", label=lambda r: f"layer {r['layer']}"):

@@ -26,15 +26,19 @@ from .outliers import (
     stream_entropy,
 )
 from .prune import (
+    PrunePlan,
+    PruneResult,
     block_scores,
     choose,
     choose_block,
     is_causal,
     layer_scores,
+    plan_prune,
     prune,
     prune_figure,
     prune_surgery,
     quality,
+    run_prune,
 )
 from .reading import Layer, NoHead, Reading, ToolError, capture_stream, model_inputs, read_model, skipping
 from .rescale import VScaling, head_layout, v_scale
@@ -47,6 +51,8 @@ __all__ = [
     "Layer",
     "LensResult",
     "NoHead",
+    "PrunePlan",
+    "PruneResult",
     "Reading",
     "Smoothing",
     "ToolError",
@@ -71,6 +77,7 @@ __all__ = [
     "matrix_entropy",
     "max_logit_diff",
     "model_inputs",
+    "plan_prune",
     "prune",
     "prune_figure",
     "prune_surgery",
@@ -78,6 +85,7 @@ __all__ = [
     "quant_error",
     "quantize",
     "read_model",
+    "run_prune",
     "scan_embeddings",
     "site_report",
     "skipping",

@@ -18,11 +18,14 @@ atomic, never the input, safetensors only, read back and rebuilt from the folder
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import os
 import textwrap
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -32,19 +35,25 @@ from torch import Tensor, nn
 from ..surgery.io import _load_into
 from ..surgery.report import Change, Surgery
 from ..surgery.verify import Tolerance, compare, model_dtype
-from .reading import Reading, ToolError, capture_stream, finish_figure, model_inputs, skipping
+from .lens import windows
+from .reading import Reading, ToolError, capture_stream, finish_figure, model_inputs, read_model, skipping
+from .text import check_ids, heldout_ids, window_len
 
 __all__ = [
     "SCORES",
+    "PrunePlan",
+    "PruneResult",
     "block_scores",
     "choose",
     "choose_block",
     "is_causal",
     "layer_scores",
+    "plan_prune",
     "prune",
     "prune_figure",
     "prune_surgery",
     "quality",
+    "run_prune",
 ]
 
 SCORES = ("angle", "ratio")
@@ -274,3 +283,76 @@ def prune_figure(
         mx.legend(fontsize=8)
     finish_figure(fig, path, caption, title=title, wrap=140, top=0.94)
     return path
+
+
+@dataclass
+class PrunePlan:
+    """Which layers a prune drops and why, read from the held-out text before anything changes: the reading, the
+    8 scoring windows and the evaluation windows after them, every layer's scores, the block table (``by="block"``)
+    and the layers chosen."""
+
+    reading: Reading
+    score_ids: Tensor
+    eval_ids: Tensor
+    scores: list[dict[str, Any]]
+    blocks: list[dict[str, Any]]
+    drop: list[int]
+    by: str
+
+    @property
+    def rows(self) -> list[dict[str, Any]]:
+        """The score table with a ``dropped`` column."""
+        return [dict(r, dropped=r["layer"] in self.drop) for r in self.scores]
+
+
+@dataclass
+class PruneResult:
+    """A planned prune carried out in memory: its surgery (changes and proof) and the quality before and after on
+    the plan's evaluation windows (:func:`quality`'s dicts)."""
+
+    surgery: Surgery
+    before: dict[str, Any]
+    after: dict[str, Any]
+
+
+Phase = Callable[[str], AbstractContextManager[Any]]
+
+
+def _quiet(_what: str) -> AbstractContextManager[Any]:
+    return contextlib.nullcontext()
+
+
+def plan_prune(
+    model: nn.Module, tokenizer: Any, drop: int, by: str = "angle", eval_windows: int = 8, phase: Phase = _quiet
+) -> PrunePlan:
+    """Score ``model``'s layers on 8 windows of held-out text (its ``tokenizer``'s ids) and choose the ``drop``
+    layers to prune: the lowest ``by`` score (``angle`` / ``ratio``), or the ``block`` of ``drop`` consecutive
+    layers that turns the stream least. ``phase(what)`` wraps the slow part (a progress display)."""
+    if by not in (*SCORES, "block"):
+        raise ValueError(f"by={by!r} must be one of {[*SCORES, 'block']}")
+    ids = heldout_ids(tokenizer)
+    check_ids(model, ids, "the held-out text")
+    seq = window_len(model)
+    score_ids = windows(ids, seq, 8)
+    eval_ids = windows(ids, seq, eval_windows, offset=8 * seq)
+    with phase("reading the layers from the dataflow and scoring them"):
+        reading = read_model(model, score_ids[:1], head=False)
+        scores = layer_scores(model, reading, score_ids)
+    if not 0 <= drop < len(scores):
+        raise ValueError(f"drop={drop} would leave no layer of the {len(scores)}" if drop > 0 else
+                         f"drop={drop} must be >= 0")  # fmt: skip
+    blocks = block_scores(model, reading, score_ids, drop) if by == "block" and drop else []
+    chosen = choose_block(blocks) if blocks else choose(scores, drop, "angle" if by == "block" else by)
+    return PrunePlan(reading, score_ids, eval_ids, scores, blocks, chosen, by)
+
+
+def run_prune(model: nn.Module, plan: PrunePlan, inputs: Any, phase: Phase = _quiet) -> PruneResult:
+    """Carry out ``plan`` in memory: the surgery with its proof on the probe ``inputs``, then the quality of the
+    original and the pruned model on the plan's evaluation windows."""
+    with phase("pruning and proving (against the original with the dropped layers skipped)"):
+        surgery = prune_surgery(model, plan.reading, plan.drop, inputs, scores=plan.scores)
+    with phase(f"measuring on {plan.eval_ids.numel()} other held-out tokens"):
+        before = quality(model, plan.reading, plan.eval_ids)
+        pruned = read_model(surgery.stock, plan.eval_ids[:1], head=False) if plan.drop else plan.reading
+        after = quality(surgery.stock, pruned, plan.eval_ids, reference=before.get("pooled"))
+    return PruneResult(surgery, before, after)

@@ -124,44 +124,20 @@ def outliers(model: Any, tok: Any, o: dict[str, Any]) -> dict[str, Any]:
 
 def prune(model: Any, tok: Any, o: dict[str, Any]) -> dict[str, Any]:
     from ..surgery import probe_inputs
-    from ..tools import (
-        block_scores,
-        check_ids,
-        choose,
-        choose_block,
-        heldout_ids,
-        layer_scores,
-        prune_surgery,
-        quality,
-        read_model,
-        window_len,
-        windows,
-    )
+    from ..tools import plan_prune, run_prune
 
-    k, by = o["drop"], o["by"]
-    ids = heldout_ids(tok)
-    check_ids(model, ids, "the held-out text")
-    seq = window_len(model)
-    score_ids = windows(ids, seq, 8)
-    reading = read_model(model, score_ids[:1], head=False)
-    scores = layer_scores(model, reading, score_ids)
-    if k >= len(scores):
-        raise ValueError(f"drop={k} would leave no layer of the {len(scores)}")
-    blocks = block_scores(model, reading, score_ids, k) if by == "block" and k else []
-    drop = choose_block(blocks) if blocks else choose(scores, k, "angle" if by == "block" else by)
-    rows = [dict(r, dropped=r["layer"] in drop) for r in scores]
+    k = o["drop"]
+    plan = plan_prune(model, tok, k, o["by"], o["windows"])
+    scores, blocks, rows, score_ids = plan.scores, plan.blocks, plan.rows, plan.score_ids
     title = f"layer scores on {score_ids.numel()} held-out tokens (low angle / ratio: the layer turns the stream least)"
     tables: list[dict[str, Any]] = [{"name": "scores", "title": title, "rows": rows}]
-    meta: dict[str, Any] = {"layers": len(scores), "score_tokens": score_ids.numel(), "by": by, "drop": drop}
+    meta: dict[str, Any] = {"layers": len(scores), "score_tokens": score_ids.numel(), "by": o["by"], "drop": plan.drop}
     if blocks:
         brows = [{"layers": " ".join(map(str, b["layers"])), "angle": b["angle"]} for b in blocks]
         tables.append({"name": "blocks", "title": f"angle across each block of {k} consecutive layers", "rows": brows})
     if k:
-        eval_ids = windows(ids, seq, o["windows"], offset=8 * seq)
-        surgery = prune_surgery(model, reading, drop, probe_inputs(model), scores=scores)
-        before = quality(model, reading, eval_ids)
-        after = quality(surgery.stock, read_model(surgery.stock, eval_ids[:1], head=False), eval_ids,
-                        reference=before.get("pooled"))  # fmt: skip
+        done = run_prune(model, plan, probe_inputs(model))
+        surgery, before, after, eval_ids = done.surgery, done.before, done.after, plan.eval_ids
         compared = [{"model": "original", "value": before["value"]}, {"model": f"-{k} layers", "value": after["value"]}]
         title = f"{before['measure']} on {eval_ids.numel()} held-out tokens, in memory (nothing written)"
         tables.append({"name": "quality", "title": title, "rows": compared})
