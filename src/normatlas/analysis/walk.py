@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+from ..vocabulary import BranchScaling
 from .graph import Graph, Node, Ref
 from .ops import CASTS, SHAPE_ONLY, SPLITS
 
@@ -102,15 +103,16 @@ def components(g: Graph, idx: int, limit: int = 48) -> list[int]:
     return out
 
 
-def learned_mul(g: Graph, n: Node) -> tuple[int, str] | None:
-    """``x * p`` with p a parameter: (x, "learned scalar" | "per-channel")."""
+def learned_mul(g: Graph, n: Node) -> tuple[int, BranchScaling] | None:
+    """``x * p`` with p a parameter: (x, what p is: one number or one per channel)."""
     if n.op != "mul" or len(n.inputs) != 2:
         return None
     params = [i for i in n.inputs if g.nodes[strip(g, i, SHAPE_ONLY)].op == "param"]
     if len(params) != 1:
         return None
     p = g.nodes[strip(g, params[0], SHAPE_ONLY)]
-    kind = "learned scalar" if p.shape is not None and math.prod(p.shape) == 1 else "per-channel"
+    scalar = p.shape is not None and math.prod(p.shape) == 1
+    kind = BranchScaling.LEARNED_SCALAR if scalar else BranchScaling.PER_CHANNEL
     return next(i for i in n.inputs if i != params[0]), kind
 
 

@@ -293,7 +293,7 @@ def _placement_summary(stream: Stream, subs: list[SublayerInfo]) -> dict[str, An
         per_kind.setdefault(sub.kind, []).append(sub.placement)
         by_layer.setdefault(sub.layer, []).append(sub.placement.value)
     kinds = {sub.placement for sub in subs}
-    learned = {f"{s.skip_learned} (learned)" for s in stream.sublayers if s.skip_learned}
+    learned = {f"{s.skip_learned.value} (learned)" for s in stream.sublayers if s.skip_learned}
     return {
         "placement": _summary_of(kinds, PlacementKind.UNKNOWN, PlacementKind.MIX),
         "placement_attention": PlacementMix(tuple(per_kind.get(SublayerKind.ATTENTION, ()))),

@@ -70,7 +70,7 @@ class Sublayer:
     layer: int = 0
     parallel_same: bool = False
     whole: int | None = None  # the branch operand before splitting a sum of branches
-    skip_learned: str | None = None  # a learned multiplier on the residual itself
+    skip_learned: BranchScaling | None = None  # a learned multiplier on the residual itself
 
 
 def _has_compute(g: Graph, branch: int, source: int) -> bool:
@@ -149,7 +149,7 @@ def _walk_branch(g: Graph, b: int, ends: dict[int, Site]) -> tuple[int, list[flo
             continue
         lm = learned_mul(g, n)
         if lm is not None:
-            scales.append(BranchScaling(lm[1]))  # the walker's word for the parameter's shape
+            scales.append(lm[1])
             b = lm[0]
             continue
         return b, scales

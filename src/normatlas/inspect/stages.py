@@ -32,7 +32,7 @@ from ..analysis.attention_calls import ATTENTION_CALLS
 from ..analysis.graph import LEAVES, Graph, Node
 from ..analysis.ops import PROJECTIONS, SHAPE_ONLY
 from ..analysis.walk import learned_mul, scalar_mul, strip
-from ..vocabulary import SublayerKind
+from ..vocabulary import BranchScaling, SublayerKind
 from .norms import Site
 from .residual import Stream, Sublayer, group_sublayers, norm_bits_of, residual_adds, stream_root
 
@@ -344,12 +344,12 @@ def layer_paths(g: Graph, stages: list[Stage], attn_bits: int) -> frozenset[str]
 
 
 # ----------------------------------------------------------------------------- LayerScale
-def branch_gains(g: Graph, sub: Sublayer, norm_nodes: frozenset[int] = frozenset()) -> list[tuple[str, int]]:
+def branch_gains(g: Graph, sub: Sublayer, norm_nodes: frozenset[int] = frozenset()) -> list[tuple[BranchScaling, int]]:
     """The learned multipliers on each branch's way to the add, through views, permutes and constant scalings:
-    (``per-channel`` | ``learned scalar``, the parameter's node). ``norm_nodes``: the sites' normalized values
+    (:class:`~normatlas.vocabulary.BranchScaling`, the parameter's node). ``norm_nodes``: the sites' normalized values
     (:attr:`Site.node`); a multiplier applied to one of them is that norm's gain (a branch ending in an RMSNorm,
     Peri-LN / res-post), not a LayerScale, and the walk stops there."""
-    found: list[tuple[str, int]] = []
+    found: list[tuple[BranchScaling, int]] = []
     for b in sub.branches:
         cur = b
         while True:

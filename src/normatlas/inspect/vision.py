@@ -294,8 +294,8 @@ def _scales(
     scales, inits = [], []
     for sub, info in zip(stage.sublayers, infos, strict=True):
         gains = branch_gains(g, sub, norm_nodes)
-        scales.append(info.branch_scale | BranchScale.of(BranchScaling(kind) for kind, _ in gains))
-        inits += [init_value(g, p) for kind, p in gains if BranchScaling(kind) is BranchScaling.PER_CHANNEL]
+        scales.append(info.branch_scale | BranchScale.of(kind for kind, _ in gains))
+        inits += [init_value(g, p) for kind, p in gains if kind is BranchScaling.PER_CHANNEL]
     return scales, inits
 
 
