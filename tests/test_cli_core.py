@@ -342,3 +342,26 @@ def test_third_party_progress_bars_are_off_in_the_cli(monkeypatch: pytest.Monkey
     monkeypatch.setenv("HF_HUB_DISABLE_PROGRESS_BARS", "0")
     assert cli.main([]) == 0  # bare: the help
     assert os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] == "0"
+
+
+def test_ctrl_c_inside_the_fork_is_not_lost(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A SIGINT that lands while the sweep forks (inside after-fork hooks, which swallow exceptions, as logging's
+    and threading's do) still stops the sweep: ``run_isolated`` raises KeyboardInterrupt once the fork returns."""
+    import multiprocessing.context
+
+    from normatlas.inspect.sweep import run_isolated
+
+    real_start = multiprocessing.context.ForkProcess.start
+
+    def start_with_ctrl_c(self: multiprocessing.context.ForkProcess) -> None:
+        real_start(self)
+        try:  # what an after-fork hook does with an exception raised inside it: "Exception ignored"
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.05)  # the handler runs here
+        except KeyboardInterrupt:
+            pass
+
+    monkeypatch.setattr(multiprocessing.context.ForkProcess, "start", start_with_ctrl_c)
+    with pytest.raises(KeyboardInterrupt):
+        run_isolated(lambda mt: {"model": mt}, "toy", timeout=30)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handler is put back

@@ -14,6 +14,7 @@ from torch import nn
 
 from normatlas.inspect import inspect_model
 from normatlas.vocabulary import (
+    BranchScale,
     EpsPlacement,
     GainConvention,
     QKNormKind,
@@ -21,6 +22,8 @@ from normatlas.vocabulary import (
     SiteRole,
     SublayerKind,
     branch_scale_word,
+    layer_placement_words,
+    residual_scale_word,
 )
 from normatlas.vocabulary import PlacementKind as Placement
 
@@ -226,20 +229,20 @@ def report(name: str):  # type: ignore[no-untyped-def]
 def test_deepnorm_is_post_with_residual_alpha() -> None:
     r = report("deepnorm")
     assert r.placement is Placement.POST
-    assert r.residual_scale == "2"
+    assert r.residual_scale == BranchScale.of([2.0]) and residual_scale_word(r.residual_scale) == "2"
     assert r.operator.value == "layernorm" and r.final_norm.value == "none"
 
 
 def test_layernorm_scaling_is_depth_dependent() -> None:
     r = report("lns")
     assert r.placement is Placement.PRE
-    assert r.depth_scaling == "1/sqrt(layer)"
+    assert r.depth_scaling is not None and r.depth_scaling.inverse_sqrt and r.depth_scaling.value == "1/sqrt(layer)"
 
 
 def test_mix_ln_is_a_per_layer_mix() -> None:
     r = report("mixln")
     assert r.placement is Placement.MIX
-    assert r.placement_by_layer == ["post/post", "post/post", "pre/pre", "pre/pre"]
+    assert layer_placement_words(r.placement_by_layer) == ["post/post", "post/post", "pre/pre", "pre/pre"]
 
 
 def test_hybridnorm_qkv_norm_and_post_ffn() -> None:
@@ -299,4 +302,4 @@ def test_package_is_callable_and_aliases() -> None:
 
     model = lns()
     rep = pkg(model, model.example_inputs())
-    assert rep.depth_scaling == "1/sqrt(layer)" and pkg.inspect is pkg.inspect_model
+    assert rep.depth_scaling is not None and rep.depth_scaling.inverse_sqrt and pkg.inspect is pkg.inspect_model

@@ -120,7 +120,7 @@ def test_hand_written_encoder_decoder(pre: bool, final: bool, embedding_norm: bo
         assert stack.placement is kind
         assert stack.placement_attention.value == kind.value
         assert stack.placement_mlp.value == kind.value
-        assert stack.placement_by_layer == ["/".join([kind.value] * subs)] * 2
+        assert stack.placement_by_layer == ((kind,) * subs,) * 2
         assert stack.final_norm is (op if final else Operator.NONE)
         assert stack.embedding_norm is (op if embedding_norm else Operator.NONE)
     assert [s.kind for s in enc.sublayers] == [SublayerKind.ATTENTION, SublayerKind.MLP] * 2
@@ -209,7 +209,7 @@ def test_transformers_encoder_decoder(model_type: str) -> None:
         row = stack.summary_row()
         assert (row["operator"], row["gain_convention"], row["bias"]) == (op, gain, bias)
         assert (row["placement"], row["final_norm"], row["embedding_norm"]) == (place, final, emb)
-        assert stack.layers == 2 and stack.placement_by_layer == ["/".join([place] * subs)] * 2
+        assert stack.layers == 2 and row["placement_by_layer"] == " ".join(["/".join([place] * subs)] * 2)
     assert rep.embedding_scale == scale
     assert rep.placement_cross_attention.value == place
     kinds = [s.kind for s in rep.sublayers]

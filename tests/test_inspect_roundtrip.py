@@ -23,7 +23,15 @@ import normatlas
 from normatlas import blocks
 from normatlas.blocks import ModelConfig, QKGain, QKNormConfig, QKScope, TransformerLM
 from normatlas.inspect import InspectionReport, inspect
-from normatlas.vocabulary import Operator, QKNormKind, RopeOrder, SiteRole, SublayerKind, branch_scale_word
+from normatlas.vocabulary import (
+    Operator,
+    QKNormKind,
+    RopeOrder,
+    SiteRole,
+    SublayerKind,
+    branch_scale_word,
+    residual_scale_word,
+)
 from normatlas.vocabulary import PlacementKind as Placement
 
 L, D, H, V, T = 2, 32, 2, 64, 6
@@ -123,9 +131,8 @@ def _check(preset: str, norm: str, qk: str, final: bool) -> None:
     r: InspectionReport = inspect(_model(preset, norm, qk, final), torch.randint(0, V, (1, T)), probe=False)
 
     # placement, per sublayer and per layer, then the summary fields
-    by_layer = ["/".join(p.value for p in lay) for lay in exp.layers]
     assert r.layers == L
-    assert r.placement_by_layer == by_layer
+    assert r.placement_by_layer == tuple(tuple(lay) for lay in exp.layers)
     kinds = [
         (SublayerKind.PARALLEL,) if len(lay) == 1 else (SublayerKind.ATTENTION, SublayerKind.MLP) for lay in exp.layers
     ]
@@ -144,9 +151,9 @@ def _check(preset: str, norm: str, qk: str, final: bool) -> None:
     assert r.final_norm == (op if final else Operator.NONE)
     assert r.embedding_norm == Operator.NONE
     # scalings
-    assert r.residual_scale == exp.residual_scale
+    assert residual_scale_word(r.residual_scale) == exp.residual_scale
     assert branch_scale_word(r.branch_scale) == exp.branch_scale
-    assert r.depth_scaling == exp.depth_scaling
+    assert (r.depth_scaling.value if r.depth_scaling else None) == exp.depth_scaling
     # QK-norm per layer: the config wins over HybridNorm's own q/k norms; V is normed only by HybridNorm
     per_layer = [qk_kind if qk_cfg is not None else QKNormKind.PER_HEAD if qkv else QKNormKind.NONE for qkv in exp.qkv]
     assert [a.qk_norm for a in r.attention] == per_layer
@@ -256,9 +263,10 @@ def test_vit_encoder_round_trip(preset: str, norm: str) -> None:
         image_size=16, patch_size=8,
     )  # fmt: skip
     r = inspect_vision(blocks.ViTEncoder(cfg).eval(), torch.randn(1, 3, 16, 16), probe=False)
-    assert r.placement_by_layer == ["/".join(p.value for p in lay) for lay in exp.layers]
+    assert r.placement_by_layer == tuple(tuple(lay) for lay in exp.layers)
     assert r.operator is op and r.eps == pytest.approx(eps)
     assert r.final_norm is op and r.tokens == 1 + cfg.n_patches
-    assert (r.residual_scale, branch_scale_word(r.branch_scale), r.depth_scaling) == (
+    depth = r.depth_scaling.value if r.depth_scaling else None
+    assert (residual_scale_word(r.residual_scale), branch_scale_word(r.branch_scale), depth) == (
         exp.residual_scale, exp.branch_scale, exp.depth_scaling,
     )  # fmt: skip

@@ -22,7 +22,7 @@ transformers = pytest.importorskip("transformers")
 
 from normatlas.inspect import UntraceableModel  # noqa: E402
 from normatlas.inspect.vision import VisionReport, default_pixel_values, inspect_vision  # noqa: E402
-from normatlas.vocabulary import GainConvention, Operator, QKNormKind, branch_scale_word  # noqa: E402
+from normatlas.vocabulary import GainConvention, Operator, QKNormKind, branch_scale_word, layer_placement_words  # noqa: E402
 from normatlas.vocabulary import PlacementKind as Placement  # noqa: E402
 
 TINY = dict(
@@ -48,7 +48,7 @@ def _roles(report: VisionReport) -> list[str]:  # the roles as the report spells
 
 def _blocks_pre_ln(report: VisionReport, eps: float) -> None:
     assert report.placement is Placement.PRE
-    assert report.placement_by_layer == ["pre/pre", "pre/pre"]
+    assert report.placement_by_layer == ((Placement.PRE,) * 2,) * 2
     assert report.layers == 2 and report.hidden_size == 32
     assert report.operator is Operator.LAYERNORM
     assert report.eps == pytest.approx(eps)
@@ -202,7 +202,7 @@ def test_convnext_every_stage_layer_scale_and_downsampling_norms() -> None:
     for stage, depth in zip(report.stages, DEPTHS, strict=True):
         assert stage.operator is Operator.LAYERNORM
         assert stage.placement is Placement.NONE  # the LayerNorm follows the depthwise conv: inside the branch
-        assert stage.placement_by_layer == ("none",) * depth
+        assert stage.placement_by_layer == ((Placement.NONE,),) * depth
         assert stage.inner_norms == depth
         assert branch_scale_word(stage.branch_scale) == "per-channel" and stage.layer_scale_init == 0.25
         assert stage.downsample_norms == (Operator.LAYERNORM,)  # stage 0: the stem's; then the downsampling layer's
@@ -272,7 +272,7 @@ def test_swin_every_stage_patch_merging_norms(version: int) -> None:
     scheme = "pre" if version == 1 else "res-post"
     for stage, depth in zip(report.stages, [1, 2, 1], strict=True):
         assert stage.operator is Operator.LAYERNORM
-        assert stage.placement_by_layer == (f"{scheme}/{scheme}",) * depth
+        assert layer_placement_words(stage.placement_by_layer) == [f"{scheme}/{scheme}"] * depth
         assert branch_scale_word(stage.branch_scale) is None
     assert report.placement is Placement(scheme)
     assert [s.downsample_norms for s in report.stages[1:]] == [(Operator.LAYERNORM,)] * 2  # the patch mergings
@@ -319,7 +319,7 @@ def test_dinov2_layer_scale_init_read_from_the_parameter() -> None:
 def test_pooling_head_is_not_a_stage() -> None:
     report = inspect_vision(_tiny("siglip"), probe=False)  # the head's residual add reads a learned probe
     assert len(report.stages) == 1 and report.head_norm is Operator.LAYERNORM
-    assert report.stages[0].placement_by_layer == ("pre/pre", "pre/pre")
+    assert report.stages[0].placement_by_layer == ((Placement.PRE,) * 2,) * 2
 
 
 def test_build_vision_finds_the_model_class_of_an_unregistered_tower_config() -> None:
@@ -343,6 +343,6 @@ def test_sam_relative_position_add_is_not_a_stage() -> None:
         output_channels=16, window_size=4, global_attn_indexes=[1],
     )  # fmt: skip
     report = inspect_vision(transformers.SamVisionModel(cfg).eval(), probe=False)
-    assert len(report.stages) == 1 and report.stages[0].placement_by_layer == ("pre/pre", "pre/pre")
+    assert len(report.stages) == 1 and report.stages[0].placement_by_layer == ((Placement.PRE,) * 2,) * 2
     assert report.stages[0].shape == (1, 8, 8, 32) and report.hidden_size == 32  # (B, H, W, C) tokens
     assert [n.operator for n in report.norms if n.role.value == "head"] == [Operator.LAYERNORM] * 2  # the neck

@@ -123,7 +123,7 @@ def test_a_side_stream_inside_each_block_is_no_stage() -> None:
     layer_norm2, mlp): the shapes alternate within every layer, so they are three Pre-LN sublayers of each of its
     2 layers, not 4 layers in alternating stages."""
     rep = inspect_vision_target("xclip_vision_model", probe=False)
-    assert rep.layers == 2 and rep.placement_by_layer == ["pre/pre/pre", "pre/pre/pre"]
+    assert rep.layers == 2 and rep.placement_by_layer == ((Placement.PRE,) * 3,) * 2
     assert len(rep.stages) <= 1
 
 

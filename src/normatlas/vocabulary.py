@@ -25,6 +25,7 @@ __all__ = [
     "BranchScaling",
     "CastOrder",
     "ConnectorKind",
+    "DepthScaling",
     "EmbeddingScale",
     "EpsPlacement",
     "GainConvention",
@@ -37,6 +38,8 @@ __all__ = [
     "SiteRole",
     "SublayerKind",
     "branch_scale_word",
+    "layer_placement_words",
+    "residual_scale_word",
 ]
 
 
@@ -277,3 +280,46 @@ def branch_scale_word(scale: BranchScale | frozenset[BranchScale]) -> str | None
     if isinstance(scale, BranchScale):
         return scale.value or None
     return ", ".join(sorted({s.value for s in scale if s})) or None
+
+
+def residual_scale_word(scale: BranchScale) -> str | None:
+    """The multipliers on the residual (skip) path as the reports spell them: constants to 6 significant digits
+    (DeepNorm's alpha: ``"2"``), learned ones as ``"<kind> (learned)"``, sorted and joined by ``", "``; None where
+    there is none."""
+    parts = {f"{c:.6g}" for c in scale.constants} | {f"{k.value} (learned)" for k in scale.learned}
+    return ", ".join(sorted(parts)) or None
+
+
+def layer_placement_words(layers: Iterable[Iterable[PlacementKind]]) -> list[str]:
+    """Each layer's sublayer placements as the reports spell them: ``"pre/pre"`` (attention, then the MLP)."""
+    return ["/".join(p.value for p in layer) for layer in layers]
+
+
+@dataclass(frozen=True)
+class DepthScaling:
+    """Constants on the sublayers' norm outputs that change with depth: ``(layer, scale)`` per layer (layers
+    counted from 0). LayerNorm Scaling's is ``1/sqrt(layer + 1)``; :attr:`value` is the reports' spelling."""
+
+    per_layer: tuple[tuple[int, float], ...]
+
+    def __post_init__(self) -> None:
+        ok = isinstance(self.per_layer, tuple) and all(
+            isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], int) and isinstance(p[1], float)
+            for p in self.per_layer
+        )
+        if not ok or len(self.per_layer) < 2:
+            raise TypeError(f"per_layer={self.per_layer!r} must be two or more (layer: int, scale: float) pairs")
+
+    @property
+    def inverse_sqrt(self) -> bool:
+        """Whether every layer's constant is LayerNorm Scaling's ``1/sqrt(layer + 1)`` (to 1e-6)."""
+        return all(abs(v - 1 / math.sqrt(k + 1)) < 1e-6 for k, v in self.per_layer)
+
+    @property
+    def value(self) -> str:
+        if self.inverse_sqrt:
+            return "1/sqrt(layer)"
+        return "varies: " + ", ".join(f"{v:.4g}" for _, v in self.per_layer)
+
+    def __str__(self) -> str:
+        return self.value

@@ -15,7 +15,6 @@ Everything is structural: module paths are labels in the report, never read to d
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections import Counter
 from collections.abc import Iterable
 from typing import Any, TypeVar
@@ -25,6 +24,7 @@ from ..analysis.ops import SHAPE_ONLY
 from ..analysis.walk import scalar_mul, strip
 from ..vocabulary import (
     BranchScale,
+    DepthScaling,
     Operator,
     PlacementKind,
     PlacementMix,
@@ -288,34 +288,34 @@ def _norm_summary(sites: list[Site], roles: _Roles, notes: list[str]) -> dict[st
 
 def _placement_summary(stream: Stream, subs: list[SublayerInfo]) -> dict[str, Any]:
     per_kind: dict[SublayerKind, list[PlacementKind]] = {}
-    by_layer: dict[int, list[str]] = {}
+    by_layer: dict[int, list[PlacementKind]] = {}
     for sub in subs:
         per_kind.setdefault(sub.kind, []).append(sub.placement)
-        by_layer.setdefault(sub.layer, []).append(sub.placement.value)
+        by_layer.setdefault(sub.layer, []).append(sub.placement)
     kinds = {sub.placement for sub in subs}
-    learned = {f"{s.skip_learned.value} (learned)" for s in stream.sublayers if s.skip_learned}
+    skip = BranchScale.of([
+        *(s.skip_scale for s in subs if s.skip_scale), *(s.skip_learned for s in stream.sublayers if s.skip_learned)
+    ])  # fmt: skip
     return {
         "placement": _summary_of(kinds, PlacementKind.UNKNOWN, PlacementKind.MIX),
         "placement_attention": PlacementMix(tuple(per_kind.get(SublayerKind.ATTENTION, ()))),
         "placement_mlp": PlacementMix(tuple(per_kind.get(SublayerKind.MLP, ()))),
         "placement_cross_attention": PlacementMix(tuple(per_kind.get(SublayerKind.CROSS_ATTENTION, ()))),
         "placement_mixer": PlacementMix(tuple(per_kind.get(SublayerKind.MIXER, ()))),
-        "placement_by_layer": ["/".join(v) for _, v in sorted(by_layer.items())],
-        "residual_scale": ", ".join(sorted({f"{s.skip_scale:.6g}" for s in subs if s.skip_scale} | learned)) or None,
+        "placement_by_layer": tuple(tuple(v) for _, v in sorted(by_layer.items())),
+        "residual_scale": skip,
         "branch_scale": frozenset(s.branch_scale for s in subs if s.branch_scale),
         "depth_scaling": _depth_scaling(stream.sublayers),
     }
 
 
-def _depth_scaling(subs: list[Sublayer]) -> str | None:
+def _depth_scaling(subs: list[Sublayer]) -> DepthScaling | None:
     """A constant on the sublayers' norm outputs that changes with depth (LayerNorm Scaling: 1/sqrt(layer))."""
     scales = [s.output_scale for sub in subs for s in sub.pre + sub.out]
     if len({round(x, 9) for x in scales}) <= 1:
         return None
-    by_layer = {sub.layer: (sub.pre + sub.out)[0].output_scale for sub in subs if sub.pre + sub.out}
-    if all(abs(v - 1 / math.sqrt(k + 1)) < 1e-6 for k, v in by_layer.items()):
-        return "1/sqrt(layer)"
-    return "varies: " + ", ".join(f"{v:.4g}" for v in by_layer.values())
+    by_layer = {sub.layer: float((sub.pre + sub.out)[0].output_scale) for sub in subs if sub.pre + sub.out}
+    return DepthScaling(tuple(by_layer.items())) if len(by_layer) > 1 else None
 
 
 def _attention_summary(attention: list[AttentionInfo]) -> dict[str, Any]:

@@ -19,7 +19,7 @@ from torch import nn
 from ..analysis.graph import Graph
 from ..analysis.probe import ParamRole, probe
 from ..spec import EpsPlacement, GainConvention
-from ..vocabulary import Operator, PlacementKind, PlacementMix, QKNormKind, RopeOrder, SiteRole
+from ..vocabulary import BranchScale, Operator, PlacementKind, PlacementMix, QKNormKind, RopeOrder, SiteRole
 from .report import InspectionReport, NormInfo
 
 __all__ = ["ProbeResult", "check_sites", "probe_module", "probe_report"]
@@ -158,7 +158,7 @@ def probe_report(model: nn.Module, example_inputs: Any, name: str) -> Inspection
         eps=None, eps_placement=None, gain_convention=None, bias=any(n.bias for n in norms), cast_order=None,
         placement=PlacementKind.UNKNOWN, placement_attention=PlacementMix((PlacementKind.UNKNOWN,)),
         placement_mlp=PlacementMix((PlacementKind.UNKNOWN,)),
-        placement_by_layer=[], residual_scale=None, branch_scale=frozenset(), depth_scaling=None,
+        placement_by_layer=(), residual_scale=BranchScale(), branch_scale=frozenset(), depth_scaling=None,
         qk_norm=QKNormKind.NONE, qk_norm_rope=RopeOrder.NOT_APPLICABLE, v_norm=False, attn_softcap=None,
         final_norm=Operator.NONE, final_logit_softcap=None, embedding_scale=None, embedding_norm=Operator.NONE,
         norms=norms,

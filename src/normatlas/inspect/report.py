@@ -15,6 +15,7 @@ from typing import Any
 from ..spec import CastOrder, EpsPlacement, GainConvention
 from ..vocabulary import (
     BranchScale,
+    DepthScaling,
     Operator,
     PlacementKind,
     PlacementMix,
@@ -23,6 +24,8 @@ from ..vocabulary import (
     SiteRole,
     SublayerKind,
     branch_scale_word,
+    layer_placement_words,
+    residual_scale_word,
 )
 
 __all__ = [
@@ -110,10 +113,10 @@ class InspectionReport:
     placement: PlacementKind
     placement_attention: PlacementMix
     placement_mlp: PlacementMix
-    placement_by_layer: list[str]
-    residual_scale: str | None
+    placement_by_layer: tuple[tuple[PlacementKind, ...], ...]  # each layer's sublayers' placements, in order
+    residual_scale: BranchScale  # what multiplies the residual (skip) path: DeepNorm's alpha, a learned scalar
     branch_scale: frozenset[BranchScale]  # the sublayers' distinct branch scales (empty: none)
-    depth_scaling: str | None
+    depth_scaling: DepthScaling | None  # norm outputs scaled by depth (LayerNorm Scaling), else None
     qk_norm: QKNormKind
     qk_norm_rope: RopeOrder
     v_norm: bool
@@ -143,6 +146,9 @@ class InspectionReport:
         for key in PLACEMENT_MIXES:
             d[key] = getattr(self, key).value
         d["branch_scale"] = branch_scale_word(self.branch_scale)
+        d["placement_by_layer"] = layer_placement_words(self.placement_by_layer)
+        d["residual_scale"] = residual_scale_word(self.residual_scale)
+        d["depth_scaling"] = self.depth_scaling.value if self.depth_scaling is not None else None
         for sd, sub in zip(d["sublayers"], self.sublayers, strict=True):
             sd["branch_scale"] = branch_scale_word(sub.branch_scale)
         if not detail:
@@ -153,7 +159,7 @@ class InspectionReport:
     def summary_row(self) -> dict[str, Any]:
         """One flat row (for tables, CSV and the sweep)."""
         d = self.to_dict(detail=False)
-        d["placement_by_layer"] = " ".join(self.placement_by_layer)
+        d["placement_by_layer"] = " ".join(layer_placement_words(self.placement_by_layer))
         d["notes"] = "; ".join(self.notes)
         d.pop("encoder")
         if self.encoder is not None:  # the encoder's fields beside the decoder's, each under encoder_

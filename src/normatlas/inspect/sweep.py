@@ -141,11 +141,26 @@ def run_isolated(
     and why there is none (timed out, or the child's exit code). A sweep's unit of isolation: one architecture
     that hangs or crashes the interpreter costs its own row only."""
     import multiprocessing as mp
+    import signal
+    import threading
 
     ctx = mp.get_context("fork")
     recv, send = ctx.Pipe(duplex=False)
+    # A Ctrl-C that lands while the process forks is raised inside the fork's after-fork hooks, which swallow it
+    # ("Exception ignored in ..."), and the sweep would go on. Around the fork it is only noted, then raised.
+    noted: list[int] = []
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGINT, lambda signum, _frame: noted.append(signum)) if main else None
     proc = ctx.Process(target=_child, args=(fn, mt, send), daemon=True)
-    proc.start()
+    try:
+        proc.start()
+    finally:
+        if main:
+            signal.signal(signal.SIGINT, previous if previous is not None else signal.default_int_handler)
+    if noted:
+        proc.kill()
+        proc.join()
+        raise KeyboardInterrupt
     send.close()
     row = None
     if recv.poll(timeout):

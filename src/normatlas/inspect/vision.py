@@ -50,7 +50,15 @@ from ..analysis.ops import CASTS, SHAPE_ONLY
 from ..analysis.walk import scalar_of, strip
 from ..factory import tower_inputs
 from ..spec import EpsPlacement
-from ..vocabulary import BranchScale, BranchScaling, Operator, PlacementKind, SiteRole, branch_scale_word
+from ..vocabulary import (
+    BranchScale,
+    BranchScaling,
+    Operator,
+    PlacementKind,
+    SiteRole,
+    branch_scale_word,
+    layer_placement_words,
+)
 from .norms import Site, find_sites
 from .report import InspectionReport, NormInfo, SublayerInfo, UntraceableModel
 from .stages import (
@@ -89,7 +97,7 @@ class StageInfo:
     layers: int
     operator: Operator
     placement: PlacementKind
-    placement_by_layer: tuple[str, ...]
+    placement_by_layer: tuple[tuple[PlacementKind, ...], ...]  # each block's sublayers' placements
     branch_scale: frozenset[
         BranchScale
     ]  # its sublayers' distinct scales: LayerScale (per-channel), a learned scalar, constants
@@ -126,6 +134,7 @@ class VisionReport(InspectionReport):
         d = super().to_dict(detail)
         for sd, stage in zip(d["stages"], self.stages, strict=True):
             sd["branch_scale"] = branch_scale_word(stage.branch_scale)
+            sd["placement_by_layer"] = layer_placement_words(stage.placement_by_layer)
         if not detail:
             stages = d.pop("stages")
             d["stages"] = len(stages)
@@ -310,9 +319,9 @@ def _stage_info(
         if n.role is SiteRole.OTHER and own >> n.index & 1 and n.index not in grn and (n.gain_convention or n.bias)
     ]
     scales, inits = _scales(g, stage, infos, frozenset(norms))
-    by_layer: dict[int, list[str]] = {}
+    by_layer: dict[int, list[PlacementKind]] = {}
     for s in infos:
-        by_layer.setdefault(s.layer, []).append(s.placement.value)
+        by_layer.setdefault(s.layer, []).append(s.placement)
     calls = [n.idx for n in g.nodes if n.op in _BATCH_STAT and stage.region >> n.idx & 1]
     ws = sum(1 for c in calls if _weight_standardization(g, c))
     init_set = set(inits)
@@ -326,7 +335,7 @@ def _stage_info(
         layers=len(by_layer),
         operator=_summary([n.operator for n in block + inner]),
         placement=_placement(infos),
-        placement_by_layer=tuple("/".join(v) for _, v in sorted(by_layer.items())),
+        placement_by_layer=tuple(tuple(v) for _, v in sorted(by_layer.items())),
         branch_scale=frozenset(s for s in scales if s),
         layer_scale_init=init_set.pop() if len(init_set) == 1 else None,
         downsample_norms=tuple(n.operator for j, n in sorted(norms.items()) if stage.boundary >> j & 1),
