@@ -78,7 +78,8 @@ def one_run(ctx: RunContext, qk: bool, lr: float, sizes: dict[str, int]) -> dict
         mon.step(loss=loss)
 
     with mon:
-        log = train_lm(lm, byte_data(ctx), cfg, on_step=on_step)
+        label = f"{'QK-norm' if qk else 'no QK-norm'}, lr {lr:g}"
+        log = train_lm(lm, byte_data(ctx), cfg, on_step=on_step, progress=lambda msg: ctx.progress(f"{label}: {msg}"))
     losses = log.losses
     tail = [v for v in losses[-10:] if math.isfinite(v)]
     final = sum(tail) / len(tail) if log.diverged_at is None and tail else UNIFORM_LOSS
@@ -108,7 +109,6 @@ def run(ctx: RunContext) -> Outcome:
     runs: dict[str, list[dict[str, Any]]] = {v: [] for v in VARIANTS}
     for v in VARIANTS:
         for lr in lrs:
-            ctx.progress(f"{v}, lr {lr:g}")
             runs[v].append(one_run(ctx, v == "QK-norm", lr, sizes))
     top = {v: runs[v][-1] for v in VARIANTS}
     measured: dict[str, Any] = {"learning_rates": lrs}
