@@ -212,3 +212,27 @@ def test_a_tokenizer_that_does_not_belong_to_the_model_is_refused(
     err = capsys.readouterr().err
     assert err.count("does not belong to its model") == 2 and "Traceback" not in err
     assert not (tmp_path / "out").exists()
+
+
+def test_plan_and_run_prune_are_what_the_cli_reports(byte_llama: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The library's two calls give the CLI's choice and numbers; bad drop / by are refused by name."""
+    from normatlas.tools import load, plan_prune, run_prune
+
+    model, tok = load(byte_llama)
+    plan = plan_prune(model, tok, 1, "ratio", eval_windows=4)
+    assert len(plan.scores) == 3 and len(plan.drop) == 1 and plan.blocks == []
+    assert [r["dropped"] for r in plan.rows].count(True) == 1
+    assert plan.drop == [min(plan.scores, key=lambda r: r["ratio"])["layer"]]
+    done = run_prune(model, plan, probe_inputs(model))
+    assert done.surgery.passed and done.before["measure"] == "next-token loss (nats/token)"
+    code = main(["prune", str(byte_llama), "--drop", "1", "--by", "ratio", "--windows", "4", "--dry-run",
+                 "--format", "json"])  # fmt: skip
+    doc = json.loads(capsys.readouterr().out)
+    assert code == 0 and doc["drop"] == plan.drop
+    assert doc["before"] == pytest.approx(done.before["value"]) and doc["after"] == pytest.approx(done.after["value"])
+    block = plan_prune(model, tok, 2, "block", eval_windows=4)
+    assert len(block.blocks) == 2 and block.drop == list(min(block.blocks, key=lambda b: b["angle"])["layers"])
+    with pytest.raises(ValueError, match="drop=3 would leave no layer of the 3"):
+        plan_prune(model, tok, 3)
+    with pytest.raises(ValueError, match=r"by='size' must be one of \['angle', 'ratio', 'block'\]"):
+        plan_prune(model, tok, 1, "size")
