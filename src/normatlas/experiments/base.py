@@ -20,6 +20,7 @@ An experiment never retries or tunes until its claim holds: the rule is data, an
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -31,7 +32,6 @@ from typing import Any
 
 import torch
 
-from .._io import read_json
 from .verdict import Diverged, Statistic, VerdictRule
 
 __all__ = ["Claim", "Experiment", "Outcome", "RunContext", "Scale", "Series", "claim", "claims"]
@@ -168,7 +168,10 @@ CLAIM_FIELDS = ("name", "number", "title", "claim", "guide_words", "anchor", "an
 def claims() -> tuple[Claim, ...]:
     """Every claim of ``normatlas/data/claims.json``, in its number order; a ValueError names a malformed entry."""
     path = resources.files("normatlas").joinpath("data").joinpath("claims.json")
-    data = read_json(path)
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
+        raise ValueError(f"{path} is not valid JSON: {exc}") from None
     rows = data.get("claims") if isinstance(data, dict) else None
     if not isinstance(rows, list):
         raise ValueError(f"{path}: expected an object with a list 'claims'")
