@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import matplotlib.image as mpimg
 import pytest
 
 from normatlas.experiments import experiment
-from normatlas.experiments.runner import RESULT_FIELDS, load_result
+from normatlas.experiments.runner import RESULT_FIELDS, load_result, statistic_from_json
+from normatlas.experiments.verdict import decide
 
 RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results"
 KEPT = sorted(p.parents[1].parent.name for p in RESULTS.glob("*/scales/paper/result.json"))
+# results kept since stop 42 keep their seeds' caches too (outcome.json, figure.png, CSVs: no SVG), so that
+# `experiments run NAME --scale paper --out docs/results` reads them back while the experiment's code is unchanged
+WITH_SEEDS = sorted(n for n in KEPT if (RESULTS / n / "seeds").is_dir())
 
 
 def test_some_results_are_kept() -> None:
@@ -31,3 +36,19 @@ def test_kept_result_is_complete(name: str) -> None:
     assert image.shape[0] >= 300 and image.shape[1] >= 800
     doc = (RESULTS.parents[0] / "experiments.md").read_text(encoding="utf-8")
     assert f"`{name}`" in doc
+
+
+@pytest.mark.parametrize("name", WITH_SEEDS)
+def test_kept_seeds_decide_the_kept_verdict(name: str) -> None:
+    record = load_result(RESULTS / name / "scales" / "paper")
+    outcomes = []
+    for seed in record["seeds"]:
+        folder = RESULTS / name / "seeds" / f"paper-seed{seed}"
+        outcome = json.loads((folder / "outcome.json").read_text())
+        assert outcome["key"]["seed"] == seed and outcome["key"]["scale"] == "paper"
+        assert mpimg.imread(folder / "figure.png").shape[1] >= 600
+        assert all((folder / f).is_file() for f in outcome["csv"])
+        outcomes.append({k: statistic_from_json(v) for k, v in outcome["statistics"].items()})
+    verdict, clauses, _ = decide(experiment(name).rule, record["seeds"], outcomes)
+    assert verdict.value == record["verdict"]
+    assert [c["per_seed"] for c in clauses] == [c["per_seed"] for c in record["clauses"]]

@@ -14,7 +14,7 @@ import pytest
 from normatlas.cli import main
 from normatlas.experiments.base import Experiment, Outcome, RunContext, Scale, Series, estimates
 from normatlas.experiments.report import read_results, write_report
-from normatlas.experiments.runner import load_result, run_experiment, use_agg
+from normatlas.experiments.runner import SeedPlan, load_result, plan_seeds, run_experiment, use_agg
 from normatlas.experiments.verdict import (
     Clause,
     Direction,
@@ -163,6 +163,38 @@ def test_a_killed_run_resumes_from_its_cache(tmp_path: Path) -> None:
     run_experiment(TOY, tmp_path, scale="default", seeds=(0,))  # another scale: its own cache
     run_experiment(TOY, tmp_path, scale="quick", seeds=(0,), fresh=True)
     assert CALLS[-2:] == [("default", 0), ("quick", 0)]
+
+
+def test_the_plan_reads_the_cache_and_runs_nothing(tmp_path: Path) -> None:
+    CALLS.clear()
+    run_experiment(TOY, tmp_path, scale="quick", seeds=(0, 2))
+    plan = plan_seeds(TOY, tmp_path, scale="quick", seeds=SEEDS)
+    assert plan == [SeedPlan("toy-claim", 0, True, 0.0), SeedPlan("toy-claim", 1, False, 1.0),
+                    SeedPlan("toy-claim", 2, True, 0.0)]  # fmt: skip
+    assert [p.cached for p in plan_seeds(TOY, tmp_path, scale="default", seeds=SEEDS)] == [False] * 3
+    assert not any(p.cached for p in plan_seeds(TOY, tmp_path, scale="quick", seeds=SEEDS, fresh=True))
+    assert CALLS == [("quick", 0), ("quick", 2)]  # planning ran nothing
+
+
+def test_a_kept_cache_without_svg_still_aggregates(tmp_path: Path) -> None:
+    # docs/results keeps each seed's outcome.json, PNG and CSVs, not its SVG: a later run reads it back
+    run_experiment(TOY, tmp_path, scale="quick", seeds=SEEDS)
+    for s in SEEDS:
+        (tmp_path / "toy-claim" / "seeds" / f"quick-seed{s}" / "figure.svg").unlink()
+    (tmp_path / "toy-claim" / "figure.svg").unlink()
+    CALLS.clear()
+    rec = run_experiment(TOY, tmp_path, scale="quick", seeds=SEEDS)
+    assert CALLS == [] and rec["cached_seeds"] == [0, 1, 2]
+    assert rec["files"] == ["s.csv", "figure.png"] and not (tmp_path / "toy-claim" / "figure.svg").exists()
+
+
+def test_cli_plan(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "o"
+    assert main(["experiments", "run", "scale-invariance", "geometry", "--quick", "--seeds", "2", "--plan",
+                 "--out", str(out), "--json"]) == 0  # fmt: skip
+    doc = json.loads(capsys.readouterr().out)
+    assert [r["to_run"] for r in doc["plan"]] == [[0, 1], [0, 1]] and doc["seconds"] == pytest.approx(2 * (2.5 + 0.5))
+    assert not out.exists()  # nothing run, nothing written
 
 
 def test_a_diverged_seed_reaches_the_record(tmp_path: Path) -> None:

@@ -41,6 +41,10 @@ def configure_experiments(p: argparse.ArgumentParser) -> None:
     run.add_argument("--seeds", type=positive_int, default=3, help="how many seeds, from --seed on (default 3)")
     run.add_argument("--seed", type=nonnegative_int, default=0, help="the first seed (default 0)")
     run.add_argument("--fresh", action="store_true", help="rerun every seed instead of reading cached ones")
+    run.add_argument(
+        "--plan", action="store_true",
+        help="run nothing: list which seeds are cached for this code and which would run, with estimated seconds",
+    )  # fmt: skip
     run.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"output folder (default: ./{DEFAULT_OUT})")
     add_format_option(run)
     rep = sub.add_parser("report", help="write DIR/report.md and DIR/report.html from the result.json files")
@@ -106,6 +110,8 @@ def _run(args: argparse.Namespace) -> int:
     names = selected(args.names)
     scale = scale_of(args)
     seeds = tuple(range(args.seed, args.seed + args.seeds))
+    if args.plan:
+        return _plan(args, names, scale, seeds)
     rows = []
     for i, name in enumerate(names, 1):
         exp = experiment(name)
@@ -137,6 +143,26 @@ def _run(args: argparse.Namespace) -> int:
         print(summary)
     else:
         emit([Section("experiments", rows, summary)], args.format, meta=meta)
+    return 0
+
+
+def _plan(args: argparse.Namespace, names: list[str], scale: str, seeds: tuple[int, ...]) -> int:
+    from ..experiments import experiment
+    from ..experiments.runner import plan_seeds
+
+    rows, total, runs = [], 0.0, 0
+    for name in names:
+        plans = plan_seeds(experiment(name), args.out, scale=scale, seeds=seeds, fresh=args.fresh)
+        todo, seconds = [p.seed for p in plans if not p.cached], sum(p.estimate_s for p in plans)
+        rows.append({
+            "name": name, "cached_seeds": [p.seed for p in plans if p.cached], "to_run": todo, "estimate_s": seconds
+        })  # fmt: skip
+        total, runs = total + seconds, runs + len(todo)
+    summary = (
+        f"{runs} of {len(rows) * len(seeds)} seed runs to do ({scale} scale, seeds {seeds[0]}..{seeds[-1]}, cache in "
+        f"{args.out}): about {total / 3600:.1f} h one seed after another on an idle 2-core CPU; nothing was run"
+    )
+    emit([Section("plan", rows, summary)], args.format, meta={"scale": scale, "seeds": list(seeds), "seconds": total})
     return 0
 
 

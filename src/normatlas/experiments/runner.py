@@ -29,6 +29,7 @@ import shutil
 import sys
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +40,8 @@ from .base import Experiment, Outcome, RunContext, Scale
 from .verdict import Diverged, Untested, Verdict, as_statistic, decide
 
 __all__ = [
-    "DEFAULT_SEEDS", "RESULT_FIELDS", "load_result", "machine_info", "run_experiment", "scale_folder", "use_agg",
+    "DEFAULT_SEEDS", "RESULT_FIELDS", "SeedPlan", "load_result", "machine_info", "plan_seeds", "run_experiment",
+    "scale_folder", "statistic_from_json", "use_agg",
 ]  # fmt: skip
 
 DEFAULT_SEEDS = (0, 1, 2)
@@ -62,7 +64,8 @@ def use_agg() -> Any:
     return plt
 
 
-def _from_json_statistic(value: Any) -> Any:
+def statistic_from_json(value: Any) -> Any:
+    """A statistic as ``outcome.json`` / ``result.json`` spell it, back as a number, Diverged or Untested."""
     if isinstance(value, dict) and "diverged" in value:
         return Diverged(value["diverged"], value.get("step"))
     if isinstance(value, dict) and "untested" in value:
@@ -142,6 +145,32 @@ def _cached(path: Path, key: dict[str, Any]) -> dict[str, Any] | None:
         return None
     ok = isinstance(rec, dict) and rec.get("key") == key and (path / "figure.png").is_file()
     return rec if ok else None
+
+
+@dataclass(frozen=True)
+class SeedPlan:
+    """What ``run_experiment`` would do for one seed: read it from the cache or run it (``estimate_s`` seconds,
+    the experiment's estimate at the scale on an idle 2-core CPU; 0 when cached)."""
+
+    name: str
+    seed: int
+    cached: bool
+    estimate_s: float
+
+
+def plan_seeds(
+    exp: Experiment, out: str | os.PathLike[str], *, scale: Scale | str = Scale.DEFAULT,
+    seeds: Sequence[int] = DEFAULT_SEEDS, fresh: bool = False,
+) -> list[SeedPlan]:  # fmt: skip
+    """Which seeds of ``exp`` under ``out`` are cached for the code and torch of this process, and which would
+    run; nothing is run or written."""
+    scale = Scale.parse(scale)
+    folder = Path(out) / exp.name
+    plans = []
+    for seed in seeds:
+        hit = not fresh and _cached(_seed_folder(folder, scale, seed), _cache_key(exp, scale, seed)) is not None
+        plans.append(SeedPlan(exp.name, seed, hit, 0.0 if hit else exp.estimate_s(scale)))
+    return plans
 
 
 def _run_seed(
@@ -250,7 +279,7 @@ def run_experiment(
             rec = _run_seed(exp, path, scale, seed, step, key)
         per_seed.append(rec)
     wall = time.perf_counter() - start
-    stats = [{k: _from_json_statistic(v) for k, v in r["statistics"].items()} for r in per_seed]
+    stats = [{k: statistic_from_json(v) for k, v in r["statistics"].items()} for r in per_seed]
     verdict, clauses, reasons = decide(exp.rule, seeds, stats)
     first = _seed_folder(folder, scale, seeds[0])
     files = []
@@ -258,8 +287,10 @@ def run_experiment(
         atomic_write(folder / name, functools.partial(shutil.copyfile, first / name))
         files.append(name)
     _stamp_png(first / "figure.png", folder / "figure.png", _banner(verdict, clauses, seeds, scale), verdict)
-    atomic_write(folder / "figure.svg", functools.partial(shutil.copyfile, first / "figure.svg"))
-    files += ["figure.png", "figure.svg"]
+    files.append("figure.png")
+    if (first / "figure.svg").is_file():  # a kept cache may hold the PNG only (docs/results keeps no SVG)
+        atomic_write(folder / "figure.svg", functools.partial(shutil.copyfile, first / "figure.svg"))
+        files.append("figure.svg")
     flags = "" if scale is Scale.DEFAULT else f" --scale {scale.value}"
     if seeds != DEFAULT_SEEDS:
         flags += (
