@@ -52,3 +52,16 @@ def test_kept_seeds_decide_the_kept_verdict(name: str) -> None:
     verdict, clauses, _ = decide(experiment(name).rule, record["seeds"], outcomes)
     assert verdict.value == record["verdict"]
     assert [c["per_seed"] for c in clauses] == [c["per_seed"] for c in record["clauses"]]
+
+
+def test_the_page_shows_the_kept_results() -> None:
+    # `normatlas serve --experiments docs/results`: every kept result is listed with its figure, nothing unreadable
+    from normatlas.web.catalog import experiments_view
+
+    view = experiments_view(RESULTS)
+    assert view["errors"] == []
+    shown = {r["name"]: r for r in view["results"]}
+    assert sorted(shown) == KEPT
+    for r in shown.values():
+        assert r["scale"] == "paper" and r["figures"]["png"] == f"/experiments/{r['name']}/figure.png"
+        assert r["series"], r["name"]
