@@ -142,6 +142,22 @@ def test_e10_batchnorm_in_quick_mode(tmp_path) -> None:  # type: ignore[no-untyp
     assert m["repeats"] >= 2 and all(v >= 0 for per in m["accuracy_std_over_repeats"].values() for v in per.values())
 
 
+def test_e10_title_says_level_inside_the_repeats_spread() -> None:
+    # the paper run's first title read "BN is above GroupNorm (98.5% vs 98.5%)": a 0.04-point gap, std 0.6-0.8
+    from normatlas.experiments.e10_batchnorm_failures import NORMS, _title
+
+    def sweep(bn: list[float], gn: list[float]) -> tuple[dict, dict]:
+        acc = {n: {2: gn, 64: [0.97, 0.98]} for n in NORMS} | {"BatchNorm": {2: bn, 64: [0.97, 0.98]}}
+        shift = {n: {0.0: [0.97, 0.98], MILD_SHIFT: [0.9, 0.9]} for n in NORMS}
+        return acc, shift
+
+    fine = {"Frozen BN": [0.9, 0.92], "live BN": [0.95, 0.96]}
+    level = _title(*sweep([0.979, 0.991], [0.978, 0.992]), (2, 64), fine)
+    assert level.startswith("At batch 2 BN is level with GroupNorm (98.5% vs 98.5%, std over repeats 0.8 / 1.0)")
+    assert "is below GroupNorm" in _title(*sweep([0.90, 0.91], [0.97, 0.98]), (2, 64), fine)
+    assert "is above GroupNorm" in _title(*sweep([0.97, 0.98], [0.90, 0.91]), (2, 64), fine)
+
+
 def test_e09_dyt_in_quick_mode(tmp_path) -> None:  # type: ignore[no-untyped-def]
     m, _ = _quick(E09, tmp_path)
     # the S-curve of the deepest LayerNorm (the model's last) is a property of the trained weights: robust
