@@ -188,6 +188,28 @@ def test_a_kept_cache_without_svg_still_aggregates(tmp_path: Path) -> None:
     assert rec["files"] == ["s.csv", "figure.png"] and not (tmp_path / "toy-claim" / "figure.svg").exists()
 
 
+def test_the_cache_key_reads_code_not_comments(tmp_path: Path) -> None:
+    from normatlas.experiments import runner
+
+    code = 'def run(ctx):\n    """What it does."""\n    return ctx.size(1, 2)  # a comment\n'
+    assert runner._code_only(code) == runner._code_only("def run(ctx):\n\n    return ctx.size(1, 2)\n")
+    assert runner._code_only(code) != runner._code_only("def run(ctx):\n    return ctx.size(1, 3)\n")
+    assert runner._code_only('"""Module."""\nX = 1\n') == runner._code_only("X = 1  # one\n")
+    # a seed cached under the raw-text key written before stop 42 is still read back
+    run_experiment(TOY, tmp_path, scale="quick", seeds=(0,))
+    outcome = tmp_path / "toy-claim" / "seeds" / "quick-seed0" / "outcome.json"
+    rec = json.loads(outcome.read_text())
+    assert rec["key"] == runner._cache_key(TOY, Scale.QUICK, 0)
+    rec["key"] = runner._cache_key(TOY, Scale.QUICK, 0, legacy=True)
+    assert rec["key"]["source"] != runner._cache_key(TOY, Scale.QUICK, 0)["source"]
+    outcome.write_text(json.dumps(rec))
+    CALLS.clear()
+    assert run_experiment(TOY, tmp_path, scale="quick", seeds=(0,))["cached_seeds"] == [0] and CALLS == []
+    rec["key"]["source"] = "0" * 16  # any other code: rerun
+    outcome.write_text(json.dumps(rec))
+    assert run_experiment(TOY, tmp_path, scale="quick", seeds=(0,))["cached_seeds"] == [] and CALLS == [("quick", 0)]
+
+
 def test_cli_plan(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "o"
     assert main(["experiments", "run", "scale-invariance", "geometry", "--quick", "--seeds", "2", "--plan",

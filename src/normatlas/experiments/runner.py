@@ -4,7 +4,8 @@ and ``<series>.csv``, with each seed's own files cached under ``DIR/NAME/seeds/<
 Each seed is run seeded (torch's global generator and the context's generators), single-process, and timed around
 ``Experiment.run`` only. A seed's folder is complete once its ``outcome.json`` exists (written last, atomically),
 so a killed run continues from its cache: the seeds already done are read back, not rerun, as long as the
-experiment's source file, the scale and the torch version are unchanged (its cache ``key``). The verdict over the
+experiment's code (its module and the modules it ``depends`` on, as syntax trees: docstrings, comments and layout
+do not count), the scale and the torch version are unchanged (its cache ``key``). The verdict over the
 seeds is the experiment's :class:`~.verdict.VerdictRule` applied by :func:`~.verdict.decide`.
 
 ``result.json`` holds the claim and the guide's words, the anchor paper and the number it reports, the rule, the
@@ -17,6 +18,7 @@ Every file is written to a temporary name first and renamed, so a crashed run ne
 
 from __future__ import annotations
 
+import ast
 import csv
 import functools
 import hashlib
@@ -112,23 +114,39 @@ def machine_info() -> dict[str, Any]:
     }  # fmt: skip
 
 
-def _source_hash(exp: Experiment) -> str:
+def _code_only(text: str) -> str:
+    """``text``'s syntax tree without docstrings, comments, line numbers or layout: an edit to those is not a
+    change of what the experiment computes, so it keeps the cache."""
+    tree = ast.parse(text)
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+            first = node.body[0]
+            doc = isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant)
+            if doc and isinstance(first.value.value, str):  # type: ignore[attr-defined]
+                node.body = node.body[1:] or [ast.Pass()]
+    return ast.dump(tree)
+
+
+def _source_hash(exp: Experiment, *, legacy: bool = False) -> str:
+    """The hash of the code the experiment's numbers come from: its module and ``exp.depends`` (``legacy``: their
+    raw text, the key of caches written before stop 42, still read so that kept evidence survives the change)."""
     text = ""
     for name in (getattr(exp.run, "__module__", ""), *exp.depends):
         module = sys.modules.get(name) or (importlib.import_module(name) if name in exp.depends else None)
         try:
-            text += inspect.getsource(module) if module is not None else repr(exp.rule)
+            source = inspect.getsource(module) if module is not None else repr(exp.rule)
         except (OSError, TypeError):
-            text += repr(exp.rule)
+            source = repr(exp.rule)
+        text += source if legacy or module is None else _code_only(source)
     return hashlib.sha256((text + repr(exp.rule)).encode()).hexdigest()[:16]
 
 
-def _cache_key(exp: Experiment, scale: Scale, seed: int) -> dict[str, Any]:
+def _cache_key(exp: Experiment, scale: Scale, seed: int, *, legacy: bool = False) -> dict[str, Any]:
     return {
         "name": exp.name,
         "scale": scale.value,
         "seed": seed,
-        "source": _source_hash(exp),
+        "source": _source_hash(exp, legacy=legacy),
         "torch": torch.__version__,
     }
 
@@ -137,14 +155,19 @@ def _seed_folder(folder: Path, scale: Scale, seed: int) -> Path:
     return folder / "seeds" / f"{scale.value}-seed{seed}"
 
 
-def _cached(path: Path, key: dict[str, Any]) -> dict[str, Any] | None:
-    """The seed's cached outcome when complete and made by the same code at the same scale, else None."""
+def _cached(path: Path, *keys: dict[str, Any]) -> dict[str, Any] | None:
+    """The seed's cached outcome when complete and made by the same code at the same scale (its key one of
+    ``keys``), else None."""
     try:
         rec = json.loads((path / "outcome.json").read_text())
     except (OSError, ValueError):
         return None
-    ok = isinstance(rec, dict) and rec.get("key") == key and (path / "figure.png").is_file()
+    ok = isinstance(rec, dict) and rec.get("key") in keys and (path / "figure.png").is_file()
     return rec if ok else None
+
+
+def _lookup(exp: Experiment, path: Path, scale: Scale, seed: int) -> dict[str, Any] | None:
+    return _cached(path, _cache_key(exp, scale, seed), _cache_key(exp, scale, seed, legacy=True))
 
 
 @dataclass(frozen=True)
@@ -168,7 +191,7 @@ def plan_seeds(
     folder = Path(out) / exp.name
     plans = []
     for seed in seeds:
-        hit = not fresh and _cached(_seed_folder(folder, scale, seed), _cache_key(exp, scale, seed)) is not None
+        hit = not fresh and _lookup(exp, _seed_folder(folder, scale, seed), scale, seed) is not None
         plans.append(SeedPlan(exp.name, seed, hit, 0.0 if hit else exp.estimate_s(scale)))
     return plans
 
@@ -268,7 +291,7 @@ def run_experiment(
     per_seed, cached = [], []
     for i, seed in enumerate(seeds, 1):
         path, key = _seed_folder(folder, scale, seed), _cache_key(exp, scale, seed)
-        rec = None if fresh else _cached(path, key)
+        rec = None if fresh else _lookup(exp, path, scale, seed)
         if rec is not None:
             cached.append(seed)
             report(f"seed {seed} ({i}/{len(seeds)}): read from the cache")
