@@ -255,6 +255,7 @@ def test_each_scale_keeps_its_own_result_and_report(tmp_path: Path) -> None:
     assert md.name == "report-quick.md" and html.name == "report-quick.html"
     assert [r["scale"] for r in records] == ["quick"] and "toy-claim/scales/quick/figure.png" in md.read_text()
     assert "toy-claim/scales/quick/figure.png" in html.read_text()
+    assert "Of 1 claim: 1 holds, 0 do not hold, 0 inconclusive." in md.read_text()
     assert write_report(tmp_path)[2][0]["scale"] == "paper"  # no scale: the latest run
     with pytest.raises(ValueError, match=re.escape("scales/default/result.json")):
         write_report(tmp_path, "default")

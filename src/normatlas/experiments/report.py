@@ -102,8 +102,10 @@ def _verdict(rec: dict[str, Any]) -> str:
 
 
 def _summary(records: list[dict[str, Any]]) -> str:
-    counts = {v: sum(r["verdict"] == v for r in records) for v in ("holds", "does not hold", "inconclusive")}
-    return f"Of {len(records)} claims: " + ", ".join(f"{n} {v}" for v, n in counts.items()) + "."
+    plural = {"holds": "hold", "does not hold": "do not hold", "inconclusive": "inconclusive"}
+    counts = {v: sum(r["verdict"] == v for r in records) for v in plural}
+    words = (f"{n} {v if n == 1 else plural[v]}" for v, n in counts.items())
+    return f"Of {len(records)} claim{'' if len(records) == 1 else 's'}: " + ", ".join(words) + "."
 
 
 def _run_line(rec: dict[str, Any]) -> str:
