@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 
 import pytest
 import torch
@@ -13,6 +14,11 @@ if not torch.cuda.is_available():
     # imported, and torch.compile may import triton before the Triton tests run, so set it up front.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# A suite started as a background job of a non-interactive shell (`make test &`, nohup, some CI runners) inherits
+# SIGINT ignored, and passes it to every process it starts: the Ctrl-C tests would see no Ctrl-C. Put Python's own
+# handler back, as an interactive start has it (the commands' children then start with the default disposition).
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 try:
     from hypothesis import settings
