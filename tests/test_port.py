@@ -23,6 +23,14 @@ from normatlas.blocks import QKNorm, TransformerLM, layernorm_scaling, peri_ln  
 from normatlas.port import PortError, from_hf, port, to_hf_state_dict  # noqa: E402
 from normatlas.vocabulary import Operator  # noqa: E402
 
+from .port_helpers import (  # noqa: E402
+    assert_loads_back,
+    assert_same_gradients,
+    backward_both,
+    logits_of_both,
+    ported_fixture,
+    reference_backend,
+)
 from .renamer import old_names, renamed  # noqa: E402
 from .tiny_hf import randomise_, tiny_model  # noqa: E402
 
@@ -80,13 +88,7 @@ def _build(name: str, attn: str = "default") -> torch.nn.Module:
     return randomise_(hf, 0.1)  # every gain, bias and weight away from its init
 
 
-@pytest.fixture(scope="module", params=[(n, a) for n in sorted(CASES) for a in ATTENTION], ids="-".join)
-def ported(request):
-    torch.set_num_threads(1)
-    name, attn = request.param
-    hf = _build(name, attn)
-    p, ours = port(hf)
-    return name, hf, p, ours
+ported = ported_fixture(_build, [(n, a) for n in sorted(CASES) for a in ATTENTION], ids="-".join)
 
 
 def _inputs(seed: int = 1):
@@ -98,9 +100,7 @@ def _inputs(seed: int = 1):
 
 def test_same_logits(ported):
     _, hf, p, ours = ported
-    ids, _ = _inputs()
-    with torch.no_grad():
-        ref, got = hf(input_ids=ids).logits, ours(ids)
+    ref, got = logits_of_both(hf, ours, _inputs()[0])
     assert got.dtype == torch.float32
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
     assert p.max_abs_diff is not None and p.max_abs_diff <= 1e-5
@@ -109,39 +109,15 @@ def test_same_logits(ported):
 def test_same_gradients(ported):
     """Every parameter's gradient, mapped back by the port's links, equals transformers' (reference backend)."""
     name, hf, _, ours = ported
-    norms = [m for m in ours.modules() if isinstance(m, (Norm, QKNorm))]
-    for m in norms:
-        m.backend = "reference"
     ids, upstream = _inputs(2)
-    hf.zero_grad(set_to_none=True)
-    ours.zero_grad(set_to_none=True)
-    (hf(input_ids=ids).logits * upstream).sum().backward()
-    (ours(ids) * upstream).sum().backward()
-    grads = {n: q.grad for n, q in ours.named_parameters(remove_duplicate=False) if q.grad is not None}
-    mapped = to_hf_state_dict(ours, None, grads)
-    hf_params = dict(hf.named_parameters(remove_duplicate=False))
-    for key, g in mapped.items():
-        ref = hf_params[key].grad
-        assert ref is not None, key
-        atol = 1e-5 * max(1.0, float(ref.abs().max()))  # fp32 rounding grows with the gradient (Nemotron's ~200)
-        torch.testing.assert_close(g, ref, atol=atol, rtol=1e-4, msg=lambda m, k=key: f"{name} {k}: {m}")
-    for m in norms:
-        m.backend = "auto"
+    # the tolerance grows with the gradient: fp32 rounding of Nemotron's ~200
+    mapped, hf_params = assert_same_gradients(hf, ours, ids, upstream, name, reference=(Norm, QKNorm))
     assert {id(q) for q in hf.parameters()} == {id(hf_params[k]) for k in mapped}  # every parameter checked
 
 
 def test_round_trip_state_dict_loads(ported):
     name, hf, p, ours = ported
-    fresh = _build(name, hf.config._attn_implementation)
-    with torch.no_grad():
-        for q in fresh.parameters():
-            q.zero_()
-    missing, unexpected = fresh.load_state_dict(to_hf_state_dict(ours), strict=False)
-    assert not unexpected
-    assert set(missing) <= set(p.buffers), missing  # only buffers (RoPE tables, masks) are not ours
-    ids, _ = _inputs(3)
-    with torch.no_grad():
-        torch.testing.assert_close(fresh(input_ids=ids).logits, hf(input_ids=ids).logits, atol=0, rtol=0)
+    assert_loads_back(_build(name, hf.config._attn_implementation), hf, p, ours, _inputs(3)[0])
 
 
 def test_float64_gradients_agree_to_rounding():
@@ -150,15 +126,10 @@ def test_float64_gradients_agree_to_rounding():
     hf = _build("nemotron")
     _, ours = port(hf)
     hf, ours = hf.double(), ours.double()
-    for m in ours.modules():
-        if isinstance(m, (Norm, QKNorm)):
-            m.backend = "reference"
     ids, upstream = _inputs(2)
-    (hf(input_ids=ids).logits * upstream.double()).sum().backward()
-    (ours(ids) * upstream.double()).sum().backward()
-    grads = {n: q.grad for n, q in ours.named_parameters(remove_duplicate=False) if q.grad is not None}
-    hf_params = dict(hf.named_parameters(remove_duplicate=False))
-    for key, g in to_hf_state_dict(ours, None, grads).items():
+    with reference_backend(ours, (Norm, QKNorm)):
+        mapped, hf_params = backward_both(hf, ours, ids, upstream.double())
+    for key, g in mapped.items():
         torch.testing.assert_close(g, hf_params[key].grad, atol=1e-10, rtol=1e-10)
 
 

@@ -29,8 +29,9 @@ from normatlas.blocks.attention import Attention, Rope, RopeStyle, apply_rope, r
 from normatlas.blocks.attn_gate import GateActivation, GateScope, OutputGate, softmax_with_sinks  # noqa: E402
 from normatlas.blocks.mla import MLAConfig, MLAttention  # noqa: E402
 from normatlas.factory import tiny_config  # noqa: E402
-from normatlas.port import PortError, port, to_hf_state_dict  # noqa: E402
+from normatlas.port import PortError, port  # noqa: E402
 
+from .port_helpers import assert_loads_back, assert_same_gradients, logits_of_both, ported_fixture, token_ids  # noqa: E402
 from .tiny_hf import randomise_  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore")
@@ -70,17 +71,7 @@ def _build(name: str) -> torch.nn.Module:
     return randomise_(hf, 0.1, generator=torch.Generator().manual_seed(1))
 
 
-@pytest.fixture(scope="module", params=sorted(CASES))
-def ported(request):
-    torch.set_num_threads(1)
-    hf = _build(request.param)
-    p, ours = port(hf)
-    return request.param, hf, p, ours
-
-
-def _ids(hf: torch.nn.Module, seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, hf.config.vocab_size, (2, 9), generator=g)
+ported = ported_fixture(_build, sorted(CASES))
 
 
 def test_config_reads_the_feature(ported):
@@ -113,9 +104,7 @@ def test_config_reads_the_feature(ported):
 
 def test_same_logits(ported):
     _, hf, p, ours = ported
-    ids = _ids(hf, 1)
-    with torch.no_grad():
-        ref, got = hf(input_ids=ids).logits, ours(ids)
+    ref, got = logits_of_both(hf, ours, token_ids(hf, 1))
     torch.testing.assert_close(got, ref, atol=1e-5 * (1 + float(ref.abs().max())), rtol=0)
     assert p.max_abs_diff is not None and p.max_abs_diff <= 1e-5 * (1 + float(ref.abs().max()))
 
@@ -123,37 +112,13 @@ def test_same_logits(ported):
 def test_same_gradients(ported):
     """Every parameter's gradient, mapped back by the port's links (fused and permuted rows re-assembled)."""
     name, hf, _, ours = ported
-    ids = _ids(hf, 2)
-    up = torch.randn(*ids.shape, hf.config.vocab_size, generator=torch.Generator().manual_seed(4))
-    for m in ours.modules():
-        if isinstance(m, Norm):
-            m.backend = "reference"
-    hf.zero_grad(set_to_none=True)
-    ours.zero_grad(set_to_none=True)
-    (hf(input_ids=ids).logits * up).sum().backward()
-    (ours(ids) * up).sum().backward()
-    grads = {n: q.grad for n, q in ours.named_parameters(remove_duplicate=False) if q.grad is not None}
-    mapped = to_hf_state_dict(ours, None, grads)
-    hf_params = dict(hf.named_parameters(remove_duplicate=False))
-    for key, g in mapped.items():
-        ref = hf_params[key].grad
-        assert ref is not None, key
-        atol = 1e-5 * max(1.0, float(ref.abs().max()))
-        torch.testing.assert_close(g, ref, atol=atol, rtol=1e-4, msg=lambda m, k=key: f"{name} {k}: {m}")
-    for m in ours.modules():
-        if isinstance(m, Norm):
-            m.backend = "auto"
+    assert_same_gradients(hf, ours, token_ids(hf, 2), upstream=4, name=name, reference=(Norm,))
 
 
 def test_round_trip_state_dict(ported):
     """Our weights under the source's names and layout load back into a fresh source model: the same logits."""
     name, hf, p, ours = ported
-    fresh = _build(name)
-    missing, unexpected = fresh.load_state_dict(to_hf_state_dict(ours), strict=False)
-    assert not unexpected and set(missing) <= set(p.buffers)
-    ids = _ids(hf, 5)
-    with torch.no_grad():
-        torch.testing.assert_close(fresh(input_ids=ids).logits, hf(input_ids=ids).logits, atol=0, rtol=0)
+    assert_loads_back(_build(name), hf, p, ours, token_ids(hf, 5))
 
 
 # float64 references for the new math

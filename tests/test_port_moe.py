@@ -20,8 +20,9 @@ transformers = pytest.importorskip("transformers")
 from normatlas import RMSNorm  # noqa: E402
 from normatlas.blocks import ModelConfig, MoE, MoEConfig, RouterScore, TransformerLM  # noqa: E402
 from normatlas.blocks.mlp import Activation  # noqa: E402
-from normatlas.port import PortError, port, to_hf_state_dict  # noqa: E402
+from normatlas.port import PortError, port  # noqa: E402
 
+from .port_helpers import assert_loads_back, assert_same_gradients, logits_of_both, ported_fixture, token_ids  # noqa: E402
 from .tiny_hf import randomise_  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore")
@@ -54,16 +55,10 @@ def _build(model_type: str) -> torch.nn.Module:
 
 
 def _ids(hf: torch.nn.Module, seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(3, hf.config.vocab_size, (BATCH, SEQ), generator=g)
+    return token_ids(hf, seed, (BATCH, SEQ), low=3)
 
 
-@pytest.fixture(scope="module", params=sorted(CASES))
-def ported(request):
-    torch.set_num_threads(1)
-    hf = _build(request.param)
-    p, ours = port(hf)
-    return request.param, hf, p, ours
+ported = ported_fixture(_build, sorted(CASES))
 
 
 def test_reads_a_moe(ported):
@@ -86,9 +81,7 @@ def test_reads_a_moe(ported):
 
 def test_same_logits(ported):
     _, hf, p, ours = ported
-    ids = _ids(hf, 1)
-    with torch.no_grad():
-        ref, got = hf(input_ids=ids).logits, ours(ids)
+    ref, got = logits_of_both(hf, ours, _ids(hf, 1))
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
     assert p.max_abs_diff is not None and p.max_abs_diff <= 1e-5
 
@@ -96,35 +89,13 @@ def test_same_logits(ported):
 def test_same_gradients(ported):
     """Every parameter's gradient (the stacked experts' re-fused by the links) equals transformers'."""
     name, hf, _, ours = ported
-    ids = _ids(hf, 2)
-    up = torch.randn(BATCH, SEQ, hf.config.vocab_size, generator=torch.Generator().manual_seed(3))
-    hf.zero_grad(set_to_none=True)
-    ours.zero_grad(set_to_none=True)
-    (hf(input_ids=ids).logits * up).sum().backward()
-    (ours(ids) * up).sum().backward()
-    grads = {n: q.grad for n, q in ours.named_parameters(remove_duplicate=False) if q.grad is not None}
-    mapped = to_hf_state_dict(ours, None, grads)
-    params = dict(hf.named_parameters(remove_duplicate=False))
-    for key, g in mapped.items():
-        ref = params[key].grad
-        if ref is None:  # an expert no token chose in this batch: ours has zeros
-            assert not bool(g.any()), key
-            continue
-        atol = 1e-5 * max(1.0, float(ref.abs().max()))
-        torch.testing.assert_close(g, ref, atol=atol, rtol=1e-4, msg=lambda m, k=key: f"{name} {k}: {m}")
+    # an expert no token chose in this batch has no gradient in transformers: ours must be zeros
+    assert_same_gradients(hf, ours, _ids(hf, 2), upstream=3, name=name, unrouted_zero=True)
 
 
 def test_state_dict_back(ported):
     name, hf, p, ours = ported
-    fresh = _build(name)
-    with torch.no_grad():
-        for q in fresh.parameters():
-            q.zero_()
-    missing, unexpected = fresh.load_state_dict(to_hf_state_dict(ours), strict=False)
-    assert not unexpected and set(missing) <= set(p.buffers), missing
-    ids = _ids(hf, 4)
-    with torch.no_grad():
-        torch.testing.assert_close(fresh(input_ids=ids).logits, hf(input_ids=ids).logits, atol=0, rtol=0)
+    assert_loads_back(_build(name), hf, p, ours, _ids(hf, 4))
 
 
 def test_refuses_a_router_we_do_not_compute():

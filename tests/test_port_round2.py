@@ -32,9 +32,10 @@ from normatlas.blocks.mlp import Activation  # noqa: E402
 from normatlas.blocks.moe import MoE, RouterScore  # noqa: E402
 from normatlas.blocks.qknorm import QKGain, QKNormConfig, QKScope  # noqa: E402
 from normatlas.factory import tiny_config  # noqa: E402
-from normatlas.port import port, to_hf_state_dict  # noqa: E402
+from normatlas.port import port  # noqa: E402
 from normatlas.vocabulary import RopeOrder  # noqa: E402
 
+from .port_helpers import assert_same_gradients, logits_of_both, ported_fixture, token_ids  # noqa: E402
 from .tiny_hf import randomise_  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore")
@@ -78,17 +79,7 @@ def _build(name: str, impl: str) -> torch.nn.Module:
 PARAMS = [(n, a) for n in sorted(CASES) for a in ATTENTION.get(n, ("sdpa", "eager"))]
 
 
-@pytest.fixture(scope="module", params=PARAMS, ids=[f"{n}-{a}" for n, a in PARAMS])
-def ported(request):
-    torch.set_num_threads(1)
-    name, impl = request.param
-    hf = _build(name, impl)
-    p, ours = port(hf)
-    return name, hf, p, ours
-
-
-def _ids(hf: torch.nn.Module, seed: int) -> torch.Tensor:
-    return torch.randint(0, hf.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(seed))
+ported = ported_fixture(_build, PARAMS, ids=[f"{n}-{a}" for n, a in PARAMS])
 
 
 def test_config_reads_the_feature(ported):
@@ -110,33 +101,13 @@ def test_config_reads_the_feature(ported):
 
 def test_same_logits(ported):
     _, hf, _, ours = ported
-    ids = _ids(hf, 1)
-    with torch.no_grad():
-        ref, got = hf(input_ids=ids).logits, ours(ids)
+    ref, got = logits_of_both(hf, ours, token_ids(hf, 1))
     torch.testing.assert_close(got, ref, atol=2e-5 * (1 + float(ref.abs().max())), rtol=0)
 
 
 def test_same_gradients(ported):
     name, hf, _, ours = ported
-    ids = _ids(hf, 2)
-    up = torch.randn(*ids.shape, hf.config.vocab_size, generator=torch.Generator().manual_seed(4))
-    for m in ours.modules():
-        if isinstance(m, Norm):
-            m.backend = "reference"
-    hf.zero_grad(set_to_none=True)
-    ours.zero_grad(set_to_none=True)
-    (hf(input_ids=ids).logits * up).sum().backward()
-    (ours(ids) * up).sum().backward()
-    grads = {n: q.grad for n, q in ours.named_parameters(remove_duplicate=False) if q.grad is not None}
-    hf_params = dict(hf.named_parameters(remove_duplicate=False))
-    for key, g in to_hf_state_dict(ours, None, grads).items():
-        ref = hf_params[key].grad
-        assert ref is not None, key
-        atol = 2e-5 * max(1.0, float(ref.abs().max()))
-        torch.testing.assert_close(g, ref, atol=atol, rtol=1e-4, msg=lambda m, k=key: f"{name} {k}: {m}")
-    for m in ours.modules():
-        if isinstance(m, Norm):
-            m.backend = "auto"
+    assert_same_gradients(hf, ours, token_ids(hf, 2), upstream=4, name=name, atol=2e-5, reference=(Norm,))
 
 
 def test_falcon_paths_read_as_they_run():
@@ -146,7 +117,7 @@ def test_falcon_paths_read_as_they_run():
     models = {a: _build("falcon", a) for a in ("sdpa", "eager")}
     slopes = {a: port(m)[0].config.alibi for a, m in models.items()}
     assert slopes["sdpa"] is not None and slopes["eager"] is not None
-    ids = _ids(models["sdpa"], 3)
+    ids = token_ids(models["sdpa"], 3)
     with torch.no_grad():
         same = torch.allclose(models["sdpa"](input_ids=ids).logits, models["eager"](input_ids=ids).logits, atol=1e-5)
     factor = 1.0 if same else 2.0

@@ -23,8 +23,9 @@ from normatlas.blocks import ModelConfig, TransformerLM  # noqa: E402
 from normatlas.blocks.mlp import XIELU, Activation  # noqa: E402
 from normatlas.blocks.moe import MoEConfig  # noqa: E402
 from normatlas.blocks.placement import Gate, Placement, Schedule, parallel, pre_ln  # noqa: E402
-from normatlas.port import PortError, port, to_hf_state_dict  # noqa: E402
+from normatlas.port import PortError, port  # noqa: E402
 
+from .port_helpers import assert_same_gradients, logits_of_both, ported_fixture, token_ids  # noqa: E402
 from .tiny_hf import randomise_, tiny_model  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore")
@@ -58,33 +59,18 @@ def _build(model_type: str) -> torch.nn.Module:
 
 
 def _ids(hf: torch.nn.Module, seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(3, hf.config.vocab_size, (BATCH, SEQ), generator=g)
+    return token_ids(hf, seed, (BATCH, SEQ), low=3)
 
 
-def _grads_agree(hf: torch.nn.Module, ours: TransformerLM, ids: torch.Tensor, name: str) -> None:
-    """Every parameter the logits read: its gradient, mapped back by the port's links, equals transformers'."""
-    out = hf(input_ids=ids).logits
-    upstream = torch.randn(out.shape, generator=torch.Generator().manual_seed(9))
-    hf.zero_grad(set_to_none=True)
-    (out * upstream).sum().backward()
-    (ours(ids) * upstream).sum().backward()
-    grads = {n: q.grad for n, q in ours.named_parameters(remove_duplicate=False) if q.grad is not None}
-    hf_params = dict(hf.named_parameters(remove_duplicate=False))
-    mapped = to_hf_state_dict(ours, None, grads)
-    for key, g in mapped.items():
-        ref = hf_params[key].grad
-        assert ref is not None, key
-        atol = 1e-5 * max(1.0, float(ref.abs().max()))
-        torch.testing.assert_close(g, ref, atol=atol, rtol=1e-4, msg=lambda m, k=key: f"{name} {k}: {m}")
+def _same_logits_and_gradients(hf: torch.nn.Module, ours: TransformerLM, name: str) -> None:
+    """The same logits (fp32, 1e-5), and every parameter the logits read: its gradient, mapped back by the port's
+    links, equals transformers'."""
+    ref, got = logits_of_both(hf, ours, _ids(hf, 1))
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
+    assert_same_gradients(hf, ours, _ids(hf, 2), upstream=9, name=name)
 
 
-@pytest.fixture(scope="module", params=sorted(CASES))
-def ported(request):
-    torch.set_num_threads(1)
-    hf = _build(request.param)
-    p, ours = port(hf)
-    return request.param, hf, p, ours
+ported = ported_fixture(_build, sorted(CASES))
 
 
 def test_reads_the_feature(ported):
@@ -95,11 +81,8 @@ def test_reads_the_feature(ported):
 
 def test_same_logits_and_gradients(ported):
     name, hf, p, ours = ported
-    ids = _ids(hf, 1)
-    with torch.no_grad():
-        torch.testing.assert_close(ours(ids), hf(input_ids=ids).logits, atol=1e-5, rtol=0)
     assert p.max_abs_diff is not None and p.max_abs_diff <= 1e-5
-    _grads_agree(hf, ours, _ids(hf, 2), name)
+    _same_logits_and_gradients(hf, ours, name)
 
 
 def test_a_pooler_beside_the_logits_is_unused():
@@ -151,10 +134,7 @@ def test_per_sublayer_scalings_port():
         assert pl.residual_alpha == pytest.approx(math.sqrt((k - 1) / k), rel=1e-9)
         assert pl.branch_scale == pytest.approx(1 / math.sqrt(k), rel=1e-9)
         assert pl.scalings("ffn") == pytest.approx((math.sqrt(k / (k + 1)), 1 / math.sqrt(k + 1)), rel=1e-9)
-    ids = _ids(hf, 1)
-    with torch.no_grad():
-        torch.testing.assert_close(ours(ids), hf(input_ids=ids).logits, atol=1e-5, rtol=0)
-    _grads_agree(hf, ours, _ids(hf, 2), "depth-scaled")
+    _same_logits_and_gradients(hf, ours, "depth-scaled")
 
 
 def test_learned_skip_multiplier_ports():
@@ -163,10 +143,7 @@ def test_learned_skip_multiplier_ports():
     p, ours = port(hf)
     assert p.config.placement.skip_gate is Gate.VECTOR  # type: ignore[union-attr]
     assert ours.layers[0].ffn_residual.skip_gate.gamma.shape == (32,)
-    ids = _ids(hf, 1)
-    with torch.no_grad():
-        torch.testing.assert_close(ours(ids), hf(input_ids=ids).logits, atol=1e-5, rtol=0)
-    _grads_agree(hf, ours, _ids(hf, 2), "learned skip")
+    _same_logits_and_gradients(hf, ours, "learned skip")
 
 
 # --------------------------------------------------------------------------- xIELU
