@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -59,6 +60,8 @@ def _depth_run(ctx: RunContext) -> Outcome:
     return Outcome(statistics, measured, series, fig, notes="test fixture")
 
 
+POST_LN_AT_ONE = Clause("post_last_error", Direction.BELOW, 0.1, "Post-LN's stays at one")
+
 DEPTH_EXPERIMENT = Experiment(
     name="variance-depth",
     number=1,
@@ -67,12 +70,7 @@ DEPTH_EXPERIMENT = Experiment(
     guide_words="the residual stream grows with depth",
     anchor="xiong2020",
     anchor_reports="(test fixture)",
-    rule=VerdictRule(
-        (
-            Clause("pre_last_over_first", Direction.ABOVE, 1.0, "Pre-LN's stream grows"),
-            Clause("post_last_error", Direction.BELOW, 0.1, "Post-LN's stays at one"),
-        )
-    ),
+    rule=VerdictRule((Clause("pre_last_over_first", Direction.ABOVE, 1.0, "Pre-LN's stream grows"), POST_LN_AT_ONE)),
     estimates_s=estimates(default=1.0, quick=1.0, paper=1.0),
     run=_depth_run,
 )
@@ -84,22 +82,16 @@ def write_experiments(out: Path) -> dict[str, Any]:
 
 
 # the same run judged against a clause it fails: a "does not hold" result whose reasons the page must show
-FAILING_EXPERIMENT = Experiment(
+FAILING_EXPERIMENT = dataclasses.replace(
+    DEPTH_EXPERIMENT,
     name="variance-flat",
     number=2,
     title="stream variance stays flat",
     claim="Pre-LN's residual stream stays at one with depth",
     guide_words="(test fixture: a claim the run refutes)",
-    anchor="xiong2020",
-    anchor_reports="(test fixture)",
     rule=VerdictRule(
-        (
-            Clause("pre_last_over_first", Direction.BELOW, 1.0, "Pre-LN's stream stays flat"),
-            Clause("post_last_error", Direction.BELOW, 0.1, "Post-LN's stays at one"),
-        )
+        (Clause("pre_last_over_first", Direction.BELOW, 1.0, "Pre-LN's stream stays flat"), POST_LN_AT_ONE)
     ),
-    estimates_s=estimates(default=1.0, quick=1.0, paper=1.0),
-    run=_depth_run,
 )
 
 
