@@ -8,6 +8,8 @@ import signal
 import pytest
 import torch
 
+from .tools_fixtures import byte_llama  # noqa: F401  (the session's trained byte Llama checkpoint, a fixture)
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 if not torch.cuda.is_available():
     # Triton kernels are tested on CPU under the interpreter; the mode is read when triton is first

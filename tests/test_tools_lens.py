@@ -28,10 +28,7 @@ from normatlas.tools import (
     windows,
 )
 
-from . import tools_fixtures
 from .tools_fixtures import tool_model
-
-byte_llama = tools_fixtures.byte_llama  # the session's trained byte Llama checkpoint (a fixture)
 
 IDS = torch.tensor([[5, 17, 3, 60, 22, 9, 41]])  # (1, 7): an odd length
 

@@ -23,12 +23,7 @@ from normatlas.tools.outliers import (
     stream_entropy,
 )
 
-from . import tools_fixtures
-from .tools_fixtures import tool_model
-
-byte_llama = tools_fixtures.byte_llama  # the session's trained byte Llama checkpoint (a fixture)
-
-IDS = torch.tensor([[5, 17, 3, 60, 22, 9, 41], [1, 2, 3, 4, 5, 6, 7]])  # (2, 7)
+from .tools_fixtures import IDS, tool_model
 
 
 def _x(shape: tuple[int, ...] = (2, 5, 7)) -> torch.Tensor:

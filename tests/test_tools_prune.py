@@ -31,12 +31,7 @@ from normatlas.tools import (
     token_table,
 )
 
-from . import tools_fixtures
-from .tools_fixtures import tool_model
-
-byte_llama = tools_fixtures.byte_llama  # the session's trained byte Llama checkpoint (a fixture)
-
-IDS = torch.tensor([[5, 17, 3, 60, 22, 9, 41], [1, 2, 3, 4, 5, 6, 7]])  # (2, 7)
+from .tools_fixtures import IDS, tool_model
 
 
 def _out(model: torch.nn.Module, inputs: dict[str, torch.Tensor]) -> torch.Tensor:

@@ -19,12 +19,8 @@ from normatlas.cli import main
 from normatlas.tools.outliers import max_logit_diff, quant_error
 from normatlas.tools.rescale import head_layout, v_scale
 
-from . import tools_fixtures
-from .tools_fixtures import tool_model
+from .tools_fixtures import IDS, tool_model
 
-byte_llama = tools_fixtures.byte_llama  # the session's trained byte Llama checkpoint (a fixture)
-
-IDS = torch.tensor([[5, 17, 3, 60, 22, 9, 41], [1, 2, 3, 4, 5, 6, 7]])  # (2, 7)
 LAYERS = 4
 
 # (model_type, config overrides, (heads, kv heads, head_dim)); the tiny configs are 32 wide with 4 heads

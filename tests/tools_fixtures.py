@@ -14,6 +14,7 @@ from .tiny_hf import randomise_, tiny_config
 # The zoo default is 6 layers x 128 (docs/tools.md); the tests train 3 layers x 32 for 40 steps (a few seconds).
 TINY_ZOO = dict(hidden_size=32, layers=3, heads=4, intermediate_size=64, context=64, steps=40, batch=8, seq=32)
 _CACHE: dict[str, Path] = {}
+IDS = torch.tensor([[5, 17, 3, 60, 22, 9, 41], [1, 2, 3, 4, 5, 6, 7]])  # (2, 7): a batch of token ids for the tools
 
 
 def tool_model(model_type: str, layers: int = 4, dtype: torch.dtype = torch.float32, **overrides: Any) -> Any:
