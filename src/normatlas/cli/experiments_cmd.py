@@ -4,7 +4,9 @@
 (``--quick`` is ``--scale quick``), writes ``DIR/NAME/result.json``, ``figure.png`` / ``.svg`` and one CSV per series
 (see :mod:`normatlas.experiments.runner`) and prints one verdict line per experiment: ``holds``, ``does not hold``
 or ``inconclusive``, with the deciding clause's spread over seeds and its margin. Each seed's outcome is cached
-under ``DIR/NAME/seeds/``, so a killed run continues where it stopped (``--fresh`` reruns every seed). A claim that
+under ``DIR/NAME/seeds/``, so a killed run continues where it stopped (``--fresh`` reruns every seed); ``--jobs N``
+runs the seeds the cache lacks in N worker processes first (:mod:`normatlas.experiments.pool`), ``--plan`` lists
+them and the estimated hours without running anything. A claim that
 does not hold is a result, not an error: the exit code is 0 either way; a crash or a bad argument exits non-zero.
 ``report`` writes ``DIR/report.md`` and ``DIR/report.html`` from the ``result.json`` files found under ``DIR``; a
 file it cannot read is named and the rest are shown.
@@ -13,6 +15,7 @@ file it cannot read is named and the rest are shown.
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import sys
 from pathlib import Path
@@ -41,6 +44,11 @@ def configure_experiments(p: argparse.ArgumentParser) -> None:
     run.add_argument("--seeds", type=positive_int, default=3, help="how many seeds, from --seed on (default 3)")
     run.add_argument("--seed", type=nonnegative_int, default=0, help="the first seed (default 0)")
     run.add_argument("--fresh", action="store_true", help="rerun every seed instead of reading cached ones")
+    run.add_argument(
+        "--jobs", type=positive_int, default=1,
+        help="run the seeds the cache lacks in N worker processes at once (CPUs / N torch threads each; default 1: "
+        "one after another in this process), then decide every verdict from the cache",
+    )  # fmt: skip
     run.add_argument(
         "--plan", action="store_true",
         help="run nothing: list which seeds are cached for this code and which would run, with estimated seconds",
@@ -112,15 +120,18 @@ def _run(args: argparse.Namespace) -> int:
     seeds = tuple(range(args.seed, args.seed + args.seeds))
     if args.plan:
         return _plan(args, names, scale, seeds)
+    ran = _fill_in_workers(args, names, scale, seeds) if args.jobs > 1 else {}
     rows = []
     for i, name in enumerate(names, 1):
         exp = experiment(name)
         command = f"normatlas experiments run {name} --scale {scale} --seed {args.seed} --seeds {args.seeds}"
         command += f" --out {shlex.quote(str(args.out))}"
+        here = [s for n, s in ran if n == name]
         with progress.phase(f"experiment {i}/{len(names)}: {name}") as ph:
             rec = run_experiment(
-                exp, args.out, scale=scale, seeds=seeds, progress=ph.update, command=command, fresh=args.fresh
-            )
+                exp, args.out, scale=scale, seeds=seeds, progress=ph.update, command=command,
+                fresh=args.fresh and args.jobs == 1, ran_elsewhere=here,
+            )  # fmt: skip
         c = deciding_clause(rec)
         rows.append({
             "name": name, "verdict": rec["verdict"], "deciding": spread(c), "margin": margin(c),
@@ -146,6 +157,21 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _fill_in_workers(
+    args: argparse.Namespace, names: list[str], scale: str, seeds: tuple[int, ...]
+) -> dict[tuple[str, int], float]:
+    """``--jobs N``: the seed runs the cache lacks, in N worker processes (seconds per (name, seed))."""
+    from ..experiments import experiment
+    from ..experiments.pool import fill_cache, seed_tasks
+
+    tasks = seed_tasks([experiment(n) for n in names], args.out, scale=scale, seeds=seeds, fresh=args.fresh)
+    with progress.phase(f"seed runs in {args.jobs} workers") as ph:
+        try:
+            return fill_cache(tasks, args.out, scale=scale, jobs=args.jobs, fresh=args.fresh, progress=ph.update)
+        except RuntimeError as exc:
+            raise CliError(f"{exc} (the seeds that finished are cached: run the same command again to go on)") from None
+
+
 def _plan(args: argparse.Namespace, names: list[str], scale: str, seeds: tuple[int, ...]) -> int:
     from ..experiments import experiment
     from ..experiments.runner import plan_seeds
@@ -158,11 +184,20 @@ def _plan(args: argparse.Namespace, names: list[str], scale: str, seeds: tuple[i
             "name": name, "cached_seeds": [p.seed for p in plans if p.cached], "to_run": todo, "estimate_s": seconds
         })  # fmt: skip
         total, runs = total + seconds, runs + len(todo)
+    wall = total
+    if args.jobs > 1:
+        from ..experiments.pool import makespan, seed_tasks
+
+        exps = [experiment(n) for n in names]
+        wall = makespan(seed_tasks(exps, args.out, scale=scale, seeds=seeds, fresh=args.fresh), args.jobs)
+        wall *= max(1.0, args.jobs / (os.cpu_count() or 1))  # more workers than CPUs share them
+    how = "one seed after another" if args.jobs == 1 else f"as {args.jobs} workers, roughly,"
     summary = (
         f"{runs} of {len(rows) * len(seeds)} seed runs to do ({scale} scale, seeds {seeds[0]}..{seeds[-1]}, cache in "
-        f"{args.out}): about {total / 3600:.1f} h one seed after another on an idle 2-core CPU; nothing was run"
+        f"{args.out}): about {wall / 3600:.1f} h {how} on an idle 2-core CPU; nothing was run"
     )
-    emit([Section("plan", rows, summary)], args.format, meta={"scale": scale, "seeds": list(seeds), "seconds": total})
+    meta = {"scale": scale, "seeds": list(seeds), "seconds": total, "jobs": args.jobs, "wall_s": wall}
+    emit([Section("plan", rows, summary)], args.format, meta=meta)
     return 0
 
 

@@ -43,7 +43,7 @@ from .verdict import Diverged, Untested, Verdict, as_statistic, decide
 
 __all__ = [
     "DEFAULT_SEEDS", "RESULT_FIELDS", "SeedPlan", "load_result", "machine_info", "plan_seeds", "run_experiment",
-    "scale_folder", "statistic_from_json", "use_agg",
+    "run_seed", "scale_folder", "statistic_from_json", "use_agg",
 ]  # fmt: skip
 
 DEFAULT_SEEDS = (0, 1, 2)
@@ -196,6 +196,28 @@ def plan_seeds(
     return plans
 
 
+def run_seed(
+    exp: Experiment,
+    out: str | os.PathLike[str],
+    *,
+    scale: Scale | str,
+    seed: int,
+    progress: Callable[[str], None] | None = None,
+    fresh: bool = False,
+) -> tuple[dict[str, Any], bool]:
+    """One seed of ``exp`` under ``out``: its cached outcome record when the cache holds it for this code (and
+    not ``fresh``), else the record of running it now, written to the cache; and whether it came from the cache."""
+    scale = Scale.parse(scale)
+    path = _seed_folder(Path(out) / exp.name, scale, seed)
+    rec = None if fresh else _lookup(exp, path, scale, seed)
+    if rec is not None:
+        (progress or (lambda msg: None))("read from the cache")
+        return rec, True
+    if path.exists():
+        shutil.rmtree(path)
+    return _run_seed(exp, path, scale, seed, progress or (lambda msg: None), _cache_key(exp, scale, seed)), False
+
+
 def _run_seed(
     exp: Experiment, path: Path, scale: Scale, seed: int, progress: Callable[[str], None], key: dict[str, Any]
 ) -> dict[str, Any]:
@@ -274,9 +296,12 @@ def run_experiment(
     progress: Callable[[str], None] | None = None,
     command: str | None = None,
     fresh: bool = False,
+    ran_elsewhere: Sequence[int] = (),
 ) -> dict[str, Any]:
     """Run ``exp`` at every seed of ``seeds`` (reading back seeds cached by an earlier run unless ``fresh``),
-    decide its verdict and write its files under ``out/exp.name``; returns the result record."""
+    decide its verdict and write its files under ``out/exp.name``; returns the result record. ``ran_elsewhere``:
+    seeds this same command has just run into the cache (worker processes, :mod:`.pool`), which the record does
+    not count as ``cached_seeds``."""
     scale = Scale.parse(scale)
     seeds = tuple(seeds)
     for s in seeds:
@@ -290,16 +315,10 @@ def run_experiment(
     start = time.perf_counter()
     per_seed, cached = [], []
     for i, seed in enumerate(seeds, 1):
-        path, key = _seed_folder(folder, scale, seed), _cache_key(exp, scale, seed)
-        rec = None if fresh else _lookup(exp, path, scale, seed)
-        if rec is not None:
+        step = functools.partial(_seed_progress, report, f"seed {seed} ({i}/{len(seeds)})")
+        rec, hit = run_seed(exp, out, scale=scale, seed=seed, progress=step, fresh=fresh)
+        if hit and seed not in ran_elsewhere:
             cached.append(seed)
-            report(f"seed {seed} ({i}/{len(seeds)}): read from the cache")
-        else:
-            if path.exists():
-                shutil.rmtree(path)
-            step = functools.partial(_seed_progress, report, f"seed {seed} ({i}/{len(seeds)})")
-            rec = _run_seed(exp, path, scale, seed, step, key)
         per_seed.append(rec)
     wall = time.perf_counter() - start
     stats = [{k: statistic_from_json(v) for k, v in r["statistics"].items()} for r in per_seed]
