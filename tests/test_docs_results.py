@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import matplotlib.image as mpimg
@@ -65,3 +66,19 @@ def test_the_page_shows_the_kept_results() -> None:
     for r in shown.values():
         assert r["scale"] == "paper" and r["figures"]["png"] == f"/experiments/{r['name']}/figure.png"
         assert r["series"], r["name"]
+
+
+def _standing_table() -> dict[str, str]:
+    """docs/experiments.md's "where every claim stands" table: experiment name -> its verdict cell."""
+    doc = (RESULTS.parents[0] / "experiments.md").read_text(encoding="utf-8")
+    section = doc.split("## Paper scale: where every claim stands", 1)[1].split("\n## ", 1)[0]
+    rows = [line.split(" | ") for line in section.splitlines() if line.startswith("| ") and "`" in line]
+    return {cells[1].strip("` "): cells[4] for cells in rows}
+
+
+@pytest.mark.parametrize("name", KEPT)
+def test_the_docs_table_says_the_kept_verdict(name: str) -> None:
+    # the table may name two runs of a claim (an earlier one and the kept one); the kept verdict must be among them
+    cell = _standing_table()[name]
+    said = re.findall(r"does not hold|holds|inconclusive", cell)
+    assert load_result(RESULTS / name / "scales" / "paper")["verdict"] in said, (name, cell)
