@@ -82,3 +82,12 @@ def test_the_docs_table_says_the_kept_verdict(name: str) -> None:
     cell = _standing_table()[name]
     said = re.findall(r"does not hold|holds|inconclusive", cell)
     assert load_result(RESULTS / name / "scales" / "paper")["verdict"] in said, (name, cell)
+
+
+def test_the_readme_counts_the_kept_verdicts() -> None:
+    readme = (RESULTS.parents[1] / "README.md").read_text(encoding="utf-8")
+    said = re.search(r"\((\d+) of (\d+) claims hold there, (\d+) do not, (\d+) (?:is|are)\s+inconclusive", readme)
+    assert said, "README.md: the sentence counting the kept verdicts"
+    verdicts = [load_result(RESULTS / n / "scales" / "paper")["verdict"] for n in KEPT]
+    counts = (verdicts.count("holds"), len(verdicts), verdicts.count("does not hold"), verdicts.count("inconclusive"))
+    assert tuple(int(g) for g in said.groups()) == counts
