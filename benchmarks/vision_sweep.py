@@ -20,10 +20,9 @@ line per type says where it stopped:
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
-from vlm_sweep import _why, limit_child, sweep_main
+from vlm_sweep import build_feed_inspect, limit_child, sweep_main
 
 COLUMNS = ["model", "status", "operator", "placement", "final", "layers", "stages", "inputs", "reason", "seconds"]
 STATUSES = ("ok", "ok (unread)", "failed build", "failed inputs", "failed run", "failed read", "died")
@@ -33,28 +32,19 @@ def one(mt: str) -> dict[str, Any]:
     """Build, feed and inspect one vision tower type; the row never raises."""
     limit_child()
     from normatlas.factory import build_vision, tower_inputs
-    from normatlas.inspect import UntraceableModel
     from normatlas.inspect.vision import inspect_vision
 
-    row: dict[str, Any] = {c: "" for c in COLUMNS} | {"model": mt}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        try:
-            model = build_vision(mt)
-        except Exception as exc:  # a per-architecture row, by design
-            return row | {"status": "failed build", "reason": _why(exc)}
-        try:
-            inputs = tower_inputs(model)
-        except Exception as exc:
-            return row | {"status": "failed inputs", "reason": _why(exc)}
-        layout = " ".join(f"{k}{tuple(v.shape)}" for k, v in inputs.items())
-        try:
-            rep = inspect_vision(model, inputs.pop("pixel_values"), name=mt, probe=False, **inputs)
-        except UntraceableModel as exc:
-            cause = exc.__cause__ if exc.__cause__ is not None else exc
-            return row | {"status": "failed run", "inputs": layout, "reason": _why(cause)}
-        except Exception as exc:
-            return row | {"status": "failed read", "inputs": layout, "reason": _why(exc)}
+    rep, row = build_feed_inspect(
+        mt,
+        COLUMNS,
+        build_vision,
+        tower_inputs,
+        lambda model, inputs: inspect_vision(model, inputs.pop("pixel_values"), name=mt, probe=False, **inputs),
+        build_failures=(("failed build", ""), ("failed inputs", "")),
+        describe=lambda inputs: {"inputs": " ".join(f"{k}{tuple(v.shape)}" for k, v in inputs.items())},
+    )
+    if rep is None:
+        return row
     return row | {
         "status": "ok (unread)" if rep.placement.value == "unknown" else "ok",
         "operator": rep.operator.value,
@@ -62,7 +52,6 @@ def one(mt: str) -> dict[str, Any]:
         "final": rep.final_norm.value,
         "layers": rep.layers,
         "stages": len(rep.stages) or 1,
-        "inputs": layout,
     }
 
 

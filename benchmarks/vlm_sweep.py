@@ -55,31 +55,62 @@ def limit_child() -> None:
     torch.set_num_threads(1)
 
 
+def build_feed_inspect(
+    mt: str,
+    columns: list[str],
+    build: Any,
+    feed: Any,
+    inspect: Any,
+    *,
+    build_failures: tuple[tuple[str, str], tuple[str, str]],
+    describe: Any = None,
+) -> tuple[Any, dict[str, Any]]:
+    """``inspect(model, inputs)`` of ``model = build(mt)`` and ``inputs = feed(model)``, warnings silenced, each step
+    guarded: ``(report, row)``, or ``(None, the row of the step that failed)``, the row ``columns`` blank but
+    ``model``. ``build_failures``: the status and the reason's prefix when ``build``, and when ``feed``, raises; a
+    failed inspection is ``failed run`` (the recorded forward raised: its cause) or ``failed read``.
+    ``describe(inputs)``: columns the row takes once the inputs are made (before ``inspect``, which may consume
+    them). Shared with ``vision_sweep.py``."""
+    from normatlas.inspect import UntraceableModel
+
+    (build_status, build_prefix), (feed_status, feed_prefix) = build_failures
+    row: dict[str, Any] = {c: "" for c in columns} | {"model": mt}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            model = build(mt)
+        except Exception as exc:  # a per-architecture row, by design
+            return None, row | {"status": build_status, "reason": build_prefix + _why(exc)}
+        try:
+            inputs = feed(model)
+        except Exception as exc:
+            return None, row | {"status": feed_status, "reason": feed_prefix + _why(exc)}
+        row = row | (describe(inputs) if describe is not None else {})
+        try:
+            return inspect(model, inputs), row
+        except UntraceableModel as exc:  # raised only when the recorded forward itself fails
+            cause = exc.__cause__ if exc.__cause__ is not None else exc
+            return None, row | {"status": "failed run", "reason": _why(cause)}
+        except Exception as exc:
+            return None, row | {"status": "failed read", "reason": _why(exc)}
+
+
 def one(mt: str) -> dict[str, Any]:
     """Build, feed and inspect one image-text model type; the row never raises."""
     limit_child()
     from normatlas.factory import build_vlm, vlm_inputs
-    from normatlas.inspect import UntraceableModel
     from normatlas.inspect.vlm import inspect_vlm
 
-    row: dict[str, Any] = {c: "" for c in COLUMNS} | {"model": mt}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        try:
-            model = build_vlm(mt)
-        except Exception as exc:  # a per-architecture row, by design
-            return row | {"status": "failed build", "reason": "build: " + _why(exc)}
-        try:
-            inputs = vlm_inputs(model)
-        except Exception as exc:
-            return row | {"status": "failed build", "reason": "inputs: " + _why(exc)}
-        try:
-            rep = inspect_vlm(model, inputs, name=mt, probe=False)
-        except UntraceableModel as exc:  # raised only when the recorded forward itself fails
-            cause = exc.__cause__ if exc.__cause__ is not None else exc
-            return row | {"status": "failed run", "reason": _why(cause)}
-        except Exception as exc:
-            return row | {"status": "failed read", "reason": _why(exc)}
+    rep, row = build_feed_inspect(
+        mt,
+        COLUMNS,
+        build_vlm,
+        vlm_inputs,
+        lambda model, inputs: inspect_vlm(model, inputs, name=mt, probe=False),
+        build_failures=(("failed build", "build: "), ("failed build", "inputs: ")),
+    )
+    if rep is None:
+        return row
     s = rep.summary_row()
     unread = [f"{part} {s[key]}" for part, key in (("tower", "tower"), ("lm", "lm")) if _unread(s[key])]
     return row | {
