@@ -26,7 +26,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from . import experiment
 from .base import Experiment, Scale
+from .runner import plan_seeds, run_seed
 
 __all__ = ["SeedTask", "fill_cache", "makespan", "seed_tasks", "worker_threads"]
 
@@ -49,8 +51,6 @@ def seed_tasks(
 ) -> list[SeedTask]:  # fmt: skip
     """The seed runs the cache under ``out`` lacks for ``exps`` (all of them when ``fresh``), grouped so that
     experiments with the same non-empty ``depends`` share one task per seed, longest task first."""
-    from .runner import plan_seeds
-
     groups: dict[tuple[Any, int], list[tuple[str, float]]] = {}
     for exp in exps:
         for p in plan_seeds(exp, out, scale=scale, seeds=seeds, fresh=fresh):
@@ -89,9 +89,6 @@ def _init(messages: Any, threads: int) -> None:
 
 def _work(names: tuple[str, ...], out: str, scale: str, seed: int, fresh: bool) -> dict[str, float]:
     """Run one task in a worker; returns seconds per experiment."""
-    from . import experiment
-    from .runner import run_seed
-
     seconds = {}
     for name in names:
 
