@@ -86,3 +86,12 @@ def test_cli_jobs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         main([*args, "--jobs", "0"])
     assert "--jobs" in capsys.readouterr().err
+
+
+def test_cli_names_a_seed_that_failed_in_a_worker(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "a-file"
+    out.write_text("not a folder")
+    assert main(["experiments", "run", "geometry", "--quick", "--seeds", "1", "--jobs", "2", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "geometry seed 0 failed in a worker" in err and "run the same command again" in err
+    assert "Traceback" not in err
