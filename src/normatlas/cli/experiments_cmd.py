@@ -45,7 +45,7 @@ def configure_experiments(p: argparse.ArgumentParser) -> None:
     run.add_argument("--seed", type=nonnegative_int, default=0, help="the first seed (default 0)")
     run.add_argument("--fresh", action="store_true", help="rerun every seed instead of reading cached ones")
     run.add_argument(
-        "--jobs", type=positive_int, default=1,
+        "--jobs", type=positive_int, default=1, metavar="N",
         help="run the seeds the cache lacks in N worker processes at once (CPUs / N torch threads each; default 1: "
         "one after another in this process), then decide every verdict from the cache",
     )  # fmt: skip
