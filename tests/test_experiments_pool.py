@@ -59,6 +59,7 @@ def test_workers_give_the_numbers_of_one_process(tmp_path: Path) -> None:
             assert rec["verdict"] == ref["verdict"]
             assert [c["per_seed"] for c in rec["clauses"]] == [c["per_seed"] for c in ref["clauses"]]
             assert rec["run"]["threads_per_seed"] == {str(s): worker_threads(2) for s in seeds}
+            assert rec["run"]["seeds_run_in_workers"] == list(seeds) and ref["run"]["seeds_run_in_workers"] == []
     finally:
         torch.set_num_threads(threads)
 

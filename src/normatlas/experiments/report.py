@@ -110,10 +110,12 @@ def _summary(records: list[dict[str, Any]]) -> str:
 
 def _run_line(rec: dict[str, Any]) -> str:
     run = rec["run"]
+    ran = run.get("seeds_run_in_workers")
+    workers = f"; run in worker processes before this wall: {_value(ran)}" if ran else ""
     return (
         f"torch {run.get('torch')}, Python {run.get('python')}, {run.get('threads')} threads on "
         f"{run.get('cpu')} ({run.get('cpu_count')} CPUs); wall {run.get('wall_s')} s (cached seeds: "
-        f"{_value(rec['cached_seeds']) or 'none'}), peak memory {run.get('peak_rss_mib')} MiB"
+        f"{_value(rec['cached_seeds']) or 'none'}{workers}), peak memory {run.get('peak_rss_mib')} MiB"
     )
 
 

@@ -351,6 +351,7 @@ def run_experiment(
         "files": files, "torch": torch.__version__, "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
         "run": {
             **machine_info(), "wall_s": round(wall, 2), "peak_rss_mib": peak_rss_mib(),
+            "seeds_run_in_workers": [s for s in seeds if s in ran_elsewhere],
             "threads_per_seed": {str(s): r.get("threads") for s, r in zip(seeds, per_seed, strict=True)},
             "peak_rss_mib_per_seed": {str(s): r.get("peak_rss_mib") for s, r in zip(seeds, per_seed, strict=True)},
         },
