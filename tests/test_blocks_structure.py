@@ -10,26 +10,8 @@ import torch
 from torch import nn
 
 from normatlas import LayerNorm, RMSNorm
-from normatlas.blocks import (
-    Activation,
-    DeepNormArch,
-    ModelConfig,
-    ResidualAdd,
-    TransformerLM,
-    deepnorm,
-    deepnorm_constants,
-    depth_scaled_sandwich,
-    hybridnorm,
-    hybridnorm_star,
-    layernorm_scaling,
-    layerscale,
-    mix_ln,
-    peri_ln,
-    post_ln,
-    pre_ln,
-    rezero,
-    skipinit,
-)
+from normatlas.blocks import Activation, DeepNormArch, ModelConfig, ResidualAdd, TransformerLM, deepnorm_constants
+from normatlas.blocks import placement as schemes
 from normatlas.longtail.pointwise import DyT  # a plain import: a broken module must fail, not skip
 
 D, L = 64, 12
@@ -76,7 +58,7 @@ def _token_rms(x: torch.Tensor) -> torch.Tensor:
 
 # --------------------------------------------------------------------------- gradient identity path
 def test_pre_ln_gradient_at_embedding_is_not_attenuated_with_depth():
-    model = _model(pre_ln())
+    model = _model(schemes.pre_ln())
     xs, logits = _stream(model, grad=True)
     torch.nn.functional.cross_entropy(logits.flatten(0, 1), torch.zeros(logits.shape[:2].numel(), dtype=torch.long)
                                       ).backward()  # fmt: skip
@@ -86,7 +68,7 @@ def test_pre_ln_gradient_at_embedding_is_not_attenuated_with_depth():
     assert all(a >= b * 0.999 for a, b in itertools.pairwise(norms))
 
 
-@pytest.mark.parametrize("placement, identity", [(pre_ln(), True), (post_ln(), False)])
+@pytest.mark.parametrize("placement, identity", [(schemes.pre_ln(), True), (schemes.post_ln(), False)])
 def test_identity_path_with_branches_switched_off(placement, identity):
     """With every branch output zeroed, Pre-LN is the identity map (gradient passes exactly); Post-LN is not."""
     model = _model(placement, final_norm=False)
@@ -108,8 +90,8 @@ def test_identity_path_with_branches_switched_off(placement, identity):
 # --------------------------------------------------------------------------- residual-stream variance
 def test_pre_ln_stream_variance_grows_with_depth_and_layernorm_scaling_bounds_it():
     with torch.no_grad():
-        pre = [x.var().item() for x in _stream(_model(pre_ln()))[0]]
-        lns = [x.var().item() for x in _stream(_model(layernorm_scaling()))[0]]
+        pre = [x.var().item() for x in _stream(_model(schemes.pre_ln()))[0]]
+        lns = [x.var().item() for x in _stream(_model(schemes.layernorm_scaling()))[0]]
     assert all(b > a for a, b in itertools.pairwise(pre)), pre
     assert pre[-1] > 5 * pre[0]
     # LNS: the same weights, branch inputs scaled by 1/sqrt(l): the growth flattens out
@@ -129,7 +111,7 @@ def test_peri_ln_bounds_each_update_whatever_the_branch_weights_scale():
     Peri-LN's profile is unchanged (5.01) while Pre-LN's reaches 121.5, 6.5x the bound RMS(x_0) + 2L.
     """
     rms = {}
-    for name, placement in (("pre", pre_ln()), ("peri", peri_ln())):
+    for name, placement in (("pre", schemes.pre_ln()), ("peri", schemes.peri_ln())):
         for scale in (1.0, 30.0):
             model = _model(placement)
             with torch.no_grad():
@@ -162,7 +144,7 @@ def test_deepnorm_constants_follow_wang_et_al(n):
 
 def test_deepnorm_model_uses_alpha_and_beta_init():
     n = 24
-    model = _model(deepnorm(n), n_layers=n, final_norm=False)
+    model = _model(schemes.deepnorm(n), n_layers=n, final_norm=False)
     alpha, beta = (2 * n) ** 0.25, (8 * n) ** -0.25
     adds = [m for m in model.modules() if isinstance(m, ResidualAdd)]
     assert len(adds) == 2 * n and all(a.alpha == pytest.approx(alpha) for a in adds)
@@ -184,12 +166,12 @@ def test_deepnorm_model_uses_alpha_and_beta_init():
 
 
 def test_layernorm_scaling_factor_is_inverse_sqrt_layer():
-    model = _model(layernorm_scaling(), n_layers=5)
+    model = _model(schemes.layernorm_scaling(), n_layers=5)
     assert [b.pre_scale for b in model.layers] == pytest.approx([1 / math.sqrt(i + 1) for i in range(5)])
 
 
 def test_depth_scaled_sandwich_post_gains_start_at_c_over_sqrt_depth():
-    model = _model(depth_scaled_sandwich(0.5), n_layers=9)
+    model = _model(schemes.depth_scaled_sandwich(0.5), n_layers=9)
     for b in model.layers:
         for norm in (b.attn_post_norm, b.ffn_post_norm):
             torch.testing.assert_close(norm.weight, torch.full((D,), 0.5 / 3.0))
@@ -198,7 +180,7 @@ def test_depth_scaled_sandwich_post_gains_start_at_c_over_sqrt_depth():
 
 # --------------------------------------------------------------------------- schedules
 def test_hybridnorm_star_treats_block_zero_differently():
-    model = _model(hybridnorm_star(4), n_layers=4)
+    model = _model(schemes.hybridnorm_star(4), n_layers=4)
     first, rest = model.layers[0], model.layers[1:]
     assert first.attn_pre_norm is not None and first.ffn_pre_norm is not None
     assert first.attn.v_norm is None and first.ffn_after_norm is None
@@ -206,19 +188,19 @@ def test_hybridnorm_star_treats_block_zero_differently():
         assert b.attn_pre_norm is None and b.ffn_pre_norm is None
         assert b.attn.q_norm is not None and b.attn.k_norm is not None and b.attn.v_norm is not None
         assert b.ffn_after_norm is not None
-    assert {b.placement for b in rest} == {hybridnorm()}
+    assert {b.placement for b in rest} == {schemes.hybridnorm()}
 
 
 def test_hybridnorm_attention_is_invariant_to_input_scale():
     """QKV-norm normalizes q, k and v over the head dim, so the attention branch ignores the stream's scale."""
-    b = _model(hybridnorm(), n_layers=1).layers[0]
+    b = _model(schemes.hybridnorm(), n_layers=1).layers[0]
     x = torch.randn(2, 5, D, generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
         torch.testing.assert_close(b.attn(7.0 * x), b.attn(x), atol=1e-5, rtol=1e-5)
 
 
 def test_mix_ln_first_layers_post_ln_then_pre_ln():
-    model = _model(mix_ln(8, post_ln_layers=3), n_layers=8)
+    model = _model(schemes.mix_ln(8, post_ln_layers=3), n_layers=8)
     kinds = ["post" if b.attn_after_norm is not None else "pre" for b in model.layers]
     assert kinds == ["post"] * 3 + ["pre"] * 5
 
@@ -226,14 +208,14 @@ def test_mix_ln_first_layers_post_ln_then_pre_ln():
 def test_schedule_can_change_the_operator_per_layer():
     from normatlas.blocks import LayerPlan, Schedule
 
-    sched = Schedule.of([LayerPlan(pre_ln(), LayerNorm), pre_ln()])
+    sched = Schedule.of([LayerPlan(schemes.pre_ln(), LayerNorm), schemes.pre_ln()])
     model = _model(sched, n_layers=2)
     assert isinstance(model.layers[0].attn_pre_norm, LayerNorm)
     assert isinstance(model.layers[1].attn_pre_norm, RMSNorm)
 
 
 # --------------------------------------------------------------------------- identity at initialisation
-@pytest.mark.parametrize("placement", [rezero(), skipinit()])
+@pytest.mark.parametrize("placement", [schemes.rezero(), schemes.skipinit()])
 def test_rezero_and_skipinit_blocks_are_the_identity_at_init(placement):
     model = _model(placement, norm=None, final_norm=False, n_layers=3)
     x = torch.randn(2, 5, D, generator=torch.Generator().manual_seed(6))
@@ -243,7 +225,7 @@ def test_rezero_and_skipinit_blocks_are_the_identity_at_init(placement):
 
 
 def test_layerscale_branch_starts_at_init_values():
-    b = _model(layerscale(1e-5), n_layers=1).layers[0].double()  # float64: x + 1e-5 * y - x loses bits in fp32
+    b = _model(schemes.layerscale(1e-5), n_layers=1).layers[0].double()  # float64: x + 1e-5 * y - x loses bits in fp32
     x = torch.randn(2, 5, D, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
     with torch.no_grad():
         branch = b.attn(b.attn_pre_norm(x))
@@ -254,7 +236,7 @@ def test_layerscale_branch_starts_at_init_values():
 
 
 def test_dyt_norm_free_blocks_use_the_pointwise_operator():
-    model = _model(peri_ln(), norm=DyT, n_layers=2, activation=Activation.GELU)
+    model = _model(schemes.peri_ln(), norm=DyT, n_layers=2, activation=Activation.GELU)
     kinds = {type(m).__name__ for m in model.modules() if type(m).__name__ in ("DyT", "RMSNorm")}
     assert kinds == {"DyT"}
     x = torch.randn(1, 4, D, generator=torch.Generator().manual_seed(8))
@@ -331,7 +313,7 @@ def xavier():
     """``xavier[name][depth]`` = the stats of each seed, for Pre-LN and Post-LN at depths 2 and 12."""
     return {
         name: {n: [_xavier_stats(p, n, s) for s in XAVIER_SEEDS] for n in (SHALLOW, DEEP)}
-        for name, p in (("pre", pre_ln()), ("post", post_ln()))
+        for name, p in (("pre", schemes.pre_ln()), ("post", schemes.post_ln()))
     }
 
 
@@ -442,8 +424,8 @@ def test_scaled_residual_init_is_gpt2s():
     assert std(hf_writers) == pytest.approx(want, rel=0.03)  # the reference does the same
     plain = TransformerLM(ModelConfig(vocab_size=64, d_model=d, n_layers=n, n_heads=4, d_ff=4 * d, norm=LayerNorm))
     assert std([b.attn.o_proj.weight for b in plain.blocks()]) == pytest.approx(0.02, rel=0.03)
-    deep = TransformerLM(ModelConfig(vocab_size=64, d_model=d, n_layers=n, n_heads=4, d_ff=4 * d,
-                                     norm=LayerNorm, placement=deepnorm(n), scaled_residual_init=True))  # fmt: skip
+    deep = TransformerLM(ModelConfig(vocab_size=64, d_model=d, n_layers=n, n_heads=4, d_ff=4 * d, norm=LayerNorm,
+                                     placement=schemes.deepnorm(n), scaled_residual_init=True))  # fmt: skip
     o = deep.blocks()[0].attn.o_proj.weight
     beta = (8 * n) ** -0.25
     assert o.std().item() == pytest.approx(beta * math.sqrt(2.0 / (o.shape[0] + o.shape[1])), rel=0.05)

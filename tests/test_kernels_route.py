@@ -21,22 +21,11 @@ import pytest
 import torch
 
 import normatlas
+from normatlas import kernels
 from normatlas.backend import reference_only
 from normatlas.blocks import QKGain, QKNorm, QKNormConfig
 from normatlas.functional import normalize
-from normatlas.kernels import (
-    FusedAddRMSNorm,
-    FusedNorm,
-    cpu,
-    dispatch,
-    fused_add_layer_norm,
-    fused_add_rms_norm,
-    fused_layer_norm,
-    fused_normalize,
-    fused_rms_norm,
-    ops,
-    qk_rms_norm,
-)
+from normatlas.kernels import cpu, dispatch, ops
 from normatlas.kernels.dispatch import Kernel, Mode, Route, qk_route, route
 from normatlas.spec import CastOrder, EpsPlacement, Gain, GainConvention, Layout, NormSpec, Scale
 
@@ -159,24 +148,26 @@ def _entries(spec_name: str) -> dict[str, Callable[[torch.Tensor], Any]]:
         "normalize_fused": with_params(lambda x, w, b: normalize(x, spec, w, b, backend="fused")),
         "normalize_reference_only": with_params(lambda x, w, b: _in_reference_only(normalize, x, spec, w, b)),
         "Norm_auto": module(normatlas.Norm),
-        "FusedNorm": module(FusedNorm),
-        "fused_normalize": with_params(lambda x, w, b: fused_normalize(x, spec, w, b)),
+        "FusedNorm": module(kernels.FusedNorm),
+        "fused_normalize": with_params(lambda x, w, b: kernels.fused_normalize(x, spec, w, b)),
         "fused_normalize_residual": with_params(
-            lambda x, w, b: fused_normalize(x, spec, w, b, residual=x.detach().clone())
+            lambda x, w, b: kernels.fused_normalize(x, spec, w, b, residual=x.detach().clone())
         ),
     }
     if spec_name == "rmsnorm":
-        out["fused_rms_norm"] = lambda x: fused_rms_norm(x, fshape(x), torch.ones(fshape(x)), 1e-6)
-        out["fused_add_rms_norm"] = lambda x: fused_add_rms_norm(x, x.detach().clone(), fshape(x), None, 1e-6)
-        out["FusedAddRMSNorm"] = lambda x: FusedAddRMSNorm(fshape(x), eps=1e-6)(x, x.detach().clone())
-        out["qk_rms_norm"] = lambda x: qk_rms_norm(x, x.detach().clone(), torch.ones(fshape(x)), torch.ones(fshape(x)))
-        out["qk_rms_norm_noweight"] = lambda x: qk_rms_norm(x, x.detach().clone(), None, None, None)
+        out["fused_rms_norm"] = lambda x: kernels.fused_rms_norm(x, fshape(x), torch.ones(fshape(x)), 1e-6)
+        out["fused_add_rms_norm"] = lambda x: kernels.fused_add_rms_norm(x, x.detach().clone(), fshape(x), None, 1e-6)
+        out["FusedAddRMSNorm"] = lambda x: kernels.FusedAddRMSNorm(fshape(x), eps=1e-6)(x, x.detach().clone())
+        out["qk_rms_norm"] = lambda x: kernels.qk_rms_norm(
+            x, x.detach().clone(), torch.ones(fshape(x)), torch.ones(fshape(x))
+        )
+        out["qk_rms_norm_noweight"] = lambda x: kernels.qk_rms_norm(x, x.detach().clone(), None, None, None)
         out["QKNorm"] = lambda x: QKNorm(QKNormConfig(gain=QKGain.NONE), 1, x.shape[-1])(x)
     if spec_name == "layernorm":
-        out["fused_layer_norm"] = lambda x: fused_layer_norm(
+        out["fused_layer_norm"] = lambda x: kernels.fused_layer_norm(
             x, fshape(x), torch.ones(fshape(x)), torch.zeros(fshape(x))
         )
-        out["fused_add_layer_norm"] = lambda x: fused_add_layer_norm(x, x.detach().clone(), fshape(x))
+        out["fused_add_layer_norm"] = lambda x: kernels.fused_add_layer_norm(x, x.detach().clone(), fshape(x))
     return out
 
 

@@ -13,15 +13,7 @@ import pytest
 import torch
 
 from normatlas.cli import main
-from normatlas.tools.outliers import (
-    matrix_entropy,
-    max_logit_diff,
-    quant_error,
-    quantize,
-    site_report,
-    smooth,
-    stream_entropy,
-)
+from normatlas.tools import outliers
 
 from .tools_fixtures import IDS, tool_model
 
@@ -64,19 +56,19 @@ def _ref_quantize(x: torch.Tensor, fmt: str, per_channel: bool) -> torch.Tensor:
 def test_the_quantizers_match_a_float64_reference(fmt: str, scale: str) -> None:
     x = _x()
     want = _ref_quantize(x, fmt, scale == "channel")
-    torch.testing.assert_close(quantize(x, fmt, scale), want, rtol=0, atol=1e-12)
+    torch.testing.assert_close(outliers.quantize(x, fmt, scale), want, rtol=0, atol=1e-12)
     err = float((want - x).norm() / x.norm())
-    assert quant_error(x, fmt, scale) == pytest.approx(err, rel=1e-12)
+    assert outliers.quant_error(x, fmt, scale) == pytest.approx(err, rel=1e-12)
 
 
 def test_an_outlier_channel_costs_per_tensor_int8_and_not_per_channel() -> None:
     x = _x((1, 64, 32))
-    assert quant_error(x, "int8", "tensor") > 5 * quant_error(x, "int8", "channel")
-    assert quant_error(torch.zeros(3, 4), "int8", "tensor") == 0.0  # a zero tensor keeps scale 1, no NaN
+    assert outliers.quant_error(x, "int8", "tensor") > 5 * outliers.quant_error(x, "int8", "channel")
+    assert outliers.quant_error(torch.zeros(3, 4), "int8", "tensor") == 0.0  # a zero tensor keeps scale 1, no NaN
     with pytest.raises(ValueError, match="fmt"):
-        quantize(x, "int4", "tensor")
+        outliers.quantize(x, "int4", "tensor")
     with pytest.raises(ValueError, match="scale"):
-        quantize(x, "int8", "row")
+        outliers.quantize(x, "int8", "row")
 
 
 @pytest.mark.parametrize(("model_type", "smoothed"), [("llama", 9), ("gemma2", 8), ("gpt2", 8)])
@@ -84,12 +76,12 @@ def test_smoothing_leaves_the_function_unchanged_in_float64(model_type: str, smo
     # llama: w gains, nn.Linear consumers; gemma2: (1 + w) gains, sandwich norms; gpt2: LayerNorm with bias into
     # Conv1D, its final norm refused (the head is tied to the embedding)
     model = tool_model(model_type, dtype=torch.float64)
-    sm = smooth(model, IDS)
+    sm = outliers.smooth(model, IDS)
     assert len(sm.rows) == smoothed, sm.refusals
     # Gemma2RMSNorm computes in float32 whatever the input dtype (``self._norm(x.float())``, ``1.0 + w.float()``):
     # m / s rounds there, so a float64 run is exact only to float32's eps on its norm outputs
     tol = 1e-5 if model_type == "gemma2" else 1e-12
-    assert max_logit_diff(model, sm.model, IDS) < tol
+    assert outliers.max_logit_diff(model, sm.model, IDS) < tol
     assert any(r["s_max"] / r["s_min"] > 1.5 for r in sm.rows)  # a real per-channel scale, not a constant
     assert all(r["act_int8_after"] < r["act_int8_before"] for r in sm.rows if model_type == "llama")
     refused = {r["site"]: r["reason"] for r in sm.refusals}
@@ -100,12 +92,12 @@ def test_smoothing_leaves_the_function_unchanged_in_float64(model_type: str, smo
 
 def test_smoothing_refuses_a_norm_read_by_a_residual_add() -> None:
     model = tool_model("bert", dtype=torch.float64)
-    sm = smooth(model, IDS)
+    sm = outliers.smooth(model, IDS)
     assert sm.rows == [] and len(sm.refusals) == 2 * 4 + 1
     assert all("add" in r["reason"] or "model output" in r["reason"] for r in sm.refusals)
-    assert max_logit_diff(model, sm.model, IDS) == 0.0
+    assert outliers.max_logit_diff(model, sm.model, IDS) == 0.0
     with pytest.raises(ValueError, match="alpha"):
-        smooth(model, IDS, alpha=1.5)
+        outliers.smooth(model, IDS, alpha=1.5)
 
 
 def test_the_site_report_reads_each_norm_input_and_output() -> None:
@@ -115,22 +107,22 @@ def test_the_site_report_reads_each_norm_input_and_output() -> None:
         h = model.model.norm.register_forward_hook(lambda m, a, o: captured.update(x=a[0]))
         model(input_ids=IDS, use_cache=False)
         h.remove()
-    rows = site_report(model, IDS)
+    rows = outliers.site_report(model, IDS)
     assert len(rows) == 9 and all(r["kind"] == "RMSNorm" for r in rows)
     final = rows[-1]
     x = captured["x"]
     assert final["in_max"] == pytest.approx(float(x.abs().max()), rel=1e-6)
-    assert final["in_int8_tensor"] == pytest.approx(quant_error(x, "int8", "tensor"), rel=1e-12)
+    assert final["in_int8_tensor"] == pytest.approx(outliers.quant_error(x, "int8", "tensor"), rel=1e-12)
 
 
 def test_matrix_entropy_follows_its_definition() -> None:
-    assert matrix_entropy(torch.outer(torch.arange(1.0, 6.0), torch.ones(4))) == pytest.approx(0.0, abs=1e-12)
-    assert matrix_entropy(torch.eye(6)) == pytest.approx(1.0, rel=1e-12)
+    assert outliers.matrix_entropy(torch.outer(torch.arange(1.0, 6.0), torch.ones(4))) == pytest.approx(0.0, abs=1e-12)
+    assert outliers.matrix_entropy(torch.eye(6)) == pytest.approx(1.0, rel=1e-12)
     m = torch.randn(9, 5, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     sv = torch.linalg.svdvals(m)
     p = sv**2 / (sv**2).sum()
-    assert matrix_entropy(m) == pytest.approx(float(-(p * p.log()).sum() / math.log(5)), rel=1e-12)
-    rows = stream_entropy(tool_model("llama", dtype=torch.float64), IDS)
+    assert outliers.matrix_entropy(m) == pytest.approx(float(-(p * p.log()).sum() / math.log(5)), rel=1e-12)
+    rows = outliers.stream_entropy(tool_model("llama", dtype=torch.float64), IDS)
     assert len(rows) == 5 and all(0 < r["entropy"] <= 1 for r in rows)
 
 
