@@ -41,6 +41,22 @@ def test_covariate_shift_quick() -> None:
     assert m["mean_grad_change_BN"] < m["mean_grad_change_no_BN"]
 
 
+def test_covariate_shift_averages_the_training_phase_only() -> None:
+    """The smoothness statistics leave out step 0's probe (the untrained net), whatever its size, and are NaN
+    (not a silent 0) with no probe after it; the quick run's means equal the landscape series' mean after step 0."""
+    from normatlas.experiments.e02_covariate_shift import _training_mean
+
+    probes = [{"step": 0, "loss_range": 1e6}, {"step": 20, "loss_range": 2.0}, {"step": 40, "loss_range": 4.0}]
+    assert _training_mean(probes, "loss_range") == 3.0
+    assert math.isnan(_training_mean(probes[:1], "loss_range"))
+    run = quick_run("covariate-shift")
+    landscape = run.outcome.series["landscape"]
+    rows = [dict(zip(landscape.columns, r, strict=True)) for r in landscape.rows]
+    assert any(r["step"] == 0 for r in rows)  # step 0 is probed and drawn, but not averaged
+    after = [r["loss_range"] for r in rows if r["variant"] == "BN" and r["step"] > 0]
+    assert run.record["measured"]["mean_loss_range_BN"] == pytest.approx(sum(after) / len(after), rel=1e-12)
+
+
 def test_variance_depth_quick() -> None:
     """The architecture forces Post-LN and DeepNorm streams to stay at the norm's scale (growth ~ 1) and Pre-LN's
     stream to accumulate; LNS's 1/sqrt(l) makes its growth at init smaller than Pre-LN's."""
