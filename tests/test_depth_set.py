@@ -18,6 +18,7 @@ import torch
 from normatlas.experiments import RunContext
 from normatlas.experiments import depth_set as ds
 from normatlas.experiments import e18_post_ln_warmup as e18
+from normatlas.experiments.lm import TrainConfig
 from normatlas.experiments.verdict import Diverged, Untested
 
 from .experiment_runs import quick_run
@@ -131,7 +132,7 @@ def test_warmup_title_says_what_the_deepest_runs_show() -> None:
         out = {}
         for kind, (cold, warm) in (("Post-LN", post), ("Pre-LN", pre)):
             for arm, held in (("no warm-up", cold), ("warm-up", warm)):
-                out[(kind, 12, arm)] = {"held_out": held, "diverged_at": 9 if held is None else None}
+                out[(kind, 12, arm)] = {"held_out": held, "diverged_at": 9 if held is None else None, "losses": []}
         return out
 
     h1 = 3.14
@@ -151,7 +152,57 @@ def test_warmup_title_names_the_warmup_depth_and_the_deepest() -> None:
     for depth, post in ((6, (1.6, 1.7)), (12, (3.15, 2.8)), (24, (3.15, 3.15))):
         for kind, pair in (("Post-LN", post), ("Pre-LN", (1.6, 1.6))):
             for arm, held in zip(("no warm-up", "warm-up"), pair, strict=True):
-                out[(kind, depth, arm)] = {"held_out": held, "diverged_at": None}
+                out[(kind, depth, arm)] = {"held_out": held, "diverged_at": None, "losses": [held] * 400}
     title = e18._title(out, (6, 12, 24), 3.14)
     assert title.startswith("At 12 layers: Post-LN stalls at the unigram level without warm-up only")
     assert "at 24: Post-LN stalls at the unigram level with and without warm-up" in title
+    # the 12-layer warm-up run trains (2.0 nats/byte over steps 100-199), then falls back to the unigram level
+    out[("Post-LN", 12, "warm-up")] = {
+        "held_out": 3.15,
+        "diverged_at": None,
+        "losses": [3.2] * 100 + [2.0] * 100 + [3.15] * 200,
+    }
+    title = e18._title(out, (6, 12, 24), 3.14)
+    assert title.startswith(
+        "At 12 layers: Post-LN with warm-up trains, then falls back to the unigram level (step ~200)"
+    )
+
+
+def test_fell_back_at_reads_window_means_after_the_best_window() -> None:
+    h1 = 3.0  # the unigram level: 0.97 * 3.0 = 2.91
+    assert e18.fell_back_at([3.0] * 300, h1) is None  # never trained
+    assert e18.fell_back_at([3.0] * 100 + [2.0] * 200, h1) is None  # trained and stayed trained
+    assert e18.fell_back_at([3.0] * 100 + [2.0] * 100 + [2.5] * 100 + [2.95] * 100, h1) == 300
+    assert e18.fell_back_at([2.0] * 99, h1) is None  # shorter than one window
+    assert e18.fell_back_at([2.0] * 100 + [math.nan] * 100, h1) is None  # a divergence is reported as such elsewhere
+    assert e18.warmup_depth((6, 12, 24)) == 12 and e18.warmup_depth((2, 4)) == 4
+
+
+def test_both_warmup_arms_share_the_inverse_sqrt_decay_after_the_tenth() -> None:
+    steps = 2000
+    arms = [e18.arm_config(arm, steps, batch=8, seq=64) for arm in e18.ARMS]
+    cold, warm = arms
+    assert cold.lr_at(0) == cold.lr_at(199) == e18.LR  # the full rate from step 0
+    assert warm.lr_at(0) == pytest.approx(e18.LR / 200) and warm.lr_at(199) == pytest.approx(e18.LR)
+    for step in (200, 201, 799, 1999):  # the same rate from the tenth on: the arms differ in the first tenth only
+        assert cold.lr_at(step) == warm.lr_at(step) == pytest.approx(e18.LR * math.sqrt(200 / (step + 1)))
+    assert warm.lr_at(1999) == pytest.approx(e18.LR * math.sqrt(0.1))
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"schedule": "linear"}, r"schedule='linear' must be 'constant', 'cosine' or 'inverse-sqrt'"),
+        ({"decay_start": 10}, r"decay_start=10 needs schedule='inverse-sqrt' \(got 'constant'\)"),
+        ({"schedule": "inverse-sqrt", "decay_start": 0}, r"decay_start=0 needs schedule='inverse-sqrt'"),
+    ],
+)
+def test_train_config_names_a_bad_schedule(kwargs: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        TrainConfig(**kwargs)
+
+
+def test_inverse_sqrt_decays_from_the_warmups_end_by_default() -> None:
+    cfg = TrainConfig(steps=100, lr=1.0, warmup=4, schedule="inverse-sqrt")
+    assert [cfg.lr_at(s) for s in range(4)] == pytest.approx([0.25, 0.5, 0.75, 1.0])
+    assert cfg.lr_at(15) == pytest.approx(0.5)  # sqrt(4 / 16)

@@ -8,10 +8,13 @@ near the output are large, so the full learning rate from step 0 destabilises tr
 Byte LMs with Xiong et al.'s blocks (experiment 4's: ReLU FFN, LayerNorm, Xavier-scale init, a final norm in Pre-LN
 only) at several depths, each trained twice from the same init on the same batches: with a linear warm-up over the
 first tenth of the steps, and without (the full rate from step 0). The optimiser is the original Transformer's Adam
-(betas 0.9 / 0.98, no gradient clipping, no weight decay) at a constant 1e-3 after the warm-up, the larger of the two
-rates Xiong et al. report Post-LN failing at without warm-up. Every number of the set-up is fixed here, before a run.
-Per run: the held-out loss at the end (or the step the loss went non-finite), and each block's gradient norm at the
-first step (the no-warm-up run's step 0: the gradient the full rate meets).
+(betas 0.9 / 0.98, no gradient clipping, no weight decay) with its learning-rate schedule: peak 1e-3 (the larger of
+the two rates Xiong et al. report Post-LN failing at without warm-up), decaying as the inverse square root of the
+step from the end of the warm-up's tenth on. The run without warm-up holds the peak over that tenth and then decays
+alike, so the two runs differ in the first tenth only. Every number of the set-up is fixed here, before a run.
+Per run: the held-out loss at the end (or the step the loss went non-finite), the step a run that had trained fell
+back to the unigram level (if it did), and each block's gradient norm at the first step (the no-warm-up run's
+step 0: the gradient the full rate meets).
 """
 
 from __future__ import annotations
@@ -37,11 +40,15 @@ GAP = 0.1  # nats/byte: "needs a warm-up" = training without one ends at least t
 PRE_LN_SLACK = 0.05  # nats/byte: "trains without warm-up" = at most this much worse without one
 STALLED = 0.97  # a held-out loss above this share of the unigram entropy: the run learned (almost) no context
 DIES_ABOVE = 20  # layers: the guide's Post-LN "dies above ~20 layers without help"
-PAPER_S = 3200.0  # paper scale: depths 6, 12, 24, 2,000 steps, four runs per depth (estimate)
+SCHEDULE = "inverse-sqrt"  # the original Transformer's decay after the warm-up's tenth, in both arms
+WINDOW = 100  # steps: the training-loss mean that says whether a run has trained or fallen back
+PAPER_S = 2600.0  # paper scale: depths 6, 12, 24, 2,000 steps, four runs per depth (one of three workers on 2 cores)
 # The rule since 2026-12-07 (the first rule decided every Post-LN clause at the deepest depth, 24 at paper scale,
 # and asked the warm-up to make it train there; the guide says Post-LN "dies above ~20 layers without help"). The
 # warm-up's clauses are now decided at the deepest depth of at most 20 layers, and the guide's "dies above ~20
-# layers" is its own clause; decided on fresh seeds 3-5, docs/experiments.md has both rules' runs.
+# layers" is its own clause; decided on fresh seeds 3-5, docs/experiments.md has both rules' runs. The schedule since
+# 2026-12-07 (stop 45): both rules' runs used a constant 1e-3 after the warm-up, under which the 12-layer warm-up run
+# trained and then fell back to the unigram level; the decaying schedule is the one Xiong et al. train with.
 RULE = VerdictRule((
     Clause("post_ln_gap_under_20", Direction.ABOVE, GAP,
            "at the deepest depth of at most 20 layers, Post-LN trained without warm-up ends worse than with it "
@@ -77,13 +84,37 @@ def block_grad_norms(lm: nn.Module) -> list[float]:
     return out
 
 
+def warmup_depth(depths: tuple[int, ...]) -> int:
+    """The depth the warm-up's clauses read: the deepest of at most DIES_ABOVE layers."""
+    return max(d for d in depths if d <= DIES_ABOVE)
+
+
+def fell_back_at(losses: list[float], h1: float) -> int | None:
+    """The first step of the first WINDOW-step mean at the unigram level (>= STALLED * h1) after the run's best
+    window, when that best window was below it (the run had trained); None when it never trained or stayed trained."""
+    means = [sum(losses[i : i + WINDOW]) / WINDOW for i in range(0, len(losses) - WINDOW + 1, WINDOW)]
+    if not means or not all(math.isfinite(m) for m in means):
+        return None
+    best = min(range(len(means)), key=means.__getitem__)
+    if means[best] >= STALLED * h1:
+        return None
+    return next((i * WINDOW for i in range(best + 1, len(means)) if means[i] >= STALLED * h1), None)
+
+
+def arm_config(arm: str, steps: int, batch: int, seq: int) -> TrainConfig:
+    """The arm's optimiser settings: a linear warm-up over the first tenth (``'warm-up'``) or the peak rate over it
+    (``'no warm-up'``), then in both the same inverse-square-root decay."""
+    tenth = max(1, round(WARMUP_SHARE * steps))
+    return TrainConfig(
+        steps=steps, batch=batch, seq=seq, lr=LR, betas=BETAS, clip=None, weight_decay=0.0,
+        warmup=tenth if arm == "warm-up" else 0, schedule=SCHEDULE, decay_start=tenth,
+    )  # fmt: skip
+
+
 def train_arm(ctx: RunContext, kind: str, depth: int, arm: str, steps: int, batch: int, seq: int) -> dict[str, Any]:
     data = byte_data(ctx)
     lm = xiong_model(ctx, kind, depth, ctx.size(64, 32))
-    cfg = TrainConfig(
-        steps=steps, batch=batch, seq=seq, lr=LR, betas=BETAS, clip=None, weight_decay=0.0,
-        warmup=max(1, round(WARMUP_SHARE * steps)) if arm == "warm-up" else 0,
-    )  # fmt: skip
+    cfg = arm_config(arm, steps, batch, seq)
     first: list[float] = []
 
     def on_step(step: int, model: nn.Module, _loss: float) -> None:
@@ -130,7 +161,7 @@ def run(ctx: RunContext) -> Outcome:
         for arm in ARMS
     }
     deep, shallow = depths[-1], depths[0]
-    mid = max(d for d in depths if d <= DIES_ABOVE)
+    mid = warmup_depth(depths)
     gaps = {(k, d): _gap(runs, k, d) for k in KINDS for d in depths}
     statistics: dict[str, Statistic] = {"post_ln_gap_under_20": gaps[("Post-LN", mid)]}
     g_mid, g_shallow = gaps[("Post-LN", mid)], gaps[("Post-LN", shallow)]
@@ -162,6 +193,7 @@ def run(ctx: RunContext) -> Outcome:
         key = f"{kind.lower().replace('-', '_')}_{depth}_{arm.replace(' ', '_').replace('-', '_')}"
         measured[f"held_out_{key}"] = r["held_out"]
         measured[f"diverged_at_{key}"] = r["diverged_at"]
+        measured[f"fell_back_at_{key}"] = fell_back_at(r["losses"], h1)
     for kind in KINDS:
         g = runs[(kind, deep, "no warm-up")]["first_grads"]
         back = list(range(len(g), 0, -1))
@@ -190,9 +222,10 @@ def run(ctx: RunContext) -> Outcome:
     }
     notes = (
         f"byte LMs with Xiong et al.'s blocks (ReLU FFN, LayerNorm, Xavier-scale init; experiment 4's), d_model "
-        f"{ctx.size(64, 32)}, depths {list(depths)}, Adam lr {LR} betas {BETAS}, no clipping, no weight decay, "
+        f"{ctx.size(64, 32)}, depths {list(depths)}, Adam peak lr {LR} betas {BETAS}, no clipping, no weight decay, "
         f"{steps} steps of {batch}x{seq} stdlib bytes; warm-up = linear over the first {WARMUP_SHARE:.0%} of the "
-        f"steps. Held-out loss on {ctx.size(32, 8)}x{seq} bytes; unigram entropy of the training bytes {h1:.3f} "
+        f"steps (without: the peak over them); then, in both, the rate decays as 1/sqrt(step). Held-out loss on "
+        f"{ctx.size(32, 8)}x{seq} bytes; unigram entropy of the training bytes {h1:.3f} "
         "nats. Xiong et al. train 6-layer translation Transformers on IWSLT14 / WMT14."
     )
     return Outcome(statistics, measured, series, _figure(ctx, runs, depths, h1), notes)
@@ -202,7 +235,7 @@ def _title(runs: dict[tuple[str, int, str], dict[str, Any]], depths: tuple[int, 
     """What the first seed's runs show at the warm-up clauses' depth (the deepest of at most 20 layers) and at the
     deepest: a divergence, a stall at the unigram level, or the warm-up's gap."""
     deep = depths[-1]
-    mid = max(d for d in depths if d <= DIES_ABOVE)
+    mid = warmup_depth(depths)
 
     def say(kind: str, depth: int) -> str:
         cold, warm = runs[(kind, depth, "no warm-up")], runs[(kind, depth, "warm-up")]
@@ -211,6 +244,10 @@ def _title(runs: dict[tuple[str, int, str], dict[str, Any]], depths: tuple[int, 
         if warm["diverged_at"] is not None:
             return f"{kind} diverges even with warm-up (step {warm['diverged_at']})"
         stalled = [arm for arm, r in (("without", cold), ("with", warm)) if r["held_out"] >= STALLED * h1]
+        back = {arm: at for arm, r in (("without", cold), ("with", warm)) if (at := fell_back_at(r["losses"], h1))}
+        if back:
+            arm, at = next(iter(back.items()))
+            return f"{kind} {arm} warm-up trains, then falls back to the unigram level (step ~{at})"
         if len(stalled) == 2:
             return f"{kind} stalls at the unigram level with and without warm-up"
         if stalled:
@@ -232,13 +269,15 @@ def _figure(
         3, _title(runs, depths, h1), f"seed {ctx.seed}; normatlas experiments run post-ln-warmup{ctx.flag}"
     )
     deep = depths[-1]
-    mid = max(d for d in depths if d <= DIES_ABOVE)
-    shown = [("Post-LN", mid, "C0"), *([("Post-LN", deep, "C3")] if deep != mid else []), ("Pre-LN", deep, "C1")]
-    for kind, depth, color in shown:
+    mid = warmup_depth(depths)
+    # the deepest Post-LN first and faint, so the warm-up depth's curves (the clauses' own) are drawn over it
+    shown = [*([("Post-LN", deep, "C3", 0.45)] if deep != mid else []), ("Pre-LN", deep, "C1", 1.0),
+             ("Post-LN", mid, "C0", 1.0)]  # fmt: skip
+    for kind, depth, color, alpha in shown:
         for arm, style in zip(ARMS, ("-", "--"), strict=True):
             losses = runs[(kind, depth, arm)]["losses"]
             finite = [v if math.isfinite(v) else float("nan") for v in losses]
-            a.plot(range(len(finite)), smooth(finite), style, color=color, label=f"{kind} {depth}, {arm}")
+            a.plot(range(len(finite)), smooth(finite), style, color=color, alpha=alpha, label=f"{kind} {depth}, {arm}")
     a.axhline(h1, color="0.5", lw=0.8, ls=":", label="unigram entropy")
     a.set(xlabel="step", ylabel="training loss (nats/byte, 20-step mean)", title="training")
     top = max((r["held_out"] for r in runs.values() if r["held_out"] is not None), default=h1)

@@ -46,8 +46,11 @@ def tiny_lm(
 
 @dataclass(frozen=True)
 class TrainConfig:
-    """AdamW with linear warm-up then a constant rate (``schedule='constant'``) or cosine decay to 10%; ``jump``
-    switches to another rate at a step (a run that settles first and is then pushed too hard)."""
+    """AdamW with linear warm-up then a constant rate (``schedule='constant'``), cosine decay to 10% (``'cosine'``)
+    or the original Transformer's inverse-square-root decay (``'inverse-sqrt'``: ``lr * sqrt(a / (step + 1))`` from
+    step ``a`` on, ``a = decay_start`` or the warm-up's end, so a run without warm-up can share a warm-up run's
+    decay and differ from it in the first ``a`` steps only); ``jump`` switches to another rate at a step (a run that
+    settles first and is then pushed too hard)."""
 
     steps: int = 200
     batch: int = 16
@@ -59,10 +62,15 @@ class TrainConfig:
     clip: float | None = 1.0
     betas: tuple[float, float] = (0.9, 0.95)
     jump: tuple[int, float] | None = None  # (step, lr): from that step on the rate is lr (a late instability)
+    decay_start: int | None = None  # inverse-sqrt only: the step the decay starts at (None: the warm-up's end)
 
     def __post_init__(self) -> None:
-        if self.schedule not in ("constant", "cosine"):
-            raise ValueError(f"schedule={self.schedule!r} must be 'constant' or 'cosine'")
+        if self.schedule not in ("constant", "cosine", "inverse-sqrt"):
+            raise ValueError(f"schedule={self.schedule!r} must be 'constant', 'cosine' or 'inverse-sqrt'")
+        if self.decay_start is not None and (self.schedule != "inverse-sqrt" or self.decay_start < 1):
+            raise ValueError(
+                f"decay_start={self.decay_start!r} needs schedule='inverse-sqrt' (got {self.schedule!r}) and >= 1"
+            )
         if self.steps < 1 or self.batch < 1 or self.seq < 2:
             raise ValueError(f"steps={self.steps}, batch={self.batch}, seq={self.seq} must be >= 1, 1, 2")
 
@@ -73,6 +81,9 @@ class TrainConfig:
             return self.lr * (step + 1) / self.warmup
         if self.schedule == "constant":
             return self.lr
+        if self.schedule == "inverse-sqrt":
+            start = max(1, self.warmup if self.decay_start is None else self.decay_start)
+            return self.lr * min(1.0, math.sqrt(start / (step + 1)))
         t = (step - self.warmup) / max(1, self.steps - self.warmup)
         return self.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
 
