@@ -291,15 +291,19 @@ def test_cli_report_on_a_folder_with_only_a_truncated_result(
 
 
 # ---------------------------------------------------------------- quick verdicts stable over three seeds
-# Measured before they were asserted (quick scale, seeds 0, 1, 2, 2 threads): these six hold at every seed with a
+# Measured before they were asserted (quick scale, seeds 0, 1, 2, 2 threads): these hold at every seed with a
 # clear margin. The others are inconclusive or do not hold at quick scale (docs/experiments.md says which and
 # why); their directions are asserted where robust in test_experiments_claims_*.py, their verdicts nowhere.
-STABLE_AT_QUICK = ("scale-invariance", "covariate-shift", "scaled-init", "geometry", "vlm-norm-gap", "bf16-headroom")
+STABLE_AT_QUICK = ("scale-invariance", "scaled-init", "geometry", "vlm-norm-gap", "bf16-headroom")
 # Re-measured after experiments 4, 8, 9 and 10 were redesigned (quick, seeds 0-2, 1 thread): gradient-depth does not
 # hold at every seed with every failing margin negative (Pre-LN's profile is further from level than Post-LN's:
 # -0.55 .. -0.09). Experiments 8, 9 and 10 also do not hold at every seed at quick scale (8: the init transient
 # trips the alarm in the control; 9: MiniLM's LayerNorm 12 is a line; 10: one epoch on 400 images), but they take
 # minutes over three seeds, so their verdicts are not asserted here.
+# covariate-shift held at quick scale on the digits; on the next-byte task (stop 45) its 400 quick steps are early
+# training, and per seed it fails one clause or another (quick, seeds 0-2, 1 thread: loss spread no BN over BN 0.74,
+# 1.06, 0.87; noisy BN minus BN -3.8, -3.5, -2.8 points against -3), straddling the thresholds, so its quick verdict
+# is asserted nowhere (the paper scale decides it; docs/experiments.md).
 STABLE_NOT_HOLDING_AT_QUICK = ("gradient-depth",)
 
 

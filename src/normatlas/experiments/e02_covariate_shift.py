@@ -1,12 +1,14 @@
 """Experiment 2: internal covariate shift is not the mechanism; a smoother landscape is (Santurkar et al. 2018).
 
-Three deep MLPs on scikit-learn's digits, trained alike with SGD: without BatchNorm, with our BatchNorm1d after every
-hidden linear layer, and with BatchNorm followed by "noisy BN" (a random per-unit scale and non-zero shift, drawn
-afresh at every step, plus per-example noise: covariate shift put back on purpose). The noisy net should train
-about as well as the BN net. At checkpoints we walk along the gradient from the current weights, as the paper does
-in miniature: the spread of the loss over the step sizes (loss-landscape variation), the change of the gradient
-(gradient predictiveness) and that change over the step length (effective beta-smoothness), averaged over the
-probes taken while the nets train (step 0, the untrained net, is drawn but not averaged).
+Three deep MLPs trained alike with SGD on a task none of them can fit within the run: predicting the next byte of
+the standard library's sources from the previous CONTEXT bytes (one-hot inputs; ~1.8 MB of training text, so a net
+of this size keeps learning to the end and never memorises it). One net without BatchNorm, one with our BatchNorm1d
+after every hidden linear layer, and one with BatchNorm followed by "noisy BN" (a random per-unit scale and
+non-zero shift, drawn afresh at every step, plus per-example noise: covariate shift put back on purpose). The noisy
+net should train about as well as the BN net. At checkpoints we walk along the gradient from the current weights,
+as the paper does in miniature: the spread of the loss over the step sizes (loss-landscape variation), the change
+of the gradient (gradient predictiveness) and that change over the step length (effective beta-smoothness),
+averaged over the probes taken while the nets train (step 0, the untrained net, is drawn but not averaged).
 """
 
 from __future__ import annotations
@@ -20,16 +22,18 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..longtail import BatchNorm1d
-from ._shared import figure, finish, smooth
+from ._shared import byte_data, figure, finish, smooth
 from .base import Experiment, Outcome, RunContext, Series, estimates
-from .data import digits
 from .verdict import Clause, Direction, Diverged, Statistic, VerdictRule
 
-WIDTH, DEPTH, LR, BATCH = 128, 6, 0.1, 64
+WIDTH, DEPTH, LR, BATCH = 128, 6, 0.05, 64
+CONTEXT = 8  # bytes the net sees before the one it predicts
+CLASSES = 256
+TEST = 4096  # held-out windows for the test accuracy
 STEP_SCALES = (0.5, 1.0, 2.0, 4.0)  # multiples of LR walked along the gradient
 VARIANTS = ("no BN", "BN", "noisy BN")
 SMOOTHNESS = ("loss_range", "grad_change", "beta")
-PAPER_S = 120.0  # paper scale: 6,000 steps (the paper's VGG / CIFAR-10 is out of reach on 2 cores)
+PAPER_S = 150.0  # paper scale: 6,000 steps (the paper's VGG / CIFAR-10 is out of reach on 2 cores)
 RULE = VerdictRule((
     Clause("accuracy_noisy_bn_minus_bn", Direction.ABOVE, -0.03,
            "noisy BN's test accuracy is within 3 points of BN's (covariate shift put back does not hurt)"),
@@ -39,6 +43,9 @@ RULE = VerdictRule((
 ))  # fmt: skip
 # The three smoothness ratios are of means over the training-phase probes (_training_mean): since the paper run of
 # seeds 0-2 (2026-12-07), where step 0's probe set the mean; that change is decided on fresh seeds 3-5.
+# The task since stop 45 (2026-12-07): next byte from 8 bytes, not the digits images, which both nets fitted by
+# step ~1,500 (the spreads then 1e-4 to 1e-8 nats), and SGD lr 0.05, not 0.1, at which the net without BN diverged at
+# two of six digits seeds. Both changed before any run of this task; decided on seeds 0-2, then 3-5.
 
 
 class NoisyShift(nn.Module):
@@ -61,10 +68,16 @@ class NoisyShift(nn.Module):
         return self.s * x + self.m + 0.1 * torch.randn(x.shape, generator=self.gen)
 
 
+def one_hot(context: Tensor) -> Tensor:
+    """``(B, CONTEXT)`` bytes -> ``(B, CONTEXT * 256)`` one-hot features scaled by 16, so each input coordinate has
+    mean square 1 (as standardised inputs do) and He init gives the first layer unit-scale pre-activations."""
+    return F.one_hot(context, CLASSES).flatten(1).float() * math.sqrt(CLASSES)
+
+
 def mlp(variant: str, gen: torch.Generator) -> nn.Sequential:
-    """64 -> DEPTH x (Linear(WIDTH) [-> BN [-> noise]] -> ReLU) -> Linear(10), He-initialised."""
-    layers: list[nn.Module] = [nn.Flatten()]
-    fan_in = 64
+    """CONTEXT * 256 -> DEPTH x (Linear(WIDTH) [-> BN [-> noise]] -> ReLU) -> Linear(256), He-initialised."""
+    layers: list[nn.Module] = []
+    fan_in = CONTEXT * CLASSES
     for _ in range(DEPTH):
         layers.append(nn.Linear(fan_in, WIDTH))
         if variant != "no BN":
@@ -73,7 +86,7 @@ def mlp(variant: str, gen: torch.Generator) -> nn.Sequential:
             layers.append(NoisyShift(WIDTH, gen))
         layers.append(nn.ReLU())
         fan_in = WIDTH
-    layers.append(nn.Linear(fan_in, 10))
+    layers.append(nn.Linear(fan_in, CLASSES))
     for layer in layers:  # He init, so the net without BN trains too (the paper's baseline does)
         if isinstance(layer, nn.Linear):
             nn.init.kaiming_normal_(layer.weight, nonlinearity="relu")
@@ -108,24 +121,31 @@ def landscape(model: nn.Module, x: Tensor, y: Tensor) -> dict[str, float]:
     return {"loss_range": max(losses) - min(losses), "grad_change": max(changes), "beta": max(betas)}
 
 
+def windows(data: Any, batch: int, held_out: bool = False) -> tuple[Tensor, Tensor]:
+    """``batch`` (one-hot context, next byte) pairs: seeded training windows, or the fixed held-out ones."""
+    inputs, targets = (data.held_out if held_out else data.train)(batch, CONTEXT)
+    return one_hot(inputs), targets[:, -1]
+
+
 def train(ctx: RunContext, variant: str, steps: int, probe_every: int) -> dict[str, Any]:
-    x, y, xt, yt = digits(ctx.seed)
+    data = byte_data(ctx)  # the same seeded batches for every variant (a fresh stream each call)
     torch.manual_seed(ctx.seed)
     gen = ctx.generator(2)
     model = mlp(variant, gen)
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
-    batches, probes, losses = ctx.generator(3), [], []
+    probes, losses = [], []
     for step in range(steps):
-        idx = torch.randint(0, x.shape[0], (BATCH,), generator=batches)
+        x, y = windows(data, BATCH)
         for m in model.modules():
             if isinstance(m, NoisyShift):
                 m.redraw()
         if step % probe_every == 0:
-            probes.append({"step": step, **landscape(model, x[idx], y[idx])})
-        loss, _ = _grad(model, x[idx], y[idx])
+            probes.append({"step": step, **landscape(model, x, y)})
+        loss, _ = _grad(model, x, y)
         opt.step()
         losses.append(loss)
     model.eval()
+    xt, yt = windows(data, TEST, held_out=True)
     with torch.no_grad():
         acc = float((model(xt).argmax(1) == yt).float().mean())
     diverged_at = next((i for i, v in enumerate(losses) if not math.isfinite(v)), None)
@@ -133,7 +153,7 @@ def train(ctx: RunContext, variant: str, steps: int, probe_every: int) -> dict[s
 
 
 def run(ctx: RunContext) -> Outcome:
-    steps, every = ctx.size(1200, 60, paper=6000), ctx.size(60, 20, paper=200)
+    steps, every = ctx.size(1200, 400, paper=6000), ctx.size(60, 40, paper=200)
     logs = {}
     for v in VARIANTS:
         ctx.progress(f"training {v}")
@@ -173,7 +193,8 @@ def run(ctx: RunContext) -> Outcome:
         ),
     }
     notes = (
-        f"{DEPTH} hidden layers of {WIDTH} units on sklearn digits (1,347 train / 449 test), SGD lr {LR} momentum 0.9, "
+        f"{DEPTH} hidden layers of {WIDTH} units predicting the next byte of the stdlib's sources from {CONTEXT} "
+        f"(one-hot; {TEST:,} held-out windows for the test accuracy), SGD lr {LR} momentum 0.9, "
         f"batch {BATCH}, {steps} steps; landscape probes every {every} steps at step sizes {STEP_SCALES} x lr on the "
         "step's own batch; the smoothness statistics average the probes after step 0 (the training phase). The "
         "paper uses VGG on CIFAR-10; the smoothness verdict compares BN with no BN."
@@ -220,5 +241,5 @@ def _figure(ctx: RunContext, logs: dict[str, Any], steps: int) -> Any:
 
 
 EXPERIMENT = Experiment.declare(
-    "covariate-shift", rule=RULE, estimates_s=estimates(default=10.0, quick=1.0, paper=PAPER_S), run=run
+    "covariate-shift", rule=RULE, estimates_s=estimates(default=30.0, quick=4.0, paper=PAPER_S), run=run
 )
