@@ -214,13 +214,21 @@ def _training_mean(probes: list[dict[str, float]], key: str) -> float:
 
 
 def _title(logs: dict[str, Any]) -> str:
-    """What the first seed shows: the three test accuracies and how much smaller BN's mean loss spread is."""
+    """What the first seed shows: the three test accuracies (noisy BN's gap to BN) and the three smoothness ratios."""
     acc = ", ".join(f"{v} {logs[v]['accuracy']:.3f}" for v in VARIANTS)
     diverged = [f"{v} diverged at step {at}" for v in VARIANTS if (at := logs[v]["diverged_at"]) is not None]
     if diverged:
         return f"Test accuracy: {acc}; {', '.join(diverged)} (its landscape is not compared)"
-    ratio = _training_mean(logs["no BN"]["probes"], "loss_range") / _training_mean(logs["BN"]["probes"], "loss_range")
-    return f"Test accuracy: {acc}; loss spread along the gradient after step 0: no BN {ratio:.2g}x BN's"
+    ratios = {
+        key: _training_mean(logs["no BN"]["probes"], key) / _training_mean(logs["BN"]["probes"], key)
+        for key in SMOOTHNESS
+    }
+    gap = 100 * (logs["noisy BN"]["accuracy"] - logs["BN"]["accuracy"])
+    return (
+        f"Test accuracy: {acc} (noisy BN {abs(gap):.1f} points {'under' if gap < 0 else 'over'} BN)\n"
+        f"along the gradient after step 0, no BN over BN: loss spread {ratios['loss_range']:.2f}x, gradient change "
+        f"{ratios['grad_change']:.2f}x, beta {ratios['beta']:.2f}x"
+    )
 
 
 def _figure(ctx: RunContext, logs: dict[str, Any], steps: int) -> Any:
