@@ -35,6 +35,13 @@ def token_ids(hf: torch.nn.Module, seed: int, shape: tuple[int, int] = (2, 9), l
     return torch.randint(low, hf.config.vocab_size, shape, generator=torch.Generator().manual_seed(seed))
 
 
+def logit_atol(ref: torch.Tensor) -> float:
+    """The tests' fp32 logit tolerance: 1e-5 of (1 + the largest |logit|), the form of the port's own check (ten
+    times tighter); an absolute 1e-5 fails on fp32 rounding alone where logits reach ~10 over a wide head (a
+    rembert with a 1,664-wide output projection differs by 1.07e-5 on an AVX2 CPU, by less on others)."""
+    return 1e-5 * (1 + float(ref.abs().max()))
+
+
 def logits_of_both(hf: torch.nn.Module, ours: torch.nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The source's logits and ours on ``ids``, without gradients: ``(reference, got)``."""
     with torch.no_grad():
